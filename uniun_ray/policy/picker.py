@@ -1,0 +1,68 @@
+"""Choosing a job (R2, R3, R11, R12) and deciding whether it preempts (R4).
+
+Two questions, two functions: `pick` answers "the device is free: what runs next?";
+`preemptor` answers "something changed: does a queued job outrank the running one?".
+They share the tier walk; they differ in what the running job counts as. The T2 budget and
+the affinity wait are pick-time rules: `preemptor` lets the running job count as the
+lower-tier work that blocks an over-budget T2, and as the same-model candidate that keeps a
+T2–T4 job on another model waiting, so neither rule can cause a revoke (no thrash).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .queues import Entry, Queues
+from .tiers import Foreground, Tier
+
+_FAIR_TIERS = (Tier.EXTRACT, Tier.DEADLINE, Tier.FAIR)
+
+
+@dataclass(frozen=True)
+class PickContext:
+    queues: Queues
+    foreground: Foreground
+    now: float
+    loaded_model: str | None
+    t2_over_budget: bool
+    max_affinity_wait_s: float
+
+    def first(self, tiers, model: str | None = None) -> Entry | None:
+        for tier in tiers:
+            entry = self.queues.head(tier, self.foreground, self.now, model)
+            if entry is not None:
+                return entry
+        return None
+
+    def fair_tiers(self, lower_work: bool) -> tuple[Tier, ...]:
+        """R11: over budget, T2 is skipped only if T3/T4 work exists (work-conserving)."""
+        if self.t2_over_budget and lower_work:
+            return _FAIR_TIERS[1:]
+        return _FAIR_TIERS
+
+
+def pick(ctx: PickContext) -> Entry | None:
+    urgent = ctx.first((Tier.CHAT, Tier.FOREGROUND))
+    if urgent is not None:
+        return urgent  # T0/T1 swap at once (R12, R13)
+    tiers = ctx.fair_tiers(lower_work=len(ctx.queues.pool) > 0)
+    best = ctx.first(tiers)
+    if best is None or ctx.loaded_model is None or best.job.model_id == ctx.loaded_model:
+        return best
+    # R12: fall through T2–T4 to the best job on the loaded model, unless the best job
+    # has waited past the affinity bound; after a swap this favours the new model.
+    same = ctx.first(tiers, ctx.loaded_model)
+    if same is not None and ctx.now - best.submitted <= ctx.max_affinity_wait_s:
+        return same
+    return best
+
+
+def preemptor(ctx: PickContext, running_tier: Tier) -> Entry | None:
+    """The queued job that should revoke a running job of `running_tier`, if any."""
+    if running_tier is Tier.CHAT:
+        return None  # chat only loses to itself (R4)
+    urgent = ctx.first(t for t in (Tier.CHAT, Tier.FOREGROUND) if t < running_tier)
+    if urgent is not None:
+        return urgent
+    lower_work = len(ctx.queues.pool) > 0 or running_tier >= Tier.DEADLINE
+    tiers = [t for t in ctx.fair_tiers(lower_work) if t < running_tier]
+    return ctx.first(tiers, ctx.loaded_model)

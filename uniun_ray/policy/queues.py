@@ -1,0 +1,255 @@
+"""Where queued jobs wait: one small ordered structure per tier, each answering "who is
+first?" in O(log n), globally or among the jobs that want a given model (R15).
+
+Jobs are indexed by what never changes about them (kind, model, subject, deadline,
+submit order); tiers are not stored. The picker asks in tier order, and that order makes
+the cheap answers exact: T3 and T4 are only consulted when T1 is empty (so no job is
+hoisted), and T4 only once T3 is empty in the same scope (so every queued pool job in
+that scope is past no deadline).
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Callable, Iterator
+
+from sortedcontainers import SortedKeyList, SortedList
+
+from .fairness import ProducerFlow, VruntimeLedger
+from .tiers import Foreground, Tier
+from .types import POOL_KINDS, Job, Kind
+
+
+@dataclass(eq=False)
+class Entry:
+    """A job inside the policy. `seq` is its place in submit order: a revoked job goes back
+    with the same `seq`, which is what "re-queued at its original place" means (R3, R6)."""
+
+    job: Job
+    seq: int
+    submitted: float
+    dispatched_at: float | None = None
+    dispatch_tier: Tier | None = None
+    revoke_sent: bool = False
+    cancelled: bool = False
+
+    @property
+    def flow(self) -> ProducerFlow:
+        return (self.job.kind, self.job.producer)
+
+
+def _by_seq(entry: Entry) -> int:
+    return entry.seq
+
+
+def _by_deadline(entry: Entry) -> tuple[float, int]:
+    return (entry.job.deadline, entry.seq)
+
+
+class Ordered:
+    """Entries sorted by a fixed key, all together and per model."""
+
+    def __init__(self, key: Callable[[Entry], object]) -> None:
+        self._key = key
+        self._all = SortedKeyList(key=key)
+        self._by_model: dict[str, SortedKeyList] = defaultdict(lambda: SortedKeyList(key=key))
+
+    def add(self, entry: Entry) -> None:
+        self._all.add(entry)
+        self._by_model[entry.job.model_id].add(entry)
+
+    def remove(self, entry: Entry) -> None:
+        self._all.remove(entry)
+        bucket = self._by_model[entry.job.model_id]
+        bucket.remove(entry)
+        if not bucket:
+            del self._by_model[entry.job.model_id]
+
+    def head(self, model: str | None = None) -> Entry | None:
+        bucket = self._all if model is None else self._by_model.get(model)
+        return bucket[0] if bucket else None
+
+    def first_key_after(self, key: object) -> Entry | None:
+        i = self._all.bisect_key_right(key)
+        return self._all[i] if i < len(self._all) else None
+
+    def __len__(self) -> int:
+        return len(self._all)
+
+    def __iter__(self) -> Iterator[Entry]:
+        return iter(self._all)
+
+
+class Buckets:
+    """Entries sorted by submit order, grouped by a fixed attribute (a kind, a subject)."""
+
+    def __init__(self, key_of: Callable[[Entry], object]) -> None:
+        self._key_of = key_of
+        self._buckets: dict[object, SortedKeyList] = defaultdict(lambda: SortedKeyList(key=_by_seq))
+
+    def add(self, entry: Entry) -> None:
+        self._buckets[self._key_of(entry)].add(entry)
+
+    def remove(self, entry: Entry) -> None:
+        key = self._key_of(entry)
+        self._buckets[key].remove(entry)
+        if not self._buckets[key]:
+            del self._buckets[key]
+
+    def head(self, key: object) -> Entry | None:
+        bucket = self._buckets.get(key)
+        return bucket[0] if bucket else None
+
+
+class FairPool:
+    """T4 (R8): the kind with the lowest vruntime, then its producer with the lowest
+    vruntime, then that producer's oldest job. Ties go to the flow whose oldest job came
+    first (R9). Producers are kept in a sorted list per (kind, scope) keyed by
+    (vruntime, oldest seq, name); a key changes only when the producer is charged, decayed
+    or its oldest job changes, and is then re-inserted."""
+
+    _GLOBAL = None
+
+    def __init__(self, ledger: VruntimeLedger) -> None:
+        self._ledger = ledger
+        self._jobs: dict[tuple[ProducerFlow, str | None], SortedKeyList] = {}
+        self._kind_jobs: dict[tuple[Kind, str | None], SortedKeyList] = {}
+        self._producers: dict[tuple[Kind, str | None], SortedList] = defaultdict(SortedList)
+        self._keys: dict[tuple[ProducerFlow, str | None], tuple] = {}
+        self._models: dict[ProducerFlow, set[str]] = defaultdict(set)
+
+    def __len__(self) -> int:
+        return sum(len(self._kind_jobs.get((k, self._GLOBAL), ())) for k in POOL_KINDS)
+
+    def add(self, entry: Entry) -> None:
+        flow = entry.flow
+        self._models[flow].add(entry.job.model_id)
+        for scope in (self._GLOBAL, entry.job.model_id):
+            self._jobs.setdefault((flow, scope), SortedKeyList(key=_by_seq)).add(entry)
+            self._kind_jobs.setdefault((flow[0], scope), SortedKeyList(key=_by_seq)).add(entry)
+            self._rekey(flow, scope)
+
+    def remove(self, entry: Entry) -> None:
+        flow = entry.flow
+        for scope in (self._GLOBAL, entry.job.model_id):
+            for index, key in ((self._jobs, (flow, scope)), (self._kind_jobs, (flow[0], scope))):
+                index[key].remove(entry)
+                if not index[key]:
+                    del index[key]
+            self._rekey(flow, scope)
+        if (flow, entry.job.model_id) not in self._jobs:
+            self._models[flow].discard(entry.job.model_id)
+            if not self._models[flow]:
+                del self._models[flow]
+
+    def reprice(self, flow: ProducerFlow) -> None:
+        """The flow's vruntime changed: move it to its new place in every scope."""
+        for scope in (self._GLOBAL, *self._models.get(flow, ())):
+            self._rekey(flow, scope)
+
+    def reprice_all(self) -> None:
+        for flow in list(self._models):
+            self.reprice(flow)
+
+    def _rekey(self, flow: ProducerFlow, scope: str | None) -> None:
+        ranking = self._producers[(flow[0], scope)]
+        old = self._keys.pop((flow, scope), None)
+        if old is not None:
+            ranking.remove(old)
+        jobs = self._jobs.get((flow, scope))
+        if jobs:
+            key = (self._ledger.producer_vruntime(flow), jobs[0].seq, flow[1])
+            ranking.add(key)
+            self._keys[(flow, scope)] = key
+        elif not ranking:
+            del self._producers[(flow[0], scope)]
+
+    def head(self, model: str | None = None) -> Entry | None:
+        ledger = self._ledger
+        kinds = [
+            (ledger.kind_vruntime(kind), jobs[0].seq, kind)
+            for kind in POOL_KINDS
+            if (jobs := self._kind_jobs.get((kind, model)))
+        ]
+        if not kinds:
+            return None
+        kind = min(kinds)[2]
+        producer = self._producers[(kind, model)][0][2]
+        return self._jobs[((kind, producer), model)][0]
+
+
+class Queues:
+    """All queued jobs, indexed for the picker."""
+
+    def __init__(self, ledger: VruntimeLedger) -> None:
+        self._entries: dict[str, Entry] = {}
+        self._chat = Ordered(_by_seq)
+        self._extract = Ordered(_by_seq)
+        self._deadlines = Ordered(_by_deadline)
+        self._by_kind = Buckets(lambda e: e.job.kind)
+        self._by_subject = Buckets(lambda e: e.job.subject)
+        self.pool = FairPool(ledger)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __iter__(self) -> Iterator[Entry]:
+        return iter(self._entries.values())
+
+    def get(self, job_id: str) -> Entry | None:
+        return self._entries.get(job_id)
+
+    def _indexes(self, entry: Entry) -> Iterator[Ordered | Buckets | FairPool]:
+        """Every index this entry belongs to. Only hinted extracts are filed under their
+        kind: a foreground extract page hoists those alone (R1)."""
+        job = entry.job
+        if job.kind is Kind.CHAT:
+            yield self._chat
+            return
+        if job.subject is not None:
+            yield self._by_subject
+        if job.kind is Kind.EXTRACT:
+            yield self._extract
+            if job.foreground_hint:
+                yield self._by_kind
+            return
+        yield self._by_kind
+        yield self.pool
+        if job.deadline is not None:
+            yield self._deadlines
+
+    def add(self, entry: Entry) -> None:
+        self._entries[entry.job.id] = entry
+        for index in self._indexes(entry):
+            index.add(entry)
+
+    def remove(self, entry: Entry) -> None:
+        del self._entries[entry.job.id]
+        for index in self._indexes(entry):
+            index.remove(entry)
+
+    def hoisted_head(self, foreground: Foreground) -> Entry | None:
+        if foreground.kind is None:
+            return None
+        if foreground.subject is not None:
+            return self._by_subject.head(foreground.subject)
+        return self._by_kind.head(foreground.kind)
+
+    def head(self, tier: Tier, foreground: Foreground, now: float, model: str | None = None) -> Entry | None:
+        """The first job of `tier` (among jobs wanting `model`, when given). Valid when every
+        lower-numbered tier is empty in the same scope: the picker asks in tier order."""
+        if tier is Tier.CHAT:
+            return self._chat.head(model)
+        if tier is Tier.FOREGROUND:
+            return self.hoisted_head(foreground)
+        if tier is Tier.EXTRACT:
+            return self._extract.head(model)
+        if tier is Tier.DEADLINE:
+            first = self._deadlines.head(model)
+            return first if first is not None and first.job.deadline <= now else None
+        return self.pool.head(model)
+
+    def next_deadline_after(self, now: float) -> float | None:
+        """The earliest queued deadline strictly after `now` (R5's wake-up)."""
+        entry = self._deadlines.first_key_after((now, float("inf")))
+        return entry.job.deadline if entry is not None else None

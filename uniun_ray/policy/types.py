@@ -1,0 +1,145 @@
+"""The policy's vocabulary: job kinds, jobs, configuration and the actions it emits.
+
+Everything here is plain data. A `Job` validates itself on construction so that bad
+input is rejected before it can touch any scheduler state.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from enum import Enum
+from numbers import Real
+from typing import Mapping
+
+
+class Kind(str, Enum):
+    """Who produced a job. The kind decides the job's tier (R1)."""
+
+    CHAT = "chat"
+    NATARAJ = "nataraj"
+    GANA = "gana"
+    EXTRACT = "extract"
+
+    @classmethod
+    def parse(cls, value: "Kind | str") -> "Kind":
+        """Accept a Kind or its string value; anything else is a ValueError naming the choices."""
+        if isinstance(value, Kind):
+            return value
+        try:
+            return cls(value)
+        except ValueError:
+            choices = ", ".join(k.value for k in cls)
+            raise ValueError(f"unknown kind {value!r}; expected one of: {choices}") from None
+
+
+#: Kinds that live in the fair pool (T4) unless hoisted or past a deadline. Only these
+#: kinds carry vruntime: chat and extract are strict tiers with no fair share.
+POOL_KINDS = (Kind.NATARAJ, Kind.GANA)
+
+
+class Outcome(str, Enum):
+    """How a dispatched job ended, as reported by the runtime to `finish`."""
+
+    DONE = "done"
+    FAILED = "failed"
+    REVOKED = "revoked"
+
+    @classmethod
+    def parse(cls, value: "Outcome | str") -> "Outcome":
+        try:
+            return cls(value)
+        except ValueError:
+            choices = ", ".join(o.value for o in cls)
+            raise ValueError(f"unknown outcome {value!r}; expected one of: {choices}") from None
+
+
+def check_time(value: object, what: str) -> float:
+    """A time is a finite real number (bools are not times)."""
+    if isinstance(value, bool) or not isinstance(value, Real) or not math.isfinite(value):
+        raise ValueError(f"{what} must be a finite number of seconds, got {value!r}")
+    return float(value)
+
+
+def _check_name(value: object, what: str) -> str:
+    if not isinstance(value, str) or not value:
+        raise ValueError(f"{what} must be a non-empty string, got {value!r}")
+    return value
+
+
+@dataclass(frozen=True)
+class Job:
+    """One unit of model work, as submitted by a producer.
+
+    `producer` is the fair-share flow inside the kind ("gana:42"); it defaults to the kind's
+    name so that a kind with a single producer needs no extra bookkeeping. `deadline` is an
+    absolute time on the same clock as the policy's `now`.
+    """
+
+    id: str
+    kind: Kind
+    model_id: str
+    producer: str | None = None
+    deadline: float | None = None
+    foreground_hint: bool = False
+    subject: str | None = None
+
+    def __post_init__(self) -> None:
+        _check_name(self.id, "job id")
+        object.__setattr__(self, "kind", Kind.parse(self.kind))
+        _check_name(self.model_id, f"job {self.id!r}: model_id")
+        producer = self.kind.value if self.producer is None else self.producer
+        object.__setattr__(self, "producer", _check_name(producer, f"job {self.id!r}: producer"))
+        if self.deadline is not None:
+            object.__setattr__(self, "deadline", check_time(self.deadline, f"job {self.id!r}: deadline"))
+        if not isinstance(self.foreground_hint, bool):
+            raise ValueError(f"job {self.id!r}: foreground_hint must be a bool, got {self.foreground_hint!r}")
+        if self.subject is not None:
+            _check_name(self.subject, f"job {self.id!r}: subject")
+
+
+@dataclass(frozen=True)
+class PolicyConfig:
+    """Tunables of R14. `weights` maps a kind's value or a producer id to a fair-share
+    weight (default 1.0); a flow's vruntime grows by held time / weight (R8)."""
+
+    window_s: float = 300.0
+    t2_share: float = 0.6
+    decay_period_s: float = 300.0
+    absence_s: float = 300.0
+    max_affinity_wait_s: float = 60.0
+    weights: Mapping[str, float] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for name in ("window_s", "decay_period_s"):
+            if check_time(getattr(self, name), name) <= 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
+        for name in ("absence_s", "max_affinity_wait_s"):
+            if check_time(getattr(self, name), name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")
+        if not 0.0 <= check_time(self.t2_share, "t2_share") <= 1.0:
+            raise ValueError(f"t2_share must be within [0, 1], got {self.t2_share!r}")
+        for flow, weight in dict(self.weights).items():
+            if check_time(weight, f"weight of {flow!r}") <= 0:
+                raise ValueError(f"weight of {flow!r} must be > 0, got {weight!r}")
+
+    def weight(self, flow: str) -> float:
+        return float(self.weights.get(flow, 1.0))
+
+
+@dataclass(frozen=True)
+class Dispatch:
+    """Run `job_id` now on `model_id`; when `swap` is true, load that model first."""
+
+    job_id: str
+    model_id: str
+    swap: bool
+
+
+@dataclass(frozen=True)
+class Revoke:
+    """Stop the running job `job_id` at its next token boundary, then report `finish`."""
+
+    job_id: str
+
+
+Action = Dispatch | Revoke
