@@ -236,7 +236,8 @@ class SchedulerPolicy:
     def _describe(self, entry: Entry, now: float) -> dict:
         job = entry.job
         return {
-            "id": job.id, "kind": job.kind.value, "producer": job.producer, "model": job.model_id,
+            "id": job.id, "order": entry.seq, "kind": job.kind.value, "producer": job.producer,
+            "model": job.model_id,
             "deadline": job.deadline, "subject": job.subject, "foreground_hint": job.foreground_hint,
             "submitted": entry.submitted, "waited_s": now - entry.submitted,
         }

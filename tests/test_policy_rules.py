@@ -1,0 +1,427 @@
+"""One test (or a few) per SPEC rule, named for it, on a virtual clock."""
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+from policy_support import job
+from uniun_ray.policy import Dispatch, Foreground, Kind, PolicyConfig, Revoke, SchedulerPolicy, Tier, tier_of
+
+
+def D(job_id, model="m", swap=False):
+    return [Dispatch(job_id, model, swap)]
+
+
+def policy(**cfg) -> SchedulerPolicy:
+    p = SchedulerPolicy(PolicyConfig(**cfg))
+    p.set_loaded_model("m", 0.0)
+    return p
+
+
+def tiers(p: SchedulerPolicy) -> dict[str, list[str]]:
+    return {t: [j["id"] for j in js] for t, js in p.snapshot()["tiers"].items()}
+
+
+# R1 -------------------------------------------------------------------------------------
+def test_r1_tier_table():
+    fg_none, at = Foreground(), 10.0
+    assert tier_of(job("c", "chat"), fg_none, at) is Tier.CHAT
+    assert tier_of(job("e", "extract"), fg_none, at) is Tier.EXTRACT
+    assert tier_of(job("e", "extract", foreground_hint=True), fg_none, at) is Tier.EXTRACT
+    assert tier_of(job("n", "nataraj"), fg_none, at) is Tier.FAIR
+    assert tier_of(job("g", "gana", deadline=10.0), fg_none, at) is Tier.DEADLINE
+    assert tier_of(job("g", "gana", deadline=10.5), fg_none, at) is Tier.FAIR
+    # foreground kind hoists its kind; extract only with the hint
+    assert tier_of(job("n", "nataraj"), Foreground(Kind.NATARAJ), at) is Tier.FOREGROUND
+    assert tier_of(job("g", "gana", deadline=1.0), Foreground(Kind.NATARAJ), at) is Tier.DEADLINE
+    assert tier_of(job("e", "extract", foreground_hint=True), Foreground(Kind.EXTRACT), at) is Tier.FOREGROUND
+    assert tier_of(job("e", "extract"), Foreground(Kind.EXTRACT), at) is Tier.EXTRACT
+    assert tier_of(job("c", "chat"), Foreground(Kind.NATARAJ), at) is Tier.CHAT
+
+
+def test_r1_subject_hoists_only_that_subject_any_kind():
+    fg = Foreground(Kind.EXTRACT, "note-7")
+    assert tier_of(job("e1", "extract", foreground_hint=True, subject="note-7"), fg, 0) is Tier.FOREGROUND
+    assert tier_of(job("g1", "gana", subject="note-7"), fg, 0) is Tier.FOREGROUND
+    assert tier_of(job("e2", "extract", foreground_hint=True, subject="note-8"), fg, 0) is Tier.EXTRACT
+    assert tier_of(job("e3", "extract", foreground_hint=True), fg, 0) is Tier.EXTRACT
+
+
+def test_r1_tier_is_recomputed_from_time_and_foreground_even_while_running():
+    p = policy()
+    p.submit(job("g", "gana", deadline=5.0), 0.0)
+    assert p.snapshot()["running"]["tier"] == "T4"
+    p.tick(5.0)
+    assert p.snapshot()["running"]["tier"] == "T3"
+    p.set_foreground("gana", 6.0)
+    assert p.snapshot()["running"]["tier"] == "T1"
+
+
+# R2 -------------------------------------------------------------------------------------
+def test_r2_strict_order_lowest_tier_first():
+    p = policy()
+    p.submit(job("c", "chat"), 0)
+    for j in (job("n", "nataraj"), job("g", "gana", deadline=0.5), job("e", "extract"),
+              job("h", "nataraj", producer="p2")):
+        p.submit(j, 1)
+    p.set_foreground("nataraj", 1)
+    p.submit(job("c2", "chat"), 1)
+    order = []
+    actions = p.finish("c", 2, "done")
+    while actions:
+        (d,) = actions
+        order.append(d.job_id)
+        actions = p.finish(d.job_id, 3, "done")
+    assert order == ["c2", "n", "h", "e", "g"]
+
+
+# R3 -------------------------------------------------------------------------------------
+def test_r3_fifo_in_t2_and_edf_in_t3():
+    p = policy()
+    p.submit(job("c", "chat"), 0)
+    p.submit(job("e1", "extract"), 1)
+    p.submit(job("e2", "extract"), 2)
+    p.submit(job("late", "gana", deadline=5), 3)
+    p.submit(job("early", "gana", producer="g2", deadline=4), 3.5)
+    assert tiers(p)["T2"] == ["e1", "e2"]
+    p.tick(6)
+    assert p.finish("c", 6, "done") == D("e1")
+    assert p.finish("e1", 7, "done") == D("e2")
+    assert p.finish("e2", 8, "done") == D("early")
+    assert p.finish("early", 9, "done") == D("late")
+
+
+def test_r3_requeued_job_keeps_its_original_place():
+    p = policy()
+    p.submit(job("e1", "extract"), 0)
+    p.submit(job("e2", "extract"), 1)
+    assert p.submit(job("c", "chat"), 2) == [Revoke("e1")]
+    assert p.finish("e1", 2.1, "revoked") == D("c")
+    assert tiers(p)["T2"] == ["e1", "e2"]
+    assert p.finish("c", 3, "done") == D("e1")
+
+
+# R4 -------------------------------------------------------------------------------------
+def test_r4_preempts_on_arrival():
+    p = policy()
+    p.submit(job("n", "nataraj"), 0)
+    assert p.submit(job("e", "extract"), 1) == [Revoke("n")]
+
+
+def test_r4_preempts_on_foreground_change_both_sides():
+    p = policy()
+    p.submit(job("g", "gana"), 0)
+    p.submit(job("n", "nataraj"), 0)
+    assert p.set_foreground("nataraj", 1) == [Revoke("g")]  # the queued side moves up
+    p.finish("g", 1.1, "revoked")
+    assert p.snapshot()["running"]["id"] == "n"
+    p.submit(job("e", "extract"), 2)  # T2 < T1? no: nataraj is hoisted, extract waits
+    assert p.snapshot()["running"]["revoked"] is False
+    assert p.set_foreground(None, 3) == [Revoke("n")]  # the running side moves down
+
+
+def test_r4_preempts_when_a_deadline_passes_while_waiting():
+    p = policy()
+    p.submit(job("n", "nataraj"), 0)
+    p.submit(job("g", "gana", deadline=10), 1)
+    assert p.tick(9.9) == []
+    assert p.tick(10) == [Revoke("n")]
+
+
+def test_r4_never_on_budget():
+    p = policy()
+    p.submit(job("e1", "extract"), 0)
+    p.submit(job("n", "nataraj"), 0)
+    assert p.finish("e1", 100, "done") == D("n")  # T2 held 100 % of the window: over budget
+    assert p.submit(job("e2", "extract"), 101) == []
+
+
+def test_r4_never_on_affinity_wait():
+    p = policy()
+    p.submit(job("n", "nataraj"), 0)
+    assert p.submit(job("g", "gana", model="other", deadline=1), 1) == []
+    assert p.tick(500) == []  # long past the affinity bound: still no revoke
+    assert p.finish("n", 501, "done") == D("g", "other", swap=True)
+
+
+def test_r4_chat_is_never_preempted_and_revoke_is_sent_once():
+    p = policy()
+    p.submit(job("c1", "chat"), 0)
+    assert p.submit(job("c2", "chat", model="x"), 1) == []
+    assert p.set_foreground("nataraj", 1) == []
+    p2 = policy()
+    p2.submit(job("n", "nataraj"), 0)
+    assert p2.submit(job("c", "chat"), 1) == [Revoke("n")]
+    assert p2.submit(job("c2", "chat"), 1) == []
+
+
+# R5 -------------------------------------------------------------------------------------
+def test_r5_next_wakeup_is_the_earliest_queued_deadline_not_yet_passed():
+    p = policy()
+    assert p.next_wakeup() is None
+    p.submit(job("n", "nataraj"), 0)
+    assert p.next_wakeup() is None  # a running job alone needs no timer
+    p.submit(job("g1", "gana", deadline=30), 1)
+    p.submit(job("g2", "gana", producer="b", deadline=20), 1)
+    assert p.next_wakeup() == 20
+    p.tick(20)
+    assert p.next_wakeup() == 30
+
+
+# R6 -------------------------------------------------------------------------------------
+@pytest.mark.parametrize("kind", ["nataraj", "gana", "extract"])
+def test_r6_revoked_background_job_is_requeued(kind):
+    p = policy()
+    p.submit(job("j", kind), 0)
+    p.submit(job("c", "chat"), 1)
+    p.finish("j", 1.05, "revoked")
+    assert p.finish("c", 2, "done") == D("j")
+
+
+def test_r6_revoked_chat_is_not_requeued():
+    p = policy()
+    p.submit(job("c", "chat"), 0)
+    assert p.cancel("c", 1) == [Revoke("c")]
+    assert p.finish("c", 1.1, "revoked") == []
+    assert p.snapshot()["queued"] == 0 and p.snapshot()["running"] is None
+
+
+# R7 -------------------------------------------------------------------------------------
+def test_r7_you_ran_you_pay_revoked_runs_and_swaps_included():
+    p = SchedulerPolicy()
+    p.submit(job("n", "nataraj", model="x"), 0)  # a swap: held time counts from Dispatch
+    p.submit(job("c", "chat", model="x"), 4)
+    p.finish("n", 4.5, "revoked")
+    assert p.snapshot()["vruntime"]["kinds"]["nataraj"] == pytest.approx(4.5)
+    assert p.snapshot()["vruntime"]["producers"]["nataraj"]["nataraj"] == pytest.approx(4.5)
+
+
+# R8 -------------------------------------------------------------------------------------
+def test_r8_two_ganas_alternate():
+    p = policy()
+    for i in range(3):
+        p.submit(job(f"a{i}", "gana", producer="gana:A"), 0)
+        p.submit(job(f"b{i}", "gana", producer="gana:B"), 0)
+    order, now, actions = ["a0"], 0.0, []
+    for _ in range(5):
+        now += 30
+        (d,) = p.finish(order[-1], now, "done")
+        order.append(d.job_id)
+    assert order == ["a0", "b0", "a1", "b1", "a2", "b2"]
+
+
+def test_r8_kind_level_before_producer_level():
+    """Gana with two producers still gets the kind's half, not two thirds."""
+    p = policy()
+    for i in range(6):
+        p.submit(job(f"n{i}", "nataraj"), 0)
+        p.submit(job(f"a{i}", "gana", producer="A"), 0)
+        p.submit(job(f"b{i}", "gana", producer="B"), 0)
+    kinds, actions, now = [], p.finish("n0", 1, "done"), 1.0
+    kinds.append("nataraj")
+    while actions and len(kinds) < 12:
+        (d,) = actions
+        kinds.append(d.job_id[0])
+        now += 1
+        actions = p.finish(d.job_id, now, "done")
+    assert kinds.count("n") + kinds.count("nataraj") == 6
+
+
+def test_r8_weights_divide_the_charge():
+    p = policy(weights={"gana:A": 2.0})
+    for i in range(6):
+        p.submit(job(f"a{i}", "gana", producer="gana:A"), 0)
+        p.submit(job(f"b{i}", "gana", producer="gana:B"), 0)
+    runs, actions, now = ["a0"], p.finish("a0", 1, "done"), 1.0
+    while actions and len(runs) < 9:
+        (d,) = actions
+        runs.append(d.job_id)
+        now += 1
+        actions = p.finish(d.job_id, now, "done")
+    assert sum(r.startswith("a") for r in runs) == 6  # twice the share of B
+
+
+# R9 -------------------------------------------------------------------------------------
+def test_r9_newcomer_starts_at_min_vruntime_of_present_flows():
+    p = policy()
+    p.submit(job("a0", "gana", producer="A"), 0)
+    p.submit(job("a1", "gana", producer="A"), 0)
+    p.finish("a0", 100, "done")  # A: 100 s of vruntime, a1 now running
+    p.submit(job("b0", "gana", producer="B"), 100)
+    assert p.snapshot()["vruntime"]["producers"]["gana"]["B"] == pytest.approx(100)
+
+
+def test_r9_return_after_absence_is_seeded_but_short_pause_keeps_history():
+    p = policy()
+    p.submit(job("a0", "gana", producer="A"), 0)
+    p.submit(job("b0", "gana", producer="B"), 0)
+    p.finish("a0", 10, "done")          # A: 10, idle from t=10
+    p.submit(job("b1", "gana", producer="B"), 10)
+    p.finish("b0", 190, "done")         # B: 180, still present (b1 runs)
+    p.submit(job("a1", "gana", producer="A"), 200)  # back after 190 s < 300: keeps 10
+    assert p.snapshot()["vruntime"]["producers"]["gana"]["A"] == pytest.approx(10)
+    p2 = policy(decay_period_s=1e9)
+    p2.submit(job("a0", "gana", producer="A"), 0)
+    p2.submit(job("b0", "gana", producer="B"), 0)
+    p2.finish("a0", 10, "done")
+    p2.submit(job("b1", "gana", producer="B"), 10)
+    p2.finish("b0", 400, "done")        # B: 390
+    p2.submit(job("a1", "gana", producer="A"), 400)  # back after 390 s > 300: seeded at min present = 390
+    assert p2.snapshot()["vruntime"]["producers"]["gana"]["A"] == pytest.approx(390)
+
+
+def test_r9_equal_vruntimes_go_to_the_flow_whose_oldest_job_came_first():
+    p = policy()
+    p.submit(job("c", "chat"), 0)
+    p.submit(job("b0", "gana", producer="B"), 1)
+    p.submit(job("a0", "gana", producer="A"), 2)
+    assert p.finish("c", 3, "done") == D("b0")
+
+
+# R10 ------------------------------------------------------------------------------------
+def test_r10_vruntimes_halve_every_period_including_missed_halvings():
+    p = policy()  # first call at t=0
+    p.submit(job("a", "gana", producer="A"), 0)
+    p.finish("a", 80, "done")
+    assert p.snapshot()["vruntime"]["producers"]["gana"]["A"] == 80
+    p.tick(299)
+    assert p.snapshot()["vruntime"]["producers"]["gana"]["A"] == 80
+    p.tick(300)
+    assert p.snapshot()["vruntime"]["producers"]["gana"]["A"] == 40
+    p.tick(1000)  # two more periods passed while dormant
+    assert p.snapshot()["vruntime"]["producers"]["gana"]["A"] == 10
+
+
+# R11 ------------------------------------------------------------------------------------
+def test_r11_t2_skipped_over_budget_when_lower_tiers_have_work():
+    p = policy()
+    p.submit(job("e1", "extract"), 0)
+    p.submit(job("e2", "extract"), 0)
+    p.submit(job("n", "nataraj"), 0)
+    assert p.finish("e1", 100, "done") == D("n")
+    assert p.snapshot()["t2"]["over_budget"] is True
+
+
+def test_r11_work_conserving_when_t2_is_the_only_work():
+    p = policy()
+    p.submit(job("e1", "extract"), 0)
+    p.submit(job("e2", "extract"), 0)
+    assert p.finish("e1", 100, "done") == D("e2")
+
+
+def test_r11_hoisted_extracts_do_not_count():
+    p = policy()
+    p.set_foreground("extract", 0)
+    p.submit(job("e1", "extract", foreground_hint=True), 0)
+    p.submit(job("e2", "extract"), 0)
+    p.submit(job("n", "nataraj"), 0)
+    p.finish("e1", 100, "done")  # T1 time, not T2
+    assert p.snapshot()["running"]["id"] == "e2"
+    assert p.snapshot()["t2"]["t2_held_s"] == 0
+
+
+def test_r11_window_slides():
+    p = policy(window_s=100)
+    p.submit(job("e1", "extract"), 0)
+    p.submit(job("n1", "nataraj"), 0)
+    p.submit(job("e2", "extract"), 0)
+    assert p.finish("e1", 100, "done") == D("n1")   # T2 held 100 % of [0, 100]
+    p.submit(job("n2", "nataraj"), 100)
+    # over [60, 160]: T2 40 s of 100 s held -> under budget again, although T2 had
+    # 100 of 160 s since the start
+    assert p.finish("n1", 160, "done") == D("e2")
+    assert p.snapshot()["t2"]["share"] == pytest.approx(0.4)
+
+
+# R12 ------------------------------------------------------------------------------------
+def test_r12_prefers_loaded_model_and_falls_through_tiers():
+    p = policy()
+    p.submit(job("c", "chat"), 0)
+    p.submit(job("e_other", "extract", model="y"), 1)   # T2, other model
+    p.submit(job("n_same", "nataraj"), 2)              # T4, loaded model
+    assert p.finish("c", 3, "done") == D("n_same")
+
+
+def test_r12_swaps_when_nothing_on_the_loaded_model():
+    p = policy()
+    p.submit(job("c", "chat"), 0)
+    p.submit(job("g", "gana", model="y"), 1)
+    assert p.finish("c", 2, "done") == D("g", "y", swap=True)
+
+
+def test_r12_swaps_when_other_model_job_waited_past_the_bound():
+    p = policy(max_affinity_wait_s=60)
+    p.submit(job("n0", "nataraj"), 0)
+    p.submit(job("g", "gana", model="y", producer="G"), 0)
+    p.submit(job("n1", "nataraj"), 0)
+    assert p.finish("n0", 30, "done") == D("n1")
+    p.submit(job("n2", "nataraj"), 30)
+    assert p.finish("n1", 61, "done") == D("g", "y", swap=True)
+
+
+def test_r12_after_a_swap_the_new_model_is_favoured_batch():
+    p = policy()
+    p.submit(job("c", "chat", model="y"), 0)
+    p.submit(job("n", "nataraj", model="m"), 0.5)
+    p.submit(job("g1", "gana", model="y", producer="A"), 1)
+    p.submit(job("g2", "gana", model="y", producer="B"), 1)
+    assert p.finish("c", 2, "done") == D("g1", "y")
+    assert p.finish("g1", 3, "done") == D("g2", "y")
+    assert p.finish("g2", 4, "done") == D("n", "m", swap=True)
+
+
+def test_r12_t0_and_t1_swap_at_once():
+    p = policy()
+    p.submit(job("n", "nataraj"), 0)
+    p.set_foreground("gana", 0)
+    assert p.submit(job("g", "gana", model="y"), 1) == [Revoke("n")]
+    assert p.finish("n", 1.1, "revoked") == D("g", "y", swap=True)
+
+
+# R13 ------------------------------------------------------------------------------------
+def test_r13_chat_preempts_across_a_swap_then_the_picker_decides_again():
+    p = policy()
+    p.submit(job("n", "nataraj", model="m"), 0)
+    assert p.submit(job("c", "chat", model="x"), 5) == [Revoke("n")]
+    assert p.finish("n", 5.05, "revoked") == D("c", "x", swap=True)
+    assert p.finish("c", 8, "done") == D("n", "m", swap=True)
+
+
+# R14 ------------------------------------------------------------------------------------
+def test_r14_defaults_and_configurable():
+    c = PolicyConfig()
+    assert (c.window_s, c.t2_share, c.decay_period_s, c.absence_s, c.max_affinity_wait_s) == (300, 0.6, 300, 300, 60)
+    p = policy(t2_share=1.0)  # T2 may take everything: it is never skipped
+    p.submit(job("e1", "extract"), 0)
+    p.submit(job("e2", "extract"), 0)
+    p.submit(job("n", "nataraj"), 0)
+    assert p.finish("e1", 100, "done") == D("e2")
+
+
+# R15 ------------------------------------------------------------------------------------
+def _calls_per_cycle(queued: int) -> int:
+    """Python function calls made by one finish -> dispatch -> submit cycle."""
+    p = policy()
+    for i in range(queued):
+        kind = ("nataraj", "gana", "extract")[i % 3]
+        p.submit(job(f"j{i}", kind, model=("m", "y")[i % 2], producer=f"{kind}:{i % 10}",
+                     deadline=1e6 + i if i % 5 == 0 else None), 0)
+    running = p.snapshot()["running"]["id"]
+    calls = 0
+
+    def count(frame, event, arg):
+        nonlocal calls
+        calls += event == "call"
+    sys.setprofile(count)
+    try:
+        (d,) = p.finish(running, 1, "done")
+        p.submit(job("new", "gana", producer="gana:3"), 1)
+    finally:
+        sys.setprofile(None)
+    return calls
+
+
+def test_r15_pick_cost_does_not_grow_with_the_queue():
+    small, large = _calls_per_cycle(100), _calls_per_cycle(10_000)
+    assert large < 2 * small, (small, large)
