@@ -86,7 +86,9 @@ class Driver:
     again), `tick` is called at `next_wakeup()`. Every Dispatch is checked against the
     oracle, and the driver records runs for the property tests."""
 
-    def __init__(self, policy: SchedulerPolicy, revoke_delay: float = 0.05, check_oracle: bool = True):
+    def __init__(self, policy: SchedulerPolicy, revoke_delay: float = 0.05, check_oracle: bool = True,
+                 sample: bool = False):
+        self.sample = sample
         self.policy = policy
         self.revoke_delay = revoke_delay
         self.check_oracle = check_oracle
@@ -127,21 +129,21 @@ class Driver:
     def call(self, method: str, *args) -> None:
         loaded = self.policy.loaded_model
         self._apply(getattr(self.policy, method)(*args), loaded)
-        snap = self.policy.snapshot()
-        assert snap["queued"] == 0 or snap["running"] is not None, "device idle while work waits"
-        self.waiting_samples.append((self.now, snap))
+        assert self.policy.queued == 0 or self.policy.running_job is not None, "device idle while work waits"
+        if self.sample:
+            self.waiting_samples.append((self.now, self.policy.snapshot()))
 
     def _finish_running(self) -> None:
         job_id, _ = self.running
         outcome = "revoked" if self.runs[-1].revoked else "done"
         self.runs[-1].end = self.now
         self.running = None
-        if outcome == "done" or self.policy.snapshot()["running"]["kind"] == "chat":
+        if outcome == "done" or self.policy.running_job.kind.value == "chat":
             self.ended[job_id] = self.ended.get(job_id, 0) + 1
         self.call("finish", job_id, self.now, outcome)
 
     def run(self, arrivals: list[Arrival], foreground: list[tuple[float, str | None, str | None]] = (),
-            until: float = float("inf"), sample: bool = False) -> None:
+            until: float = float("inf")) -> None:
         events: list = [(a.at, 1, i, "submit", a) for i, a in enumerate(arrivals)]
         events += [(at, 0, i, "fg", (kind, subject)) for i, (at, kind, subject) in enumerate(foreground)]
         heapq.heapify(events)
@@ -168,5 +170,3 @@ class Driver:
                     self.call("set_foreground", payload[0], self.now, payload[1])
             else:
                 self.call("tick", self.now)
-            if not sample:
-                self.waiting_samples.clear()

@@ -160,6 +160,10 @@ class SchedulerPolicy:
         return self._running.job if self._running else None
 
     @property
+    def queued(self) -> int:
+        return len(self._queues)
+
+    @property
     def loaded_model(self) -> str | None:
         return self._loaded
 

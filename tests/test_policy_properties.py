@@ -1,0 +1,136 @@
+"""Hypothesis properties of the policy over random workloads on a virtual clock.
+
+The driver (policy_support.Driver) already asserts, after every call, that the device is
+never idle while a job waits, and at every Dispatch that the job is the one R2–R12 choose
+(the scan-everything oracle). The tests below add the budget, bounded-wait and fairness
+properties.
+"""
+from __future__ import annotations
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from policy_support import Arrival, Driver, job
+from uniun_ray.policy import PolicyConfig, SchedulerPolicy
+
+PROPS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+KINDS = ("chat", "nataraj", "gana", "extract")
+
+
+@st.composite
+def workloads(draw, kinds=KINDS, models=("m", "y"), max_jobs=40, horizon=900.0):
+    n = draw(st.integers(1, max_jobs))
+    arrivals = []
+    for i in range(n):
+        kind = draw(st.sampled_from(kinds))
+        at = draw(st.floats(0, horizon, allow_nan=False))
+        deadline = None
+        if kind in ("nataraj", "gana") and draw(st.booleans()):
+            deadline = at + draw(st.floats(-30, 300, allow_nan=False))
+        arrivals.append(Arrival(at, i, job(
+            f"j{i}", kind, model=draw(st.sampled_from(models)),
+            producer=f"{kind}:{draw(st.integers(0, 2))}", deadline=deadline,
+            foreground_hint=kind == "extract" and draw(st.booleans()),
+            subject=draw(st.sampled_from([None, "s1", "s2"]))),
+            duration=draw(st.floats(0.05, 60, allow_nan=False))))
+    foreground = [(draw(st.floats(0, horizon, allow_nan=False)),
+                   kind := draw(st.sampled_from([None, "nataraj", "gana", "extract", "chat"])),
+                   draw(st.sampled_from([None, "s1"])) if kind else None)
+                  for _ in range(draw(st.integers(0, 6)))]
+    return arrivals, foreground
+
+
+def configs():
+    return st.builds(PolicyConfig, window_s=st.sampled_from([60.0, 300.0]),
+                     max_affinity_wait_s=st.sampled_from([0.0, 20.0, 60.0]),
+                     decay_period_s=st.sampled_from([100.0, 300.0]),
+                     absence_s=st.sampled_from([30.0, 300.0]))
+
+
+@PROPS
+@given(workloads(), configs())
+def test_prop_never_idle_and_every_dispatch_is_the_rules_choice(workload, config):
+    arrivals, foreground = workload
+    d = Driver(SchedulerPolicy(config))
+    d.run(arrivals, foreground)
+    # every job ended exactly once (none lost, none duplicated); revokes only of runners
+    assert sorted(d.ended) == sorted(a.job.id for a in arrivals)
+    assert set(d.ended.values()) == {1}
+    p = d.policy
+    assert p.queued == 0 and p.running_job is None and p.next_wakeup() is None
+
+
+def _held_in(runs, lo, hi, now, only_t2):
+    total = 0.0
+    for r in runs:
+        if only_t2 and r.tier != "T2":
+            continue
+        end = r.end if r.end is not None else now
+        total += max(0.0, min(end, hi) - max(r.start, lo))
+    return total
+
+
+@PROPS
+@given(workloads(kinds=("extract", "extract", "nataraj", "gana", "chat"), max_jobs=60), configs())
+def test_prop_t2_holds_at_most_its_share_plus_one_job_where_lower_tiers_waited(workload, config):
+    arrivals, foreground = workload
+    d = Driver(SchedulerPolicy(config), check_oracle=False, sample=True)
+    d.run(arrivals, foreground)
+    t2_runs = [r for r in d.runs if r.tier == "T2"]
+    if not t2_runs:
+        return
+    longest = max(r.end - r.start for r in t2_runs)
+    w = config.window_s
+    samples = d.waiting_samples
+    lower_waited = [(t, bool(s["tiers"]["T3"] or s["tiers"]["T4"])) for t, s in samples]
+    for i, (t, _) in enumerate(lower_waited):
+        lo = t - w
+        # the state between events is the state after the last event: T3/T4 waited
+        # throughout [lo, t] if they waited after every event from the one before lo on
+        start = max((j for j, (u, _) in enumerate(lower_waited) if u <= lo), default=None)
+        if start is None or not all(waited for _, waited in lower_waited[start:i]):
+            continue
+        t2 = _held_in(d.runs, lo, t, t, only_t2=True)
+        held = _held_in(d.runs, lo, t, t, only_t2=False)
+        assert t2 <= config.t2_share * held + longest + 1e-6, (t, t2, held, longest)
+
+
+@PROPS
+@given(st.lists(st.tuples(st.sampled_from(["nataraj", "gana"]), st.integers(0, 3),
+                          st.floats(0.1, 20, allow_nan=False)), min_size=2, max_size=60))
+def test_prop_every_backlogged_t4_flow_is_served_within_a_bound(jobs):
+    arrivals = [Arrival(0.0, i, job(f"j{i}", kind, producer=f"{kind}:{p}"), dur)
+                for i, (kind, p, dur) in enumerate(jobs)]
+    d = Driver(SchedulerPolicy())
+    d.run(arrivals)
+    flows = {(a.job.kind.value, a.job.producer) for a in arrivals}
+    longest = max(a.duration for a in arrivals)
+    bound = 4 * (len(flows) + 1) * longest
+    remaining = {f: sum(1 for a in arrivals if (a.job.kind.value, a.job.producer) == f) for f in flows}
+    last_served = dict.fromkeys(flows, 0.0)
+    for r in d.runs:
+        for f in flows:  # every flow still backlogged at this start waited at most `bound`
+            if remaining[f] and f != (r.kind, r.producer):
+                assert r.start - last_served[f] <= bound, (f, r.start, last_served[f], bound)
+        f = (r.kind, r.producer)
+        last_served[f] = r.end
+        remaining[f] -= 1
+
+
+@PROPS
+@given(st.lists(st.floats(0.1, 30, allow_nan=False), min_size=2, max_size=40),
+       st.lists(st.floats(0.1, 30, allow_nan=False), min_size=2, max_size=40))
+def test_prop_two_backlogged_equal_flows_differ_by_at_most_two_largest_jobs(a_jobs, b_jobs):
+    arrivals = [Arrival(0.0, i, job(f"a{i}", "gana", producer="gana:A"), d) for i, d in enumerate(a_jobs)]
+    arrivals += [Arrival(0.0, 100 + i, job(f"b{i}", "gana", producer="gana:B"), d) for i, d in enumerate(b_jobs)]
+    d = Driver(SchedulerPolicy(PolicyConfig(decay_period_s=1e9)))
+    d.run(arrivals)
+    largest = max(a_jobs + b_jobs)
+    service = {"gana:A": 0.0, "gana:B": 0.0}
+    left = {"gana:A": len(a_jobs), "gana:B": len(b_jobs)}
+    for r in d.runs:
+        service[r.producer] += r.end - r.start
+        left[r.producer] -= 1
+        if left["gana:A"] and left["gana:B"]:  # both still backlogged
+            assert abs(service["gana:A"] - service["gana:B"]) <= 2 * largest
