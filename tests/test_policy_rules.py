@@ -425,3 +425,15 @@ def _calls_per_cycle(queued: int) -> int:
 def test_r15_pick_cost_does_not_grow_with_the_queue():
     small, large = _calls_per_cycle(100), _calls_per_cycle(10_000)
     assert large < 2 * small, (small, large)
+
+
+def test_r5_a_deadline_passing_is_noticed_by_whatever_call_comes_first():
+    for late_call in (lambda p: p.submit(job("n2", "nataraj"), 11),
+                      lambda p: p.cancel("gone", 11),
+                      lambda p: p.set_loaded_model("m", 11)):
+        p = policy()
+        p.submit(job("n", "nataraj"), 0)
+        p.submit(job("gone", "gana", producer="x"), 0)
+        p.submit(job("g", "gana", deadline=10), 1)
+        assert late_call(p) == [Revoke("n")]
+        assert p.tick(11) == []

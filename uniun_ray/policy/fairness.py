@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 from collections import Counter
 from dataclasses import dataclass
+from typing import Callable
 
 from .types import POOL_KINDS, Kind, PolicyConfig
 
@@ -29,14 +30,15 @@ class _Level:
     def empty(cls) -> "_Level":
         return cls({}, Counter(), {})
 
-    def arrive(self, flow, peers, now: float, absence_s: float) -> None:
+    def arrive(self, flow, is_peer: Callable[[object], bool], now: float, absence_s: float) -> None:
         """R9: a newcomer, or a flow back after more than `absence_s` idle, starts at the
         minimum vruntime of its present peers (0 if none) so it can neither monopolise the
-        pool on return nor be punished for old history."""
+        pool on return nor be punished for old history. Only a flow that was absent pays
+        for the scan of the (few) present flows."""
         if self.load[flow] == 0:
             returning = flow in self.vruntime and now - self.idle_since[flow] <= absence_s
             if not returning:
-                present = [self.vruntime[p] for p in peers if p != flow and self.load[p] > 0]
+                present = [self.vruntime[p] for p in self.load if is_peer(p)]
                 self.vruntime[flow] = min(present, default=0.0)
         self.load[flow] += 1
 
@@ -77,9 +79,8 @@ class VruntimeLedger:
         if kind not in POOL_KINDS:
             return
         absence = self._config.absence_s
-        self._kinds.arrive(kind, POOL_KINDS, now, absence)
-        peers = [p for p in self._producers.load if p[0] is kind]
-        self._producers.arrive(flow, peers, now, absence)
+        self._kinds.arrive(kind, lambda k: True, now, absence)
+        self._producers.arrive(flow, lambda p: p[0] is kind, now, absence)
 
     def depart(self, flow: ProducerFlow, now: float) -> None:
         if flow[0] not in POOL_KINDS:

@@ -10,6 +10,8 @@ T2–T4 job on another model waiting, so neither rule can cause a revoke (no thr
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
+from typing import Callable
 
 from .queues import Entry, Queues
 from .tiers import Foreground, Tier
@@ -17,14 +19,19 @@ from .tiers import Foreground, Tier
 _FAIR_TIERS = (Tier.EXTRACT, Tier.DEADLINE, Tier.FAIR)
 
 
-@dataclass(frozen=True)
+@dataclass
 class PickContext:
     queues: Queues
     foreground: Foreground
     now: float
     loaded_model: str | None
-    t2_over_budget: bool
+    budget_check: Callable[[], bool]
     max_affinity_wait_s: float
+
+    @cached_property
+    def t2_over_budget(self) -> bool:
+        """Asked only when T2 has a candidate and lower tiers have work."""
+        return self.budget_check()
 
     def first(self, tiers, model: str | None = None) -> Entry | None:
         for tier in tiers:
@@ -35,7 +42,7 @@ class PickContext:
 
     def fair_tiers(self, lower_work: bool) -> tuple[Tier, ...]:
         """R11: over budget, T2 is skipped only if T3/T4 work exists (work-conserving)."""
-        if self.t2_over_budget and lower_work:
+        if lower_work and self.queues.head(Tier.EXTRACT, self.foreground, self.now) and self.t2_over_budget:
             return _FAIR_TIERS[1:]
         return _FAIR_TIERS
 

@@ -42,6 +42,10 @@ def _by_seq(entry: Entry) -> int:
     return entry.seq
 
 
+def _fifo() -> SortedKeyList:
+    return SortedKeyList(key=_by_seq)
+
+
 def _by_deadline(entry: Entry) -> tuple[float, int]:
     return (entry.job.deadline, entry.seq)
 
@@ -85,7 +89,7 @@ class Buckets:
 
     def __init__(self, key_of: Callable[[Entry], object]) -> None:
         self._key_of = key_of
-        self._buckets: dict[object, SortedKeyList] = defaultdict(lambda: SortedKeyList(key=_by_seq))
+        self._buckets: dict[object, SortedKeyList] = defaultdict(_fifo)
 
     def add(self, entry: Entry) -> None:
         self._buckets[self._key_of(entry)].add(entry)
@@ -104,46 +108,53 @@ class Buckets:
 class FairPool:
     """T4 (R8): the kind with the lowest vruntime, then its producer with the lowest
     vruntime, then that producer's oldest job. Ties go to the flow whose oldest job came
-    first (R9). Producers are kept in a sorted list per (kind, scope) keyed by
-    (vruntime, oldest seq, name); a key changes only when the producer is charged, decayed
-    or its oldest job changes, and is then re-inserted."""
+    first (R9). A flow's rank is model-independent, so "the best job on the loaded model"
+    (R12) is exactly the first job on that model in the pool's one global order.
+
+    Producers are kept in a sorted list per (kind, scope), scope being all jobs or the jobs
+    on one model, keyed by (vruntime, oldest seq, name); a key changes only when the
+    producer is charged, decayed or its oldest job changes, and is then re-inserted."""
 
     _GLOBAL = None
 
     def __init__(self, ledger: VruntimeLedger) -> None:
         self._ledger = ledger
-        self._jobs: dict[tuple[ProducerFlow, str | None], SortedKeyList] = {}
-        self._kind_jobs: dict[tuple[Kind, str | None], SortedKeyList] = {}
+        self._jobs: dict[tuple[ProducerFlow, str | None], SortedKeyList] = defaultdict(_fifo)
+        self._kind_jobs: dict[tuple[Kind, str | None], SortedKeyList] = defaultdict(_fifo)
         self._producers: dict[tuple[Kind, str | None], SortedList] = defaultdict(SortedList)
         self._keys: dict[tuple[ProducerFlow, str | None], tuple] = {}
         self._models: dict[ProducerFlow, set[str]] = defaultdict(set)
+        self._size = 0
 
     def __len__(self) -> int:
-        return sum(len(self._kind_jobs.get((k, self._GLOBAL), ())) for k in POOL_KINDS)
+        return self._size
 
     def add(self, entry: Entry) -> None:
-        flow = entry.flow
-        self._models[flow].add(entry.job.model_id)
-        for scope in (self._GLOBAL, entry.job.model_id):
-            self._jobs.setdefault((flow, scope), SortedKeyList(key=_by_seq)).add(entry)
-            self._kind_jobs.setdefault((flow[0], scope), SortedKeyList(key=_by_seq)).add(entry)
-            self._rekey(flow, scope)
+        flow, model = entry.flow, entry.job.model_id
+        self._size += 1
+        self._models[flow].add(model)
+        for scope in (self._GLOBAL, model):
+            self._jobs[(flow, scope)].add(entry)
+            self._kind_jobs[(flow[0], scope)].add(entry)
+        self.reprice(flow)
 
     def remove(self, entry: Entry) -> None:
-        flow = entry.flow
-        for scope in (self._GLOBAL, entry.job.model_id):
+        flow, model = entry.flow, entry.job.model_id
+        self._size -= 1
+        for scope in (self._GLOBAL, model):
             for index, key in ((self._jobs, (flow, scope)), (self._kind_jobs, (flow[0], scope))):
                 index[key].remove(entry)
                 if not index[key]:
                     del index[key]
-            self._rekey(flow, scope)
-        if (flow, entry.job.model_id) not in self._jobs:
-            self._models[flow].discard(entry.job.model_id)
+        if (flow, model) not in self._jobs:
+            self._rekey(flow, model)  # drops the flow from that model's ranking
+            self._models[flow].discard(model)
             if not self._models[flow]:
                 del self._models[flow]
+        self.reprice(flow)
 
     def reprice(self, flow: ProducerFlow) -> None:
-        """The flow's vruntime changed: move it to its new place in every scope."""
+        """The flow's vruntime or oldest job changed: move it in every scope it is in."""
         for scope in (self._GLOBAL, *self._models.get(flow, ())):
             self._rekey(flow, scope)
 
@@ -152,13 +163,18 @@ class FairPool:
             self.reprice(flow)
 
     def _rekey(self, flow: ProducerFlow, scope: str | None) -> None:
+        key = None
+        if (flow, scope) in self._jobs:
+            oldest = self._jobs[(flow, self._GLOBAL)][0].seq
+            key = (self._ledger.producer_vruntime(flow), oldest, flow[1])
+        old = self._keys.get((flow, scope))
+        if key == old:
+            return  # the common case: a job joined the back of its flow
         ranking = self._producers[(flow[0], scope)]
-        old = self._keys.pop((flow, scope), None)
         if old is not None:
             ranking.remove(old)
-        jobs = self._jobs.get((flow, scope))
-        if jobs:
-            key = (self._ledger.producer_vruntime(flow), jobs[0].seq, flow[1])
+            del self._keys[(flow, scope)]
+        if key is not None:
             ranking.add(key)
             self._keys[(flow, scope)] = key
         elif not ranking:
@@ -167,9 +183,9 @@ class FairPool:
     def head(self, model: str | None = None) -> Entry | None:
         ledger = self._ledger
         kinds = [
-            (ledger.kind_vruntime(kind), jobs[0].seq, kind)
+            (ledger.kind_vruntime(kind), self._kind_jobs[(kind, self._GLOBAL)][0].seq, kind)
             for kind in POOL_KINDS
-            if (jobs := self._kind_jobs.get((kind, model)))
+            if (kind, model) in self._kind_jobs
         ]
         if not kinds:
             return None

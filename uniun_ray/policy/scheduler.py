@@ -43,12 +43,14 @@ class SchedulerPolicy:
             raise ValueError(f"submit takes a Job, got {type(job).__name__}")
         if self._queues.get(job.id) is not None or self._is_running(job.id):
             raise ValueError(f"duplicate job id {job.id!r}: a job with this id is already queued or running")
-        self._advance(now)
+        promoted = self._advance(now)
         entry = Entry(job, self._seq, now)
         self._seq += 1
         self._ledger.arrive(entry.flow, now)
         self._queues.add(entry)
-        return self._react(now, changed=True)
+        # only the new job became eligible, so only a job outranking the runner can preempt
+        outranks = self._running is not None and self.tier(job) < self.tier(self._running.job)
+        return self._react(now, changed=outranks or promoted)
 
     def finish(self, job_id: str, now: float, outcome: Outcome | str) -> list[Action]:
         now = self._check_now(now)
@@ -77,13 +79,13 @@ class SchedulerPolicy:
         running = self._running if self._is_running(job_id) else None
         if queued is None and running is None:
             raise ValueError(self._unknown(job_id, "cancel"))
-        self._advance(now)
-        if queued is not None:
-            self._queues.remove(queued)
-            self._end(queued, Outcome.REVOKED, now)
-            return []
-        running.cancelled = True
-        return self._revoke(running)
+        promoted = self._advance(now)
+        if running is not None:
+            running.cancelled = True
+            return self._revoke(running)
+        self._queues.remove(queued)
+        self._end(queued, Outcome.REVOKED, now)
+        return self._react(now, changed=promoted)
 
     def set_foreground(self, kind: Kind | str | None, now: float, subject: str | None = None) -> list[Action]:
         now = self._check_now(now)
@@ -100,11 +102,8 @@ class SchedulerPolicy:
     def tick(self, now: float) -> list[Action]:
         """R5: the runtime calls this at `next_wakeup()`; a deadline that passed since the
         last call may promote a queued job to T3 and preempt."""
-        previous = self._now
         now = self._check_now(now)
-        self._advance(now)
-        due = self._queues.next_deadline_after(previous) if previous is not None else None
-        return self._react(now, changed=due is not None and due <= now)
+        return self._react(now, changed=self._advance(now))
 
     def set_loaded_model(self, model_id: str | None, now: float) -> list[Action]:
         """The runtime tells what the device really holds (after a failed load or a restart
@@ -112,9 +111,9 @@ class SchedulerPolicy:
         now = self._check_now(now)
         if model_id is not None and (not isinstance(model_id, str) or not model_id):
             raise ValueError(f"model_id must be a non-empty string or None, got {model_id!r}")
-        self._advance(now)
+        promoted = self._advance(now)
         self._loaded = model_id
-        return []
+        return self._react(now, changed=promoted)
 
     def next_wakeup(self) -> float | None:
         if self._now is None:
@@ -174,10 +173,13 @@ class SchedulerPolicy:
             raise ValueError(f"time went backwards: now={now} is before the last call's {self._now}")
         return now
 
-    def _advance(self, now: float) -> None:
-        self._now = now
+    def _advance(self, now: float) -> bool:
+        """Move the clock; tell whether a queued deadline passed on the way (R4, R5)."""
+        previous, self._now = self._now, now
         if self._ledger.decay(now):
             self._queues.pool.reprice_all()
+        due = self._queues.next_deadline_after(previous) if previous is not None else None
+        return due is not None and due <= now
 
     def _require_running(self, job_id: str, verb: str) -> Entry:
         if self._is_running(job_id):
@@ -209,7 +211,7 @@ class SchedulerPolicy:
 
     def _context(self, now: float) -> PickContext:
         return PickContext(self._queues, self._foreground, now, self._loaded,
-                           self._t2_over(now), self.config.max_affinity_wait_s)
+                           lambda: self._t2_over(now), self.config.max_affinity_wait_s)
 
     def _react(self, now: float, changed: bool) -> list[Action]:
         """Dispatch when idle; when something changed tiers, revoke a lower-tier runner."""

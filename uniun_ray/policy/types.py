@@ -55,6 +55,8 @@ class Outcome(str, Enum):
 
 def check_time(value: object, what: str) -> float:
     """A time is a finite real number (bools are not times)."""
+    if type(value) is float and math.isfinite(value):
+        return value  # the hot path: every policy call checks its `now`
     if isinstance(value, bool) or not isinstance(value, Real) or not math.isfinite(value):
         raise ValueError(f"{what} must be a finite number of seconds, got {value!r}")
     return float(value)
