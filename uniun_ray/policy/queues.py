@@ -20,7 +20,7 @@ from .tiers import Foreground, Tier
 from .types import POOL_KINDS, Job, Kind
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Entry:
     """A job inside the policy. `seq` is its place in submit order: a revoked job goes back
     with the same `seq`, which is what "re-queued at its original place" means (R3, R6)."""

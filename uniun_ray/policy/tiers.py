@@ -25,7 +25,7 @@ class Tier(IntEnum):
         return f"T{int(self)}"
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Foreground:
     """What the user is looking at: a kind (the open page) and optionally a subject (the
     open note). With a subject, exactly the jobs about that subject are hoisted, whatever

@@ -68,7 +68,7 @@ def _check_name(value: object, what: str) -> str:
     return value
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Job:
     """One unit of model work, as submitted by a producer.
 
