@@ -1,0 +1,232 @@
+"""The simulator, baselines, workloads, metrics, pictures and bench (issue 4). Fast, no Ray."""
+from __future__ import annotations
+
+import pytest
+
+from uniun_ray.policy import Dispatch, Job, Kind, Revoke, SchedulerPolicy
+from uniun_ray.sim import bench, plots
+from uniun_ray.sim.baselines import Fifo, StrictPriority, TwoLaneQueue
+from uniun_ray.sim.device import DeviceProfile, ModelSpeed
+from uniun_ray.sim.events import read_jsonl, validate, write_jsonl
+from uniun_ray.sim.metrics import jain_of, measure
+from uniun_ray.sim.simulator import ContractError, simulate
+from uniun_ray.sim.trace import Trace
+from uniun_ray.sim.workload import Arrival, Flow, FlowStep, JobSpec, Workload
+from uniun_ray.sim.workloads import WORKLOADS, generate
+
+# -- metrics on a hand-checked log ----------------------------------------------------------
+JOBS = {  # id: (kind, producer, model, deadline)
+    "A": ("nataraj", "nataraj", "m1", None),
+    "B": ("gana", "gana:1", "m1", None),
+    "E": ("extract", "extract", "m1", None),
+    "C": ("chat", "chat", "m1", None),
+    "D": ("gana", "gana:2", "m2", 13.0),
+    "F": ("nataraj", "nataraj", "m2", None),
+}
+
+
+def ev(t, kind, job=None, **fields):
+    event = {"t": t, "ev": kind}
+    if job is not None:
+        k, producer, model, deadline = JOBS[job]
+        event.update(job=job, kind=k, producer=producer, model=model)
+        if kind == "submit":
+            event.update(deadline=deadline, foreground_hint=False, subject=None)
+    event.update(fields)
+    return event
+
+
+HAND_LOG = [
+    ev(0.0, "submit", "A"), ev(0.0, "submit", "B"), ev(0.0, "submit", "E"),
+    ev(0.0, "dispatch", "A", swap=True), ev(0.0, "swap_start", "A", **{"from": None}), ev(1.0, "swap_end", "A"),
+    ev(1.5, "first_token", "A"), ev(3.0, "finish", "A", outcome="done"),
+    ev(3.0, "dispatch", "B", swap=False), ev(3.2, "first_token", "B"),
+    ev(5.0, "submit", "C"), ev(5.0, "revoke", "B"), ev(5.5, "finish", "B", outcome="revoked"),
+    ev(5.5, "dispatch", "C", swap=False), ev(6.5, "first_token", "C"), ev(7.0, "finish", "C", outcome="done"),
+    ev(7.0, "dispatch", "E", swap=False), ev(7.5, "first_token", "E"), ev(9.0, "finish", "E", outcome="done"),
+    ev(9.0, "dispatch", "B", swap=False), ev(11.0, "finish", "B", outcome="done"),
+    ev(12.0, "submit", "D"), ev(12.0, "dispatch", "D", swap=True), ev(12.0, "swap_start", "D", **{"from": "m1"}),
+    ev(14.5, "swap_end", "D"), ev(15.0, "first_token", "D"), ev(16.0, "finish", "D", outcome="done"),
+    ev(16.0, "submit", "F"), ev(17.0, "dispatch", "F", swap=False), ev(17.5, "first_token", "F"),
+    ev(18.0, "finish", "F", outcome="done"),
+]
+
+
+def test_hand_checked_log_gives_exact_metrics():
+    validate(HAND_LOG)
+    m = measure(HAND_LOG, window_s=10.0)
+    assert (m.jobs, m.unfinished, m.makespan_s) == (6, 0, 18.0)
+    # C: submitted 5.0, dispatched 5.5 (B stopped), first token 6.5.
+    assert (m.chat_n, m.chat_failed) == (1, 0)
+    assert m.ttft_p50 == m.ttft_p99 == m.ttft_max == pytest.approx(1.5)
+    assert m.chat_delay_p99 == pytest.approx(0.5)
+    assert m.revokes == 1
+    assert (m.swaps, m.swap_s) == (2, pytest.approx(3.5))
+    assert m.forced_swaps == 1  # the T0/T1 runs (C) use one model
+    # R7: held time, dispatch to finish, swaps included; B pays for its revoked run too.
+    assert m.service == pytest.approx({"nataraj": 4.0, "gana:1": 4.5, "chat": 1.5, "extract": 2.0, "gana:2": 4.0})
+    # Only {nataraj, gana:1} are ever backlogged together, over [0, 3): A got 3 s, B none.
+    assert m.jain_t4 == pytest.approx(0.5)
+    assert jain_of(HAND_LOG, ["nataraj", "gana:1"]) == pytest.approx(0.5)
+    # Window [0, 10): 10 s held, 2 s of it by E at T2, T4 outstanding throughout.
+    # Window [10, 18): no T2, and no T3/T4 work during [11, 12).
+    assert m.t2_share_max == pytest.approx(0.2)
+    assert m.t2_share_max_t34_backlogged == pytest.approx(0.2)
+    assert (m.t3_jobs, m.t3_late_max) == (1, pytest.approx(-1.0))  # D started 1 s before its deadline
+    assert m.idle_while_waiting_s == pytest.approx(1.0)  # F waited on an idle device over [16, 17)
+    assert m.longest_wait == pytest.approx({"nataraj": 1.0, "gana:1": 3.5, "extract": 7.0, "chat": 0.5})
+
+
+def test_tiers_are_derived_from_the_log():
+    trace = Trace(HAND_LOG)
+    assert [(r.job, r.tier) for r in trace.runs] == [
+        ("A", 4), ("B", 4), ("C", 0), ("E", 2), ("B", 4), ("D", 4), ("F", 4)]
+
+
+# -- the simulator's costs ------------------------------------------------------------------
+DEVICE = DeviceProfile("test", {"m1": ModelSpeed(0.1, 0.01, 2.0), "m2": ModelSpeed(0.1, 0.01, 3.0)},
+                       revoke_delay_s=0.05)
+
+
+def spec(job_id, kind, model, prompt, out):
+    return JobSpec(job_id, kind, model, kind, prompt, out)
+
+
+def times(events, kind, job):
+    return [e["t"] for e in events if e["ev"] == kind and e["job"] == job]
+
+
+def test_fifo_charges_swap_prefill_and_decode():
+    w = Workload("tiny", 0, "", arrivals=(Arrival(0.0, spec("J1", "nataraj", "m1", 100, 10)),
+                                          Arrival(1.0, spec("J2", "gana", "m2", 50, 5))))
+    events = simulate(Fifo(), w, DEVICE).events
+    validate(events)
+    # J1: swap 0-2, prefill 100 x 0.01 gives token 1 at 3.0, 9 more steps of 0.1.
+    assert times(events, "swap_end", "J1") == [2.0]
+    assert times(events, "first_token", "J1") == [pytest.approx(3.0)]
+    assert times(events, "finish", "J1") == [pytest.approx(3.9)]
+    # J2 waits, swaps to m2 (3 s), prefills 50 tokens, decodes 4 more.
+    assert times(events, "dispatch", "J2") == [pytest.approx(3.9)]
+    assert times(events, "swap_end", "J2") == [pytest.approx(6.9)]
+    assert times(events, "first_token", "J2") == [pytest.approx(7.4)]
+    assert times(events, "finish", "J2") == [pytest.approx(7.8)]
+
+
+@pytest.mark.parametrize("chat_at, stop, tokens", [
+    (1.0, 2.05, 0),    # during the swap: the load completes, no token
+    (2.5, 3.05, 1),    # during the prefill: it ends with the first token
+    (3.25, 3.35, 4),   # while decoding: the next boundary is token 4 at 3.3
+])
+def test_revoke_stops_at_next_token_boundary_plus_delay_and_resumes(chat_at, stop, tokens):
+    w = Workload("tiny", 0, "", arrivals=(Arrival(0.0, spec("N", "nataraj", "m1", 100, 20)),
+                                          Arrival(chat_at, spec("C", "chat", "m1", 10, 2))))
+    events = simulate(StrictPriority(), w, DEVICE).events
+    finishes = [e for e in events if e["ev"] == "finish" and e["job"] == "N"]
+    assert [(f["t"], f["outcome"], f["tokens"]) for f in finishes[:1]] == [(pytest.approx(stop), "revoked", tokens)]
+    assert times(events, "dispatch", "C") == [pytest.approx(stop)]
+    resume = stop + 0.2  # chat: 10-token prefill, one decode step
+    # R6 recompute: re-prefill prompt + produced tokens, then decode the rest.
+    end = resume + (100 + tokens) * 0.01 + (20 - tokens - 1) * 0.1
+    assert (finishes[1]["t"], finishes[1]["outcome"], finishes[1]["tokens"]) == (pytest.approx(end), "done", 20)
+    assert len(times(events, "first_token", "N")) == 1
+
+
+def test_a_flow_keeps_its_depth_and_thinks_before_the_next_step():
+    steps = (FlowStep(100, 10), FlowStep(100, 10), FlowStep(100, 10, think_s=0.5))
+    w = Workload("tiny", 0, "", flows=(Flow("nataraj", "nataraj", "m1", 1.0, steps, depth=2),))
+    events = simulate(Fifo(), w, DEVICE).events
+    submits = [(e["job"], e["t"]) for e in events if e["ev"] == "submit"]
+    # Two at the start; the third 0.5 s after the first one ends (swap 2 + 1.0 + 0.9).
+    assert submits == [("nataraj#0", 1.0), ("nataraj#1", 1.0), ("nataraj#2", pytest.approx(5.4))]
+
+
+def test_a_policy_that_breaks_the_contract_is_caught():
+    class Greedy(Fifo):
+        def submit(self, job, now):
+            super().submit(job, now)
+            return [Dispatch(job.id, job.model_id, True)]
+
+    w = Workload("tiny", 0, "", arrivals=(Arrival(0.0, spec("J1", "nataraj", "m1", 10, 5)),
+                                          Arrival(0.1, spec("J2", "nataraj", "m1", 10, 5))))
+    with pytest.raises(ContractError, match="while 'J1' is running"):
+        simulate(Greedy(), w, DEVICE)
+
+
+# -- the baselines' defining behaviour ------------------------------------------------------
+def job(job_id, kind, model="m1"):
+    return Job(job_id, Kind(kind), model)
+
+
+def test_two_lane_chat_waits_behind_nataraj_on_the_high_lane():
+    q = TwoLaneQueue()
+    assert q.submit(job("n1", "nataraj"), 0.0) == [Dispatch("n1", "m1", True)]
+    assert q.submit(job("n2", "nataraj"), 0.1) == []
+    assert q.submit(job("c", "chat"), 0.2) == []  # no preemption
+    assert q.finish("n1", 5.0, "done") == [Dispatch("n2", "m1", False)]  # FIFO on the high lane
+    assert q.finish("n2", 9.0, "done") == [Dispatch("c", "m1", False)]
+
+
+def test_two_lane_pauses_the_low_lane_while_chat_is_in_front():
+    q = TwoLaneQueue()
+    q.set_foreground(Kind.CHAT, 0.0)
+    assert q.submit(job("e", "extract"), 1.0) == []  # idle device, paused lane
+    assert q.set_foreground(None, 2.0) == [Dispatch("e", "m1", True)]
+
+
+def test_fifo_never_preempts():
+    q = Fifo()
+    q.submit(job("n", "nataraj"), 0.0)
+    q.submit(job("e", "extract"), 0.5)
+    assert q.submit(job("c", "chat"), 1.0) == []
+    assert q.finish("n", 2.0, "done") == [Dispatch("e", "m1", False)]
+
+
+def test_strict_priority_preempts_and_requeues_in_place():
+    q = StrictPriority()
+    q.submit(job("n1", "nataraj"), 0.0)
+    q.submit(job("n2", "nataraj"), 0.1)
+    assert q.submit(job("c", "chat", "m2"), 1.0) == [Revoke("n1")]
+    assert q.finish("n1", 1.1, "revoked") == [Dispatch("c", "m2", True)]  # no affinity: swap
+    assert q.finish("c", 2.0, "done") == [Dispatch("n1", "m1", True)]  # n1 kept its place
+
+
+# -- workloads ------------------------------------------------------------------------------
+@pytest.mark.parametrize("name", list(WORKLOADS))
+def test_workloads_are_reproducible_from_their_seed(name):
+    w = generate(name, 7)
+    assert w.to_json() == generate(name, 7).to_json()
+    assert w.to_json() != generate(name, 8).to_json()
+    assert Workload.from_json(w.to_json()) == w
+
+
+@pytest.mark.parametrize("name", ["issue118", "backfill", "ganas", "foreground"])
+def test_real_policy_runs_every_workload_to_the_end(name):
+    result = simulate(SchedulerPolicy(), generate(name, 1))
+    validate(result.events)
+    assert result.unfinished == []
+
+
+def test_a_simulated_day_runs_in_seconds():
+    result = simulate(SchedulerPolicy(), generate("mixed_day", 1))
+    jobs = sum(e["ev"] == "submit" for e in result.events)
+    print(f"\nmixed_day: {jobs} jobs, {result.end / 3600:.1f} simulated hours, {result.wall_s:.2f} s wall")
+    assert result.unfinished == []
+
+
+# -- pictures and the bench ------------------------------------------------------------------
+def test_pictures_render_from_a_jsonl_log(tmp_path):
+    result = simulate(SchedulerPolicy(), generate("issue118", 1))
+    write_jsonl(result.events, tmp_path / "run.jsonl")
+    trace = Trace(read_jsonl(tmp_path / "run.jsonl"))
+    plots.timeline(trace, tmp_path / "timeline.png", "issue118")
+    plots.service(trace, tmp_path / "service.png")
+    plots.ttft_cdf({"uniun": trace}, tmp_path / "ttft.png")
+    assert all((tmp_path / f).stat().st_size > 0 for f in ("timeline.png", "service.png", "ttft.png"))
+
+
+def test_bench_writes_tables_and_goals(tmp_path, capsys):
+    assert bench.main(["--out", str(tmp_path), "--workloads", "issue118", "ganas", "--no-plots"]) == 0
+    text = capsys.readouterr().out
+    assert "## issue118" in text and "## Goals" in text and "| two-lane |" in text
+    assert (tmp_path / "bench.md").read_text().strip() == text.strip()
+    assert (tmp_path / "workloads" / "ganas.json").exists()

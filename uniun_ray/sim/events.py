@@ -1,0 +1,82 @@
+"""The event log: one schema for a simulated run and a real one.
+
+The metrics and the pictures read only this log, so a JSONL file that the runtime writes
+in this shape is scored and drawn by the same code as a simulation. One event per line,
+a JSON object; events are in time order (ties keep the order they happened in).
+
+Every event has ``t`` (seconds, float, any origin but one clock for the whole log) and
+``ev`` (its type). Job events also carry ``job`` (the id), and repeat the job's
+``kind``, ``producer`` and ``model`` so that a line reads on its own; readers take those
+from the job's ``submit``.
+
+=============  ==========================================================================
+``ev``         further fields
+=============  ==========================================================================
+submit         job, kind ("chat"|"nataraj"|"gana"|"extract"), producer, model,
+               deadline (float|null, same clock as t), foreground_hint (bool),
+               subject (str|null); optional: prompt_tokens, output_tokens (ints)
+foreground     kind (str|null: nothing in front), subject (str|null)
+dispatch       job, kind, producer, model, swap (bool); optional: tier (0-4, the job's
+               tier at dispatch; readers derive it from R1 when absent)
+swap_start     job, kind, producer, model (being loaded), from (model unloaded, or null)
+swap_end       job, kind, producer, model
+first_token    job, kind, producer, model: the job's first generated token (once per job;
+               a resumed job does not emit it again)
+revoke         job, kind, producer, model: the scheduler revoked the running job
+finish         job, kind, producer, model, outcome ("done"|"failed"|"revoked"),
+               tokens (int, tokens produced so far, optional). After "revoked" a chat
+               job is over (it failed as preempted); any other kind is queued again and
+               is dispatched later (R6).
+=============  ==========================================================================
+
+A job holds the device from its ``dispatch`` to its ``finish`` (swap included), which is
+the time R7 charges to its flow.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Iterable
+
+Event = dict
+
+JOB_FIELDS = ("job", "kind", "producer", "model")
+REQUIRED: dict[str, tuple[str, ...]] = {
+    "submit": JOB_FIELDS + ("deadline", "foreground_hint", "subject"),
+    "foreground": ("kind", "subject"),
+    "dispatch": JOB_FIELDS + ("swap",),
+    "swap_start": JOB_FIELDS + ("from",),
+    "swap_end": JOB_FIELDS,
+    "first_token": JOB_FIELDS,
+    "revoke": JOB_FIELDS,
+    "finish": JOB_FIELDS + ("outcome",),
+}
+OUTCOMES = ("done", "failed", "revoked")
+
+
+def validate(events: Iterable[Event]) -> None:
+    """Raise ValueError at the first event that breaks the schema (a runtime's self-check)."""
+    last = float("-inf")
+    for i, ev in enumerate(events):
+        kind = ev.get("ev")
+        if kind not in REQUIRED:
+            raise ValueError(f"event {i}: unknown type {kind!r}")
+        missing = [f for f in ("t",) + REQUIRED[kind] if f not in ev]
+        if missing:
+            raise ValueError(f"event {i} ({kind}): missing {', '.join(missing)}")
+        if ev["t"] < last:
+            raise ValueError(f"event {i} ({kind}): time {ev['t']} is before the previous {last}")
+        if kind == "finish" and ev["outcome"] not in OUTCOMES:
+            raise ValueError(f"event {i}: outcome {ev['outcome']!r} is not one of {OUTCOMES}")
+        last = ev["t"]
+
+
+def write_jsonl(events: Iterable[Event], path: str | Path) -> None:
+    with open(path, "w") as f:
+        for ev in events:
+            f.write(json.dumps(ev, separators=(",", ":")) + "\n")
+
+
+def read_jsonl(path: str | Path) -> list[Event]:
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]

@@ -1,0 +1,231 @@
+"""The catalogue of named workloads, each generated from a seed (same seed, same JSON).
+
+``generate(name, seed)`` returns a `Workload`; ``WORKLOADS`` lists the names:
+
+* ``issue118``: Nataraj keeps a deck of 8 cards filling (the NatarajDeck page in front)
+  while the user opens Shiv chat three times for a short conversation (the bug report).
+* ``backfill``: a 500-note extract backfill, one note per second, beside Nataraj and a
+  Gana agent loop (notes §5, the T2 budget).
+* ``ganas``: two identical Gana agent loops (the fairness check), a third on another
+  model from t=600 s, and two cron Ganas whose ticks come due (EDF, affinity).
+* ``foreground``: the user moves between the Nataraj deck, a Gana form, opened notes,
+  Shiv chat and the home screen while Nataraj, a Gana and a relay trickle of extracts run.
+* ``mixed_day``: 24 h on two models: Nataraj always refilling, Gana sessions and crons,
+  relay extracts plus a night backfill, and a dozen user sessions in waking hours.
+
+Token counts (medians, clipped log-normal draws; the app's prompts as the notes describe
+them): a chat turn sends a ~150-token system prompt, ~300 tokens of RAG context and the
+user's message, plus the conversation so far, and gets ~120 tokens back; a Nataraj card
+is ~350 prompt tokens (instructions and a seed topic) for a ~180-token card; a Gana agent
+round carries its tool output, ~1200 prompt tokens, for ~250 output tokens; an extract is
+a note (~500 tokens) plus ~200 tokens of instructions, for ~150 tokens of JSON triples.
+"""
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass
+from typing import Callable
+
+from .device import GEMMA3, SMOLLM2
+from .workload import Arrival, Flow, FlowStep, ForegroundChange, JobSpec, Workload
+
+CHAT_MODEL = SMOLLM2  # the active chat model: chat, Nataraj and extract use it (notes §6)
+
+
+@dataclass(frozen=True)
+class Size:
+    """A clipped log-normal token count: median, range, and spread (sigma of the log)."""
+
+    median: int
+    lo: int
+    hi: int
+    sigma: float = 0.5
+
+    def draw(self, rng: random.Random) -> int:
+        return max(self.lo, min(self.hi, round(self.median * math.exp(rng.gauss(0.0, self.sigma)))))
+
+
+CHAT_CONTEXT = Size(450, 250, 900)      # system prompt + RAG context
+CHAT_MESSAGE = Size(40, 5, 200)
+CHAT_REPLY = Size(120, 30, 350)
+CARD_PROMPT = Size(350, 200, 600)
+CARD = Size(180, 80, 320)
+GANA_PROMPT = Size(1200, 400, 3000)
+GANA_OUT = Size(250, 60, 600)
+NOTE = Size(500, 80, 2000, 0.8)
+EXTRACT_INSTRUCTIONS = 200
+TRIPLES = Size(150, 40, 400)
+
+
+# -- building blocks ----------------------------------------------------------------------
+def _steps(rng: random.Random, n: int, prompt: Size, out: Size, think: tuple[float, float] = (0.0, 0.0),
+           deadline_in_s: float | None = None) -> tuple[FlowStep, ...]:
+    return tuple(FlowStep(prompt.draw(rng), out.draw(rng), rng.uniform(*think), deadline_in_s) for _ in range(n))
+
+
+#: Distinct job sizes a backlogged producer cycles through.
+BACKLOG_STEPS = 256
+
+
+def _backlog(rng: random.Random, producer: str, kind: str, model: str, start: float, stop: float,
+             depth: int, prompt: Size, out: Size, think: tuple[float, float] = (0.0, 0.0)) -> Flow:
+    """A producer that keeps `depth` jobs queued from `start` to `stop`."""
+    return Flow(producer, kind, model, start, _steps(rng, BACKLOG_STEPS, prompt, out, think), depth, stop,
+                cycle=True)
+
+
+def _chat(rng: random.Random, producer: str, start: float, turns: int) -> Flow:
+    """A conversation: each turn resends the history, so prompts grow turn by turn; the
+    next message comes 8-40 s (reading and typing) after the reply."""
+    context, steps = CHAT_CONTEXT.draw(rng), []
+    for i in range(turns):
+        context += CHAT_MESSAGE.draw(rng)
+        reply = CHAT_REPLY.draw(rng)
+        steps.append(FlowStep(context, reply, 0.0 if i == 0 else rng.uniform(8.0, 40.0)))
+        context += reply
+    return Flow(producer, "chat", CHAT_MODEL, start, tuple(steps))
+
+
+def _note(rng: random.Random, t: float, job_id: str, producer: str, hint: bool = False,
+          subject: str | None = None) -> Arrival:
+    return Arrival(t, JobSpec(job_id, "extract", CHAT_MODEL, producer,
+                              NOTE.draw(rng) + EXTRACT_INSTRUCTIONS, TRIPLES.draw(rng), None, hint, subject))
+
+
+def _cron(rng: random.Random, producer: str, model: str, period: float, start: float, end: float,
+          lead: float = 60.0) -> list[Arrival]:
+    """A cron Gana: each tick is submitted `lead` seconds before its fire time, which is
+    its deadline (R5: it must preempt T4 work when it falls due)."""
+    fires = [start + k * period for k in range(1, int((end - start) / period) + 1)]
+    return [Arrival(fire - lead, JobSpec(f"{producer}@{int(fire)}", "gana", model, producer,
+                                         GANA_PROMPT.draw(rng), GANA_OUT.draw(rng), fire))
+            for fire in fires]
+
+
+def _poisson(rng: random.Random, rate_s: float, start: float, end: float) -> list[float]:
+    times, t = [], start
+    while True:
+        t += rng.expovariate(rate_s)
+        if t >= end:
+            return times
+        times.append(t)
+
+
+# -- the workloads ------------------------------------------------------------------------
+def issue118(seed: int) -> Workload:
+    rng = random.Random(seed)
+    end = 900.0
+    deck = _backlog(rng, "nataraj", "nataraj", CHAT_MODEL, 0.0, end, 8, CARD_PROMPT, CARD)
+    chats, foreground = [], [ForegroundChange(0.0, "nataraj")]
+    for i, start in enumerate((120.0, 400.0, 650.0)):
+        start += rng.uniform(0.0, 30.0)
+        chats.append(_chat(rng, f"chat:{i}", start, rng.randint(3, 5)))
+        foreground += [ForegroundChange(start - 2.0, "chat"), ForegroundChange(start + 180.0, "nataraj")]
+    return Workload("issue118", seed, "Nataraj fills a deck of 8 cards; Shiv chat opens three times",
+                    flows=(deck, *chats), foreground=tuple(foreground))
+
+
+def backfill(seed: int) -> Workload:
+    rng = random.Random(seed)
+    end = 3600.0
+    notes = [_note(rng, 10.0 + i, f"extract:backfill#{i}", "extract:backfill") for i in range(500)]
+    flows = (
+        _backlog(rng, "nataraj", "nataraj", CHAT_MODEL, 0.0, end, 4, CARD_PROMPT, CARD),
+        _backlog(rng, "gana:g1", "gana", CHAT_MODEL, 0.0, end, 1, GANA_PROMPT, GANA_OUT, (1.0, 3.0)),
+    )
+    return Workload("backfill", seed, "500-note extract backfill at 1 note/s beside Nataraj and a Gana",
+                    arrivals=tuple(notes), flows=flows)
+
+
+def ganas(seed: int) -> Workload:
+    rng = random.Random(seed)
+    end = 1800.0
+    equal = _steps(rng, BACKLOG_STEPS, GANA_PROMPT, GANA_OUT)
+    flows = (
+        Flow("gana:a", "gana", CHAT_MODEL, 0.0, equal, 1, end, cycle=True),
+        Flow("gana:b", "gana", CHAT_MODEL, 0.0, equal, 1, end, cycle=True),
+        _backlog(rng, "gana:c", "gana", GEMMA3, 600.0, end, 1, GANA_PROMPT, GANA_OUT),
+    )
+    crons = (_cron(rng, "gana:cron1", CHAT_MODEL, 300.0, 0.0, end)
+             + _cron(rng, "gana:cron2", GEMMA3, 420.0, 0.0, end))
+    return Workload("ganas", seed, "two equal Gana loops, a third on another model from 600 s, two crons",
+                    arrivals=tuple(sorted(crons, key=lambda a: a.t)), flows=flows,
+                    equal_flows=(("gana:a", "gana:b"),))
+
+
+def _page_visit(rng: random.Random, t: float, page: str, n: int) -> tuple[list[ForegroundChange], list, list]:
+    """What opening `page` at `t` does: the foreground change and the work it brings."""
+    if page == "chat":
+        return [ForegroundChange(t, "chat")], [], [_chat(rng, f"chat:{n}", t + 3.0, rng.randint(2, 5))]
+    if page == "note":
+        subject = f"note:open{n}"
+        return ([ForegroundChange(t, "extract", subject)],
+                [_note(rng, t, f"extract:open#{n}", "extract:open", True, subject)], [])
+    if page == "home":
+        return [ForegroundChange(t, None)], [], []
+    return [ForegroundChange(t, page)], [], []  # "nataraj" deck, "gana" form
+
+
+def _pages(rng: random.Random, start: float, end: float, dwell: tuple[float, float],
+           pages: tuple[str, ...], first: int = 0) -> tuple[list, list, list]:
+    foreground, arrivals, flows = [], [], []
+    t, n = start, first
+    while t < end:
+        fg, arr, fl = _page_visit(rng, t, rng.choice(pages), n)
+        foreground += fg
+        arrivals += arr
+        flows += fl
+        t += rng.uniform(*dwell)
+        n += 1
+    return foreground + [ForegroundChange(t, None)], arrivals, flows
+
+
+def foreground(seed: int) -> Workload:
+    rng = random.Random(seed)
+    end = 1800.0
+    fg, arrivals, flows = _pages(rng, 30.0, end - 120.0, (30.0, 120.0), ("nataraj", "gana", "note", "chat", "home"))
+    relay = [_note(rng, t, f"extract:relay#{i}", "extract:relay") for i, t in enumerate(_poisson(rng, 1 / 20, 0.0, end))]
+    flows += [
+        _backlog(rng, "nataraj", "nataraj", CHAT_MODEL, 0.0, end, 4, CARD_PROMPT, CARD),
+        _backlog(rng, "gana:g1", "gana", GEMMA3, 0.0, end, 1, GANA_PROMPT, GANA_OUT, (1.0, 3.0)),
+    ]
+    return Workload("foreground", seed, "the user moves between pages while background work runs",
+                    arrivals=tuple(sorted(arrivals + relay, key=lambda a: a.t)), flows=tuple(flows),
+                    foreground=tuple(fg))
+
+
+def mixed_day(seed: int) -> Workload:
+    rng = random.Random(seed)
+    hour, end = 3600.0, 24 * 3600.0
+    arrivals = [_note(rng, t, f"extract:relay#{i}", "extract:relay")
+                for i, t in enumerate(_poisson(rng, 1 / 30, 0.0, end))]
+    arrivals += [_note(rng, 2 * hour + i, f"extract:backfill#{i}", "extract:backfill") for i in range(500)]
+    arrivals += _cron(rng, "gana:news", GEMMA3, hour, 0.0, end) + _cron(rng, "gana:todo", CHAT_MODEL, hour / 2, 0.0, end)
+    flows = [_backlog(rng, "nataraj", "nataraj", CHAT_MODEL, 0.0, end, 3, CARD_PROMPT, CARD)]
+    for i, start in enumerate(sorted(rng.uniform(0.0, end - hour) for _ in range(6))):
+        producer, model = (("gana:research", GEMMA3), ("gana:digest", CHAT_MODEL))[i % 2]
+        rounds = _steps(rng, rng.randint(20, 60), GANA_PROMPT, GANA_OUT, (1.0, 3.0))
+        flows.append(Flow(f"{producer}.{i}", "gana", model, start, rounds))
+    foreground: list[ForegroundChange] = []
+    for i, start in enumerate(sorted(rng.uniform(8 * hour, 23 * hour) for _ in range(12))):
+        fg, arr, fl = _pages(rng, start, start + rng.uniform(300.0, 1200.0), (30.0, 180.0),
+                             ("nataraj", "gana", "note", "chat", "chat"), first=100 * i)
+        foreground += fg
+        arrivals += arr
+        flows += fl
+    return Workload("mixed_day", seed, "24 h, two models: Nataraj, Gana sessions and crons, extracts, user sessions",
+                    arrivals=tuple(sorted(arrivals, key=lambda a: a.t)), flows=tuple(flows),
+                    foreground=tuple(sorted(foreground, key=lambda c: c.t)))
+
+
+WORKLOADS: dict[str, Callable[[int], Workload]] = {
+    "issue118": issue118, "backfill": backfill, "ganas": ganas, "foreground": foreground, "mixed_day": mixed_day,
+}
+
+
+def generate(name: str, seed: int = 1) -> Workload:
+    try:
+        return WORKLOADS[name](seed)
+    except KeyError:
+        raise ValueError(f"unknown workload {name!r}; known: {', '.join(WORKLOADS)}") from None
