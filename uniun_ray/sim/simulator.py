@@ -19,6 +19,8 @@ Costs the simulator charges, for one run of a job that has produced k of its n t
 token exists, then ``decode_s`` per further token. Token boundaries are the end of the
 swap (no token yet: a revoked load stops there), the end of the prefill, and every decode
 step. A revoke whose next boundary is the job's last token lets the job finish "done".
+A swap is charged whenever the Dispatch asks for one; a Dispatch without swap for a model
+that is not loaded is a contract error. The device starts empty.
 """
 from __future__ import annotations
 
@@ -132,6 +134,9 @@ class Simulator:
         for change in self.workload.foreground:
             self._at(change.t, self._set_foreground, change)
         while True:
+            # Tick at the policy's wake-up when it comes before the next event. A wake-up
+            # not after the last one honoured is ignored: a policy asking for the past
+            # cannot spin the loop.
             wake = self.policy.next_wakeup()
             nxt = self._heap[0].t if self._heap else None
             if wake is not None and wake > self._last_wake and (nxt is None or wake <= nxt):
