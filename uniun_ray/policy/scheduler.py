@@ -154,6 +154,12 @@ class SchedulerPolicy:
         """The job's tier at the policy's current time (recomputed, never stored)."""
         return tier_of(job, self._foreground, self._now if self._now is not None else float("-inf"))
 
+    def job_state(self, job_id: str) -> str | None:
+        """"queued", "running", or None for a job the policy does not hold."""
+        if self._is_running(job_id):
+            return "running"
+        return "queued" if self._queues.get(job_id) is not None else None
+
     @property
     def running_job(self) -> Job | None:
         return self._running.job if self._running else None

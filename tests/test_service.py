@@ -1,0 +1,185 @@
+"""The scheduler shell's lease protocol, with a fake device and no Ray (Ollama's
+sched_test.go style): grants, fencing, revoke during a load, reclaiming dead holders and
+dropping dead waiters."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from uniun_ray.runtime.protocol import JobDropped, JobSpec
+from uniun_ray.runtime.service import RuntimeConfig, SchedulerService
+
+
+class FakeDevice:
+    def __init__(self, load_s: float = 0.0, fail: set[str] = frozenset()) -> None:
+        self.load_s, self.fail = load_s, fail
+        self.loads: list[str] = []
+        self.granted: list[int] = []
+        self.revoked: list[int] = []
+
+    async def load(self, model_id: str) -> float:
+        await asyncio.sleep(self.load_s)
+        if model_id in self.fail:
+            raise RuntimeError(f"cannot load {model_id}")
+        self.loads.append(model_id)
+        return self.load_s
+
+    async def grant(self, epoch: int) -> None:
+        self.granted.append(epoch)
+
+    async def revoke(self, epoch: int) -> None:
+        self.revoked.append(epoch)
+
+
+FAST = RuntimeConfig(lease_timeout_s=0.3, waiter_timeout_s=0.3, reap_period_s=0.05)
+
+
+def spec(job_id: str, kind: str, model: str = "m", **kw) -> JobSpec:
+    return JobSpec.build(kind, model, job_id=job_id, **kw)
+
+
+def run(coro):
+    return asyncio.run(asyncio.wait_for(coro, 10))
+
+
+def test_grant_after_swap_then_release_hands_over():
+    async def go():
+        dev = FakeDevice(load_s=0.05)
+        s = SchedulerService(dev, FAST)
+        await s.submit(spec("n1", "nataraj"))
+        await s.submit(spec("n2", "nataraj"))
+        lease = await s.grant("n1")
+        assert (lease.model_id, lease.swap_s, dev.loads) == ("m", 0.05, ["m"])
+        assert await s.grant("n2", wait_s=0.05) is None       # still queued
+        assert await s.release("n1", lease.epoch, "done") is False
+        lease2 = await s.grant("n2")
+        assert lease2.epoch > lease.epoch and dev.loads == ["m"]  # no second swap
+    run(go())
+
+
+def test_chat_revokes_the_holder_which_resumes_after():
+    async def go():
+        dev = FakeDevice()
+        s = SchedulerService(dev, FAST)
+        await s.submit(spec("n", "nataraj"))
+        lease = await s.grant("n")
+        await s.submit(spec("c", "chat"))
+        await asyncio.sleep(0.01)
+        assert dev.revoked == [lease.epoch]
+        assert await s.renew("n", lease.epoch) is False          # the holder learns it too
+        assert await s.release("n", lease.epoch, "revoked") is True   # re-queued
+        chat = await s.grant("c")
+        await s.release("c", chat.epoch, "done")
+        again = await s.grant("n")
+        assert again.epoch > chat.epoch
+    run(go())
+
+
+def test_revoke_during_a_model_load_never_grants_the_stale_job():
+    async def go():
+        dev = FakeDevice(load_s=0.2)
+        s = SchedulerService(dev, FAST)
+        await s.submit(spec("g", "gana", model="y"))
+        await asyncio.sleep(0.05)                  # loading y
+        await s.submit(spec("c", "chat", model="m"))
+        chat = await s.grant("c")                  # g ended its turn unserved, chat swapped in
+        assert dev.loads == ["y", "m"] and chat.model_id == "m"
+        assert s.policy.job_state("g") == "queued"
+    run(go())
+
+
+def test_dead_holder_lease_is_reclaimed_and_the_device_moves_on():
+    async def go():
+        dev = FakeDevice()
+        s = SchedulerService(dev, FAST)
+        await s.submit(spec("n", "nataraj"))
+        lease = await s.grant("n")                 # ... and the holder dies: no renew, no release
+        await s.submit(spec("e", "extract"))
+        nxt = await s.grant("e", wait_s=0.2)       # waiter keeps polling
+        while nxt is None:
+            nxt = await s.grant("e", wait_s=0.2)
+        assert lease.epoch in dev.revoked          # fenced
+        with pytest.raises(JobDropped, match="lease reclaimed"):
+            await s.release("n", lease.epoch, "done")
+    run(go())
+
+
+def test_dead_waiter_is_dropped_and_nothing_leaks():
+    async def go():
+        s = SchedulerService(FakeDevice(), FAST)
+        await s.submit(spec("c", "chat"))
+        chat = await s.grant("c")
+        await s.submit(spec("n", "nataraj"))       # its caller never polls
+        for _ in range(5):                         # the chat holder stays alive
+            await asyncio.sleep(0.1)
+            await s.renew("c", chat.epoch)
+        with pytest.raises(JobDropped, match="stopped polling"):
+            await s.grant("n")
+        await s.release("c", chat.epoch, "done")
+        snap = await s.status()
+        assert snap["queued"] == 0 and snap["running"] is None
+    run(go())
+
+
+def test_stale_and_double_release_are_refused():
+    async def go():
+        s = SchedulerService(FakeDevice(), FAST)
+        await s.submit(spec("n", "nataraj"))
+        lease = await s.grant("n")
+        with pytest.raises(JobDropped, match="no longer held"):
+            await s.release("n", lease.epoch + 1, "done")
+        with pytest.raises(ValueError, match="did not revoke"):
+            await s.release("n", lease.epoch, "revoked")
+        await s.release("n", lease.epoch, "done")
+        with pytest.raises(JobDropped, match="ended: done"):
+            await s.release("n", lease.epoch, "done")
+    run(go())
+
+
+def test_failed_load_fails_the_job_and_the_next_one_runs():
+    async def go():
+        dev = FakeDevice(fail={"broken"})
+        s = SchedulerService(dev, FAST)
+        await s.submit(spec("a", "gana", model="broken"))
+        await s.submit(spec("b", "gana", model="m", producer="p2"))
+        with pytest.raises(RuntimeError, match="cannot load broken"):
+            await s.grant("a")
+        lease = await s.grant("b")
+        assert lease.model_id == "m" and dev.loads == ["m"]
+    run(go())
+
+
+def test_cancel_queued_and_running():
+    async def go():
+        dev = FakeDevice()
+        s = SchedulerService(dev, FAST)
+        await s.submit(spec("n1", "nataraj"))
+        await s.submit(spec("n2", "nataraj"))
+        await s.submit(spec("n3", "nataraj"))
+        lease = await s.grant("n1")
+        await s.cancel("n2")
+        with pytest.raises(JobDropped, match="cancelled"):
+            await s.grant("n2")
+        await s.cancel("n1")                       # running: fenced and finished at once
+        await asyncio.sleep(0.01)
+        assert lease.epoch in dev.revoked
+        assert (await s.grant("n3")).epoch > lease.epoch
+        await s.cancel("n1")                       # idempotent
+    run(go())
+
+
+def test_deadline_timer_preempts_without_any_call():
+    import time as _time
+
+    async def go():
+        dev = FakeDevice()
+        s = SchedulerService(dev, FAST)
+        await s.submit(spec("n", "nataraj"))
+        lease = await s.grant("n")
+        await s.submit(spec("g", "gana", deadline=_time.time() + 0.2))
+        await asyncio.sleep(0.1)
+        assert dev.revoked == []
+        await asyncio.sleep(0.25)
+        assert dev.revoked == [lease.epoch]
+    run(go())

