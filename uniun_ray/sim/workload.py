@@ -41,7 +41,9 @@ class Arrival:
 @dataclass(frozen=True)
 class FlowStep:
     """One job of a flow. `think_s` is the delay before it is submitted, counted from the
-    moment a slot frees (the flow's start for the first `depth` steps). `deadline_in_s`,
+    moment a slot frees (the flow's start for the first `depth` steps). Even at 0 the job
+    arrives after the policy has handled the finish that freed the slot (a producer hears
+    of the end first), so the pick made at that finish does not see it. `deadline_in_s`,
     when set, makes the deadline `submit time + deadline_in_s`."""
 
     prompt_tokens: int
