@@ -39,6 +39,18 @@ def test_scenario_3_cron_gana_past_due_preempts_t4_nataraj():
     assert p2.submit(job("g", "gana", deadline=5), 6) == [Revoke("n")]
 
 
+def test_scenario_3_cron_gana_on_another_model_preempts_when_due_if_submitted_early():
+    p = SchedulerPolicy()
+    p.submit(job("n", "nataraj", model="smollm2"), 0)
+    p.submit(job("g", "gana", model="gemma", deadline=200), 100)  # waited 100 s > 60 s when due
+    assert p.tick(200) == [Revoke("n")]
+    assert p.finish("n", 200.05, "revoked") == [Dispatch("g", "gemma", True)]
+    # submitted at its fire time it is inside its affinity wait: it waits for the runner
+    p2 = SchedulerPolicy()
+    p2.submit(job("n", "nataraj", model="smollm2"), 0)
+    assert p2.submit(job("g", "gana", model="gemma", deadline=200), 200) == []
+
+
 def test_scenario_4_nataraj_page_opened_while_gana_runs():
     p = SchedulerPolicy()
     p.submit(job("g", "gana"), 0)

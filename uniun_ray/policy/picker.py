@@ -1,11 +1,11 @@
 """Choosing a job (R2, R3, R11, R12) and deciding whether it preempts (R4).
 
 Two questions, two functions: `pick` answers "the device is free: what runs next?";
-`preemptor` answers "something changed: does a queued job outrank the running one?".
-They share the tier walk; they differ in what the running job counts as. The T2 budget and
-the affinity wait are pick-time rules: `preemptor` lets the running job count as the
-lower-tier work that blocks an over-budget T2, and as the same-model candidate that keeps a
-T2–T4 job on another model waiting, so neither rule can cause a revoke (no thrash).
+`preemptor` answers "something changed: does a queued job outrank the running one?" with
+the same rules, the running job counted as a candidate. The T2 budget and the affinity
+wait are pick-time rules: they are consulted, so an over-budget T2 or a job on another
+model still inside its affinity wait never revokes (a revoke would only hand the device
+straight back: thrash), but they are not events, so they never revoke on their own.
 """
 from __future__ import annotations
 
@@ -64,7 +64,13 @@ def pick(ctx: PickContext) -> Entry | None:
 
 
 def preemptor(ctx: PickContext, running_tier: Tier) -> Entry | None:
-    """The queued job that should revoke a running job of `running_tier`, if any."""
+    """The queued job that should revoke a running job of `running_tier`, if any: the job
+    `pick` would choose, with the runner counted as a candidate, when it is of a lower tier.
+
+    The runner is on the loaded model, so for T2–T4 it is always a same-model candidate: a
+    job on another model preempts only once its affinity wait is over (at an event: this
+    is never a timer of its own), and an over-budget T2 never does while the runner is
+    T3/T4 work."""
     if running_tier is Tier.CHAT:
         return None  # chat only loses to itself (R4)
     urgent = ctx.first(t for t in (Tier.CHAT, Tier.FOREGROUND) if t < running_tier)
@@ -72,4 +78,10 @@ def preemptor(ctx: PickContext, running_tier: Tier) -> Entry | None:
         return urgent
     lower_work = len(ctx.queues.pool) > 0 or running_tier >= Tier.DEADLINE
     tiers = [t for t in ctx.fair_tiers(lower_work) if t < running_tier]
-    return ctx.first(tiers, ctx.loaded_model)
+    same = ctx.first(tiers, ctx.loaded_model)
+    if same is not None:
+        return same
+    best = ctx.first(tiers)
+    if best is not None and ctx.now - best.submitted > ctx.max_affinity_wait_s:
+        return best
+    return None

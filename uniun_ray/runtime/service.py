@@ -239,9 +239,9 @@ class SchedulerService:
         for tracked in list(self._jobs.values()):
             idle = mono - tracked.last_seen
             if tracked.state == "queued" and idle > self.config.waiter_timeout_s:
-                self._withdraw(tracked, f"its caller stopped polling for {idle:.0f} s (caller gone?)")
+                self._withdraw(tracked, f"its caller stopped polling for {idle:.1f} s (caller gone?)")
             elif tracked.state == "granted" and idle > self.config.lease_timeout_s:
-                self._withdraw(tracked, f"lease reclaimed: not renewed for {idle:.0f} s (holder gone?)")
+                self._withdraw(tracked, f"lease reclaimed: not renewed for {idle:.1f} s (holder gone?)")
 
     # -- helpers --------------------------------------------------------------------------
     def _future(self) -> asyncio.Future:
