@@ -1,0 +1,457 @@
+"""The model registry, the GGUF conversion cache, and the Ray-free Engine (no Ray here).
+
+Most tests run the embedded `tiny` model (1M parameters, untrained: its text is gibberish, but
+its tokens are deterministic and cheap) in float32, where greedy decoding is exact.
+
+Cost on a clean clone: this module converts `tiny` into a fresh temporary cache each run
+(about 7 s on the 2-core dev machine, and it is the real conversion path under test). The one
+slow test converts `smollm2-135m-instruct` once into the user's cache (about 18 s the first
+time, well under a second to load afterwards).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from uniun_ray.models import (
+    DEFAULT_CHAT_MODEL,
+    Engine,
+    GenerateRequest,
+    Origin,
+    PromptTooLong,
+    UnknownModel,
+    inspect_request,
+    known_ids,
+    materialize,
+    resolve,
+)
+from uniun_ray.models import registry
+from uniun_ray.models.registry import CACHE_ENV
+
+USER_CACHE = os.environ.get(CACHE_ENV)  # read at import, before the fixtures below redirect it
+
+PROMPT = "def fibonacci(n):"
+LONG_PROMPT = " ".join(f"line {i} of a long prompt." for i in range(60))  # ~420 tokens on tiny
+
+
+@pytest.fixture(scope="module")
+def tiny_cache(tmp_path_factory):
+    """A fresh conversion cache for this module, with `tiny` converted into it once.
+
+    Module-scoped, not session-scoped: the environment variable must not leak into the Ray
+    tests that run later in the same session (their workers inherit it).
+    """
+    root = tmp_path_factory.mktemp("uniun-cache")
+    previous = os.environ.get(CACHE_ENV)
+    os.environ[CACHE_ENV] = str(root)
+    started = time.perf_counter()
+    folder = materialize(resolve("tiny"))
+    conversion_s = time.perf_counter() - started
+    yield {"root": root, "tiny": folder, "conversion_s": conversion_s}
+    if previous is None:
+        del os.environ[CACHE_ENV]
+    else:
+        os.environ[CACHE_ENV] = previous
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_cache):
+    engine = Engine(dtype="float32")
+    engine.load("tiny")
+    return engine
+
+
+@pytest.fixture
+def forwards(engine):
+    """Counts forward passes of the loaded model; an optional action runs inside pass n."""
+
+    class Counter:
+        def __init__(self) -> None:
+            self.count = 0
+            self.actions: dict[int, callable] = {}
+
+        def __call__(self, module, args, output) -> None:
+            self.count += 1
+            if self.count in self.actions:
+                self.actions[self.count]()
+
+    counter = Counter()
+    handle = engine._loaded.model.register_forward_hook(counter)
+    yield counter
+    handle.remove()
+
+
+def run(engine: Engine, request: GenerateRequest, cancel=None):
+    generation = engine.generate(request, cancel or threading.Event())
+    pieces = list(generation)
+    return pieces, generation.result
+
+
+# -- registry ---------------------------------------------------------------------------------
+
+
+def test_known_ids_are_embedded_ggufs():
+    assert set(known_ids()) == {"smollm2-135m-instruct", "gemma-3-270m", "tiny"}
+    assert DEFAULT_CHAT_MODEL in known_ids()
+    for model_id in known_ids():
+        spec = resolve(model_id)
+        assert spec.origin is Origin.EMBEDDED and spec.id == model_id
+        if spec.assembled_by is None:
+            assert (Path(spec.source) / spec.gguf_file).is_file()
+    assert resolve(DEFAULT_CHAT_MODEL).chat is True
+    assert resolve("gemma-3-270m").chat is False
+
+
+@pytest.mark.parametrize("model_id", ["no-such-model", "nobody-here/no-such-repo", "/no/such/folder", ""])
+def test_unknown_id_names_the_known_ids(model_id):
+    with pytest.raises(UnknownModel) as raised:
+        resolve(model_id)
+    assert isinstance(raised.value, ValueError)
+    for known in known_ids():
+        assert known in str(raised.value)
+
+
+def test_local_folder_without_weights_is_unknown(tmp_path):
+    with pytest.raises(UnknownModel, match="no config.json"):
+        resolve(str(tmp_path))
+
+
+def test_local_folder_id_loads_and_generates_like_its_source(engine, tiny_cache):
+    spec = resolve(str(tiny_cache["tiny"]))
+    assert spec.origin is Origin.LOCAL and materialize(spec) == tiny_cache["tiny"]
+    request = GenerateRequest(prompt=PROMPT, max_new_tokens=12)
+    _, expected = run(engine, request)
+    local = Engine(dtype="float32")
+    local.load(spec.id)
+    assert local.loaded == spec.id
+    assert run(local, request)[1].token_ids == expected.token_ids
+
+
+def test_hugging_face_id_resolves_only_from_the_local_cache(engine, tiny_cache, tmp_path, monkeypatch):
+    import huggingface_hub.constants
+
+    snapshot = tmp_path / "models--uniun-test--tiny" / "snapshots" / "0123abcd"
+    snapshot.mkdir(parents=True)
+    (snapshot.parent.parent / "refs").mkdir()
+    (snapshot.parent.parent / "refs" / "main").write_text("0123abcd")
+    for file in tiny_cache["tiny"].iterdir():
+        (snapshot / file.name).symlink_to(file)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path))
+
+    spec = resolve("uniun-test/tiny")
+    assert spec.origin is Origin.HUB and materialize(spec) == snapshot
+    with pytest.raises(UnknownModel, match="Hugging Face cache"):
+        resolve("uniun-test/absent")
+    hub = Engine(dtype="float32")
+    hub.load("uniun-test/tiny")
+    request = GenerateRequest(prompt=PROMPT, max_new_tokens=12)
+    assert run(hub, request)[1].token_ids == run(engine, request)[1].token_ids
+
+
+# -- conversion cache -------------------------------------------------------------------------
+
+
+def test_conversion_is_cached_as_safetensors(tiny_cache, monkeypatch):
+    folder = tiny_cache["tiny"]
+    assert folder == tiny_cache["root"] / "tiny"
+    names = {path.name for path in folder.iterdir()}
+    assert {"model.safetensors", "config.json", "tokenizer.json", registry._FINGERPRINT_FILE} <= names
+    assert not any(name.endswith(".gguf") for name in names)
+
+    def must_not_convert(spec, out):
+        raise AssertionError("converted again")
+
+    monkeypatch.setattr(registry, "_convert_gguf", must_not_convert)
+    assert materialize(resolve("tiny")) == folder
+    fresh = Engine(dtype="float32")
+    load_s = fresh.load("tiny")
+    assert load_s < 3.0, f"load from the cache took {load_s:.2f} s (conversion took {tiny_cache['conversion_s']:.1f} s)"
+
+
+@pytest.fixture
+def fake_conversion(tmp_path, monkeypatch):
+    """An empty cache and a stand-in converter that is slow and counts its calls."""
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path))
+    calls = []
+
+    def convert(spec, out):
+        calls.append(spec.id)
+        time.sleep(0.3)
+        (out / "model.safetensors").write_bytes(b"weights")
+
+    monkeypatch.setattr(registry, "_convert_gguf", convert)
+    return tmp_path, calls
+
+
+def test_concurrent_materialize_converts_once(fake_conversion):
+    root, calls = fake_conversion
+    results = []
+    threads = [threading.Thread(target=lambda: results.append(materialize(resolve("tiny")))) for _ in range(3)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert calls == ["tiny"]
+    assert results == [root / "tiny"] * 3
+    assert (root / "tiny" / "model.safetensors").read_bytes() == b"weights"
+    assert sorted(path.name for path in root.iterdir()) == ["tiny", "tiny.lock"]  # no staging left
+
+
+def test_failed_conversion_leaves_nothing_behind(fake_conversion, monkeypatch):
+    root, _ = fake_conversion
+
+    def broken(spec, out):
+        (out / "model.safetensors").write_bytes(b"half")
+        raise OSError("disk full")
+
+    monkeypatch.setattr(registry, "_convert_gguf", broken)
+    with pytest.raises(OSError, match="disk full"):
+        materialize(resolve("tiny"))
+    assert sorted(path.name for path in root.iterdir()) == ["tiny.lock"]
+
+
+def test_stale_conversion_is_rebuilt(fake_conversion):
+    root, calls = fake_conversion
+    folder = materialize(resolve("tiny"))
+    (folder / registry._FINGERPRINT_FILE).write_text('{"version": "an older package"}')
+    assert materialize(resolve("tiny")) == folder
+    assert calls == ["tiny", "tiny"]
+    assert sorted(path.name for path in root.iterdir()) == ["tiny", "tiny.lock"]
+
+
+# -- engine: load and unload ------------------------------------------------------------------
+
+
+def test_load_unload_report_state(tiny_cache):
+    engine = Engine(dtype="float32")
+    assert engine.loaded is None and engine.context_length is None and engine.chat is None
+    assert engine.load("tiny") > 0
+    assert engine.load("tiny") == 0.0
+    assert (engine.loaded, engine.context_length, engine.chat) == ("tiny", 2048, False)
+    with pytest.raises(UnknownModel):
+        engine.load("no-such-model")
+    assert engine.loaded == "tiny"  # a bad id leaves the resident model in place
+    assert engine.unload() >= 0
+    assert engine.loaded is None
+    with pytest.raises(RuntimeError, match="no model is loaded"):
+        engine.generate(GenerateRequest(prompt=PROMPT), threading.Event())
+
+
+def test_load_and_unload_refused_while_generating(engine):
+    generation = engine.generate(GenerateRequest(prompt=PROMPT, max_new_tokens=50), threading.Event())
+    next(generation)
+    with pytest.raises(RuntimeError, match="while a generation is running"):
+        engine.unload()
+    with pytest.raises(RuntimeError, match="while a generation is running"):
+        engine.load("gemma-3-270m")
+    generation.close()
+    assert generation.result.stopped_by_cancel
+    assert engine.load("tiny") == 0.0
+
+
+# -- engine: generation -----------------------------------------------------------------------
+
+
+def test_streams_pieces_and_reports_the_run(engine):
+    pieces, result = run(engine, GenerateRequest(prompt=PROMPT, max_new_tokens=40))
+    assert len(pieces) > 10 and all(pieces)
+    assert result.text == "".join(pieces)
+    assert result.finish_reason == "length" and result.tokens == 40 and not result.stopped_by_cancel
+    assert result.prompt_tokens == engine.check(GenerateRequest(prompt=PROMPT))
+    assert 0 < result.ttft_s <= result.total_s
+
+
+def test_greedy_matches_transformers_generate_with_chunked_prefill(engine, monkeypatch):
+    monkeypatch.setattr(engine, "prefill_chunk", 16)
+    model, tokenizer = engine._loaded.model, engine._loaded.vocabulary.tokenizer
+    inputs = tokenizer(LONG_PROMPT, return_tensors="pt")
+    assert inputs.input_ids.shape[1] > 10 * 16
+    with torch.inference_mode():
+        output = model.generate(**inputs, max_new_tokens=30, do_sample=False)
+    expected = output[0, inputs.input_ids.shape[1] :].tolist()
+    _, result = run(engine, GenerateRequest(prompt=LONG_PROMPT, max_new_tokens=30))
+    assert list(result.token_ids) == expected
+
+
+def test_cancel_stops_within_one_token(engine, forwards):
+    cancel = threading.Event()
+    forwards.actions[10] = cancel.set  # set while the 10th forward pass (9th decode step) runs
+    _, result = run(engine, GenerateRequest(prompt=PROMPT, max_new_tokens=200), cancel)
+    assert result.stopped_by_cancel
+    assert forwards.count == 10  # no forward pass after the flag was set
+    assert 7 <= result.tokens <= 10  # the token of pass 10 is kept; held-back text may drop a few
+
+
+def test_cancel_from_another_thread_stops_quickly(engine):
+    cancel, first_piece, done = threading.Event(), threading.Event(), {}
+    generation = engine.generate(GenerateRequest(prompt=PROMPT, max_new_tokens=1500), cancel)
+
+    def consume():
+        for _ in generation:
+            first_piece.set()
+        done["at"] = time.perf_counter()
+
+    consumer = threading.Thread(target=consume)
+    consumer.start()
+    assert first_piece.wait(10)
+    cancelled_at = time.perf_counter()
+    cancel.set()
+    consumer.join(10)
+    latency = done["at"] - cancelled_at
+    assert generation.result.stopped_by_cancel and generation.result.tokens < 1500
+    assert latency < 0.5, f"stopped {latency * 1000:.0f} ms after the cancel"
+
+
+def test_cancel_during_chunked_prefill_stops_before_prefill_ends(engine, forwards, monkeypatch):
+    monkeypatch.setattr(engine, "prefill_chunk", 16)
+    request = GenerateRequest(prompt=LONG_PROMPT, max_new_tokens=10)
+    chunks = -(-engine.check(request) // 16)
+    assert chunks > 20
+    cancel = threading.Event()
+    forwards.actions[3] = cancel.set
+    pieces, result = run(engine, request, cancel)
+    assert forwards.count == 3 and pieces == []
+    assert result.stopped_by_cancel and result.tokens == 0 and result.ttft_s is None
+
+
+def test_cancel_set_before_the_run_does_no_work(engine, forwards):
+    cancel = threading.Event()
+    cancel.set()
+    pieces, result = run(engine, GenerateRequest(prompt=PROMPT), cancel)
+    assert (forwards.count, pieces, result.finish_reason) == (0, [], "cancel")
+
+
+@pytest.mark.parametrize("stop_after", [1, 5, 17, 33])
+def test_resume_tokens_continue_exactly(engine, forwards, stop_after):
+    request = GenerateRequest(prompt=PROMPT, max_new_tokens=48)
+    _, whole = run(engine, request)
+    cancel = threading.Event()
+    forwards.count = 0
+    forwards.actions[stop_after] = cancel.set
+    _, first = run(engine, request, cancel)
+    assert first.stopped_by_cancel and 0 < first.tokens < 48
+    resumed_request = GenerateRequest(
+        prompt=PROMPT, max_new_tokens=48 - first.tokens, resume_tokens=first.token_ids
+    )
+    _, rest = run(engine, resumed_request)
+    assert first.token_ids + rest.token_ids == whole.token_ids
+    assert first.text + rest.text == whole.text
+    assert rest.prompt_tokens == whole.prompt_tokens + first.tokens
+
+
+def test_resume_text_prefills_prompt_plus_text_and_returns_only_new_text(engine):
+    request = GenerateRequest(prompt="The answer", max_new_tokens=5, resume_text=" is forty-two")
+    prompt_only = engine.check(GenerateRequest(prompt="The answer is forty-two"))
+    assert engine.check(request) == prompt_only
+    _, result = run(engine, request)
+    assert "forty-two" not in result.text and result.tokens == 5
+
+
+def test_sampling_is_seeded_by_torch(engine):
+    request = GenerateRequest(prompt=PROMPT, max_new_tokens=20, temperature=1.5)
+    torch.manual_seed(7)
+    first = run(engine, request)[1].token_ids
+    torch.manual_seed(7)
+    assert run(engine, request)[1].token_ids == first
+    assert first != run(engine, GenerateRequest(prompt=PROMPT, max_new_tokens=20))[1].token_ids
+
+
+def test_prompt_too_long_is_refused_before_touching_the_device(engine, forwards):
+    long_request = GenerateRequest(prompt=LONG_PROMPT * 5, max_new_tokens=100)
+    with pytest.raises(PromptTooLong) as raised:
+        engine.generate(long_request, threading.Event())
+    prompt_tokens = len(engine._loaded.vocabulary.tokenizer(LONG_PROMPT * 5)["input_ids"])
+    assert str(prompt_tokens) in str(raised.value) and "2048" in str(raised.value)
+    assert isinstance(raised.value, ValueError)
+    fits = GenerateRequest(prompt=PROMPT, max_new_tokens=2048 - engine.check(GenerateRequest(prompt=PROMPT)))
+    engine.check(fits)
+    with pytest.raises(PromptTooLong, match="1 resumed"):
+        engine.check(GenerateRequest(prompt=PROMPT, max_new_tokens=fits.max_new_tokens, resume_tokens=(5,)))
+    with pytest.raises(PromptTooLong):
+        inspect_request(resolve("tiny"), long_request)
+    assert forwards.count == 0
+
+
+def test_inspect_request_needs_no_loaded_model(engine):
+    request = GenerateRequest(prompt=PROMPT, max_new_tokens=8)
+    assert inspect_request(resolve("tiny"), request) == engine.check(request)
+    with pytest.raises(ValueError, match="no chat template"):
+        inspect_request(resolve("tiny"), GenerateRequest(messages=[{"role": "user", "content": "hi"}]))
+
+
+@pytest.mark.parametrize(
+    "fields, message",
+    [
+        ({}, "exactly one of prompt and messages"),
+        ({"prompt": "a", "messages": [{"role": "user", "content": "b"}]}, "exactly one"),
+        ({"prompt": 3}, "prompt must be a str"),
+        ({"messages": []}, "non-empty list"),
+        ({"messages": [{"role": "user"}]}, r"messages\[0\]"),
+        ({"messages": ["hello"]}, r"messages\[0\]"),
+        ({"prompt": "a", "max_new_tokens": 0}, "max_new_tokens"),
+        ({"prompt": "a", "max_new_tokens": 2.5}, "max_new_tokens"),
+        ({"prompt": "a", "max_new_tokens": True}, "max_new_tokens"),
+        ({"prompt": "a", "temperature": -0.1}, "temperature"),
+        ({"prompt": "a", "temperature": float("nan")}, "temperature"),
+        ({"prompt": "a", "temperature": "hot"}, "temperature"),
+        ({"prompt": "a", "resume_text": 5}, "resume_text"),
+        ({"prompt": "a", "resume_tokens": "12"}, "resume_tokens"),
+        ({"prompt": "a", "resume_tokens": [1, -2]}, "resume_tokens"),
+        ({"prompt": "a", "resume_tokens": [1], "resume_text": "x"}, "not both"),
+    ],
+)
+def test_bad_requests_are_refused_with_a_clear_message(fields, message):
+    with pytest.raises(ValueError, match=message):
+        GenerateRequest(**fields)
+
+
+def test_requests_the_model_cannot_serve_are_refused(engine, forwards):
+    with pytest.raises(ValueError, match="no chat template"):
+        engine.check(GenerateRequest(messages=[{"role": "user", "content": "hi"}]))
+    with pytest.raises(ValueError, match="vocabulary of 32000"):
+        engine.check(GenerateRequest(prompt="a", resume_tokens=[32000]))
+    with pytest.raises(ValueError, match="is_set"):
+        engine.generate(GenerateRequest(prompt="a"), cancel=None)
+    with pytest.raises(ValueError, match="GenerateRequest"):
+        engine.check({"prompt": "a"})
+    assert forwards.count == 0
+
+
+def test_engine_arguments_are_checked():
+    with pytest.raises(ValueError, match="dtype"):
+        Engine(dtype="float99")
+    with pytest.raises(ValueError, match="num_threads"):
+        Engine(num_threads=0)
+    with pytest.raises(ValueError, match="prefill_chunk"):
+        Engine(prefill_chunk=0)
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="CUDA"):
+            Engine(device="cuda")
+
+
+# -- the default chat model -------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_default_chat_model_applies_its_template(monkeypatch):
+    """Uses the user's cache (not this module's temporary one), so the ~18 s conversion is paid once."""
+    if USER_CACHE is None:
+        monkeypatch.delenv(CACHE_ENV, raising=False)
+    else:
+        monkeypatch.setenv(CACHE_ENV, USER_CACHE)
+    engine = Engine()
+    engine.load(DEFAULT_CHAT_MODEL)
+    assert engine.chat and engine.dtype == torch.bfloat16
+    question = "What is the capital of France?"
+    messages = [{"role": "user", "content": question}]
+    pieces, result = run(engine, GenerateRequest(messages=messages, max_new_tokens=24))
+    assert "Paris" in result.text and result.finish_reason == "eos"
+    assert "<|im_end|>" not in result.text and len(pieces) > 1
+    # A plain prompt to a chat model is sent as a single user turn.
+    assert run(engine, GenerateRequest(prompt=question, max_new_tokens=24))[1].text == result.text

@@ -1,0 +1,595 @@
+"""A Ray-free text generation engine: one model at a time, cancellable at every token.
+
+The ModelActor is a thin Ray shell around ``Engine``. Everything that decides *how* a model runs
+lives here, so it can be tested (and benchmarked) without a cluster:
+
+* ``load`` / ``unload`` swap the single resident model and report how long that took, because
+  the scheduler weighs swaps by their measured cost (SPEC R12).
+* ``generate`` streams text and stops at the next token once its ``cancel`` event is set: this
+  is how a revoke (SPEC R4) takes effect. The decode loop is our own rather than
+  ``model.generate``: it checks the flag before every forward pass, including between the chunks
+  of a long prompt's prefill, which ``generate`` cannot interrupt; and it yields pieces in the
+  caller's thread, with no helper thread or queue as ``TextIteratorStreamer`` needs.
+* A revoked job resumes recompute-style (SPEC R6): the new request carries what the job already
+  produced, the engine prefills prompt + that, and the result holds only the new part.
+"""
+
+from __future__ import annotations
+
+import functools
+import gc
+import inspect
+import math
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Iterator, Protocol
+
+import torch
+
+from .registry import ModelSpec, materialize, resolve
+
+DEFAULT_PREFILL_CHUNK = 256
+
+
+class PromptTooLong(ValueError):
+    """The prompt plus the tokens asked for do not fit the model's context window."""
+
+
+class CancelFlag(Protocol):
+    """What ``generate`` polls; a ``threading.Event`` is one."""
+
+    def is_set(self) -> bool: ...
+
+
+def default_dtype(device: torch.device) -> torch.dtype:
+    """bfloat16 where it is fast: on CUDA GPUs that support it, and on CPU.
+
+    On this project's 2-core CPU machine bf16 decodes SmolLM2-135M about 1.6x faster than float32
+    (see MEASURED.md); older GPUs without bf16 get float16.
+    """
+    if device.type == "cuda" and not torch.cuda.is_bf16_supported():
+        return torch.float16
+    return torch.bfloat16
+
+
+@dataclass(frozen=True, kw_only=True)
+class GenerateRequest:
+    """One generation: a prompt or chat messages, and how to continue a revoked job.
+
+    Exactly one of ``prompt`` and ``messages`` is given. ``messages`` needs a model with a chat
+    template. A plain ``prompt`` sent to a chat model is wrapped as a single user turn, because
+    chat models answer raw text poorly; on a completion model it is continued as is.
+
+    Resuming a revoked job, the engine prefills prompt + what the job already produced and
+    returns only the new text. Give that output as one of:
+
+    * ``resume_tokens``: the token ids from the revoked run's ``GenerationResult.token_ids``.
+      Exact: greedy decoding then yields the same text as an uninterrupted run (in float32; in
+      lower precision a recomputed prefill can round differently and flip a near-tie).
+    * ``resume_text``: the text produced so far. It is re-tokenized together with the prompt,
+      which may split it into different tokens than the model produced, so the continuation can
+      differ from an uninterrupted run. Use it when the token ids are not at hand.
+
+    ``temperature`` 0 is greedy (deterministic); above 0 samples from the softmax at that
+    temperature.
+    """
+
+    prompt: str | None = None
+    messages: list[dict] | None = None
+    max_new_tokens: int = 128
+    resume_text: str = ""
+    resume_tokens: tuple[int, ...] = ()
+    temperature: float = 0.0
+
+    def __post_init__(self) -> None:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give exactly one of prompt and messages")
+        if self.prompt is not None and not isinstance(self.prompt, str):
+            raise ValueError(f"prompt must be a str, got {type(self.prompt).__name__}")
+        if self.messages is not None:
+            _check_messages(self.messages)
+        if not _is_int(self.max_new_tokens) or self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be an int >= 1, got {self.max_new_tokens!r}")
+        if not isinstance(self.resume_text, str):
+            raise ValueError(f"resume_text must be a str, got {type(self.resume_text).__name__}")
+        object.__setattr__(self, "resume_tokens", _token_tuple(self.resume_tokens))
+        if self.resume_text and self.resume_tokens:
+            raise ValueError("give resume_tokens or resume_text, not both")
+        if not _is_real(self.temperature) or not math.isfinite(self.temperature) or self.temperature < 0:
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_real(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _check_messages(messages: Any) -> None:
+    if not isinstance(messages, list) or not messages:
+        raise ValueError("messages must be a non-empty list of {'role': str, 'content': str} dicts")
+    for index, message in enumerate(messages):
+        if (
+            not isinstance(message, dict)
+            or not isinstance(message.get("role"), str)
+            or not isinstance(message.get("content"), str)
+        ):
+            raise ValueError(
+                f"messages[{index}] must be a dict with str 'role' and str 'content', got {message!r}"
+            )
+
+
+def _token_tuple(tokens: Any) -> tuple[int, ...]:
+    if isinstance(tokens, (str, bytes)) or not isinstance(tokens, Sequence):
+        raise ValueError(f"resume_tokens must be a sequence of token ids, got {type(tokens).__name__}")
+    if not all(_is_int(token) and token >= 0 for token in tokens):
+        raise ValueError("resume_tokens must hold non-negative int token ids")
+    return tuple(tokens)
+
+
+@dataclass(frozen=True)
+class GenerationResult:
+    """How a run ended. Set on ``Generation.result`` once its iterator is exhausted or closed.
+
+    ``text`` is the concatenation of the pieces yielded. ``token_ids`` are the tokens behind that
+    text (the end-of-sequence token excluded); pass them as ``resume_tokens`` to continue after a
+    revoke. On cancel, a token or two whose text was still incomplete (a multi-byte character
+    split across tokens) is left out of both, so the resumed run recomputes it instead of the
+    text losing a character. ``finish_reason`` is "eos", "length" (max_new_tokens reached),
+    "cancel" (the flag was set, or the consumer closed the iterator) or "error" (the model
+    raised; the exception reached the consumer). ``ttft_s`` is the time from
+    the start of the run (its first ``next``) to the first sampled token, None if none was.
+    """
+
+    text: str
+    token_ids: tuple[int, ...]
+    prompt_tokens: int
+    finish_reason: str
+    ttft_s: float | None
+    total_s: float
+
+    @property
+    def tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def stopped_by_cancel(self) -> bool:
+        return self.finish_reason == "cancel"
+
+
+@dataclass(frozen=True)
+class _Vocabulary:
+    """What a request is checked against: a model's tokenizer and limits, not its weights."""
+
+    model_id: str
+    tokenizer: Any
+    context_length: int
+    chat: bool
+
+
+@dataclass(frozen=True)
+class _Loaded:
+    """The resident model and what the decode loop needs to know about it."""
+
+    vocabulary: _Vocabulary
+    model: Any
+    eos_ids: frozenset[int]
+    cache_arg: str
+    forward_kwargs: dict = field(default_factory=dict)
+
+
+class Engine:
+    """Holds at most one causal LM on ``device`` and generates with it, one run at a time.
+
+    ``num_threads`` sets torch's intra-op threads for the whole process. Pass it deliberately:
+    Ray sets OMP_NUM_THREADS from an actor's num_cpus, which may not be what the model should use.
+    ``prefill_chunk`` is the number of prompt tokens per forward pass in prefill, bounding how
+    long a cancel waits while a long prompt is read.
+
+    Thread safety: ``generate`` may be iterated in a worker thread. ``load`` and ``unload`` refuse
+    (RuntimeError) while a run is in progress: revoke it and let its iterator finish first.
+    """
+
+    def __init__(
+        self,
+        device: str | torch.device = "cpu",
+        dtype: str | torch.dtype | None = None,
+        num_threads: int | None = None,
+        prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
+    ) -> None:
+        self.device = torch.device(device)
+        if self.device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"device {device!r} requested, but CUDA is not available")
+        self.dtype = _as_dtype(dtype) if dtype is not None else default_dtype(self.device)
+        if num_threads is not None:
+            if not _is_int(num_threads) or num_threads < 1:
+                raise ValueError(f"num_threads must be an int >= 1, got {num_threads!r}")
+            torch.set_num_threads(num_threads)
+        if not _is_int(prefill_chunk) or prefill_chunk < 1:
+            raise ValueError(f"prefill_chunk must be an int >= 1, got {prefill_chunk!r}")
+        self.prefill_chunk = prefill_chunk
+        self._lock = threading.Lock()
+        self._loaded: _Loaded | None = None
+        self._running = 0
+
+    @property
+    def loaded(self) -> str | None:
+        """The id of the resident model, or None."""
+        loaded = self._loaded
+        return loaded.vocabulary.model_id if loaded else None
+
+    @property
+    def context_length(self) -> int | None:
+        """The resident model's context window in tokens, or None when nothing is loaded."""
+        loaded = self._loaded
+        return loaded.vocabulary.context_length if loaded else None
+
+    @property
+    def chat(self) -> bool | None:
+        """Whether the resident model has a chat template, or None when nothing is loaded."""
+        loaded = self._loaded
+        return loaded.vocabulary.chat if loaded else None
+
+    def load(self, model_id: str) -> float:
+        """Make ``model_id`` the resident model; return the seconds it took (0.0 if it already was).
+
+        A different resident model is unloaded first, and that time is included: the caller wants
+        the cost of the swap. The id is resolved, and a GGUF converted, before the old model is
+        dropped, so an unknown id (UnknownModel) leaves the engine as it was.
+        """
+        with self._lock:
+            self._refuse_while_running("load")
+            if self.loaded == model_id:
+                return 0.0
+            started = time.perf_counter()
+            folder = materialize(resolve(model_id))
+            self._release()
+            self._loaded = self._load_folder(model_id, folder)
+            return time.perf_counter() - started
+
+    def unload(self) -> float:
+        """Drop the resident model and free its memory; return the seconds it took."""
+        with self._lock:
+            self._refuse_while_running("unload")
+            started = time.perf_counter()
+            self._release()
+            return time.perf_counter() - started
+
+    def check(self, request: GenerateRequest) -> int:
+        """Raise what ``generate`` would raise for ``request``, without running the model.
+
+        Returns the number of tokens the run would prefill (prompt, template and resumed
+        output). RuntimeError: no model is loaded. Otherwise as ``inspect_request``.
+        """
+        return len(self._prepare(request)[1])
+
+    def generate(self, request: GenerateRequest, cancel: CancelFlag) -> Generation:
+        """Start a run: iterate the result for text pieces, then read its ``.result``.
+
+        The request is checked here, eagerly (see ``check``); the model runs only as the
+        iterator is advanced, in the thread that advances it. Setting ``cancel`` stops the run
+        before its next forward pass: within one token while decoding, within one prefill chunk
+        while reading the prompt.
+        """
+        if not callable(getattr(cancel, "is_set", None)):
+            raise ValueError(f"cancel must have an is_set() method (a threading.Event), got {cancel!r}")
+        loaded, context = self._prepare(request)
+        return Generation(self, loaded, context, request, cancel)
+
+    # -- internals ---------------------------------------------------------------------------
+
+    def _refuse_while_running(self, action: str) -> None:
+        if self._running:
+            raise RuntimeError(f"cannot {action} while a generation is running; cancel it first")
+
+    def _release(self) -> None:
+        if self._loaded is None:
+            return
+        self._loaded = None
+        gc.collect()  # the model's tensors are freed here; the cache below can then shrink
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def _load_folder(self, model_id: str, folder: Any) -> _Loaded:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(folder)
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=self.dtype, device_map=str(self.device))
+        model.eval()
+        return _Loaded(
+            vocabulary=_vocabulary(model_id, tokenizer, model.config),
+            model=model,
+            eos_ids=_eos_ids(model, tokenizer),
+            cache_arg=_cache_arg(model),
+            # Prefill needs logits for the last position only; Gemma's 262k vocabulary would
+            # otherwise cost a quarter GB of logits per 256-token chunk.
+            forward_kwargs={"logits_to_keep": 1} if model._supports_logits_to_keep() else {},
+        )
+
+    def _prepare(self, request: GenerateRequest) -> tuple[_Loaded, list[int]]:
+        """The loaded model and the token ids to prefill for ``request``; raises if it cannot run."""
+        loaded = self._loaded
+        if loaded is None:
+            raise RuntimeError("no model is loaded; call load(model_id) first")
+        return loaded, _context(loaded.vocabulary, request)
+
+    def _begin(self, loaded: _Loaded) -> None:
+        with self._lock:
+            if self._loaded is not loaded:
+                raise RuntimeError(
+                    f"model {loaded.vocabulary.model_id!r} was unloaded after this generation was checked"
+                )
+            self._running += 1
+
+    def _end(self) -> None:
+        with self._lock:
+            self._running -= 1
+
+
+def _as_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    resolved = getattr(torch, str(dtype), None)
+    if not isinstance(resolved, torch.dtype):
+        raise ValueError(f"unknown dtype {dtype!r}; use e.g. 'bfloat16', 'float16' or 'float32'")
+    return resolved
+
+
+def inspect_request(spec: ModelSpec, request: GenerateRequest) -> int:
+    """Check ``request`` against a model that need not be loaded; return its prefill token count.
+
+    Reads only the model's tokenizer and config (cached per model), so a client's request can be
+    refused before it is queued, rather than after the scheduler has swapped the model in for it.
+    ValueError: the request does not suit the model (messages without a chat template, token ids
+    outside the vocabulary, an empty prompt). PromptTooLong: prompt + resumed output +
+    max_new_tokens exceed the context window.
+    """
+    return len(_context(_vocabulary_of(spec), request))
+
+
+@functools.lru_cache(maxsize=8)
+def _vocabulary_of(spec: ModelSpec) -> _Vocabulary:
+    from transformers import AutoConfig, AutoTokenizer
+
+    folder = materialize(spec)
+    return _vocabulary(spec.id, AutoTokenizer.from_pretrained(folder), AutoConfig.from_pretrained(folder))
+
+
+def _vocabulary(model_id: str, tokenizer: Any, config: Any) -> _Vocabulary:
+    length = getattr(config.get_text_config(), "max_position_embeddings", None)
+    if not _is_int(length) or length < 1:
+        raise ValueError(
+            f"model {model_id!r} declares no max_position_embeddings; its context length is unknown"
+        )
+    return _Vocabulary(
+        model_id=model_id,
+        tokenizer=tokenizer,
+        context_length=length,
+        chat=bool(getattr(tokenizer, "chat_template", None)),
+    )
+
+
+def _cache_arg(model: Any) -> str:
+    """The forward() keyword (and output field) of the KV cache: transformers 5.x renamed
+    ``past_key_values`` to ``cache`` along the way, and the old name now warns."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+def _eos_ids(model: Any, tokenizer: Any) -> frozenset[int]:
+    """Every token that ends a turn: the generation config may list several (chat models do)."""
+    configured = model.generation_config.eos_token_id
+    ids = set(configured if isinstance(configured, list) else [configured])
+    ids.add(tokenizer.eos_token_id)
+    ids.discard(None)
+    return frozenset(ids)
+
+
+def _context(vocabulary: _Vocabulary, request: GenerateRequest) -> list[int]:
+    """The token ids to prefill for ``request``; raises if the model cannot run it."""
+    if not isinstance(request, GenerateRequest):
+        raise ValueError(f"request must be a GenerateRequest, got {type(request).__name__}")
+    context = _encode(vocabulary, request)
+    if not context:
+        raise ValueError("the prompt encodes to zero tokens; there is nothing to continue")
+    size = len(vocabulary.tokenizer)
+    if any(token >= size for token in request.resume_tokens):
+        raise ValueError(
+            f"resume_tokens holds ids outside {vocabulary.model_id!r}'s vocabulary of {size}"
+        )
+    needed = len(context) + request.max_new_tokens
+    if needed > vocabulary.context_length:
+        resumed = len(request.resume_tokens)
+        raise PromptTooLong(
+            f"prompt is {len(context) - resumed} tokens"
+            + (f" + {resumed} resumed" if resumed else "")
+            + f" + max_new_tokens {request.max_new_tokens} = {needed} tokens, more than the "
+            f"context length {vocabulary.context_length} of model {vocabulary.model_id!r}"
+        )
+    return context
+
+
+def _encode(vocabulary: _Vocabulary, request: GenerateRequest) -> list[int]:
+    """Token ids of the prompt (templated for a chat model) followed by the resumed output."""
+    tokenizer = vocabulary.tokenizer
+    if request.messages is not None and not vocabulary.chat:
+        raise ValueError(
+            f"model {vocabulary.model_id!r} has no chat template; send a prompt, not messages"
+        )
+    if vocabulary.chat:
+        messages = request.messages or [{"role": "user", "content": request.prompt}]
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        add_special_tokens = False  # the template writes its own BOS where the model wants one
+    else:
+        text = request.prompt
+        add_special_tokens = True
+    ids = tokenizer(text + request.resume_text, add_special_tokens=add_special_tokens)["input_ids"]
+    return list(ids) + list(request.resume_tokens)
+
+
+class Generation(Iterator[str]):
+    """One run of the engine: an iterator of text pieces, with ``result`` set when it ends.
+
+    Advance it from one thread at a time; which thread may change between pieces (the actor
+    hands each ``next`` to a thread pool). ``close()``, or dropping it, ends the run early,
+    recorded as a cancel. ``result`` stays None if the iterator was never advanced.
+    """
+
+    def __init__(
+        self,
+        engine: Engine,
+        loaded: _Loaded,
+        context: list[int],
+        request: GenerateRequest,
+        cancel: CancelFlag,
+    ) -> None:
+        self.result: GenerationResult | None = None
+        self._steps = self._run(engine, loaded, context, request, cancel)
+
+    def __next__(self) -> str:
+        return next(self._steps)
+
+    def close(self) -> None:
+        self._steps.close()
+
+    def _run(
+        self,
+        engine: Engine,
+        loaded: _Loaded,
+        context: list[int],
+        request: GenerateRequest,
+        cancel: CancelFlag,
+    ) -> Iterator[str]:
+        engine._begin(loaded)
+        started = time.perf_counter()
+        detokenizer = _Detokenizer(loaded.vocabulary.tokenizer, context)
+        pieces: list[str] = []
+        first_token_at: float | None = None
+        reason = "error"  # what an exception from the model leaves
+        try:
+            logits, cache = _prefill(loaded, context, engine.prefill_chunk, engine.device, cancel)
+            for produced in range(1, request.max_new_tokens + 1):
+                if logits is None:
+                    reason = "cancel"  # the flag was seen in prefill or before a decode step
+                    break
+                token = _pick(logits, request.temperature)
+                if first_token_at is None:
+                    first_token_at = time.perf_counter()
+                if token in loaded.eos_ids:
+                    reason = "eos"
+                    break
+                piece = detokenizer.push(token)
+                if piece:
+                    pieces.append(piece)
+                    yield piece
+                if produced == request.max_new_tokens:
+                    reason = "length"
+                    break
+                logits, cache = _step(loaded, [token], cache, engine.device, cancel)
+            if reason != "cancel":
+                tail = detokenizer.flush()
+                if tail:
+                    pieces.append(tail)
+                    yield tail
+        except GeneratorExit:
+            reason = "cancel"  # the consumer closed the iterator
+            raise
+        finally:
+            engine._end()
+            self.result = GenerationResult(
+                text="".join(pieces),
+                token_ids=tuple(detokenizer.committed),
+                prompt_tokens=len(context),
+                finish_reason=reason,
+                ttft_s=None if first_token_at is None else first_token_at - started,
+                total_s=time.perf_counter() - started,
+            )
+
+
+def _prefill(
+    loaded: _Loaded, context: list[int], chunk: int, device: torch.device, cancel: CancelFlag
+) -> tuple[torch.Tensor | None, Any]:
+    """Read the context in chunks, checking ``cancel`` before each; logits None when cancelled."""
+    logits, cache = None, None
+    for start in range(0, len(context), chunk):
+        logits, cache = _step(loaded, context[start : start + chunk], cache, device, cancel)
+        if logits is None:
+            break
+    return logits, cache
+
+
+def _step(
+    loaded: _Loaded, ids: list[int], cache: Any, device: torch.device, cancel: CancelFlag
+) -> tuple[torch.Tensor | None, Any]:
+    """One forward pass over ``ids`` extending ``cache``, unless ``cancel`` is set (logits None).
+
+    Inference mode is entered per call, not around the generator: a generator suspended inside
+    the context manager would leave the consumer's thread in inference mode between pieces.
+    """
+    if cancel.is_set():
+        return None, cache
+    with torch.inference_mode():
+        output = loaded.model(
+            input_ids=torch.tensor([ids], device=device),
+            use_cache=True,
+            **{loaded.cache_arg: cache},
+            **loaded.forward_kwargs,
+        )
+    return output.logits[0, -1], getattr(output, loaded.cache_arg)
+
+
+def _pick(logits: torch.Tensor, temperature: float) -> int:
+    """Greedy argmax at temperature 0, otherwise a sample from softmax(logits / temperature)."""
+    if temperature == 0:
+        return int(torch.argmax(logits).item())
+    probabilities = torch.softmax(logits.float() / temperature, dim=-1)
+    return int(torch.multinomial(probabilities, 1).item())
+
+
+class _Detokenizer:
+    """Turns generated tokens into text pieces without splitting a character.
+
+    vLLM's incremental detokenization: decode a short window that starts a few tokens back
+    (so a tokenizer that drops or adds a leading space at the start of a decode does it on both
+    sides of the difference) and emit the text it gained; hold tokens back while the text ends in
+    U+FFFD (an incomplete multi-byte character) or gained nothing (e.g. a skipped special token).
+    Decoding a window, not the whole output, keeps each step O(1) in the output length.
+    """
+
+    _LOOKBACK = 5
+
+    def __init__(self, tokenizer: Any, context: list[int]) -> None:
+        self._tokenizer = tokenizer
+        self._ids = list(context[-self._LOOKBACK :])
+        self._first = len(self._ids)
+        self._prefix = 0
+        self._read = self._first
+
+    @property
+    def committed(self) -> list[int]:
+        """Generated tokens whose text has been emitted."""
+        return self._ids[self._first : self._read]
+
+    def push(self, token: int) -> str:
+        self._ids.append(token)
+        return self._advance(final=False)
+
+    def flush(self) -> str:
+        """Emit whatever is held, incomplete character included: the run is over."""
+        return self._advance(final=True)
+
+    def _advance(self, final: bool) -> str:
+        if self._read == len(self._ids):
+            return ""
+        before = self._decode(self._ids[self._prefix : self._read])
+        after = self._decode(self._ids[self._prefix :])
+        if not final and (len(after) <= len(before) or after.endswith("\ufffd")):
+            return ""
+        self._prefix, self._read = self._read, len(self._ids)
+        return after[len(before) :]
+
+    def _decode(self, ids: list[int]) -> str:
+        return self._tokenizer.decode(ids, skip_special_tokens=True)
