@@ -48,13 +48,22 @@ def kill_uniun_actors(ray) -> None:
 
 
 @pytest.fixture
-def runtime(ray_cluster):
-    """Fresh scheduler, model actor and embedder for one test."""
+def make_runtime(ray_cluster):
+    """Fresh scheduler, model actor and embedder, with short lease timeouts and the policy
+    configuration a test asks for."""
     from uniun_ray.policy import PolicyConfig
     from uniun_ray.runtime.launch import start
     from uniun_ray.runtime.service import RuntimeConfig
 
+    def make(policy: PolicyConfig | None = None, **runtime):
+        kill_uniun_actors(ray_cluster)
+        fields = dict(lease_timeout_s=3.0, waiter_timeout_s=3.0, reap_period_s=0.2) | runtime
+        return start(RuntimeConfig(policy or PolicyConfig(), **fields))
+
+    yield make
     kill_uniun_actors(ray_cluster)
-    handles = start(RuntimeConfig(PolicyConfig(), lease_timeout_s=3.0, waiter_timeout_s=3.0, reap_period_s=0.2))
-    yield handles
-    kill_uniun_actors(ray_cluster)
+
+
+@pytest.fixture
+def runtime(make_runtime):
+    return make_runtime()

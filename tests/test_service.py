@@ -183,3 +183,18 @@ def test_deadline_timer_preempts_without_any_call():
         await asyncio.sleep(0.25)
         assert dev.revoked == [lease.epoch]
     run(go())
+
+
+def test_a_waiter_polling_through_a_revoked_load_gets_its_later_grant():
+    async def go():
+        dev = FakeDevice(load_s=0.2)
+        s = SchedulerService(dev, FAST)
+        await s.submit(spec("g", "gana", model="y"))
+        waiting = asyncio.ensure_future(s.grant("g", wait_s=5))   # one long poll
+        await asyncio.sleep(0.05)
+        await s.submit(spec("c", "chat", model="y"))              # revokes g while it loads
+        chat = await s.grant("c")
+        await s.release("c", chat.epoch, "done")
+        lease = await waiting                                     # the same poll is answered
+        assert lease is not None and lease.job_id == "g"
+    run(go())

@@ -113,4 +113,5 @@ class ModelActor:
     async def state(self) -> dict:
         return {"device": self._device, "loaded": self._engine.loaded, "epoch": self._epoch,
                 "revoked": self._revoked, "generating": sorted(self._running),
-                "context_length": self._engine.context_length}
+                "context_length": self._engine.context_length,
+                "stop_latency_s": list(self.stop_latencies)}

@@ -134,6 +134,7 @@ class SchedulerService:
         self._apply(self.policy.set_foreground(kind, self._now(), subject))
 
     async def status(self) -> dict:
+        self._apply(self.policy.tick(self._now()))  # so held and waited times are current
         snap = self.policy.snapshot()
         snap["swap_s"] = dict(self._swap_s)
         snap["leases"] = {j.spec.id: {"state": j.state, "epoch": j.lease.epoch if j.lease else None,
@@ -189,7 +190,8 @@ class SchedulerService:
         requeued = self.policy.job_state(job_id) == "queued"
         if requeued:
             tracked.state, tracked.lease, tracked.revoke_requested = "queued", None, False
-            tracked.grant = self._future()
+            if tracked.grant.done():  # a waiter still on the unresolved one keeps it
+                tracked.grant = self._future()
             tracked.last_seen = time.monotonic()
         elif outcome is Outcome.REVOKED:
             self._end(tracked, tracked.drop_reason or "revoked")
