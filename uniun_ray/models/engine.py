@@ -351,8 +351,18 @@ def inspect_request(spec: ModelSpec, request: GenerateRequest) -> int:
     return len(_context(_vocabulary_of(spec), request))
 
 
-@functools.lru_cache(maxsize=8)
+_VOCABULARY_LOCK = threading.Lock()
+
+
 def _vocabulary_of(spec: ModelSpec) -> _Vocabulary:
+    """Serialised: transformers' lazy imports are not thread-safe on first use (two concurrent
+    checks once failed with "cannot import name 'AutoConfig'"), and one conversion is enough."""
+    with _VOCABULARY_LOCK:
+        return _cached_vocabulary(spec)
+
+
+@functools.lru_cache(maxsize=8)
+def _cached_vocabulary(spec: ModelSpec) -> _Vocabulary:
     from transformers import AutoConfig, AutoTokenizer
 
     folder = materialize(spec)

@@ -57,6 +57,7 @@ class _Tracked:
     revoke_requested: bool = False
     cancelled: bool = False
     drop_reason: str | None = None   # why the scheduler itself withdrew the job
+    granted_at: float = 0.0
 
 
 class SchedulerService:
@@ -88,12 +89,14 @@ class SchedulerService:
         return spec.id
 
     async def grant(self, job_id: str, wait_s: float = 5.0) -> Lease | None:
-        """Wait up to `wait_s` for the job's lease; None means "still queued, poll again"."""
+        """Wait for the job's lease; None means "still queued, poll again". The wait is
+        capped well inside the waiter timeout, so a live poller is never taken for dead."""
         self._ensure_timer()
         tracked = self._tracked(job_id)
         tracked.last_seen = time.monotonic()
         try:
-            return await asyncio.wait_for(asyncio.shield(tracked.grant), wait_s)
+            return await asyncio.wait_for(asyncio.shield(tracked.grant),
+                                          min(wait_s, self.config.waiter_timeout_s / 3))
         except asyncio.TimeoutError:
             return None
 
@@ -137,8 +140,10 @@ class SchedulerService:
         self._apply(self.policy.tick(self._now()))  # so held and waited times are current
         snap = self.policy.snapshot()
         snap["swap_s"] = dict(self._swap_s)
+        mono = time.monotonic()
         snap["leases"] = {j.spec.id: {"state": j.state, "epoch": j.lease.epoch if j.lease else None,
-                                      "idle_s": time.monotonic() - j.last_seen}
+                                      "held_s": mono - j.granted_at if j.lease else 0.0,
+                                      "idle_s": mono - j.last_seen}
                           for j in self._jobs.values() if j.state != "queued"}
         return snap
 
@@ -174,7 +179,7 @@ class SchedulerService:
         tracked.lease = Lease(tracked.spec.id, epoch, dispatch.model_id, tracked.spec.kind, swap_s,
                               renew_every_s=self.config.lease_timeout_s / 3)
         tracked.state = "granted"
-        tracked.last_seen = time.monotonic()
+        tracked.last_seen = tracked.granted_at = time.monotonic()
         tracked.grant.set_result(tracked.lease)
 
     def _fail(self, tracked: _Tracked, error: Exception) -> None:
