@@ -5,11 +5,14 @@ from __future__ import annotations
 
 import os
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
 
 os.environ["RAY_AUTH_MODE"] = "disabled"  # explicit, always (see README)
+# the scheduler's event log and other state go to a scratch dir, never the user's
+os.environ.setdefault("UNIUN_STATE_DIR", tempfile.mkdtemp(prefix="uniun-test-state-"))
 sys.path.insert(0, str(Path(__file__).parent))
 
 

@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from uniun_ray.runtime.protocol import JobDropped, JobSpec
+from uniun_ray.runtime.protocol import JobDropped, JobSpec, QueueFull
 from uniun_ray.runtime.service import RuntimeConfig, SchedulerService
 
 
@@ -32,7 +32,14 @@ class FakeDevice:
         self.revoked.append(epoch)
 
 
-FAST = RuntimeConfig(lease_timeout_s=0.3, waiter_timeout_s=0.3, reap_period_s=0.05)
+FAST = RuntimeConfig(lease_timeout_s=0.3, waiter_timeout_s=0.3, reap_period_s=0.05, max_queued=50)
+
+
+async def lease_of(s: SchedulerService, job_id: str):
+    """Poll like a client does until the job's lease comes."""
+    while (lease := await s.grant(job_id)) is None:
+        pass
+    return lease
 
 
 def spec(job_id: str, kind: str, model: str = "m", **kw) -> JobSpec:
@@ -49,11 +56,11 @@ def test_grant_after_swap_then_release_hands_over():
         s = SchedulerService(dev, FAST)
         await s.submit(spec("n1", "nataraj"))
         await s.submit(spec("n2", "nataraj"))
-        lease = await s.grant("n1")
+        lease = await lease_of(s, "n1")
         assert (lease.model_id, lease.swap_s, dev.loads) == ("m", 0.05, ["m"])
         assert await s.grant("n2", wait_s=0.05) is None       # still queued
         assert await s.release("n1", lease.epoch, "done") is False
-        lease2 = await s.grant("n2")
+        lease2 = await lease_of(s, "n2")
         assert lease2.epoch > lease.epoch and dev.loads == ["m"]  # no second swap
     run(go())
 
@@ -63,15 +70,15 @@ def test_chat_revokes_the_holder_which_resumes_after():
         dev = FakeDevice()
         s = SchedulerService(dev, FAST)
         await s.submit(spec("n", "nataraj"))
-        lease = await s.grant("n")
+        lease = await lease_of(s, "n")
         await s.submit(spec("c", "chat"))
         await asyncio.sleep(0.01)
         assert dev.revoked == [lease.epoch]
         assert await s.renew("n", lease.epoch) is False          # the holder learns it too
         assert await s.release("n", lease.epoch, "revoked") is True   # re-queued
-        chat = await s.grant("c")
+        chat = await lease_of(s, "c")
         await s.release("c", chat.epoch, "done")
-        again = await s.grant("n")
+        again = await lease_of(s, "n")
         assert again.epoch > chat.epoch
     run(go())
 
@@ -83,7 +90,7 @@ def test_revoke_during_a_model_load_never_grants_the_stale_job():
         await s.submit(spec("g", "gana", model="y"))
         await asyncio.sleep(0.05)                  # loading y
         await s.submit(spec("c", "chat", model="m"))
-        chat = await s.grant("c")                  # g ended its turn unserved, chat swapped in
+        chat = await lease_of(s, "c")              # g ended its turn unserved, chat swapped in
         assert dev.loads == ["y", "m"] and chat.model_id == "m"
         assert s.policy.job_state("g") == "queued"
     run(go())
@@ -94,7 +101,7 @@ def test_dead_holder_lease_is_reclaimed_and_the_device_moves_on():
         dev = FakeDevice()
         s = SchedulerService(dev, FAST)
         await s.submit(spec("n", "nataraj"))
-        lease = await s.grant("n")                 # ... and the holder dies: no renew, no release
+        lease = await lease_of(s, "n")                 # ... and the holder dies: no renew, no release
         await s.submit(spec("e", "extract"))
         nxt = await s.grant("e", wait_s=0.2)       # waiter keeps polling
         while nxt is None:
@@ -109,13 +116,13 @@ def test_dead_waiter_is_dropped_and_nothing_leaks():
     async def go():
         s = SchedulerService(FakeDevice(), FAST)
         await s.submit(spec("c", "chat"))
-        chat = await s.grant("c")
+        chat = await lease_of(s, "c")
         await s.submit(spec("n", "nataraj"))       # its caller never polls
         for _ in range(5):                         # the chat holder stays alive
             await asyncio.sleep(0.1)
             await s.renew("c", chat.epoch)
         with pytest.raises(JobDropped, match="stopped polling"):
-            await s.grant("n")
+            await lease_of(s, "n")
         await s.release("c", chat.epoch, "done")
         snap = await s.status()
         assert snap["queued"] == 0 and snap["running"] is None
@@ -126,7 +133,7 @@ def test_stale_and_double_release_are_refused():
     async def go():
         s = SchedulerService(FakeDevice(), FAST)
         await s.submit(spec("n", "nataraj"))
-        lease = await s.grant("n")
+        lease = await lease_of(s, "n")
         with pytest.raises(JobDropped, match="no longer held"):
             await s.release("n", lease.epoch + 1, "done")
         with pytest.raises(ValueError, match="did not revoke"):
@@ -144,8 +151,8 @@ def test_failed_load_fails_the_job_and_the_next_one_runs():
         await s.submit(spec("a", "gana", model="broken"))
         await s.submit(spec("b", "gana", model="m", producer="p2"))
         with pytest.raises(RuntimeError, match="cannot load broken"):
-            await s.grant("a")
-        lease = await s.grant("b")
+            await lease_of(s, "a")
+        lease = await lease_of(s, "b")
         assert lease.model_id == "m" and dev.loads == ["m"]
     run(go())
 
@@ -157,14 +164,14 @@ def test_cancel_queued_and_running():
         await s.submit(spec("n1", "nataraj"))
         await s.submit(spec("n2", "nataraj"))
         await s.submit(spec("n3", "nataraj"))
-        lease = await s.grant("n1")
+        lease = await lease_of(s, "n1")
         await s.cancel("n2")
         with pytest.raises(JobDropped, match="cancelled"):
-            await s.grant("n2")
+            await lease_of(s, "n2")
         await s.cancel("n1")                       # running: fenced and finished at once
         await asyncio.sleep(0.01)
         assert lease.epoch in dev.revoked
-        assert (await s.grant("n3")).epoch > lease.epoch
+        assert (await lease_of(s, "n3")).epoch > lease.epoch
         await s.cancel("n1")                       # idempotent
     run(go())
 
@@ -176,7 +183,7 @@ def test_deadline_timer_preempts_without_any_call():
         dev = FakeDevice()
         s = SchedulerService(dev, FAST)
         await s.submit(spec("n", "nataraj"))
-        lease = await s.grant("n")
+        lease = await lease_of(s, "n")
         await s.submit(spec("g", "gana", deadline=_time.time() + 0.2))
         await asyncio.sleep(0.1)
         assert dev.revoked == []
@@ -188,13 +195,62 @@ def test_deadline_timer_preempts_without_any_call():
 def test_a_waiter_polling_through_a_revoked_load_gets_its_later_grant():
     async def go():
         dev = FakeDevice(load_s=0.2)
-        s = SchedulerService(dev, FAST)
+        s = SchedulerService(dev, RuntimeConfig(waiter_timeout_s=30))
         await s.submit(spec("g", "gana", model="y"))
         waiting = asyncio.ensure_future(s.grant("g", wait_s=5))   # one long poll
         await asyncio.sleep(0.05)
         await s.submit(spec("c", "chat", model="y"))              # revokes g while it loads
-        chat = await s.grant("c")
+        chat = await lease_of(s, "c")
         await s.release("c", chat.epoch, "done")
         lease = await waiting                                     # the same poll is answered
         assert lease is not None and lease.job_id == "g"
     run(go())
+
+
+def test_bounded_queue_raises_queue_full_naming_the_limit():
+    async def go():
+        s = SchedulerService(FakeDevice(), FAST)
+        for i in range(50):
+            await s.submit(spec(f"e{i}", "extract"))
+        with pytest.raises(QueueFull, match="extract queue is full: 50 jobs .* limit max_queued=50"):
+            await s.submit(spec("e50", "extract"))
+        await s.submit(spec("n", "nataraj"))          # other kinds are not affected
+        assert s.policy.queued + (s.policy.running_job is not None) == 51
+    run(go())
+
+
+def test_event_log_tells_the_story_in_the_simulator_schema(tmp_path):
+    from uniun_ray.runtime.eventlog import read
+    from uniun_ray.sim.events import validate
+
+    async def go():
+        dev = FakeDevice(load_s=0.01)
+        s = SchedulerService(dev, RuntimeConfig(event_log=str(tmp_path / "ev.jsonl"), reap_period_s=0.05))
+        await s.submit(spec("n", "nataraj"))
+        lease = await lease_of(s, "n")
+        await s.report_first_token("n", lease.epoch)
+        await s.submit(spec("c", "chat"))
+        await s.release("n", lease.epoch, "revoked")
+        chat = await lease_of(s, "c")
+        await s.release("c", chat.epoch, "done")
+        again = await lease_of(s, "n")
+        await s.release("n", again.epoch, "done")
+    run(go())
+    events = read(tmp_path / "ev.jsonl")
+    validate(events)
+    story = [(e["ev"], e.get("job")) for e in events]
+    assert story == [("submit", "n"), ("dispatch", "n"), ("swap_start", "n"), ("swap_end", "n"),
+                     ("first_token", "n"), ("submit", "c"), ("revoke", "n"), ("finish", "n"),
+                     ("dispatch", "c"), ("finish", "c"), ("dispatch", "n"), ("finish", "n")]
+    assert events[6]["reason"] == "arrival of chat job c"
+
+
+def test_event_log_rotates_and_reads_back_in_order(tmp_path):
+    from uniun_ray.runtime.eventlog import EventLog, read
+
+    log = EventLog(tmp_path / "ev.jsonl", max_bytes=2_000, backups=50)
+    for i in range(300):
+        log.write({"t": float(i), "ev": "foreground", "kind": None, "subject": None})
+    log.close()
+    assert len(list(tmp_path.glob("ev.jsonl.*"))) > 3
+    assert [e["t"] for e in read(tmp_path / "ev.jsonl")] == [float(i) for i in range(300)]

@@ -110,9 +110,11 @@ class GenerationStream:
                         async for ref in stream:
                             item = await ref
                             if "piece" in item:
-                                ttft = ttft if ttft is not None else time.perf_counter() - started
                                 text.append(item["piece"])
                                 yield item["piece"]
+                                if ttft is None:
+                                    ttft = time.perf_counter() - started
+                                    await h.scheduler.report_first_token.remote(self.spec.id, lease.epoch)
                             else:
                                 result = item["result"]
                     except LeaseRevoked:

@@ -19,8 +19,11 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from ..policy import Dispatch, Outcome, PolicyConfig, Revoke, SchedulerPolicy
-from .protocol import JobDropped, JobSpec, Lease, Preempted
+from collections import Counter
+
+from ..policy import Dispatch, Kind, Outcome, PolicyConfig, Revoke, SchedulerPolicy
+from .eventlog import EventLog
+from .protocol import JobDropped, JobSpec, Lease, Preempted, QueueFull
 
 _ENDED_MEMORY = 10_000
 
@@ -39,12 +42,21 @@ class RuntimeConfig:
     lease_timeout_s: float = 30.0     # a lease not renewed for this long is reclaimed
     waiter_timeout_s: float = 30.0    # a queued job whose caller stopped polling is dropped
     reap_period_s: float = 1.0
+    max_queued: int = 10_000          # per kind, queued or running; beyond it submit raises QueueFull
+    event_log: str | None = None      # JSONL path (default ~/.cache/uniun-ray/events.jsonl)
+    event_log_max_bytes: int = 20 * 1024 * 1024
 
     def __post_init__(self) -> None:
         for name in ("lease_timeout_s", "waiter_timeout_s", "reap_period_s"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
                 raise ValueError(f"{name} must be a number > 0, got {value!r}")
+        for name in ("max_queued", "event_log_max_bytes"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        if not isinstance(self.policy, PolicyConfig):
+            raise ValueError(f"policy must be a PolicyConfig, got {type(self.policy).__name__}")
 
 
 @dataclass(eq=False)
@@ -58,6 +70,7 @@ class _Tracked:
     cancelled: bool = False
     drop_reason: str | None = None   # why the scheduler itself withdrew the job
     granted_at: float = 0.0
+    first_token_seen: bool = False
 
 
 class SchedulerService:
@@ -70,6 +83,9 @@ class SchedulerService:
         self._epoch = 0
         self._clock = 0.0
         self._swap_s: dict[str, float] = {}
+        self._per_kind: Counter = Counter()
+        self._device_model: str | None = None
+        self.events = EventLog(self.config.event_log, self.config.event_log_max_bytes)
         self._rearm = asyncio.Event()
         self._timer: asyncio.Task | None = None
         self._tasks: set[asyncio.Task] = set()
@@ -81,11 +97,18 @@ class SchedulerService:
         if not isinstance(spec, JobSpec):
             raise ValueError(f"submit takes a JobSpec, got {type(spec).__name__}")
         job = spec.to_job()
+        if self._per_kind[job.kind] >= self.config.max_queued:
+            raise QueueFull(f"the {job.kind.value} queue is full: {self._per_kind[job.kind]} jobs queued or "
+                            f"running, limit max_queued={self.config.max_queued}; nothing was queued")
         tracked = _Tracked(spec, self._future(), time.monotonic())
-        actions = self.policy.submit(job, self._now())  # raises on a duplicate id
+        now = self._now()
+        actions = self.policy.submit(job, now)  # raises on a duplicate id
         self._jobs[spec.id] = tracked
+        self._per_kind[job.kind] += 1
+        self._emit("submit", spec, deadline=spec.deadline, foreground_hint=spec.foreground_hint,
+                   subject=spec.subject)
         self._rearm.set()
-        self._apply(actions)
+        self._apply(actions, reason=f"arrival of {spec.kind} job {spec.id}")
         return spec.id
 
     async def grant(self, job_id: str, wait_s: float = 5.0) -> Lease | None:
@@ -105,6 +128,13 @@ class SchedulerService:
         tracked = self._holder(job_id, epoch)
         tracked.last_seen = time.monotonic()
         return not tracked.revoke_requested
+
+    async def report_first_token(self, job_id: str, epoch: int) -> None:
+        """The holder saw its job's first piece (for TTFT in the event log and metrics)."""
+        tracked = self._holder(job_id, epoch)
+        if not tracked.first_token_seen:
+            tracked.first_token_seen = True
+            self._emit("first_token", tracked.spec)
 
     async def release(self, job_id: str, epoch: int, outcome: str) -> bool:
         """End a lease. Returns True when the job was re-queued (a revoked background job:
@@ -127,14 +157,20 @@ class SchedulerService:
         finished at once: its holder is gone or has given up, so nobody will release it. A
         loading one ends when its load completes (see `_prepare`)."""
         tracked.cancelled, tracked.drop_reason = True, reason
-        self._apply(self.policy.cancel(tracked.spec.id, self._now()))
-        if tracked.state == "queued":
+        state = tracked.state
+        self._apply(self.policy.cancel(tracked.spec.id, self._now()), reason=reason)
+        if state == "queued":
+            self._emit("drop", tracked.spec, reason=reason)
             self._end(tracked, reason)
-        elif tracked.state == "granted":
+        elif state == "granted":
+            if reason.startswith("lease reclaimed"):
+                self._emit("reclaim", tracked.spec, reason=reason)
             self._finish(tracked, Outcome.REVOKED)
 
     async def set_foreground(self, kind: str | None, subject: str | None = None) -> None:
-        self._apply(self.policy.set_foreground(kind, self._now(), subject))
+        actions = self.policy.set_foreground(kind, self._now(), subject)
+        self._emit("foreground", None, kind=kind, subject=subject)
+        self._apply(actions, reason=f"foreground set to {kind}" + (f" ({subject})" if subject else ""))
 
     async def status(self) -> dict:
         self._apply(self.policy.tick(self._now()))  # so held and waited times are current
@@ -148,14 +184,19 @@ class SchedulerService:
         return snap
 
     # -- executing the policy's actions ---------------------------------------------------
-    def _apply(self, actions) -> None:
+    def _apply(self, actions, reason: str = "deadline passed") -> None:
+        """Execute the policy's actions. `reason` is what made this call revoke, if it does
+        (a tick revokes only when a queued deadline passed)."""
         for action in actions:
             tracked = self._jobs[action.job_id]
             if isinstance(action, Dispatch):
                 tracked.state = "loading"
+                self._emit("dispatch", tracked.spec, swap=action.swap,
+                           tier=int(self.policy.tier(tracked.spec.to_job())))
                 self._spawn(self._prepare(tracked, action))
             elif isinstance(action, Revoke):
                 tracked.revoke_requested = True
+                self._emit("revoke", tracked.spec, reason=reason)
                 if tracked.lease is not None:
                     self._spawn(self._device.revoke(tracked.lease.epoch))
 
@@ -163,9 +204,14 @@ class SchedulerService:
         """Load the model if asked, fence a new epoch at the device, then hand out the lease,
         unless the job was revoked meanwhile: then it ends its turn without ever running."""
         try:
-            swap_s = await self._device.load(dispatch.model_id) if dispatch.swap else 0.0
+            swap_s = 0.0
             if dispatch.swap:
+                self._emit("swap_start", tracked.spec, **{"from": self._device_model})
+                self._device_model = None
+                swap_s = await self._device.load(dispatch.model_id)
+                self._device_model = dispatch.model_id
                 self._swap_s[dispatch.model_id] = swap_s
+                self._emit("swap_end", tracked.spec, seconds=swap_s)
             self._epoch += 1
             epoch = self._epoch
             await self._device.grant(epoch)
@@ -184,6 +230,7 @@ class SchedulerService:
 
     def _fail(self, tracked: _Tracked, error: Exception) -> None:
         actions = self.policy.finish(tracked.spec.id, self._now(), Outcome.FAILED)
+        self._emit("finish", tracked.spec, outcome="failed", reason=f"load failed: {error}")
         self._forget(tracked, f"failed: {error}")
         if not tracked.grant.done():
             tracked.grant.set_exception(error)
@@ -192,6 +239,7 @@ class SchedulerService:
     def _finish(self, tracked: _Tracked, outcome: Outcome) -> bool:
         job_id = tracked.spec.id
         actions = self.policy.finish(job_id, self._now(), outcome)
+        self._emit("finish", tracked.spec, outcome=outcome.value)
         requeued = self.policy.job_state(job_id) == "queued"
         if requeued:
             tracked.state, tracked.lease, tracked.revoke_requested = "queued", None, False
@@ -213,7 +261,8 @@ class SchedulerService:
             tracked.grant.set_exception(error(f"job {tracked.spec.id} ended: {reason}"))
 
     def _forget(self, tracked: _Tracked, reason: str) -> None:
-        self._jobs.pop(tracked.spec.id, None)
+        if self._jobs.pop(tracked.spec.id, None) is not None:
+            self._per_kind[Kind(tracked.spec.kind)] -= 1
         self._ended[tracked.spec.id] = reason
         if len(self._ended) > _ENDED_MEMORY:
             self._ended.popitem(last=False)
@@ -251,6 +300,13 @@ class SchedulerService:
                 self._withdraw(tracked, f"lease reclaimed: not renewed for {idle:.1f} s (holder gone?)")
 
     # -- helpers --------------------------------------------------------------------------
+    def _emit(self, ev: str, spec: JobSpec | None, **fields) -> None:
+        event = {"t": self._now(), "ev": ev}
+        if spec is not None:
+            event |= {"job": spec.id, "kind": spec.kind, "producer": spec.producer or spec.kind,
+                      "model": spec.model_id}
+        self.events.write(event | fields)
+
     def _future(self) -> asyncio.Future:
         future = asyncio.get_running_loop().create_future()
         future.add_done_callback(lambda f: f.cancelled() or f.exception())  # never "unretrieved"

@@ -27,7 +27,14 @@ finish         job, kind, producer, model, outcome ("done"|"failed"|"revoked"),
                tokens (int, tokens produced so far, optional). After "revoked" a chat
                job is over (it failed as preempted); any other kind is queued again and
                is dispatched later (R6).
+reclaim        job, kind, producer, model, reason: the runtime took a lease back from a
+               holder that stopped renewing it (it died); a finish "revoked" follows
+drop           job, kind, producer, model, reason: a queued job ended without running
+               (its caller cancelled it or stopped polling for its grant)
 =============  ==========================================================================
+
+``revoke`` may carry ``reason`` (what made the scheduler revoke: an arrival, a foreground
+change, a deadline, a cancel, a reclaim); the runtime writes it, the simulator does not.
 
 A job holds the device from its ``dispatch`` to its ``finish`` (swap included), which is
 the time R7 charges to its flow.
@@ -50,6 +57,8 @@ REQUIRED: dict[str, tuple[str, ...]] = {
     "first_token": JOB_FIELDS,
     "revoke": JOB_FIELDS,
     "finish": JOB_FIELDS + ("outcome",),
+    "reclaim": JOB_FIELDS + ("reason",),
+    "drop": JOB_FIELDS + ("reason",),
 }
 OUTCOMES = ("done", "failed", "revoked")
 

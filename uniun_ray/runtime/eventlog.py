@@ -1,0 +1,54 @@
+"""The scheduler's event log: append-only JSONL of every decision, size-bounded.
+
+One line per event in the schema of `uniun_ray.sim.events` (so the simulator's metrics
+and timeline read a real run's log exactly as they read a simulation's), plus the
+runtime's own `reclaim` and `drop` events. Rotation is the standard library's
+RotatingFileHandler: when the file passes `max_bytes` it is renamed `.1` (older ones
+shift up to `backups`) and a new file starts, so the log never grows without bound.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import logging.handlers
+import os
+from pathlib import Path
+
+DEFAULT_MAX_BYTES = 20 * 1024 * 1024
+DEFAULT_BACKUPS = 3
+
+
+def default_path() -> Path:
+    base = Path(os.environ.get("UNIUN_STATE_DIR", Path.home() / ".cache" / "uniun-ray"))
+    return base / "events.jsonl"
+
+
+class EventLog:
+    def __init__(self, path: str | Path | None = None, max_bytes: int = DEFAULT_MAX_BYTES,
+                 backups: int = DEFAULT_BACKUPS) -> None:
+        self.path = Path(path) if path is not None else default_path()
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._handler = logging.handlers.RotatingFileHandler(self.path, maxBytes=max_bytes,
+                                                             backupCount=backups, encoding="utf-8")
+        self._handler.setFormatter(logging.Formatter("%(message)s"))
+
+    def write(self, event: dict) -> None:
+        record = logging.LogRecord("uniun.events", logging.INFO, "", 0,
+                                   json.dumps(event, separators=(",", ":")), None, None)
+        self._handler.emit(record)
+
+    def close(self) -> None:
+        self._handler.close()
+
+
+def read(path: str | Path) -> list[dict]:
+    """Every event of a log and its rotated backups, oldest first."""
+    path = Path(path)
+    files = sorted((p for p in path.parent.glob(path.name + ".*") if p.suffix[1:].isdigit()),
+                   key=lambda p: -int(p.suffix[1:]))
+    events = []
+    for file in [*files, path]:
+        if file.exists():
+            with open(file, encoding="utf-8") as f:
+                events.extend(json.loads(line) for line in f if line.strip())
+    return events
