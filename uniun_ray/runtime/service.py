@@ -74,7 +74,7 @@ class _Tracked:
 
 
 class SchedulerService:
-    def __init__(self, device: Device, config: RuntimeConfig | None = None) -> None:
+    def __init__(self, device: Device, config: RuntimeConfig | None = None, metrics=None) -> None:
         self.config = config or RuntimeConfig()
         self.policy = SchedulerPolicy(self.config.policy)
         self._device = device
@@ -86,6 +86,9 @@ class SchedulerService:
         self._per_kind: Counter = Counter()
         self._device_model: str | None = None
         self.events = EventLog(self.config.event_log, self.config.event_log_max_bytes)
+        # optional sink beside the log (runtime.metrics.SchedulerMetrics): write(event) for
+        # every event, refresh(snapshot_fn) from the timer
+        self.metrics = metrics
         self._rearm = asyncio.Event()
         self._timer: asyncio.Task | None = None
         self._tasks: set[asyncio.Task] = set()
@@ -176,6 +179,7 @@ class SchedulerService:
         self._apply(self.policy.tick(self._now()))  # so held and waited times are current
         snap = self.policy.snapshot()
         snap["swap_s"] = dict(self._swap_s)
+        snap["event_log"] = str(self.events.path)
         mono = time.monotonic()
         snap["leases"] = {j.spec.id: {"state": j.state, "epoch": j.lease.epoch if j.lease else None,
                                       "held_s": mono - j.granted_at if j.lease else 0.0,
@@ -290,6 +294,8 @@ class SchedulerService:
                 pass
             self._apply(self.policy.tick(self._now()))
             self._reap(time.monotonic())
+            if self.metrics is not None:
+                self.metrics.refresh(self.policy.snapshot)
 
     def _reap(self, mono: float) -> None:
         for tracked in list(self._jobs.values()):
@@ -305,7 +311,10 @@ class SchedulerService:
         if spec is not None:
             event |= {"job": spec.id, "kind": spec.kind, "producer": spec.producer or spec.kind,
                       "model": spec.model_id}
-        self.events.write(event | fields)
+        event |= fields
+        self.events.write(event)
+        if self.metrics is not None:
+            self.metrics.write(event)
 
     def _future(self) -> asyncio.Future:
         future = asyncio.get_running_loop().create_future()

@@ -1,0 +1,167 @@
+"""Ray metrics for the dashboard and Prometheus, all named `uniun_*` (Ray exports them as
+`ray_uniun_*` on each node's metrics port; `observability/grafana_uniun.json` charts them).
+
+Why fed from the event log: the scheduler already writes every decision as an event, so
+counters and histograms are derived from exactly what `explain` and the timeline read, and
+cannot disagree with them. Gauges (queue depth, running job, vruntimes, T2 share) describe
+state, not decisions, so they are refreshed from the policy's snapshot by the scheduler's
+timer, at most once per `period_s` (a snapshot sorts the queue; a burst of submits must
+not pay for one each).
+
+The model actor and the embedder observe what only they can time (revoke-to-stop, embed
+latency) with the metrics defined here too, so every name and bucket lives in one place.
+"""
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+from ray.util.metrics import Counter, Gauge, Histogram
+
+from ..policy import Kind, Tier
+
+#: Bucket edges (seconds). Waits and TTFT span an idle chat (tens of ms) to a starved job
+#: (minutes); swaps and stops are narrower.
+WAIT_BUCKETS = [0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600]
+SWAP_BUCKETS = [0.05, 0.1, 0.25, 0.5, 1, 2, 3, 5, 10, 30, 60]
+STOP_BUCKETS = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5]
+EMBED_BUCKETS = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10]
+
+KINDS = tuple(k.value for k in Kind)
+TIERS = tuple(t.label for t in Tier)
+
+
+def revoke_cause(reason: str | None) -> str:
+    """The revoke's reason text (see `SchedulerService._apply`) as a small tag set:
+    arrival | foreground | deadline | withdrawn (cancelled, caller gone, lease reclaimed)."""
+    for cause in ("arrival", "foreground", "deadline"):
+        if (reason or "").startswith(cause):
+            return cause
+    return "withdrawn"
+
+
+class SchedulerMetrics:
+    """The scheduler's sink: `write(event)` for each event it emits, `refresh(snapshot)`
+    from its timer."""
+
+    def __init__(self, period_s: float = 1.0) -> None:
+        self.period_s = period_s
+        self._refreshed = float("-inf")
+        self._queued_since: dict[str, tuple[float, str]] = {}  # job -> (ready since, kind)
+        self._submitted: dict[str, float] = {}                  # job -> submit time, until it ends
+        self._models: set[str] = set()
+        kind, model, tier = ("kind",), ("model",), ("tier",)
+        self.submits = Counter("uniun_submits_total", "Jobs submitted", kind)
+        self.dispatches = Counter("uniun_dispatches_total", "Jobs given the device (tier at dispatch)",
+                                  kind + tier + model)
+        self.revokes = Counter("uniun_revokes_total", "Running jobs revoked, by what caused it",
+                               kind + ("cause",))
+        self.swaps = Counter("uniun_swaps_total", "Model loads (swaps), by the model loaded", model)
+        self.reclaims = Counter("uniun_reclaims_total", "Leases taken back from a holder that stopped renewing", kind)
+        self.drops = Counter("uniun_drops_total", "Queued jobs ended without running (cancelled, caller gone)", kind)
+        self.finishes = Counter("uniun_finishes_total", "Runs ended, by outcome", kind + ("outcome",))
+        self.wait = Histogram("uniun_wait_seconds", "Queued time before a dispatch: from submit, or from a "
+                              "revoked run's end, to the dispatch (tier at dispatch)", WAIT_BUCKETS, kind + tier)
+        self.ttft = Histogram("uniun_ttft_seconds", "Submit to first token", WAIT_BUCKETS, kind + model)
+        self.swap_s = Histogram("uniun_swap_seconds", "Model load time", SWAP_BUCKETS, model)
+        self.depth = Gauge("uniun_queue_depth", "Jobs queued, by their current tier", tier)
+        self.oldest = Gauge("uniun_queue_oldest_wait_seconds", "Longest wait among a tier's queued jobs", tier)
+        self.running = Gauge("uniun_running", "1 for the kind of the job holding the device", kind)
+        self.running_tier = Gauge("uniun_running_tier", "Tier of the job holding the device (-1: idle)")
+        self.held = Gauge("uniun_running_held_seconds", "How long the running job has held the device")
+        self.loaded = Gauge("uniun_loaded_model", "1 for the model resident on the device", model)
+        self.foreground = Gauge("uniun_foreground", "1 for the kind in front (T1)", kind)
+        self.vruntime = Gauge("uniun_vruntime", "Fair-pool vruntime per flow (level: kind or producer)",
+                              ("level", "flow"))
+        self.t2_share = Gauge("uniun_t2_share", "T2 (extract) share of held time over the sliding window")
+        self.t2_limit = Gauge("uniun_t2_share_limit", "The T2 share limit (R11)")
+
+    # -- decisions ----------------------------------------------------------------------
+    def write(self, event: dict) -> None:
+        ev, job, t = event["ev"], event.get("job"), event["t"]
+        if ev == "submit":
+            self.submits.inc(tags={"kind": event["kind"]})
+            self._submitted[job] = t
+            self._queued_since[job] = (t, event["kind"])
+        elif ev == "dispatch":
+            tier = f"T{event['tier']}"
+            self.dispatches.inc(tags={"kind": event["kind"], "tier": tier, "model": event["model"]})
+            since = self._queued_since.pop(job, None)
+            if since is not None:
+                self.wait.observe(t - since[0], tags={"kind": event["kind"], "tier": tier})
+        elif ev == "swap_end":
+            self.swaps.inc(tags={"model": event["model"]})
+            self.swap_s.observe(event["seconds"], tags={"model": event["model"]})
+        elif ev == "first_token" and job in self._submitted:
+            self.ttft.observe(t - self._submitted[job], tags={"kind": event["kind"], "model": event["model"]})
+        elif ev == "revoke":
+            self.revokes.inc(tags={"kind": event["kind"], "cause": revoke_cause(event.get("reason"))})
+        elif ev == "reclaim":
+            self.reclaims.inc(tags={"kind": event["kind"]})
+        elif ev == "drop":
+            self.drops.inc(tags={"kind": event["kind"]})
+            self._forget(job)
+        elif ev == "finish":
+            self.finishes.inc(tags={"kind": event["kind"], "outcome": event["outcome"]})
+            if event["outcome"] == "revoked" and event["kind"] != Kind.CHAT.value:
+                self._queued_since[job] = (t, event["kind"])  # re-queued (R6); pruned by refresh if not
+            else:
+                self._forget(job)
+
+    def _forget(self, job: str) -> None:
+        self._submitted.pop(job, None)
+        self._queued_since.pop(job, None)
+
+    # -- state ---------------------------------------------------------------------------
+    def refresh(self, snapshot: Callable[[], dict], now: float | None = None) -> None:
+        """Set the gauges from `snapshot()`, unless the last refresh is under `period_s` old."""
+        now = time.monotonic() if now is None else now
+        if now - self._refreshed < self.period_s:
+            return
+        self._refreshed = now
+        snap = snapshot()
+        present = set()
+        for tier in TIERS:
+            queued = snap["tiers"].get(tier, [])
+            present.update(job["id"] for job in queued)
+            self.depth.set(len(queued), tags={"tier": tier})
+            self.oldest.set(max((job["waited_s"] for job in queued), default=0.0), tags={"tier": tier})
+        running = snap["running"]
+        if running:
+            present.add(running["id"])
+        for kind in KINDS:
+            self.running.set(int(bool(running) and running["kind"] == kind), tags={"kind": kind})
+            self.foreground.set(int(snap["foreground"]["kind"] == kind), tags={"kind": kind})
+        self.running_tier.set(int(running["tier"][1:]) if running else -1)
+        self.held.set(running["held_s"] if running else 0.0)
+        if snap["loaded_model"]:
+            self._models.add(snap["loaded_model"])
+        for model in self._models:
+            self.loaded.set(int(model == snap["loaded_model"]), tags={"model": model})
+        for kind, value in snap["vruntime"]["kinds"].items():
+            self.vruntime.set(value, tags={"level": "kind", "flow": kind})
+        for flows in snap["vruntime"]["producers"].values():
+            for flow, value in flows.items():
+                self.vruntime.set(value, tags={"level": "producer", "flow": flow})
+        self.t2_share.set(snap["t2"]["share"])
+        self.t2_limit.set(snap["t2"]["limit"])
+        # a revoked job that was not re-queued (cancelled while running) ended unseen here
+        for job in set(self._submitted) - present:
+            self._forget(job)
+
+
+class ModelMetrics:
+    """What the ModelActor times: from a revoke to the generation actually stopping."""
+
+    def __init__(self) -> None:
+        self.stop = Histogram("uniun_revoke_stop_seconds", "Revoke to the generation stopping (token boundary)",
+                              STOP_BUCKETS, ("model",))
+
+
+class EmbedderMetrics:
+    """What the EmbeddingActor times: per-call latency, calls in flight, texts embedded."""
+
+    def __init__(self) -> None:
+        self.latency = Histogram("uniun_embed_seconds", "Embedding call latency", EMBED_BUCKETS)
+        self.in_flight = Gauge("uniun_embed_in_flight", "Embedding calls running now (max_concurrency 2)")
+        self.texts = Counter("uniun_embed_texts_total", "Texts embedded")
