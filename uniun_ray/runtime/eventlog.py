@@ -52,3 +52,25 @@ def read(path: str | Path) -> list[dict]:
             with open(file, encoding="utf-8") as f:
                 events.extend(json.loads(line) for line in f if line.strip())
     return events
+
+
+def tail(path: str | Path, max_bytes: int = 256 * 1024) -> list[dict]:
+    """The newest events, cheaply (a live view polls this every second; `read` would parse
+    up to the whole rotated history): about the last `max_bytes` of the log, reaching into
+    the newest backup when the current file was just rotated. Oldest first."""
+    path = Path(path)
+    chunks = []
+    for file in (path, path.with_name(path.name + ".1")):
+        try:
+            with open(file, "rb") as f:
+                size = f.seek(0, os.SEEK_END)
+                f.seek(max(0, size - max_bytes))
+                data = f.read()
+        except FileNotFoundError:
+            continue
+        lines = data.split(b"\n")[:-1]  # after the last newline: nothing, or a line being written
+        chunks.insert(0, lines[1:] if size > max_bytes else lines)  # the first line may be cut
+        max_bytes -= len(data)
+        if max_bytes <= 0:
+            break
+    return [json.loads(line) for lines in chunks for line in lines if line.strip()]

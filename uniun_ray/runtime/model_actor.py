@@ -19,6 +19,7 @@ from dataclasses import asdict
 
 from ..models import Engine, GenerateRequest, resolve
 from ..models.engine import inspect_request
+from .metrics import ModelMetrics
 from .protocol import LeaseRevoked
 
 _END = object()
@@ -42,6 +43,7 @@ class ModelActor:
         self._swap_lock = asyncio.Lock()
         self._last_revoke: dict[int, float] = {}
         self.stop_latencies: list[float] = []
+        self._metrics = ModelMetrics()
 
     def __repr__(self) -> str:
         return f"ModelActor(device={self._device}, loaded={self._engine.loaded}, epoch={self._epoch})"
@@ -65,9 +67,16 @@ class ModelActor:
         await self._idle.wait()
 
     # -- fencing ---------------------------------------------------------------------------
-    async def grant(self, epoch: int) -> None:
+    async def grant(self, epoch: int) -> str | None:
+        """Make `epoch` the current lease. A newer epoch fences every older one: a generation
+        still running under an older lease stops at its next token. Returns the resident
+        model (None after a restart), so the scheduler can tell the device lost it."""
         if epoch > self._epoch:
             self._epoch, self._revoked = epoch, False
+            for older, flag in self._running.items():
+                if older < epoch:
+                    flag.set()
+        return self._engine.loaded
 
     async def revoke(self, epoch: int) -> None:
         if epoch == self._epoch:
@@ -102,6 +111,7 @@ class ModelActor:
             if revoked_at is not None:
                 result["stop_latency_s"] = time.perf_counter() - revoked_at
                 self.stop_latencies.append(result["stop_latency_s"])
+                self._metrics.stop.observe(result["stop_latency_s"], tags={"model": str(self._engine.loaded)})
             yield {"result": result}
         finally:
             flag.set()  # a consumer that went away stops the run at the next token

@@ -1,0 +1,189 @@
+"""Observability without Ray (issue 5): `explain` and the status view are pure functions of
+a log and a snapshot; the scheduler feeds its metrics sink every event it logs; the log's
+tail reads across a rotation."""
+from __future__ import annotations
+
+import asyncio
+import re
+import time
+
+from rich.console import Console
+from test_service import FakeDevice, lease_of, spec
+
+from uniun_ray.observe.explain import explain, replayable
+from uniun_ray.observe.statusview import render
+from uniun_ray.runtime.eventlog import EventLog, read, tail
+from uniun_ray.runtime.metrics import revoke_cause
+from uniun_ray.runtime.service import RuntimeConfig, SchedulerService
+
+
+def job(t, ev, job_id, kind, producer=None, model="m", **fields):
+    return {"t": t, "ev": ev, "job": job_id, "kind": kind, "producer": producer or kind, "model": model} | fields
+
+
+def submit(t, job_id, kind, producer=None, model="m", deadline=None, hint=False, subject=None):
+    return job(t, "submit", job_id, kind, producer, model, deadline=deadline, foreground_hint=hint, subject=subject)
+
+
+#: A nataraj holds the device; chat c1 arrives and revokes it, chat c2 waits behind c1; a gana
+#: falls due while it waits; the nataraj resumes last.
+LOG = [
+    submit(100.0, "n1", "nataraj", "nataraj:deck"),
+    job(100.0, "dispatch", "n1", "nataraj", "nataraj:deck", swap=True, tier=4),
+    job(100.0, "swap_start", "n1", "nataraj", "nataraj:deck", **{"from": None}),
+    job(101.0, "swap_end", "n1", "nataraj", "nataraj:deck", seconds=1.0),
+    submit(102.0, "g1", "gana", "gana:cron", deadline=103.0),
+    submit(104.0, "c1", "chat"),
+    job(104.0, "revoke", "n1", "nataraj", "nataraj:deck", reason="arrival of chat job c1"),
+    job(104.05, "finish", "n1", "nataraj", "nataraj:deck", outcome="revoked"),
+    job(104.05, "dispatch", "c1", "chat", swap=False, tier=0),
+    job(104.25, "first_token", "c1", "chat"),
+    submit(104.5, "c2", "chat"),
+    job(106.0, "finish", "c1", "chat", outcome="done"),
+    job(106.0, "dispatch", "c2", "chat", swap=False, tier=0),
+    job(106.1, "first_token", "c2", "chat"),
+    job(107.0, "finish", "c2", "chat", outcome="done"),
+    job(107.0, "dispatch", "g1", "gana", "gana:cron", swap=False, tier=3),
+    job(108.0, "finish", "g1", "gana", "gana:cron", outcome="done"),
+    job(108.0, "dispatch", "n1", "nataraj", "nataraj:deck", swap=False, tier=4),
+    job(109.0, "finish", "n1", "nataraj", "nataraj:deck", outcome="done"),
+]
+
+
+def story(events, job_id) -> str:
+    return "\n".join(explain(events, job_id))
+
+
+def test_explain_names_who_a_waiting_chat_waited_behind():
+    text = story(LOG, "c2")
+    assert "queued at T0" in text and "waited 1.500s" in text
+    assert "behind c1 (chat from chat, T0, model m) for 1.500s" in text
+    assert "first token (TTFT 1.600s)" in text and "finished: done" in text
+
+
+def test_explain_shows_the_revoke_that_made_way_for_a_chat():
+    text = story(LOG, "c1")
+    assert re.search(r"behind n1 \(nataraj from nataraj:deck, T4, model m\) for 0\.050s; revoked at \+0\.000s "
+                     r"\(arrival of chat job c1\), stopped 0\.050s later", text), text
+
+
+def test_explain_tells_a_preempted_jobs_story_with_tier_changes():
+    text = story(LOG, "n1")
+    assert "dispatched at T4 on m, loading m over an empty device (1.000s)" in text
+    assert "revoked: arrival of chat job c1" in text and "re-queued at its place (R6)" in text
+    assert [line.split("behind ")[1].split(" ")[0] for line in text.splitlines() if "behind" in line] == \
+        ["c1", "c2", "g1"]
+    gana = story(LOG, "g1")
+    assert "queued at T4" in gana and "tier T4 -> T3 (its deadline passed)" in gana
+    assert "dispatched at T3" in gana
+
+
+def test_explain_a_dropped_job_and_an_unknown_one():
+    events = LOG[:6] + [job(104.5, "drop", "g1", "gana", "gana:cron", reason="cancelled by its caller")]
+    text = story(events, "g1")
+    assert "dropped: cancelled by its caller" in text and "waited 2.500s" in text
+    try:
+        explain(events, "nope")
+    except KeyError as error:
+        assert "not in the event log" in str(error)
+    else:
+        raise AssertionError("an unknown job must raise")
+
+
+def test_replay_closes_a_run_its_dead_scheduler_left_open():
+    """A scheduler killed mid-run never logs that run's finish; the next scheduler's first
+    dispatch ends it, so the dead run is not shown as holding the device forever."""
+    events = [submit(1.0, "old", "nataraj"), job(1.0, "dispatch", "old", "nataraj", swap=False, tier=4),
+              submit(5.0, "c", "chat"), job(5.0, "dispatch", "c", "chat", swap=False, tier=0),
+              job(6.0, "finish", "c", "chat", outcome="done"),
+              job(7.0, "dispatch", "orphan", "gana", swap=False, tier=4)]  # its submit was rotated out
+    repaired = replayable(events)
+    assert [(e["ev"], e["job"], e["t"]) for e in repaired if e["ev"] == "finish"] == [("finish", "old", 5.0),
+                                                                                     ("finish", "c", 6.0)]
+    assert "orphan" not in {e.get("job") for e in repaired}
+    assert "its scheduler was replaced" in story(events, "old")
+    assert "behind" not in story(events, "c")
+
+
+def test_status_view_shows_each_queued_job_in_its_tier(tmp_path):
+    async def go():
+        s = SchedulerService(FakeDevice(), RuntimeConfig(event_log=str(tmp_path / "ev.jsonl")))
+        await s.submit(spec("hold", "nataraj", producer="nataraj:deck"))
+        await lease_of(s, "hold")
+        await s.set_foreground("extract", "note-17")
+        await s.submit(spec("x-open", "extract", subject="note-17"))
+        await s.submit(spec("x-fill", "extract"))
+        await s.submit(spec("g-due", "gana", producer="gana:cron", deadline=time.time() - 1))
+        await s.submit(spec("n-next", "nataraj", producer="nataraj:deck"))
+        return await s.status()
+    snap = asyncio.run(asyncio.wait_for(go(), 10))
+    console = Console(record=True, width=200)
+    console.print(render(snap, read(tmp_path / "ev.jsonl")))
+    text = console.export_text()
+    for tier, job_id in (("T1", "x-open"), ("T2", "x-fill"), ("T3", "g-due"), ("T4", "n-next")):
+        assert re.search(rf"│ {tier} +│ 1 +│ .*{job_id}", text), (tier, job_id, text)
+    assert re.search(r"▶ T4 nataraj +producer nataraj:deck +model m +held \d+\.\ds +job hold", text)
+    assert "foreground (T1)  extract (subject note-17)" in text
+    assert "revoke" in text and "hold (nataraj:deck): arrival of extract job x-open" in text
+    assert str(tmp_path / "ev.jsonl") in text
+
+
+def test_status_view_caps_long_queues_and_marks_the_t2_budget():
+    snap = {"now": 10.0, "loaded_model": None, "foreground": {"kind": None, "subject": None}, "running": None,
+            "queued": 9, "vruntime": {"kinds": {}, "producers": {}}, "next_wakeup": None,
+            "t2": {"share": 0.7, "limit": 0.6, "over_budget": True},
+            "tiers": {"T0": [], "T1": [], "T2": [], "T3": [],
+                      "T4": [{"id": f"n{i}", "kind": "nataraj", "producer": "nataraj", "model": "m",
+                              "deadline": None, "subject": None, "foreground_hint": False, "waited_s": 9.0 - i}
+                             for i in range(9)]}}
+    console = Console(record=True, width=160)
+    console.print(render(snap, per_tier=3))
+    text = console.export_text()
+    assert "n2" in text and "n3" not in text and "… 6 more" in text and "≤ 9.0s" in text
+    assert "device idle" in text and "70% of 60%" in text and "over budget" in text
+
+
+def test_the_scheduler_feeds_its_metrics_sink_every_logged_event(tmp_path):
+    class Sink:
+        def __init__(self):
+            self.events, self.snapshots = [], []
+
+        def write(self, event):
+            self.events.append(event)
+
+        def refresh(self, snapshot):
+            self.snapshots.append(snapshot())
+
+    sink = Sink()
+
+    async def go():
+        s = SchedulerService(FakeDevice(), RuntimeConfig(event_log=str(tmp_path / "ev.jsonl"), reap_period_s=0.02),
+                             metrics=sink)
+        await s.submit(spec("n", "nataraj"))
+        lease = await lease_of(s, "n")
+        await asyncio.sleep(0.1)  # the timer refreshes the gauges
+        await s.release("n", lease.epoch, "done")
+    asyncio.run(asyncio.wait_for(go(), 10))
+    assert sink.events == read(tmp_path / "ev.jsonl")
+    assert sink.snapshots and sink.snapshots[0]["running"]["id"] == "n"
+
+
+def test_revoke_causes_are_a_small_tag_set():
+    assert [revoke_cause(r) for r in ("arrival of chat job c", "foreground set to gana", "deadline passed",
+                                      "cancelled by its caller", "lease reclaimed: not renewed", None)] == \
+        ["arrival", "foreground", "deadline", "withdrawn", "withdrawn", "withdrawn"]
+
+
+def test_tail_reads_the_newest_events_across_a_rotation(tmp_path):
+    path = tmp_path / "ev.jsonl"
+    log = EventLog(path, max_bytes=3_000, backups=5)
+    for i in range(200):
+        log.write({"t": float(i), "ev": "foreground", "kind": None, "subject": None})
+    log.close()
+    with open(path, "a") as f:
+        f.write('{"t": 200.0, "ev": "fore')  # a line being written
+    current = path.read_text().count("\n")  # complete lines in the file being written
+    times = [e["t"] for e in tail(path, max_bytes=4_000)]
+    assert times == [float(i) for i in range(int(times[0]), 200)]
+    assert current < len(times) < 200           # it reached into the backup, not the whole history
+    assert all(e["ev"] == "foreground" for e in tail(path, max_bytes=100))  # a cut first line is skipped

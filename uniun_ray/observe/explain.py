@@ -1,0 +1,174 @@
+"""`uniun-ray explain JOB_ID`: one job's story from the event log.
+
+"Why did my chat wait?" is answered by the log alone: when the job was queued and at
+which tier, how its tier changed while it waited (a deadline passing, the foreground
+moving), who held the device during each wait (and whether that holder was revoked for
+it), each dispatch with its swap, the first token, every revoke with its reason, and how
+it ended. The log is replayed with the simulator's `Trace`, so tiers and runs mean here
+exactly what they mean in the metrics and the timeline picture.
+"""
+from __future__ import annotations
+
+import time
+from typing import Iterable
+
+from ..policy import tier_of
+from ..sim.trace import JobRecord, Run, Trace
+
+#: Gaps shorter than this (the hand-over between a release and the next dispatch) are not
+#: reported as idle device time; waits shorter than MIN_WAIT_S (a dispatch on arrival) not at all.
+IDLE_EPSILON_S = 0.01
+MIN_WAIT_S = 0.001
+
+
+def explain(events: Iterable[dict], job_id: str) -> list[str]:
+    """The story as lines of text. Raises KeyError when the log does not hold the job's
+    submit (unknown id, or rotated out of the log)."""
+    events = replayable(events)
+    trace = Trace(events)
+    rec = trace.jobs.get(job_id)
+    if rec is None:
+        raise KeyError(f"job {job_id!r} is not in the event log ({_span(trace)})")
+    own = [e for e in events if e.get("job") == job_id]
+    reasons = {(e["job"], e["t"]): e.get("reason") or "revoked" for e in events if e["ev"] == "revoke"}
+    return _Story(trace, rec, own, reasons).lines()
+
+
+def replayable(events: Iterable[dict]) -> list[dict]:
+    """The events a replay can use. Jobs whose submit was rotated out of the log are left
+    out (a replay needs each job's fields). A run left open by a scheduler that died (the
+    log is appended to across restarts) is closed with a failed finish at the next
+    dispatch: at most one job holds the device at a time, so that dispatch proves it."""
+    seen, kept, holder = set(), [], None
+    for ev in events:
+        if ev["ev"] == "submit":
+            seen.add(ev["job"])
+        if "job" in ev and ev["job"] not in seen:
+            continue
+        if ev["ev"] == "dispatch":
+            if holder is not None:
+                kept.append(holder | {"t": ev["t"], "ev": "finish", "outcome": "failed",
+                                      "reason": "no finish recorded: its scheduler was replaced"})
+            holder = {k: ev[k] for k in ("job", "kind", "producer", "model")}
+        elif ev["ev"] == "finish" and holder is not None and ev["job"] == holder["job"]:
+            holder = None
+        kept.append(ev)
+    return kept
+
+
+def _span(trace: Trace) -> str:
+    if trace.start is None:
+        return "the log is empty"
+    return f"it spans {_clock(trace.start)} to {_clock(trace.end)}, {len(trace.jobs)} jobs"
+
+
+def _clock(t: float) -> str:
+    return time.strftime("%H:%M:%S", time.localtime(t)) + f".{int(t % 1 * 1000):03d}"
+
+
+class _Story:
+    def __init__(self, trace: Trace, rec: JobRecord, own: list[dict], reasons: dict) -> None:
+        self.trace, self.rec, self.own, self.reasons = trace, rec, own, reasons
+        self.out: list[str] = []
+
+    def at(self, t: float, text: str) -> None:
+        self.out.append(f"{t - self.rec.submit:+9.3f}s  {text}")
+
+    def lines(self) -> list[str]:
+        rec, job = self.rec, self.rec.job
+        extras = [f"deadline {_clock(job.deadline)}"] if job.deadline is not None else []
+        extras += [f"subject {job.subject}"] if job.subject else []
+        extras += ["foreground hint"] if job.foreground_hint else []
+        self.out.append(f"job {job.id}: {job.kind.value} from {job.producer}, model {job.model_id}"
+                        + "".join(f", {x}" for x in extras))
+        self.at(rec.submit, f"submitted at {_clock(rec.submit)}, queued at T{self.tier(rec.submit)}")
+        ended = next((e for e in self.own if e["ev"] == "drop"), None)
+        ready = rec.submit
+        for run in rec.runs:
+            if run.start > ready:
+                self.wait(ready, run.start)
+            self.run(run)
+            ready = run.end
+        if rec.end is None and (not rec.runs or rec.runs[-1].outcome == "revoked"):
+            until = ended["t"] if ended else self.trace.end
+            if until > ready:
+                self.wait(ready, until)
+            if ended:
+                self.at(ended["t"], f"dropped: {ended['reason']}")
+            else:
+                self.at(until, "still queued when the log ends")
+        self.summary()
+        return self.out
+
+    def tier(self, t: float) -> int:
+        return int(tier_of(self.rec.job, self.trace.foreground_at(t), t))
+
+    def wait(self, a: float, b: float) -> None:
+        """A queued stretch [a, b): its tier changes and who held the device, in time order."""
+        if b - a < MIN_WAIT_S:
+            return
+        self.at(a, f"waited {b - a:.3f}s")
+        notes: list[tuple[float, str]] = []
+        pieces = list(self.trace.tier_pieces(self.rec, a, b))
+        for (_, _, before), (lo, _, tier) in zip(pieces, pieces[1:]):
+            if tier != before:
+                why = "its deadline passed" if lo == self.rec.job.deadline else self.foreground(lo)
+                notes.append((lo, f"  tier T{before} -> T{tier} ({why})"))
+        busy = 0.0
+        for run in self.trace.runs:
+            lo, hi = max(a, run.start), min(b, run.end)
+            if hi <= lo or run.job == self.rec.job.id:
+                continue
+            busy += hi - lo
+            note = ""
+            if run.swap_s and run.start + run.swap_s > a:
+                note += f", loading {run.model} ({run.swap_s:.3f}s)"
+            if run.revoked_at is not None and run.revoked_at <= b:
+                note += (f"; revoked at {run.revoked_at - self.rec.submit:+.3f}s ({self.revoke_reason(run)}), "
+                         f"stopped {run.end - run.revoked_at:.3f}s later")
+            notes.append((lo, f"  behind {run.job} ({run.kind} from {run.producer}, T{run.tier}, "
+                              f"model {run.model}) for {hi - lo:.3f}s{note}"))
+        if b - a - busy > IDLE_EPSILON_S:
+            notes.append((a, f"  device idle for {b - a - busy:.3f}s of it"))
+        for t, text in sorted(notes, key=lambda n: n[0]):
+            self.at(t, text)
+
+    def foreground(self, t: float) -> str:
+        fg = self.trace.foreground_at(t)
+        front = fg.kind.value if fg.kind else "none"
+        return f"foreground set to {front}" + (f" (subject {fg.subject})" if fg.subject else "")
+
+    def revoke_reason(self, run: Run) -> str:
+        return self.reasons.get((run.job, run.revoked_at), "revoked")
+
+    def run(self, run: Run) -> None:
+        swap = next((e for e in self.own if e["ev"] == "swap_start" and run.start <= e["t"] <= run.end), None)
+        loaded = f", loading {run.model} over {swap['from'] or 'an empty device'} ({run.swap_s:.3f}s)" if swap else ""
+        self.at(run.start, f"dispatched at T{run.tier} on {run.model}{loaded}")
+        ft = self.rec.first_token
+        if ft is not None and run.start <= ft <= run.end:
+            self.at(ft, f"first token (TTFT {ft - self.rec.submit:.3f}s)")
+        if run.revoked_at is not None:
+            self.at(run.revoked_at, f"revoked: {self.revoke_reason(run)}")
+        for ev in self.own:
+            if ev["ev"] == "reclaim" and run.start <= ev["t"] <= run.end:
+                self.at(ev["t"], f"lease reclaimed: {ev['reason']}")
+        if run.outcome is None:
+            self.at(run.end, f"still running when the log ends (held {run.held:.3f}s)")
+        elif run.outcome == "revoked":
+            stopped = f"stopped {run.end - run.revoked_at:.3f}s after the revoke, " if run.revoked_at else ""
+            after = "re-queued at its place (R6)" if self.rec.end is None or self.rec.end > run.end else "ended"
+            self.at(run.end, f"{stopped}held {run.held:.3f}s; {after}")
+        else:
+            why = next((f": {e['reason']}" for e in self.own if e["ev"] == "finish" and e["t"] == run.end
+                        and e.get("reason")), "")
+            self.at(run.end, f"finished: {run.outcome}{why} (held {run.held:.3f}s)")
+
+    def summary(self) -> None:
+        rec = self.rec
+        held = sum(run.held for run in rec.runs)
+        end = rec.end if rec.end is not None else self.trace.end
+        revokes = sum(run.revoked_at is not None for run in rec.runs)
+        ttft = f", TTFT {rec.first_token - rec.submit:.3f}s" if rec.first_token is not None else ""
+        self.out.append(f"in all: {end - rec.submit:.3f}s from submit, {end - rec.submit - held:.3f}s waiting, "
+                        f"{held:.3f}s holding the device over {len(rec.runs)} run(s), {revokes} revoke(s){ttft}")

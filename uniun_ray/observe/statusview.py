@@ -1,0 +1,152 @@
+"""`uniun-ray status`: the scheduler's snapshot and the event log's tail as one rich view.
+
+It answers "who holds the device, why, and what waits behind it" at a glance: the loaded
+model and the running job (kind, producer, tier, held time) on top, then every tier's
+queue with its waits, the fair pool's vruntimes, the T2 budget, the foreground, and the
+latest revokes and swaps with their reasons. `render` is pure (a dict and a list in, a
+renderable out), so `--watch` simply re-renders it, and tests and the README screenshot
+render it without a cluster.
+"""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Callable
+
+from rich.console import Console, Group
+from rich.live import Live
+from rich.table import Table
+from rich.text import Text
+
+from ..runtime.eventlog import tail
+
+#: Events the "recent" list shows: what changed who holds the device, or what it holds.
+NOTABLE = ("revoke", "swap_end", "reclaim", "drop", "foreground")
+TIER_STYLE = {"T0": "bold red", "T1": "bold magenta", "T2": "yellow", "T3": "cyan", "T4": "green"}
+
+
+def render(snap: dict, events: list[dict] = (), *, now: float | None = None, per_tier: int = 6,
+           recent: int = 8) -> Group:
+    """The whole view. `now` defaults to the snapshot's time (the scheduler's clock, which
+    the event times share); `per_tier` caps the rows shown per tier."""
+    now = now if now is not None else snap.get("now") or time.time()
+    parts = [_summary(snap, now), _running(snap), _queues(snap, now, per_tier), _pool(snap)]
+    notable = [e for e in events if e["ev"] in NOTABLE][-recent:]
+    if notable:
+        parts.append(_recent(notable, now))
+    return Group(*parts)
+
+
+def _summary(snap: dict, now: float) -> Table:
+    fg, t2 = snap["foreground"], snap["t2"]
+    grid = Table.grid(padding=(0, 2))
+    grid.add_column(style="bold")
+    grid.add_column()
+    grid.add_column(style="bold")
+    grid.add_column()
+    foreground = (fg["kind"] or "none") + (f" (subject {fg['subject']})" if fg["subject"] else "")
+    grid.add_row("loaded model", str(snap["loaded_model"] or "none"), "foreground (T1)", foreground)
+    budget = Text(f"{_bar(t2['share'] / t2['limit'] if t2['limit'] else 0)} {t2['share']:.0%} of {t2['limit']:.0%}")
+    if t2["over_budget"]:
+        budget.append("  over budget: T2 yields to waiting T3/T4", style="bold yellow")
+    wake = snap.get("next_wakeup")
+    grid.add_row("queued", str(snap["queued"]), "T2 budget used", budget)
+    swaps = ", ".join(f"{m} {s:.1f}s" for m, s in sorted(snap.get("swap_s", {}).items())) or "-"
+    grid.add_row("swap times", swaps, "next wake-up", f"in {wake - now:.1f}s" if wake else "-")
+    if snap.get("event_log"):
+        grid.add_row("event log", snap["event_log"], "", "")
+    return grid
+
+
+def _bar(fraction: float, width: int = 10) -> str:
+    filled = round(min(max(fraction, 0.0), 1.0) * width)
+    return "█" * filled + "░" * (width - filled)
+
+
+def _running(snap: dict) -> Text:
+    job = snap["running"]
+    if job is None:
+        return Text("▶ device idle", style="dim")
+    lease = snap.get("leases", {}).get(job["id"], {})
+    text = Text("▶ ")
+    text.append(f"{job['tier']} {job['kind']}", style=TIER_STYLE.get(job["tier"], ""))
+    text.append(f"  producer {job['producer']}  model {job['model']}  held {job['held_s']:.1f}s  job {job['id']}")
+    if lease.get("state") == "loading":
+        text.append("  (loading the model)", style="cyan")
+    if job.get("revoked"):
+        text.append("  revoked: stopping at the next token", style="bold yellow")
+    return text
+
+
+def _queues(snap: dict, now: float, per_tier: int) -> Table:
+    table = Table("tier", "#", "kind", "producer", "model", "waited", "deadline", "subject", "job",
+                  title="queues (served strictly in tier order; FIFO, EDF in T3, fair pool in T4)",
+                  title_justify="left")
+    for tier, queued in snap["tiers"].items():
+        style = TIER_STYLE.get(tier, "")
+        if not queued:
+            table.add_row(Text(tier, style=style), "0", *[""] * 7, style="dim")
+            continue
+        for i, job in enumerate(queued[:per_tier]):
+            table.add_row(Text(tier, style=style) if i == 0 else "", str(len(queued)) if i == 0 else "",
+                          *_job_cells(job, now))
+        if len(queued) > per_tier:
+            longest = max(job["waited_s"] for job in queued)
+            table.add_row("", "", f"… {len(queued) - per_tier} more", "", "", f"≤ {longest:.1f}s", "", "", "",
+                          style="dim")
+    return table
+
+
+def _job_cells(job: dict, now: float) -> list[str]:
+    deadline = job["deadline"]
+    due = "-" if deadline is None else (f"in {deadline - now:.1f}s" if deadline > now else f"{now - deadline:.1f}s ago")
+    subject = (job["subject"] or "") + (" (hint)" if job["foreground_hint"] else "")
+    return [job["kind"], str(job["producer"]), job["model"], f"{job['waited_s']:.1f}s", due, subject, job["id"]]
+
+
+def _pool(snap: dict) -> Table:
+    table = Table("kind", "vruntime", "producers (vruntime)", title="fair pool (T4): lowest vruntime runs next",
+                  title_justify="left")
+    producers = snap["vruntime"].get("producers", {})
+    for kind, value in snap["vruntime"].get("kinds", {}).items():
+        flows = ", ".join(f"{p} {v:.2f}" for p, v in producers.get(kind, {}).items())
+        table.add_row(kind, f"{value:.2f}", flows)
+    return table
+
+
+def _recent(events: list[dict], now: float) -> Table:
+    table = Table("when", "event", "detail", title="recent revokes, swaps and foreground changes",
+                  title_justify="left")
+    for ev in reversed(events):
+        table.add_row(f"{max(0.0, now - ev['t']):.1f}s ago", ev["ev"], describe(ev))
+    return table
+
+
+def describe(ev: dict) -> str:
+    """One notable event in a line."""
+    job = f"{ev.get('job')} ({ev.get('producer')})"
+    if ev["ev"] == "revoke":
+        return f"{job}: {ev.get('reason') or 'revoked'}"
+    if ev["ev"] == "swap_end":
+        return f"loaded {ev['model']} in {ev.get('seconds', 0.0):.2f}s for {job}"
+    if ev["ev"] == "foreground":
+        return (ev["kind"] or "none") + (f" (subject {ev['subject']})" if ev.get("subject") else "")
+    return f"{job}: {ev.get('reason', '')}"
+
+
+# -- the shell: fetch and re-render ------------------------------------------------------
+def fetch(status: Callable[[], dict]) -> tuple[dict, list[dict]]:
+    """The snapshot, and the tail of the event log it names when that file is on this
+    machine (the usual case: the scheduler runs on the head; elsewhere the view has no
+    "recent" list, and `explain --log` takes a copied log)."""
+    snap = status()
+    path = snap.get("event_log")
+    return snap, tail(path) if path and Path(path).exists() else []
+
+
+def watch(status: Callable[[], dict], interval_s: float = 1.0, console: Console | None = None) -> None:
+    """Re-render every `interval_s` until interrupted (Ctrl-C raises KeyboardInterrupt)."""
+    with Live(render(*fetch(status)), console=console, auto_refresh=False) as live:
+        while True:
+            time.sleep(interval_s)
+            live.update(render(*fetch(status)), refresh=True)
