@@ -4,6 +4,7 @@ tail reads across a rotation."""
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 import time
 
@@ -187,3 +188,16 @@ def test_tail_reads_the_newest_events_across_a_rotation(tmp_path):
     assert times == [float(i) for i in range(int(times[0]), 200)]
     assert current < len(times) < 200           # it reached into the backup, not the whole history
     assert all(e["ev"] == "foreground" for e in tail(path, max_bytes=100))  # a cut first line is skipped
+
+
+def test_the_grafana_dashboard_charts_every_metric_and_only_those():
+    from pathlib import Path
+
+    import uniun_ray.runtime.metrics as metrics
+
+    root = Path(__file__).parent.parent
+    defined = set(re.findall(r'"(uniun_\w+)"', Path(metrics.__file__).read_text()))
+    dashboard = json.loads((root / "observability" / "grafana_uniun.json").read_text())
+    exprs = [t["expr"] for p in dashboard["panels"] for t in p.get("targets", [])]
+    charted = {re.sub(r"_(bucket|count|sum)$", "", name) for e in exprs for name in re.findall(r"ray_(uniun_\w+)", e)}
+    assert charted == defined
