@@ -69,6 +69,7 @@ def _clock(t: float) -> str:
 class _Story:
     def __init__(self, trace: Trace, rec: JobRecord, own: list[dict], reasons: dict) -> None:
         self.trace, self.rec, self.own, self.reasons = trace, rec, own, reasons
+        self.dropped = next((e for e in own if e["ev"] == "drop"), None)
         self.out: list[str] = []
 
     def at(self, t: float, text: str) -> None:
@@ -82,7 +83,6 @@ class _Story:
         self.out.append(f"job {job.id}: {job.kind.value} from {job.producer}, model {job.model_id}"
                         + "".join(f", {x}" for x in extras))
         self.at(rec.submit, f"submitted at {_clock(rec.submit)}, queued at T{self.tier(rec.submit)}")
-        ended = next((e for e in self.own if e["ev"] == "drop"), None)
         ready = rec.submit
         for run in rec.runs:
             if run.start > ready:
@@ -90,11 +90,11 @@ class _Story:
             self.run(run)
             ready = run.end
         if rec.end is None and (not rec.runs or rec.runs[-1].outcome == "revoked"):
-            until = ended["t"] if ended else self.trace.end
+            until = self.dropped["t"] if self.dropped else self.trace.end
             if until > ready:
                 self.wait(ready, until)
-            if ended:
-                self.at(ended["t"], f"dropped: {ended['reason']}")
+            if self.dropped:
+                self.at(until, f"dropped: {self.dropped['reason']}")
             else:
                 self.at(until, "still queued when the log ends")
         self.summary()
@@ -167,7 +167,7 @@ class _Story:
     def summary(self) -> None:
         rec = self.rec
         held = sum(run.held for run in rec.runs)
-        end = rec.end if rec.end is not None else self.trace.end
+        end = rec.end if rec.end is not None else self.dropped["t"] if self.dropped else self.trace.end
         revokes = sum(run.revoked_at is not None for run in rec.runs)
         ttft = f", TTFT {rec.first_token - rec.submit:.3f}s" if rec.first_token is not None else ""
         self.out.append(f"in all: {end - rec.submit:.3f}s from submit, {end - rec.submit - held:.3f}s waiting, "
