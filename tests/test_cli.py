@@ -1,0 +1,170 @@
+"""`uniun-ray`: argument errors (no Ray), the client commands against the session's local
+Ray (the `runtime` fixture), and `up`/`down` on a second head of their own (slow).
+
+The up/down test starts a real head in a fresh temp dir, on free ports, with its own state
+file, as a subprocess; `down` only signals the process group `up` recorded, so it cannot
+touch the test session's cluster or anyone else's. Its `finally` stops the head whatever
+happened."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+
+import uniun_ray
+from uniun_ray import cli
+from uniun_ray.runtime.head import HeadState, stop_head
+
+
+@pytest.fixture
+def state_file(tmp_path, monkeypatch) -> Path:
+    path = tmp_path / "up.json"
+    monkeypatch.setenv("UNIUN_UP_STATE", str(path))
+    return path
+
+
+@pytest.fixture
+def no_connection(monkeypatch):
+    """As if this process were not connected to Ray (the session cluster may be up)."""
+    import ray
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# -- usage errors: exit 2, one line, no Ray ------------------------------------------------
+@pytest.mark.parametrize("argv, expected", [
+    ([], "COMMAND"),
+    (["launch"], "invalid choice: 'launch'"),
+    (["foreground", "poem"], "'chat', 'nataraj', 'gana', 'extract', 'none'"),
+    (["foreground", "none", "--subject", "note-1"], "--subject needs a kind"),
+    (["chat"], "the following arguments are required: prompt"),
+    (["up", "--auth", "open"], "invalid choice: 'open'"),
+    (["embed"], "the following arguments are required: TEXT"),
+])
+def test_usage_errors_exit_2_with_a_message(argv, expected, capsys):
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert expected in err and "Traceback" not in err
+
+
+def test_help_and_bench_help_exit_0(capsys):
+    assert cli.main(["--help"]) == 0
+    assert "foreground" in capsys.readouterr().out
+    assert cli.main(["bench", "--help"]) == 0
+    assert "--workloads" in capsys.readouterr().out
+
+
+# -- no cluster: exit 1, says to run `uniun-ray up` ----------------------------------------
+def test_no_cluster_found_says_run_up(state_file, no_connection, monkeypatch, capsys):
+    monkeypatch.setattr(cli, "_ray_start_address", lambda: None)
+    assert cli.main(["status"]) == 1
+    assert "no running Ray cluster found: start one with `uniun-ray up`" in capsys.readouterr().err
+
+
+def test_unreachable_address_fails_fast(state_file, no_connection, capsys):
+    port = free_port()  # nothing listens there
+    assert cli.main(["embed", "hello", "--address", f"127.0.0.1:{port}"]) == 1
+    err = capsys.readouterr().err
+    assert f"no Ray cluster answers at 127.0.0.1:{port}" in err and "uniun-ray up" in err
+
+
+def test_down_without_up_is_a_no_op(state_file, capsys):
+    assert cli.main(["down"]) == 0
+    assert "nothing to stop" in capsys.readouterr().out
+
+
+def test_down_forgets_a_stale_head_and_signals_nothing(state_file, capsys):
+    # Our own pid with a wrong start time: a reused pid must never be signalled.
+    HeadState(address="127.0.0.1:1", dashboard_url=None, auth_mode="disabled", pgid=os.getpgid(0),
+              processes=[[os.getpid(), 1.0]], started_at=0.0).save()
+    assert cli.main(["down"]) == 0
+    assert "no longer running" in capsys.readouterr().out
+    assert not state_file.exists()
+
+
+# -- the client commands against a real local Ray ------------------------------------------
+@pytest.mark.ray
+def test_status_foreground_and_embed(runtime, capsys):
+    assert cli.main(["foreground", "extract", "--subject", "note-7"]) == 0
+    assert "foreground: extract (subject note-7)" in capsys.readouterr().out
+    assert uniun_ray.status()["foreground"] == {"kind": "extract", "subject": "note-7"}
+
+    assert cli.main(["status"]) == 0
+    out = capsys.readouterr().out
+    assert "extract (note-7)" in out and "fair pool" in out
+    assert cli.main(["status", "--json"]) == 0
+    snapshot = json.loads(capsys.readouterr().out)
+    assert set(snapshot["tiers"]) == {"T0", "T1", "T2", "T3", "T4"} and snapshot["queued"] == 0
+
+    assert cli.main(["foreground", "none"]) == 0
+    assert capsys.readouterr().out == "foreground: none\n"
+    assert uniun_ray.status()["foreground"] == {"kind": None, "subject": None}
+
+    assert cli.main(["embed", "hello", "the river", "--values", "3"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 2 and all(line.startswith("384 dims [") for line in lines)
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_chat_streams_and_prints_ttft_and_rejects_unknown_models(runtime, capsys):
+    assert cli.main(["chat", "Once upon a time", "--model", "tiny", "--max-new-tokens", "4"]) == 0
+    captured = capsys.readouterr()
+    assert captured.out.strip() and "TTFT " in captured.err and "tiny" in captured.err
+    assert cli.main(["chat", "hi", "--model", "no-such-model"]) == 2
+    err = capsys.readouterr().err
+    assert "unknown model 'no-such-model'" in err and "known ids: " in err and "Traceback" not in err
+
+
+# -- up and down, on a head of their own ---------------------------------------------------
+def run_cli(*argv: str, env: dict) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "uniun_ray.cli", *argv], env=env, capture_output=True,
+                          text=True, timeout=180)
+
+
+@pytest.mark.slow
+def test_up_then_down_stops_exactly_that_head(tmp_path):
+    temp_dir = tempfile.mkdtemp(prefix="uniun-up-", dir="/tmp")  # short: Ray's socket paths
+    state = tmp_path / "up.json"
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_AUTH_MODE")}
+    env["UNIUN_UP_STATE"] = str(state)
+    port, dashboard = free_port(), free_port()
+    try:
+        up = run_cli("up", "--port", str(port), "--dashboard-port", str(dashboard), "--temp-dir", temp_dir,
+                     "--", f"--ray-client-server-port={free_port()}",
+                     f"--dashboard-agent-listen-port={free_port()}", env=env)
+        assert up.returncode == 0, up.stdout + up.stderr
+        assert f"dashboard: http://127.0.0.1:{dashboard}" in up.stdout
+        assert "actors: scheduler, model:cpu0, embedder" in up.stdout
+        head = HeadState.load(state)
+        assert head.auth_mode == "disabled" and head.session_dir.startswith(temp_dir)
+        assert head.alive() and head.address.endswith(f":{port}")
+
+        again = run_cli("up", env=env)
+        assert again.returncode == 0 and "already up" in again.stdout
+
+        status = run_cli("status", "--json", env=env)  # finds the head through the state file
+        assert status.returncode == 0, status.stderr
+        assert json.loads(status.stdout)["queued"] == 0
+
+        down = run_cli("down", env=env)
+        assert down.returncode == 0 and "stopped the Ray head" in down.stdout, down.stdout + down.stderr
+        assert not head.alive() and not state.exists()
+    finally:
+        leftover = HeadState.load(state)
+        if leftover is not None:
+            stop_head(leftover)
+        shutil.rmtree(temp_dir, ignore_errors=True)

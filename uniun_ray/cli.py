@@ -1,0 +1,365 @@
+"""`uniun-ray`: start and stop a local head, look at the scheduler, and poke it.
+
+    uniun-ray up [--port 6379] [--auth disabled|token] [-- more `ray start` args]
+    uniun-ray down
+    uniun-ray status [--json]
+    uniun-ray chat PROMPT [--model ID]
+    uniun-ray foreground KIND|none [--subject S]
+    uniun-ray embed TEXT...
+    uniun-ray bench [simulator bench args]
+
+Client commands find the cluster through --address, RAY_ADDRESS, the head `up` recorded, or
+the one `ray start` recorded, in that order; they never start one (that is `up`'s job).
+Exit codes: 0 ok, 1 runtime error (no cluster, a failed call), 2 usage error (bad
+arguments, unknown kind or model). Expected errors print one line, never a traceback.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import socket
+import sys
+import time
+
+from .policy import Kind
+
+DEFAULT_PORT = 6379
+DEFAULT_DASHBOARD_PORT = 8265
+
+
+class UsageError(ValueError):
+    """Bad input found after parsing (exit 2)."""
+
+
+class NoCluster(ConnectionError):
+    """No Ray cluster to talk to (exit 1)."""
+
+
+def _fail(message: str, code: int) -> int:
+    print(f"uniun-ray: error: {message}", file=sys.stderr)
+    return code
+
+
+# -- finding the cluster ------------------------------------------------------------------
+def _ray_start_address() -> str | None:
+    """The address the last `ray start` on this machine recorded (Ray's own lookup; unlike
+    address="auto" it never picks an arbitrary running cluster, such as a test session's)."""
+    try:
+        from ray._private.services import find_bootstrap_address
+        return find_bootstrap_address(None)
+    except Exception:  # a Ray internal that moved: fall back to asking for --address
+        return None
+
+
+def _reachable(address: str, timeout_s: float = 2.0) -> bool:
+    """A GCS that does not answer would make ray.init retry for minutes."""
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit() or "://" in address:
+        return True  # not host:port; let Ray judge it
+    try:
+        socket.create_connection((host, int(port)), timeout_s).close()
+        return True
+    except OSError:
+        return False
+
+
+def _connect(args) -> None:
+    import ray
+
+    import uniun_ray
+    from .runtime.head import HeadState
+
+    if ray.is_initialized():
+        return  # an in-process caller (a notebook, the tests) keeps its own connection
+    state = HeadState.load()
+    running = state if state and state.alive() else None
+    os.environ.setdefault("RAY_AUTH_MODE", running.auth_mode if running else "disabled")
+    address = (args.address or os.environ.get("RAY_ADDRESS") or (running.address if running else None)
+               or _ray_start_address())
+    if address is None:
+        raise NoCluster("no running Ray cluster found: start one with `uniun-ray up` (or pass --address)")
+    if not _reachable(address):
+        raise NoCluster(f"no Ray cluster answers at {address}: start one with `uniun-ray up` (or pass --address)")
+    uniun_ray.connect(address, logging_level=logging.ERROR)
+
+
+# -- client commands ----------------------------------------------------------------------
+def _status(args) -> int:
+    import uniun_ray
+
+    _connect(args)
+    snapshot = uniun_ray.status()
+    if args.json:
+        print(json.dumps(snapshot, indent=2, sort_keys=True, default=str))
+    else:
+        from rich.console import Console
+        Console().print(*_status_view(snapshot))
+    return 0
+
+
+def _status_view(snap: dict) -> list:
+    """The snapshot as rich renderables: a summary line, the running job, the queue by
+    tier, and the fair pool's vruntimes."""
+    from rich.table import Table
+
+    now = snap.get("now") or time.time()
+    fg = snap["foreground"]
+    t2 = snap["t2"]
+    summary = Table.grid(padding=(0, 2))
+    summary.add_row("loaded", str(snap["loaded_model"]), "foreground",
+                    f"{fg['kind'] or 'none'}" + (f" ({fg['subject']})" if fg["subject"] else ""))
+    summary.add_row("queued", str(snap["queued"]), "T2 share",
+                    f"{t2['share']:.0%} of {t2['limit']:.0%}" + (" (over budget)" if t2["over_budget"] else ""))
+    swaps = ", ".join(f"{m} {s:.1f}s" for m, s in snap.get("swap_s", {}).items()) or "-"
+    summary.add_row("swaps", swaps, "next wake-up",
+                    f"in {snap['next_wakeup'] - now:.1f}s" if snap["next_wakeup"] else "-")
+
+    jobs = Table("tier", "kind", "producer", "model", "waited", "deadline", "subject", "id",
+                 title="jobs", title_justify="left")
+    running = snap["running"]
+    if running:
+        jobs.add_row(f"[bold]{running['tier']} ▶[/]", *_job_cells(running, now, f"held {running['held_s']:.1f}s"))
+    for tier, queued in snap["tiers"].items():
+        for job in queued:
+            jobs.add_row(tier, *_job_cells(job, now, f"{job['waited_s']:.1f}s"))
+
+    pool = Table("kind", "vruntime", "producers", title="fair pool (T4)", title_justify="left")
+    producers = snap["vruntime"].get("producers", {})
+    for kind, value in snap["vruntime"].get("kinds", {}).items():
+        flows = ", ".join(f"{p} {v:.2f}" for p, v in producers.get(kind, {}).items())
+        pool.add_row(kind, f"{value:.2f}", flows)
+    return [summary, jobs, pool]
+
+
+def _job_cells(job: dict, now: float, waited: str) -> list[str]:
+    deadline = job["deadline"]
+    due = "-" if deadline is None else (f"in {deadline - now:.1f}s" if deadline > now else f"{now - deadline:.1f}s ago")
+    subject = (job["subject"] or "") + (" (hint)" if job["foreground_hint"] else "")
+    return [job["kind"], str(job["producer"]), job["model"], waited, due, subject, job["id"]]
+
+
+def _chat(args) -> int:
+    import uniun_ray
+
+    _connect(args)
+
+    async def chat():
+        stream = uniun_ray.astream("chat", args.prompt, model_id=args.model, max_new_tokens=args.max_new_tokens)
+        async for piece in stream:
+            print(piece, end="", flush=True)
+        print()
+        return stream.completion
+
+    done = asyncio.run(chat())
+    ttft = "-" if done.ttft_s is None else f"{done.ttft_s:.2f}s"
+    print(f"TTFT {ttft} · {done.tokens} tokens in {done.total_s:.2f}s · {done.model_id}", file=sys.stderr)
+    return 0
+
+
+def _foreground(args) -> int:
+    import uniun_ray
+
+    kind = None if args.kind == "none" else args.kind
+    if kind is None and args.subject is not None:
+        raise UsageError("--subject needs a kind (`foreground none` clears both)")
+    _connect(args)
+    uniun_ray.set_foreground(kind, args.subject)
+    print(f"foreground: {kind or 'none'}" + (f" (subject {args.subject})" if args.subject else ""))
+    return 0
+
+
+def _embed(args) -> int:
+    import uniun_ray
+
+    _connect(args)
+    for text, vector in zip(args.texts, uniun_ray.embed(args.texts)):
+        head = ", ".join(f"{x:+.4f}" for x in vector[:args.values])
+        print(f"{len(vector)} dims [{head}, …] {text!r}")
+    return 0
+
+
+# -- the head -----------------------------------------------------------------------------
+def _up(args) -> int:
+    import ray
+
+    from .runtime.head import HeadError, HeadState, start_head, state_path
+    from .runtime.launch import start
+    from .runtime.producers import error_text
+    from .runtime.protocol import NAMESPACE
+
+    state = HeadState.load()
+    if state and state.alive():
+        print(f"already up: {state.address} (dashboard {state.dashboard_url}); stop it with `uniun-ray down`")
+        return 0
+    HeadState.forget()  # a stale record of a head that is gone
+    os.environ["RAY_AUTH_MODE"] = args.auth  # this process must speak the head's auth mode too
+    state = start_head(port=args.port, dashboard_host=args.dashboard_host, dashboard_port=args.dashboard_port,
+                       auth_mode=args.auth, temp_dir=args.temp_dir, extra=args.ray_args)
+    state.save()
+    try:
+        context = ray.init(address=state.address, namespace=NAMESPACE, logging_level=logging.ERROR,
+                           log_to_driver=False)
+        state.address = context.address_info.get("gcs_address") or state.address
+        state.session_dir = context.address_info.get("session_dir")
+        state.dashboard_url = f"http://{context.dashboard_url}" if context.dashboard_url else None
+        start()
+        state.actors = _actor_names()
+    except Exception as error:
+        raise HeadError(f"the head is up, but its actors could not be created ({error_text(error)}); "
+                        f"stop it with `uniun-ray down`") from error
+    finally:
+        state.save()
+        ray.shutdown()
+    print(f"Ray head up at {state.address} (auth {state.auth_mode})")
+    print(f"dashboard: {state.dashboard_url or 'not running'}")
+    print(f"actors: {', '.join(state.actors)}")
+    if state.dashboard_url:
+        print(f"jobs: ray job submit --address {state.dashboard_url} --working-dir . -- python jobs/chat.py")
+    print(f"state: {state_path()}; stop with `uniun-ray down`")
+    return 0
+
+
+def _actor_names() -> list[str]:
+    from .runtime.launch import device_name
+    from .runtime.protocol import EMBEDDER_NAME, SCHEDULER_NAME, model_actor_name
+    return [SCHEDULER_NAME, model_actor_name(device_name()), EMBEDDER_NAME]
+
+
+def _down(args) -> int:
+    from .runtime.head import HeadState, state_path, stop_head
+    from .runtime.producers import error_text
+
+    state = HeadState.load()
+    if state is None:
+        print(f"nothing to stop: no cluster started by `uniun-ray up` (no {state_path()})")
+        return 0
+    if not state.alive():
+        HeadState.forget()
+        print(f"the head `uniun-ray up` started at {state.address} is no longer running; forgot it")
+        return 0
+    try:
+        killed = _kill_actors(state)
+    except Exception as error:  # the head goes anyway, and its actors with it
+        killed = 0
+        print(f"could not kill the actors first ({error_text(error)}); stopping the head", file=sys.stderr)
+    stopped = stop_head(state)
+    HeadState.forget()
+    print(f"stopped the Ray head at {state.address}: {killed} uniun actors killed, {stopped} processes stopped")
+    return 0
+
+
+def _kill_actors(state) -> int:
+    """Kill the named actors of namespace "uniun" (the ones up started, and producers)
+    before their head goes, so none is left mid-call against a vanishing GCS."""
+    import ray
+
+    from .runtime.protocol import NAMESPACE
+
+    os.environ["RAY_AUTH_MODE"] = state.auth_mode
+    if not _reachable(state.address):
+        return 0
+    ray.init(address=state.address, logging_level=logging.ERROR, log_to_driver=False)
+    try:
+        names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["namespace"] == NAMESPACE]
+        for name in names:
+            ray.kill(ray.get_actor(name, namespace=NAMESPACE), no_restart=True)
+        return len(names)
+    finally:
+        ray.shutdown()
+
+
+# -- parsing and dispatch -----------------------------------------------------------------
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="uniun-ray", description=__doc__.split("\n")[0])
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND")
+    client = argparse.ArgumentParser(add_help=False)
+    client.add_argument("--address", help="Ray GCS address (default: RAY_ADDRESS, the head `up` started, "
+                                          "or the last `ray start`)")
+
+    up = commands.add_parser("up", help="start a local Ray head and the scheduler, model and embedder actors")
+    up.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"GCS port (default {DEFAULT_PORT})")
+    up.add_argument("--dashboard-host", default="127.0.0.1", help="dashboard bind address (default 127.0.0.1)")
+    up.add_argument("--dashboard-port", type=int, default=DEFAULT_DASHBOARD_PORT,
+                    help=f"dashboard port (default {DEFAULT_DASHBOARD_PORT})")
+    up.add_argument("--auth", choices=("disabled", "token"), default="disabled",
+                    help="RAY_AUTH_MODE of the head (default disabled; token on shared networks)")
+    up.add_argument("--temp-dir", help="Ray temp dir (default Ray's, /tmp/ray)")
+    up.add_argument("ray_args", nargs="*", metavar="-- RAY_START_ARG", help="more `ray start` arguments, after --")
+    up.set_defaults(run=_up)
+
+    down = commands.add_parser("down", help="stop what `uniun-ray up` started, and only that")
+    down.set_defaults(run=_down)
+
+    status = commands.add_parser("status", parents=[client], help="the scheduler's state, once")
+    status.add_argument("--json", action="store_true", help="the raw snapshot as JSON")
+    status.set_defaults(run=_status)
+
+    chat = commands.add_parser("chat", parents=[client], help="send a chat prompt, stream the answer, print TTFT")
+    chat.add_argument("prompt")
+    chat.add_argument("--model", help="model id (default: the active chat model)")
+    chat.add_argument("--max-new-tokens", type=int, default=128)
+    chat.set_defaults(run=_chat)
+
+    foreground = commands.add_parser("foreground", parents=[client], help="put a kind in front (T1), or none")
+    foreground.add_argument("kind", choices=[k.value for k in Kind] + ["none"], metavar="KIND",
+                            help="one of: " + ", ".join(k.value for k in Kind) + ", none")
+    foreground.add_argument("--subject", help="only jobs with this subject are hoisted (e.g. a note id)")
+    foreground.set_defaults(run=_foreground)
+
+    embed = commands.add_parser("embed", parents=[client], help="embed texts; print dims and first values")
+    embed.add_argument("texts", nargs="+", metavar="TEXT")
+    embed.add_argument("--values", type=int, default=5, help="how many values to print (default 5)")
+    embed.set_defaults(run=_embed)
+
+    commands.add_parser("bench", add_help=False, help="the simulator benchmark (see `uniun-ray bench --help`)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser = _parser()
+    try:
+        if argv[:1] == ["bench"]:  # forwarded whole, --help included
+            from .sim.bench import main as bench
+            return bench(argv[1:])
+        args = parser.parse_args(argv)
+    except SystemExit as exit_:  # argparse printed the help, or the usage and the error
+        return 0 if exit_.code is None else exit_.code if isinstance(exit_.code, int) else 2
+    if args.command is None:
+        parser.print_help(sys.stderr)
+        return 2
+    try:
+        return args.run(args)
+    except KeyboardInterrupt:
+        return 130
+    except BrokenPipeError:  # `uniun-ray status --json | head`: the reader left
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
+    except Exception as error:
+        return _report(error)
+
+
+def _report(error: Exception) -> int:
+    """Map expected errors to one line and an exit code; let the unexpected ones raise."""
+    from ray.exceptions import RayError
+
+    from .runtime.head import HeadError
+    from .runtime.producers import error_text
+    from .runtime.protocol import UniunError
+
+    cause = getattr(error, "cause", None)  # a RayTaskError carries the remote exception
+    cause = cause if isinstance(cause, BaseException) else error
+    if isinstance(cause, ValueError):  # bad input: unknown kind or model, prompt too long...
+        return _fail(str(cause), 2)
+    if isinstance(cause, (NoCluster, HeadError)):
+        return _fail(str(cause), 1)
+    if isinstance(error, RayError) or isinstance(cause, (UniunError, ConnectionError, TimeoutError)):
+        return _fail(error_text(error), 1)
+    raise error
+
+
+if __name__ == "__main__":
+    sys.exit(main())

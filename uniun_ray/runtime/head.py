@@ -1,0 +1,187 @@
+"""The Ray head that `uniun-ray up` starts and `uniun-ray down` stops, and nothing else.
+
+`ray stop` kills every Ray process of the user: on a shared workstation that includes other
+people's clusters and test sessions. So `up` runs `ray start --head` in a new session (a
+process group of its own) and records the group and its processes in a state file; `down`
+signals only that group and the processes descending from it (the raylet forks its workers
+into groups of their own, but they stay its children). Recorded pids are checked against
+their start time, so a pid the system reused is never signalled.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import psutil
+
+from .actors import DEVICE_RESOURCE, EMBEDDER_RESOURCE
+
+STATE_ENV = "UNIUN_UP_STATE"
+STOP_GRACE_S = 5.0  # gcs_server and raylet often outlast a SIGTERM; the whole head goes anyway
+
+
+class HeadError(RuntimeError):
+    """`ray start` failed, or the recorded head cannot be used."""
+
+
+def state_path() -> Path:
+    """`$UNIUN_UP_STATE`, else ~/.cache/uniun-ray/up.json (beside the model cache)."""
+    configured = os.environ.get(STATE_ENV)
+    if configured:
+        return Path(configured).expanduser()
+    cache = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(cache) / "uniun-ray" / "up.json"
+
+
+@dataclass
+class HeadState:
+    """What `up` started: enough for clients to find it and for `down` to stop only it."""
+
+    address: str                 # GCS address, for ray.init
+    dashboard_url: str | None
+    auth_mode: str
+    pgid: int
+    processes: list[list[float]]  # [pid, create_time] of the head's processes after `ray start`
+    started_at: float
+    session_dir: str | None = None
+    actors: list[str] = field(default_factory=list)
+
+    def save(self, path: Path | None = None) -> None:
+        path = path or state_path()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        staging = path.with_suffix(".tmp")
+        staging.write_text(json.dumps(asdict(self), indent=2))
+        staging.replace(path)
+
+    @classmethod
+    def load(cls, path: Path | None = None) -> "HeadState | None":
+        path = path or state_path()
+        try:
+            return cls(**json.loads(path.read_text()))
+        except FileNotFoundError:
+            return None
+        except (ValueError, TypeError) as error:
+            raise HeadError(f"unreadable state file {path} ({error}); remove it if no head is running") from None
+
+    @staticmethod
+    def forget(path: Path | None = None) -> None:
+        (path or state_path()).unlink(missing_ok=True)
+
+    def alive(self) -> list[psutil.Process]:
+        """The recorded processes that still run (same pid, same start time)."""
+        found = []
+        for pid, created in self.processes:
+            try:
+                process = psutil.Process(int(pid))
+                if abs(process.create_time() - created) < 0.01:
+                    found.append(process)
+            except psutil.Error:
+                continue
+        return found
+
+
+def stand_in_resources(gpus: int) -> dict:
+    """The custom resources a node declares for what it lacks, mirroring the placement in
+    `actors`: the model takes a GPU, else `uniun_device`; the embedder a second GPU, else
+    `uniun_embedder`."""
+    resources = {}
+    if gpus < 1:
+        resources[DEVICE_RESOURCE] = 1
+    if gpus < 2:
+        resources[EMBEDDER_RESOURCE] = 1
+    return resources
+
+
+def gpu_count() -> int:
+    """CUDA GPUs torch sees here (the model actor runs on torch, so its view is the one that
+    matters; 0 on a CPU build)."""
+    try:
+        import torch
+        return torch.cuda.device_count()
+    except Exception:  # no torch, or a broken driver: no GPU to use
+        return 0
+
+
+def _ray_executable() -> str:
+    sibling = Path(sys.executable).with_name("ray")  # the `ray` of this environment first
+    found = str(sibling) if sibling.exists() else shutil.which("ray")
+    if not found:
+        raise HeadError("the `ray` command was not found; install the project (make install)")
+    return found
+
+
+def _pgid(process: psutil.Process) -> int | None:
+    try:
+        return os.getpgid(process.pid)
+    except OSError:
+        return None
+
+
+def _group(pgid: int) -> list[psutil.Process]:
+    return [process for process in psutil.process_iter() if _pgid(process) == pgid]
+
+
+def start_head(*, port: int, dashboard_host: str, dashboard_port: int, auth_mode: str,
+               temp_dir: str | None = None, extra: list[str] = ()) -> HeadState:
+    """Run `ray start --head` in a new process group with RAY_AUTH_MODE set explicitly,
+    declaring the stand-in resources this machine needs. Returns the (unsaved) state."""
+    resources = stand_in_resources(gpu_count())
+    command = [_ray_executable(), "start", "--head", f"--port={port}", f"--dashboard-host={dashboard_host}",
+               f"--dashboard-port={dashboard_port}", f"--resources={json.dumps(resources)}",
+               *([f"--temp-dir={temp_dir}"] if temp_dir else []), *extra]
+    # This environment's bin first on PATH: `python` in a job's entrypoint is then the
+    # Python that runs Ray and has uniun-ray installed, not whatever the shell had.
+    path = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
+    env = {**os.environ, "RAY_AUTH_MODE": auth_mode, "PATH": path}
+    process = subprocess.Popen(command, env=env, start_new_session=True, stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True)
+    output, _ = process.communicate()
+    members = _group(process.pid)
+    if process.returncode != 0:
+        _stop(members)
+        tail = "\n".join(output.strip().splitlines()[-8:])
+        raise HeadError(f"`ray start --head` failed (exit {process.returncode}):\n{tail}")
+    return HeadState(address=f"127.0.0.1:{port}", dashboard_url=f"http://{dashboard_host}:{dashboard_port}",
+                     auth_mode=auth_mode, pgid=process.pid,
+                     processes=[[p.pid, p.create_time()] for p in members], started_at=time.time())
+
+
+def stop_head(state: HeadState) -> int:
+    """Stop the recorded head: its process group and every descendant. Returns how many
+    processes were signalled (0 when it was already gone)."""
+    alive = state.alive()
+    owned = [p for p in alive if _pgid(p) == state.pgid]
+    tree = set(alive) | (set(_group(state.pgid)) if owned else set())
+    for process in list(tree):
+        try:
+            tree.update(process.children(recursive=True))
+        except psutil.Error:
+            continue
+    _stop(list(tree))
+    return len(tree)
+
+
+def _stop(processes: list[psutil.Process]) -> None:
+    """SIGTERM, then SIGKILL what is left after the grace period (Ray's own order)."""
+    for process in processes:
+        try:
+            process.terminate()
+        except psutil.Error:
+            continue
+    _, left = psutil.wait_procs(processes, timeout=STOP_GRACE_S)
+    for process in left:
+        try:
+            process.kill()
+        except psutil.Error:
+            continue
+    psutil.wait_procs(left, timeout=STOP_GRACE_S)
+
+
+if __name__ == "__main__":  # cluster.yaml: `ray start --resources="$(python -m uniun_ray.runtime.head)"`
+    print(json.dumps(stand_in_resources(gpu_count())))
