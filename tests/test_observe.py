@@ -201,3 +201,22 @@ def test_the_grafana_dashboard_charts_every_metric_and_only_those():
     exprs = [t["expr"] for p in dashboard["panels"] for t in p.get("targets", [])]
     charted = {re.sub(r"_(bucket|count|sum)$", "", name) for e in exprs for name in re.findall(r"ray_(uniun_\w+)", e)}
     assert charted == defined
+
+
+def test_metrics_time_each_wait_from_submit_or_requeue_and_ttft_from_submit():
+    from uniun_ray.runtime.metrics import SchedulerMetrics
+
+    class Recorder:
+        def __init__(self):
+            self.seen = []
+
+        def observe(self, value, tags):
+            self.seen.append((tags["kind"], round(value, 3)))
+
+    m = SchedulerMetrics()
+    m.wait, m.ttft = Recorder(), Recorder()
+    for event in LOG:
+        m.write(event)
+    assert m.wait.seen == [("nataraj", 0.0), ("chat", 0.05), ("chat", 1.5), ("gana", 5.0), ("nataraj", 3.95)]
+    assert m.ttft.seen == [("chat", 0.25), ("chat", 1.6)]
+    assert not m._submitted and not m._queued_since  # every job ended: nothing kept

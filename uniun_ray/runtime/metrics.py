@@ -47,8 +47,8 @@ class SchedulerMetrics:
     def __init__(self, period_s: float = 1.0) -> None:
         self.period_s = period_s
         self._refreshed = float("-inf")
-        self._queued_since: dict[str, tuple[float, str]] = {}  # job -> (ready since, kind)
-        self._submitted: dict[str, float] = {}                  # job -> submit time, until it ends
+        self._queued_since: dict[str, float] = {}  # job -> queued since (submit, or a re-queue)
+        self._submitted: dict[str, float] = {}     # job -> submit time, until it ends
         self._models: set[str] = set()
         kind, model, tier = ("kind",), ("model",), ("tier",)
         self.submits = Counter("uniun_submits_total", "Jobs submitted", kind)
@@ -82,13 +82,13 @@ class SchedulerMetrics:
         if ev == "submit":
             self.submits.inc(tags={"kind": event["kind"]})
             self._submitted[job] = t
-            self._queued_since[job] = (t, event["kind"])
+            self._queued_since[job] = t
         elif ev == "dispatch":
             tier = f"T{event['tier']}"
             self.dispatches.inc(tags={"kind": event["kind"], "tier": tier, "model": event["model"]})
             since = self._queued_since.pop(job, None)
             if since is not None:
-                self.wait.observe(t - since[0], tags={"kind": event["kind"], "tier": tier})
+                self.wait.observe(t - since, tags={"kind": event["kind"], "tier": tier})
         elif ev == "swap_end":
             self.swaps.inc(tags={"model": event["model"]})
             self.swap_s.observe(event["seconds"], tags={"model": event["model"]})
@@ -103,8 +103,8 @@ class SchedulerMetrics:
             self._forget(job)
         elif ev == "finish":
             self.finishes.inc(tags={"kind": event["kind"], "outcome": event["outcome"]})
-            if event["outcome"] == "revoked" and event["kind"] != Kind.CHAT.value:
-                self._queued_since[job] = (t, event["kind"])  # re-queued (R6); pruned by refresh if not
+            if event.get("requeued") or (event["outcome"] == "revoked" and event["kind"] != Kind.CHAT.value):
+                self._queued_since[job] = t  # re-queued (R6); pruned by refresh if not
             else:
                 self._forget(job)
 
