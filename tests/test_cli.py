@@ -69,7 +69,8 @@ def test_help_and_bench_help_exit_0(capsys):
 
 # -- no cluster: exit 1, says to run `uniun-ray up` ----------------------------------------
 def test_no_cluster_found_says_run_up(state_file, no_connection, monkeypatch, capsys):
-    monkeypatch.setattr(cli, "_ray_start_address", lambda: None)
+    from uniun_ray.runtime import launch
+    monkeypatch.setattr(launch, "_ray_start_address", lambda: None)
     assert cli.main(["status"]) == 1
     assert "no running Ray cluster found: start one with `uniun-ray up`" in capsys.readouterr().err
 
@@ -149,6 +150,7 @@ def test_up_then_down_stops_exactly_that_head(tmp_path):
         assert up.returncode == 0, up.stdout + up.stderr
         assert f"dashboard: http://127.0.0.1:{dashboard}" in up.stdout
         assert "actors: scheduler, model:cpu0, embedder" in up.stdout
+        assert f"event log: {os.environ['UNIUN_STATE_DIR']}/events.jsonl" in up.stdout  # the scheduler's own
         head = HeadState.load(state)
         assert head.auth_mode == "disabled" and head.session_dir.startswith(temp_dir)
         assert head.alive() and head.address.endswith(f":{port}")

@@ -124,7 +124,7 @@ def test_status_view_shows_each_queued_job_in_its_tier(tmp_path):
     for tier, job_id in (("T1", "x-open"), ("T2", "x-fill"), ("T3", "g-due"), ("T4", "n-next")):
         assert re.search(rf"│ {tier} +│ 1 +│ .*{job_id}", text), (tier, job_id, text)
     assert re.search(r"▶ T4 nataraj +producer nataraj:deck +model m +held \d+\.\ds +job hold", text)
-    assert "foreground (T1)  extract (subject note-17)" in text
+    assert "foreground (T1)  extract (note-17)" in text
     assert "revoke" in text and "hold (nataraj:deck): arrival of extract job x-open" in text
     assert str(tmp_path / "ev.jsonl") in text
 
@@ -220,3 +220,37 @@ def test_metrics_time_each_wait_from_submit_or_requeue_and_ttft_from_submit():
     assert m.wait.seen == [("nataraj", 0.0), ("chat", 0.05), ("chat", 1.5), ("gana", 5.0), ("nataraj", 3.95)]
     assert m.ttft.seen == [("chat", 0.25), ("chat", 1.6)]
     assert not m._submitted and not m._queued_since  # every job ended: nothing kept
+
+
+def test_cli_explain_reads_a_log_offline(tmp_path, capsys):
+    from uniun_ray import cli
+
+    path = tmp_path / "events.jsonl"
+    path.write_text("".join(json.dumps(e) + "\n" for e in LOG))
+    assert cli.main(["explain", "c2", "--log", str(path)]) == 0
+    assert "behind c1 (chat from chat, T0, model m)" in capsys.readouterr().out
+    assert cli.main(["explain", "nope", "--log", str(path)]) == 2
+    assert "not in the event log" in capsys.readouterr().err
+    assert cli.main(["explain", "c2", "--log", str(tmp_path / "missing.jsonl")]) == 1
+
+
+def test_cli_status_watch_redraws_until_ctrl_c(monkeypatch, tmp_path):
+    import uniun_ray
+    from uniun_ray import cli
+
+    async def go():
+        s = SchedulerService(FakeDevice(), RuntimeConfig(event_log=str(tmp_path / "ev.jsonl")))
+        await s.submit(spec("n", "nataraj"))
+        return await s.status()
+    snap = asyncio.run(asyncio.wait_for(go(), 10))
+    calls = []
+
+    def status():
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return snap
+    monkeypatch.setattr(cli, "_connect", lambda args: None)
+    monkeypatch.setattr(uniun_ray, "status", status)
+    assert cli.main(["status", "--watch", "--interval", "0"]) == 0
+    assert len(calls) == 3

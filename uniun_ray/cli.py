@@ -2,7 +2,8 @@
 
     uniun-ray up [--port 6379] [--auth disabled|token] [-- more `ray start` args]
     uniun-ray down
-    uniun-ray status [--json]
+    uniun-ray status [--json | --watch [--interval S]]
+    uniun-ray explain JOB_ID [--log PATH]
     uniun-ray chat PROMPT [--model ID]
     uniun-ray foreground KIND|none [--subject S]
     uniun-ray embed TEXT...
@@ -20,9 +21,7 @@ import asyncio
 import json
 import logging
 import os
-import socket
 import sys
-import time
 
 from .policy import Kind
 
@@ -44,101 +43,57 @@ def _fail(message: str, code: int) -> int:
 
 
 # -- finding the cluster ------------------------------------------------------------------
-def _ray_start_address() -> str | None:
-    """The address the last `ray start` on this machine recorded (Ray's own lookup; unlike
-    address="auto" it never picks an arbitrary running cluster, such as a test session's)."""
-    try:
-        from ray._private.services import find_bootstrap_address
-        return find_bootstrap_address(None)
-    except Exception:  # a Ray internal that moved: fall back to asking for --address
-        return None
-
-
-def _reachable(address: str, timeout_s: float = 2.0) -> bool:
-    """A GCS that does not answer would make ray.init retry for minutes."""
-    host, _, port = address.rpartition(":")
-    if not host or not port.isdigit() or "://" in address:
-        return True  # not host:port; let Ray judge it
-    try:
-        socket.create_connection((host, int(port)), timeout_s).close()
-        return True
-    except OSError:
-        return False
-
-
 def _connect(args) -> None:
     import ray
 
     import uniun_ray
-    from .runtime.head import HeadState
+    from .runtime.launch import find_cluster
 
     if ray.is_initialized():
         return  # an in-process caller (a notebook, the tests) keeps its own connection
-    state = HeadState.load()
-    running = state if state and state.alive() else None
-    os.environ.setdefault("RAY_AUTH_MODE", running.auth_mode if running else "disabled")
-    address = (args.address or os.environ.get("RAY_ADDRESS") or (running.address if running else None)
-               or _ray_start_address())
+    address = find_cluster(args.address)
     if address is None:
+        if args.address:
+            raise NoCluster(f"no Ray cluster answers at {args.address}: start one with `uniun-ray up` "
+                            "(or pass another --address)")
         raise NoCluster("no running Ray cluster found: start one with `uniun-ray up` (or pass --address)")
-    if not _reachable(address):
-        raise NoCluster(f"no Ray cluster answers at {address}: start one with `uniun-ray up` (or pass --address)")
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     uniun_ray.connect(address, logging_level=logging.ERROR)
 
 
 # -- client commands ----------------------------------------------------------------------
 def _status(args) -> int:
     import uniun_ray
+    from rich.console import Console
+
+    from .observe import statusview
 
     _connect(args)
-    snapshot = uniun_ray.status()
     if args.json:
-        print(json.dumps(snapshot, indent=2, sort_keys=True, default=str))
+        print(json.dumps(uniun_ray.status(), indent=2, sort_keys=True, default=str))
+    elif args.watch:
+        try:
+            statusview.watch(uniun_ray.status, args.interval)
+        except KeyboardInterrupt:  # Ctrl-C is how a watch ends
+            pass
     else:
-        from rich.console import Console
-        Console().print(*_status_view(snapshot))
+        Console().print(statusview.render(*statusview.fetch(uniun_ray.status)))
     return 0
 
 
-def _status_view(snap: dict) -> list:
-    """The snapshot as rich renderables: a summary line, the running job, the queue by
-    tier, and the fair pool's vruntimes."""
-    from rich.table import Table
+def _explain(args) -> int:
+    """Offline: reads the log file only, so it works after the cluster is gone."""
+    from .observe.explain import explain
+    from .runtime.eventlog import default_path, read
 
-    now = snap.get("now") or time.time()
-    fg = snap["foreground"]
-    t2 = snap["t2"]
-    summary = Table.grid(padding=(0, 2))
-    summary.add_row("loaded", str(snap["loaded_model"]), "foreground",
-                    f"{fg['kind'] or 'none'}" + (f" ({fg['subject']})" if fg["subject"] else ""))
-    summary.add_row("queued", str(snap["queued"]), "T2 share",
-                    f"{t2['share']:.0%} of {t2['limit']:.0%}" + (" (over budget)" if t2["over_budget"] else ""))
-    swaps = ", ".join(f"{m} {s:.1f}s" for m, s in snap.get("swap_s", {}).items()) or "-"
-    summary.add_row("swaps", swaps, "next wake-up",
-                    f"in {snap['next_wakeup'] - now:.1f}s" if snap["next_wakeup"] else "-")
-
-    jobs = Table("tier", "kind", "producer", "model", "waited", "deadline", "subject", "id",
-                 title="jobs", title_justify="left")
-    running = snap["running"]
-    if running:
-        jobs.add_row(f"[bold]{running['tier']} ▶[/]", *_job_cells(running, now, f"held {running['held_s']:.1f}s"))
-    for tier, queued in snap["tiers"].items():
-        for job in queued:
-            jobs.add_row(tier, *_job_cells(job, now, f"{job['waited_s']:.1f}s"))
-
-    pool = Table("kind", "vruntime", "producers", title="fair pool (T4)", title_justify="left")
-    producers = snap["vruntime"].get("producers", {})
-    for kind, value in snap["vruntime"].get("kinds", {}).items():
-        flows = ", ".join(f"{p} {v:.2f}" for p, v in producers.get(kind, {}).items())
-        pool.add_row(kind, f"{value:.2f}", flows)
-    return [summary, jobs, pool]
-
-
-def _job_cells(job: dict, now: float, waited: str) -> list[str]:
-    deadline = job["deadline"]
-    due = "-" if deadline is None else (f"in {deadline - now:.1f}s" if deadline > now else f"{now - deadline:.1f}s ago")
-    subject = (job["subject"] or "") + (" (hint)" if job["foreground_hint"] else "")
-    return [job["kind"], str(job["producer"]), job["model"], waited, due, subject, job["id"]]
+    path = args.log or default_path()
+    if not os.path.exists(path):
+        return _fail(f"no event log at {path} (pass --log PATH; `uniun-ray up` prints where it is)", 1)
+    try:
+        print("\n".join(explain(read(path), args.job_id)))
+    except KeyError as error:
+        return _fail(error.args[0], 2)
+    return 0
 
 
 def _chat(args) -> int:
@@ -205,7 +160,7 @@ def _up(args) -> int:
         state.address = context.address_info.get("gcs_address") or state.address
         state.session_dir = context.address_info.get("session_dir")
         state.dashboard_url = f"http://{context.dashboard_url}" if context.dashboard_url else None
-        start()
+        event_log = ray.get(start().scheduler.status.remote())["event_log"]
         state.actors = _actor_names()
     except Exception as error:
         raise HeadError(f"the head is up, but its actors could not be created ({error_text(error)}); "
@@ -216,6 +171,7 @@ def _up(args) -> int:
     print(f"Ray head up at {state.address} (auth {state.auth_mode})")
     print(f"dashboard: {state.dashboard_url or 'not running'}")
     print(f"actors: {', '.join(state.actors)}")
+    print(f"event log: {event_log} (`uniun-ray status --watch`, `uniun-ray explain JOB_ID`)")
     if state.dashboard_url:
         print(f"jobs: ray job submit --address {state.dashboard_url} --working-dir . -- python jobs/chat.py")
     print(f"state: {state_path()}; stop with `uniun-ray down`")
@@ -258,8 +214,10 @@ def _kill_actors(state) -> int:
 
     from .runtime.protocol import NAMESPACE
 
+    from .runtime.launch import reachable
+
     os.environ["RAY_AUTH_MODE"] = state.auth_mode
-    if not _reachable(state.address):
+    if not reachable(state.address):
         return 0
     ray.init(address=state.address, logging_level=logging.ERROR, log_to_driver=False)
     try:
@@ -293,9 +251,17 @@ def _parser() -> argparse.ArgumentParser:
     down = commands.add_parser("down", help="stop what `uniun-ray up` started, and only that")
     down.set_defaults(run=_down)
 
-    status = commands.add_parser("status", parents=[client], help="the scheduler's state, once")
-    status.add_argument("--json", action="store_true", help="the raw snapshot as JSON")
+    status = commands.add_parser("status", parents=[client], help="the scheduler's state, once or live")
+    view = status.add_mutually_exclusive_group()
+    view.add_argument("--json", action="store_true", help="the raw snapshot as JSON")
+    view.add_argument("--watch", action="store_true", help="a live view, redrawn until Ctrl-C")
+    status.add_argument("--interval", type=float, default=1.0, help="seconds between redraws (default 1)")
     status.set_defaults(run=_status)
+
+    explain = commands.add_parser("explain", help="one job's story from the event log (works offline)")
+    explain.add_argument("job_id", metavar="JOB_ID")
+    explain.add_argument("--log", help="the event log (default: $UNIUN_STATE_DIR or ~/.cache/uniun-ray, events.jsonl)")
+    explain.set_defaults(run=_explain)
 
     chat = commands.add_parser("chat", parents=[client], help="send a chat prompt, stream the answer, print TTFT")
     chat.add_argument("prompt")

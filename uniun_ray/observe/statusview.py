@@ -44,7 +44,7 @@ def _summary(snap: dict, now: float) -> Table:
     grid.add_column()
     grid.add_column(style="bold")
     grid.add_column()
-    foreground = (fg["kind"] or "none") + (f" (subject {fg['subject']})" if fg["subject"] else "")
+    foreground = (fg["kind"] or "none") + (f" ({fg['subject']})" if fg["subject"] else "")
     grid.add_row("loaded model", str(snap["loaded_model"] or "none"), "foreground (T1)", foreground)
     budget = Text(f"{_bar(t2['share'] / t2['limit'] if t2['limit'] else 0)} {t2['share']:.0%} of {t2['limit']:.0%}")
     if t2["over_budget"]:
@@ -130,7 +130,7 @@ def describe(ev: dict) -> str:
     if ev["ev"] == "swap_end":
         return f"loaded {ev['model']} in {ev.get('seconds', 0.0):.2f}s for {job}"
     if ev["ev"] == "foreground":
-        return (ev["kind"] or "none") + (f" (subject {ev['subject']})" if ev.get("subject") else "")
+        return (ev["kind"] or "none") + (f" ({ev['subject']})" if ev.get("subject") else "")
     return f"{job}: {ev.get('reason', '')}"
 
 
