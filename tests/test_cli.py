@@ -69,7 +69,8 @@ def test_help_and_bench_help_exit_0(capsys):
 
 # -- no cluster: exit 1, says to run `uniun-ray up` ----------------------------------------
 def test_no_cluster_found_says_run_up(state_file, no_connection, monkeypatch, capsys):
-    monkeypatch.setattr(cli, "_ray_start_address", lambda: None)
+    from uniun_ray.runtime import launch
+    monkeypatch.setattr(launch, "_ray_start_address", lambda: None)
     assert cli.main(["status"]) == 1
     assert "no running Ray cluster found: start one with `uniun-ray up`" in capsys.readouterr().err
 

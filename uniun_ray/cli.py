@@ -21,7 +21,6 @@ import asyncio
 import json
 import logging
 import os
-import socket
 import sys
 
 from .policy import Kind
@@ -44,45 +43,21 @@ def _fail(message: str, code: int) -> int:
 
 
 # -- finding the cluster ------------------------------------------------------------------
-def _ray_start_address() -> str | None:
-    """The address the last `ray start` on this machine recorded (Ray's own lookup; unlike
-    address="auto" it never picks an arbitrary running cluster, such as a test session's)."""
-    try:
-        from ray._private.services import find_bootstrap_address
-        return find_bootstrap_address(None)
-    except Exception:  # a Ray internal that moved: fall back to asking for --address
-        return None
-
-
-def _reachable(address: str, timeout_s: float = 2.0) -> bool:
-    """A GCS that does not answer would make ray.init retry for minutes."""
-    host, _, port = address.rpartition(":")
-    if not host or not port.isdigit() or "://" in address:
-        return True  # not host:port; let Ray judge it
-    try:
-        socket.create_connection((host, int(port)), timeout_s).close()
-        return True
-    except OSError:
-        return False
-
-
 def _connect(args) -> None:
     import ray
 
     import uniun_ray
-    from .runtime.head import HeadState
+    from .runtime.launch import find_cluster
 
     if ray.is_initialized():
         return  # an in-process caller (a notebook, the tests) keeps its own connection
-    state = HeadState.load()
-    running = state if state and state.alive() else None
-    os.environ.setdefault("RAY_AUTH_MODE", running.auth_mode if running else "disabled")
-    address = (args.address or os.environ.get("RAY_ADDRESS") or (running.address if running else None)
-               or _ray_start_address())
+    address = find_cluster(args.address)
     if address is None:
+        if args.address:
+            raise NoCluster(f"no Ray cluster answers at {args.address}: start one with `uniun-ray up` "
+                            "(or pass another --address)")
         raise NoCluster("no running Ray cluster found: start one with `uniun-ray up` (or pass --address)")
-    if not _reachable(address):
-        raise NoCluster(f"no Ray cluster answers at {address}: start one with `uniun-ray up` (or pass --address)")
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     uniun_ray.connect(address, logging_level=logging.ERROR)
 
 
@@ -239,8 +214,10 @@ def _kill_actors(state) -> int:
 
     from .runtime.protocol import NAMESPACE
 
+    from .runtime.launch import reachable
+
     os.environ["RAY_AUTH_MODE"] = state.auth_mode
-    if not _reachable(state.address):
+    if not reachable(state.address):
         return 0
     ray.init(address=state.address, logging_level=logging.ERROR, log_to_driver=False)
     try:

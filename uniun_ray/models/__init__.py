@@ -1,39 +1,23 @@
-"""Models: the registry of model ids, and the Ray-free engine the ModelActor wraps."""
+"""Models: the registry of model ids, and the Ray-free engine the ModelActor wraps.
 
-from .engine import (
-    Engine,
-    GenerateRequest,
-    Generation,
-    GenerationResult,
-    PromptTooLong,
-    default_dtype,
-    inspect_request,
-)
-from .registry import (
-    DEFAULT_CHAT_MODEL,
-    ModelSpec,
-    Origin,
-    UnknownModel,
-    cache_dir,
-    known_ids,
-    materialize,
-    resolve,
-)
+Attributes load lazily: the registry and `GenerateRequest` are light, the engine pulls in
+torch, and a client that only builds requests should not pay for that.
+"""
+from importlib import import_module
 
-__all__ = [
-    "DEFAULT_CHAT_MODEL",
-    "Engine",
-    "GenerateRequest",
-    "Generation",
-    "GenerationResult",
-    "ModelSpec",
-    "Origin",
-    "PromptTooLong",
-    "UnknownModel",
-    "cache_dir",
-    "default_dtype",
-    "inspect_request",
-    "known_ids",
-    "materialize",
-    "resolve",
-]
+_WHERE = {
+    "Engine": "engine", "Generation": "engine", "GenerationResult": "engine", "PromptTooLong": "engine",
+    "default_dtype": "engine", "inspect_request": "engine",
+    "GenerateRequest": "request",
+    "DEFAULT_CHAT_MODEL": "registry", "ModelSpec": "registry", "Origin": "registry",
+    "UnknownModel": "registry", "cache_dir": "registry", "known_ids": "registry",
+    "materialize": "registry", "resolve": "registry",
+}
+
+__all__ = sorted(_WHERE)
+
+
+def __getattr__(name: str):
+    if name in _WHERE:
+        return getattr(import_module(f".{_WHERE[name]}", __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

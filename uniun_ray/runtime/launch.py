@@ -6,6 +6,7 @@ number of scripts, producers and CLI calls can `start()` at once and share one s
 from __future__ import annotations
 
 import os
+import socket
 from dataclasses import dataclass
 
 import ray
@@ -26,19 +27,56 @@ def ensure_auth_mode() -> str:
     return os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
 
+def _ray_start_address() -> str | None:
+    """The address the last `ray start` on this machine recorded (Ray's own lookup; unlike
+    address="auto" it never picks an arbitrary running cluster, such as a test session's)."""
+    try:
+        from ray._private.services import find_bootstrap_address
+        return find_bootstrap_address(None)
+    except Exception:  # a Ray internal that moved: treat as "none recorded"
+        return None
+
+
+def reachable(address: str, timeout_s: float = 2.0) -> bool:
+    """A GCS that does not answer would make ray.init retry for minutes."""
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit() or "://" in address:
+        return True  # not host:port; let Ray judge it
+    try:
+        socket.create_connection((host, int(port)), timeout_s).close()
+        return True
+    except OSError:
+        return False
+
+
+def find_cluster(address: str | None = None) -> str | None:
+    """Which running cluster to join: `address`, else RAY_ADDRESS, else the head that
+    `uniun-ray up` started (its auth mode too), else the last `ray start`; None if none
+    answers. Never Ray's address="auto", which may pick anyone's cluster."""
+    from .head import HeadState
+
+    state = HeadState.load()
+    running = state if state and state.alive() else None
+    if running is not None:
+        os.environ.setdefault("RAY_AUTH_MODE", running.auth_mode)
+    found = address or os.environ.get("RAY_ADDRESS") or (running.address if running else None) \
+        or _ray_start_address()
+    return found if found and reachable(found) else None
+
+
 def connect(address: str | None = None, namespace: str = NAMESPACE, **init_kwargs) -> None:
-    """Join a running Ray (address, or the local one), or start a local one with the
+    """Join a running Ray (see `find_cluster`), or start a private local one with the
     stand-in device resources. No-op when already connected."""
     if ray.is_initialized():
         return
+    found = find_cluster(address)
     ensure_auth_mode()
     init_kwargs.setdefault("log_to_driver", False)
-    if address is not None:
-        ray.init(address=address, namespace=namespace, **init_kwargs)
-        return
-    try:
-        ray.init(address="auto", namespace=namespace, **init_kwargs)
-    except ConnectionError:
+    if found is not None:
+        ray.init(address=found, namespace=namespace, **init_kwargs)
+    elif address is not None:
+        raise UniunError(f"no Ray cluster answers at {address}")
+    else:
         ray.init(address="local", namespace=namespace, resources=LOCAL_RESOURCES,
                  include_dashboard=False, **init_kwargs)
 
@@ -66,8 +104,9 @@ def start(config: RuntimeConfig | None = None) -> Handles:
             f"--resources='{{\"{DEVICE_RESOURCE}\": 1, \"{EMBEDDER_RESOURCE}\": 1}}'`.")
     model_name = model_actor_name(device_name())
     model = RemoteModel.options(**model_actor_options(model_name)).remote(device="cuda" if gpu else "cpu")
+    # Ray shows an actor only the GPU it was given, as cuda:0
     embedder = RemoteEmbedder.options(**embedder_options(EMBEDDER_NAME)).remote(
-        device="cuda:1" if cuda_devices() >= 2 else "cpu")
+        device="cuda" if cuda_devices() >= 2 else "cpu")
     scheduler = RemoteScheduler.options(**scheduler_options(SCHEDULER_NAME)).remote(model_name, config)
     ray.get(scheduler.ping.remote())
     return Handles(scheduler, model, embedder)
