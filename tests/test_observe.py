@@ -254,3 +254,10 @@ def test_cli_status_watch_redraws_until_ctrl_c(monkeypatch, tmp_path):
     monkeypatch.setattr(uniun_ray, "status", status)
     assert cli.main(["status", "--watch", "--interval", "0"]) == 0
     assert len(calls) == 3
+
+
+def test_explain_shows_a_tier_change_while_the_job_runs():
+    events = [submit(0.0, "n", "nataraj"), job(0.0, "dispatch", "n", "nataraj", swap=False, tier=4),
+              {"t": 1.0, "ev": "foreground", "kind": "nataraj", "subject": None},
+              job(2.0, "finish", "n", "nataraj", outcome="done")]
+    assert "   +1.000s    tier T4 -> T1 (foreground set to nataraj)" in story(events, "n").splitlines()

@@ -79,7 +79,9 @@ def main(argv: list[str] | None = None) -> None:
     try:
         print(f"Ray dashboard: http://{context.dashboard_url}  (actors: scheduler, model:cpu0, "
               f"embedder, producer:nataraj:demo)")
-        start()
+        events = ray.get(start().scheduler.status.remote())["event_log"]
+        print(f"watch it: uniun-ray status --watch --address {context.address_info['gcs_address']}\n"
+              f"event log: {events}  (uniun-ray explain JOB_ID)")
         print("Loading the chat model (the first run converts it once, ~20 s)...", flush=True)
         r = asyncio.run(measure(args.turns, args.deck, args.card_tokens, args.chat_tokens))
         sim = simulated_two_lane()

@@ -108,12 +108,7 @@ class _Story:
         if b - a < MIN_WAIT_S:
             return
         self.at(a, f"waited {b - a:.3f}s")
-        notes: list[tuple[float, str]] = []
-        pieces = list(self.trace.tier_pieces(self.rec, a, b))
-        for (_, _, before), (lo, _, tier) in zip(pieces, pieces[1:]):
-            if tier != before:
-                why = "its deadline passed" if lo == self.rec.job.deadline else self.foreground(lo)
-                notes.append((lo, f"  tier T{before} -> T{tier} ({why})"))
+        notes = self.tier_changes(a, b)
         busy = 0.0
         for run in self.trace.runs:
             lo, hi = max(a, run.start), min(b, run.end)
@@ -133,6 +128,16 @@ class _Story:
         for t, text in sorted(notes, key=lambda n: n[0]):
             self.at(t, text)
 
+    def tier_changes(self, a: float, b: float) -> list[tuple[float, str]]:
+        """Where the job's tier moved within [a, b) (R1: a deadline, the foreground)."""
+        notes = []
+        pieces = list(self.trace.tier_pieces(self.rec, a, b))
+        for (_, _, before), (lo, _, tier) in zip(pieces, pieces[1:]):
+            if tier != before:
+                why = "its deadline passed" if lo == self.rec.job.deadline else self.foreground(lo)
+                notes.append((lo, f"  tier T{before} -> T{tier} ({why})"))
+        return notes
+
     def foreground(self, t: float) -> str:
         fg = self.trace.foreground_at(t)
         front = fg.kind.value if fg.kind else "none"
@@ -142,27 +147,31 @@ class _Story:
         return self.reasons.get((run.job, run.revoked_at), "revoked")
 
     def run(self, run: Run) -> None:
+        """One hold of the device: dispatch (with its swap), tier changes, first token,
+        revoke, reclaim, and how it ended, in time order."""
         swap = next((e for e in self.own if e["ev"] == "swap_start" and run.start <= e["t"] <= run.end), None)
         loaded = f", loading {run.model} over {swap['from'] or 'an empty device'} ({run.swap_s:.3f}s)" if swap else ""
-        self.at(run.start, f"dispatched at T{run.tier} on {run.model}{loaded}")
+        notes = [(run.start, f"dispatched at T{run.tier} on {run.model}{loaded}")]
+        notes += self.tier_changes(run.start, run.end)
         ft = self.rec.first_token
         if ft is not None and run.start <= ft <= run.end:
-            self.at(ft, f"first token (TTFT {ft - self.rec.submit:.3f}s)")
+            notes.append((ft, f"first token (TTFT {ft - self.rec.submit:.3f}s)"))
         if run.revoked_at is not None:
-            self.at(run.revoked_at, f"revoked: {self.revoke_reason(run)}")
-        for ev in self.own:
-            if ev["ev"] == "reclaim" and run.start <= ev["t"] <= run.end:
-                self.at(ev["t"], f"lease reclaimed: {ev['reason']}")
+            notes.append((run.revoked_at, f"revoked: {self.revoke_reason(run)}"))
+        notes += [(ev["t"], f"lease reclaimed: {ev['reason']}") for ev in self.own
+                  if ev["ev"] == "reclaim" and run.start <= ev["t"] <= run.end]
         if run.outcome is None:
-            self.at(run.end, f"still running when the log ends (held {run.held:.3f}s)")
+            notes.append((run.end, f"still running when the log ends (held {run.held:.3f}s)"))
         elif run.outcome == "revoked":
             stopped = f"stopped {run.end - run.revoked_at:.3f}s after the revoke, " if run.revoked_at else ""
             after = "re-queued at its place (R6)" if self.rec.end is None or self.rec.end > run.end else "ended"
-            self.at(run.end, f"{stopped}held {run.held:.3f}s; {after}")
+            notes.append((run.end, f"{stopped}held {run.held:.3f}s; {after}"))
         else:
             why = next((f": {e['reason']}" for e in self.own if e["ev"] == "finish" and e["t"] == run.end
                         and e.get("reason")), "")
-            self.at(run.end, f"finished: {run.outcome}{why} (held {run.held:.3f}s)")
+            notes.append((run.end, f"finished: {run.outcome}{why} (held {run.held:.3f}s)"))
+        for t, text in sorted(notes, key=lambda n: n[0]):
+            self.at(t, text)
 
     def summary(self) -> None:
         rec = self.rec

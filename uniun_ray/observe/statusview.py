@@ -41,7 +41,7 @@ def _summary(snap: dict, now: float) -> Table:
     fg, t2 = snap["foreground"], snap["t2"]
     grid = Table.grid(padding=(0, 2))
     grid.add_column(style="bold")
-    grid.add_column()
+    grid.add_column(overflow="fold")  # the event log's path must stay whole to be copied
     grid.add_column(style="bold")
     grid.add_column()
     foreground = (fg["kind"] or "none") + (f" ({fg['subject']})" if fg["subject"] else "")
