@@ -3,31 +3,25 @@
     python jobs/chat.py [--prompt TEXT] [--turns N] [--model ID] [--address ADDR]
     ray job submit --working-dir . -- python jobs/chat.py
 
-Under `ray job submit` the working dir is uploaded (files .gitignore'd are left out, so the
-venv is not) and the job runs in the cluster's Python, where uniun-ray must be installed
-(`make install`); the upload is first on the import path, so the job uses this checkout's
-code. Without --address, `uniun_ray.connect()` joins the Ray cluster it finds (RAY_ADDRESS,
-else address="auto") or starts a local one that ends with the script.
+See jobs/README.md for running it under `ray job submit`.
 """
 from __future__ import annotations
 
-import argparse
 import time
 
 import uniun_ray
+from common import job_parser, session
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = job_parser(__doc__)
     parser.add_argument("--prompt", default="Name three rivers in one short sentence.")
     parser.add_argument("--turns", type=int, default=2, help="send the prompt this many times (default 2)")
     parser.add_argument("--model", help="model id (default: the active chat model)")
     parser.add_argument("--max-new-tokens", type=int, default=32)
-    parser.add_argument("--address", help="Ray address (default: RAY_ADDRESS or auto)")
     args = parser.parse_args(argv)
 
-    uniun_ray.connect(args.address)
-    uniun_ray.start()
+    session(args)
     ttfts = []
     for turn in range(1, args.turns + 1):
         started, first = time.perf_counter(), None

@@ -4,18 +4,16 @@ beside the scheduler with two calls at a time; the LLM queue never sees them.
     python jobs/embed_flood.py [--texts 256] [--batch 8] [--concurrency 8] [--address ADDR]
     ray job submit --working-dir . -- python jobs/embed_flood.py
 
-Under `ray job submit` the working dir is uploaded (files .gitignore'd are left out, so the
-venv is not) and the job runs in the cluster's Python, where uniun-ray must be installed
-(`make install`); the upload is first on the import path, so the job uses this checkout's code.
+See jobs/README.md for running it under `ray job submit`.
 """
 from __future__ import annotations
 
-import argparse
 import asyncio
 import statistics
 import time
 
 import uniun_ray
+from common import job_parser, session
 
 
 async def flood(texts: list[str], batch: int, concurrency: int) -> list[float]:
@@ -32,15 +30,13 @@ async def flood(texts: list[str], batch: int, concurrency: int) -> list[float]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = job_parser(__doc__)
     parser.add_argument("--texts", type=int, default=256, help="texts to embed (default 256)")
     parser.add_argument("--batch", type=int, default=8, help="texts per call (default 8)")
     parser.add_argument("--concurrency", type=int, default=8, help="calls in flight (default 8)")
-    parser.add_argument("--address", help="Ray address (default: RAY_ADDRESS or auto)")
     args = parser.parse_args(argv)
 
-    uniun_ray.connect(args.address)
-    uniun_ray.start()
+    session(args)
     uniun_ray.embed(["warm up"])
     texts = [f"note {i}: the river project meeting moved to {i % 7 + 1} pm" for i in range(args.texts)]
     queued_before = uniun_ray.status()["queued"]

@@ -4,34 +4,29 @@ opens a note, whose extraction is hoisted to T1 and jumps the backlog.
     python jobs/extract_backfill.py [--notes 10] [--rate 4] [--model ID] [--address ADDR]
     ray job submit --working-dir . -- python jobs/extract_backfill.py --model tiny
 
-Under `ray job submit` the working dir is uploaded (files .gitignore'd are left out, so the
-venv is not) and the job runs in the cluster's Python, where uniun-ray must be installed
-(`make install`); the upload is first on the import path, so the job and the producer actor
-it spawns use this checkout's code. The producer is not detached: it ends with the job.
+See jobs/README.md for running it under `ray job submit`.
 """
 from __future__ import annotations
 
-import argparse
 import time
 
 import ray
 
 import uniun_ray
+from common import job_parser, session
 from uniun_ray.runtime.producers import spawn_producer
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = job_parser(__doc__)
     parser.add_argument("--notes", type=int, default=10, help="notes to backfill (default 10)")
     parser.add_argument("--rate", type=float, default=4.0, help="backfill jobs per second (default 4)")
     parser.add_argument("--open-after", type=float, default=1.5, help="open a note after this many seconds")
     parser.add_argument("--model", help="model id (default: the active chat model)")
     parser.add_argument("--max-new-tokens", type=int, default=24)
-    parser.add_argument("--address", help="Ray address (default: RAY_ADDRESS or auto)")
     args = parser.parse_args(argv)
 
-    uniun_ray.connect(args.address)
-    uniun_ray.start()
+    session(args)
     notes = spawn_producer("extract", "notes", model_id=args.model, max_new_tokens=args.max_new_tokens)
     try:
         ray.get(notes.state.remote())  # the actor is up: the clock below is the backfill's own

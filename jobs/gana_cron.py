@@ -8,34 +8,29 @@ Each cron run is queued one period before its fire time: it waits in the fair po
 and rises to T3 when it falls due. The default model is not the chat model, so the first
 run pays a model swap.
 
-Under `ray job submit` the working dir is uploaded (files .gitignore'd are left out, so the
-venv is not) and the job runs in the cluster's Python, where uniun-ray must be installed
-(`make install`); the upload is first on the import path, so the job and the producer actor
-it spawns use this checkout's code. The producer is not detached: it ends with the job.
+See jobs/README.md for running it under `ray job submit`.
 """
 from __future__ import annotations
 
-import argparse
 import time
 
 import ray
 
 import uniun_ray
+from common import job_parser, session
 from uniun_ray.runtime.producers import spawn_producer
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = job_parser(__doc__)
     parser.add_argument("--runs", type=int, default=3, help="cron ticks (default 3)")
     parser.add_argument("--every", type=float, default=3.0, help="seconds between ticks (default 3)")
     parser.add_argument("--model", default="gemma-3-270m", help="the Gana's desired model (default gemma-3-270m)")
     parser.add_argument("--prompt", default="Daily digest: the three most important notes of today are")
     parser.add_argument("--max-new-tokens", type=int, default=24)
-    parser.add_argument("--address", help="Ray address (default: RAY_ADDRESS or auto)")
     args = parser.parse_args(argv)
 
-    uniun_ray.connect(args.address)
-    uniun_ray.start()
+    session(args)
     gana = spawn_producer("gana", "digest", desired_model_id=args.model, max_new_tokens=args.max_new_tokens)
     try:
         ray.get(gana.open_page.remote())

@@ -9,20 +9,17 @@ Prints chat TTFT with the device idle next to chat TTFT while Nataraj fills (bot
 active chat model, as in the notes' table). Each busy turn is sent while a card is being
 written, so it always has something to preempt.
 
-Under `ray job submit` the working dir is uploaded (files .gitignore'd are left out, so the
-venv is not) and the job runs in the cluster's Python, where uniun-ray must be installed
-(`make install`); the upload is first on the import path, so the job and the producer actor
-it spawns use this checkout's code. The producer is not detached: it ends with the job.
+See jobs/README.md for running it under `ray job submit`.
 """
 from __future__ import annotations
 
-import argparse
 import statistics
 import time
 
 import ray
 
 import uniun_ray
+from common import job_parser, session
 from uniun_ray.runtime.producers import spawn_producer
 
 
@@ -37,17 +34,15 @@ def nataraj_running(timeout_s: float) -> bool:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = job_parser(__doc__)
     parser.add_argument("--turns", type=int, default=3, help="chat turns per phase (default 3)")
     parser.add_argument("--deck", type=int, default=3, help="Nataraj deck size (default 3)")
     parser.add_argument("--card-tokens", type=int, default=96, help="tokens per card (default 96)")
     parser.add_argument("--chat-tokens", type=int, default=12, help="tokens per chat answer (default 12)")
     parser.add_argument("--model", help="model id for both (default: the active chat model)")
-    parser.add_argument("--address", help="Ray address (default: RAY_ADDRESS or auto)")
     args = parser.parse_args(argv)
 
-    uniun_ray.connect(args.address)
-    uniun_ray.start()
+    session(args)
 
     def chat() -> float:
         return uniun_ray.generate("chat", "Reply with one friendly word.", model_id=args.model,

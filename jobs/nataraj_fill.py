@@ -3,35 +3,30 @@
     python jobs/nataraj_fill.py [--deck 4] [--take 2] [--open-page] [--model ID] [--address ADDR]
     ray job submit --working-dir . -- python jobs/nataraj_fill.py --model tiny
 
-Under `ray job submit` the working dir is uploaded (files .gitignore'd are left out, so the
-venv is not) and the job runs in the cluster's Python, where uniun-ray must be installed
-(`make install`); the upload is first on the import path, so the job and the producer actor
-it spawns use this checkout's code. The producer is not detached: it ends with the job.
+See jobs/README.md for running it under `ray job submit`.
 """
 from __future__ import annotations
 
-import argparse
 import time
 
 import ray
 
 import uniun_ray
+from common import job_parser, session
 from uniun_ray.runtime.producers import spawn_producer
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = job_parser(__doc__)
     parser.add_argument("--deck", type=int, default=4, help="cards the deck holds (default 4)")
     parser.add_argument("--take", type=int, default=2, help="cards to take, then wait for the refill (default 2)")
     parser.add_argument("--open-page", action="store_true", help="the deck page is open: nataraj is foreground (T1)")
     parser.add_argument("--model", help="model id (default: the active chat model)")
     parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--timeout", type=float, default=60.0)
-    parser.add_argument("--address", help="Ray address (default: RAY_ADDRESS or auto)")
     args = parser.parse_args(argv)
 
-    uniun_ray.connect(args.address)
-    uniun_ray.start()
+    session(args)
     started = time.perf_counter()
     deck = spawn_producer("nataraj", "fill", deck_size=args.deck, model_id=args.model,
                           max_new_tokens=args.max_new_tokens)
