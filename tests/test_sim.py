@@ -8,7 +8,7 @@ from uniun_ray.sim import bench, plots
 from uniun_ray.sim.baselines import Fifo, StrictPriority, TwoLaneQueue
 from uniun_ray.sim.device import DeviceProfile, ModelSpeed
 from uniun_ray.sim.events import read_jsonl, validate, write_jsonl
-from uniun_ray.sim.metrics import jain_of, measure
+from uniun_ray.sim.metrics import T2Window, jain_of, measure, t2_windows
 from uniun_ray.sim.simulator import ContractError, simulate
 from uniun_ray.sim.trace import Trace
 from uniun_ray.sim.workload import Arrival, Flow, FlowStep, JobSpec, Workload
@@ -72,6 +72,8 @@ def test_hand_checked_log_gives_exact_metrics():
     # Window [10, 18): no T2, and no T3/T4 work during [11, 12).
     assert m.t2_share_max == pytest.approx(0.2)
     assert m.t2_share_max_t34_backlogged == pytest.approx(0.2)
+    assert t2_windows(HAND_LOG, 10.0) == [T2Window(0.0, pytest.approx(10.0), pytest.approx(2.0), pytest.approx(2.0), True),
+                                          T2Window(10.0, pytest.approx(6.0), 0.0, 0.0, False)]
     assert (m.t3_jobs, m.t3_late_max) == (1, pytest.approx(-1.0))  # D started 1 s before its deadline
     assert m.idle_while_waiting_s == pytest.approx(1.0)  # F waited on an idle device over [16, 17)
     assert m.longest_wait == pytest.approx({"nataraj": 1.0, "gana:1": 3.5, "extract": 7.0, "chat": 0.5})
@@ -129,6 +131,25 @@ def test_revoke_stops_at_next_token_boundary_plus_delay_and_resumes(chat_at, sto
     end = resume + (100 + tokens) * 0.01 + (20 - tokens - 1) * 0.1
     assert (finishes[1]["t"], finishes[1]["outcome"], finishes[1]["tokens"]) == (pytest.approx(end), "done", 20)
     assert len(times(events, "first_token", "N")) == 1
+
+
+@pytest.mark.parametrize("chat_at, stop, tokens", [
+    (2.1, 2.45, 0),   # in the first 40-token chunk (2.0-2.4): stops at its end, nothing produced
+    (2.5, 2.85, 0),   # in the second (2.4-2.8): the prefill done so far is lost
+    (2.9, 3.05, 1),   # in the last (2.8-3.0): it ends with the first token
+])
+def test_a_revoke_in_prefill_stops_at_the_next_chunk_end(chat_at, stop, tokens):
+    device = DeviceProfile("chunked", DEVICE.models, revoke_delay_s=0.05, prefill_chunk=40)
+    w = Workload("tiny", 0, "", arrivals=(Arrival(0.0, spec("N", "nataraj", "m1", 100, 20)),
+                                          Arrival(chat_at, spec("C", "chat", "m1", 10, 2))))
+    events = simulate(StrictPriority(), w, device).events
+    finishes = [(e["t"], e["outcome"], e["tokens"]) for e in events if e["ev"] == "finish" and e["job"] == "N"]
+    assert finishes[0] == (pytest.approx(stop), "revoked", tokens)
+    first = times(events, "first_token", "N")
+    assert len(first) == 1 and (first[0] < stop) == (tokens == 1)  # no token before the last chunk ends
+    resume = stop + 0.2  # chat: 10-token prefill, one decode step
+    # The resumed run reads the whole context again, in chunks, then decodes the rest.
+    assert finishes[1] == (pytest.approx(resume + (100 + tokens) * 0.01 + (20 - tokens - 1) * 0.1), "done", 20)
 
 
 def test_a_flow_keeps_its_depth_and_thinks_before_the_next_step():

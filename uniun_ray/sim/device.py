@@ -1,20 +1,36 @@
 """How long the one accelerator takes to do things, per model: the simulator's cost model.
 
 A run of a job on the device is: an optional swap (unload + load of the wanted model),
-a prefill over the prompt (plus, for a resumed job, the tokens it already produced: R6 is
-recompute-style), which yields the first new token, then one decode step per further
-token. A revoke takes effect at the next token boundary plus `revoke_delay_s` (the
-StoppingCriteria sees the flag, generate returns, the actor answers the scheduler).
+a prefill over the context (the prompt plus, for a resumed job, the tokens it already
+produced: R6 is recompute-style) in chunks of `prefill_chunk` tokens, whose last chunk
+yields the first new token, then one decode step per further token. A revoke takes
+effect at the next boundary — the end of the swap, of a prefill chunk, or of a decode
+step, because the engine reads the cancel flag before every forward pass — plus
+`revoke_delay_s` (the stopped generation reaches its holder, which releases the lease,
+and the next job is granted). A revoke inside a chunk that is not the last one stops
+with no new token: that prefill is lost and the resumed run reads the context again.
 
 Where the numbers come from
 ---------------------------
-``cpu`` (the default) is the 2-core development box this project is built on, with the
-embedded models of the Makefile, as measured for issue 4: SmolLM2-135M decodes at about
-45 tok/s and Gemma-3-270M at about 25 tok/s (transformers, batch 1, fp32); prefill runs at
-about 10x the decode rate (one forward pass over many tokens instead of one per token);
-a swap from the converted safetensors cache takes 1-3 s (the larger model is slower to
-load). The revoke delay (20 ms) is an estimate: one StoppingCriteria check plus a Ray
-reply, both well under a decode step.
+``cpu`` (the default) is the project's 2-core x86_64 development box with the embedded
+models in bfloat16 (transformers, batch 1, 2 torch threads), as measured by
+``benchmarks/engine_bench.py`` (`uniun_ray/models/MEASURED.md`) and
+``benchmarks/runtime_bench.py`` (BENCHMARKS.md, "Runtime on real Ray"):
+
+* decode: SmolLM2-135M-Instruct 22.33 tok/s, Gemma-3-270M 19.48 tok/s (MEASURED.md);
+* prefill: 1107 tokens in 1.61 s (SmolLM2, 688 tok/s) and 1078 in 1.14 s (Gemma, 946 tok/s;
+  Gemma keeps only the last position's logits, and its 18 layers are fewer than SmolLM2's
+  30), in 256-token chunks (MEASURED.md). Per-token cost is flat from ~150 to ~1000
+  tokens on this machine, so prefill is modelled as linear in the context length;
+* swap: `ModelActor.load` of a model while another is resident, p50 over 5: SmolLM2
+  0.43 s, Gemma 3.29 s (its 33 MB tokenizer), `tiny` 0.47 s (BENCHMARKS.md);
+* revoke delay, 10 ms: the revoke-to-stop latency is 17 ms p50 *including* the wait for
+  the forward pass under way (BENCHMARKS.md), and after the stop the holder's release,
+  the next grant and its first model call are a few actor calls at 1-3 ms each (the
+  control plane costs 7 ms p50 per job, BENCHMARKS.md).
+
+The machine is shared, so these are typical, not guaranteed: under load every figure
+stretches (see the real-vs-simulated section of BENCHMARKS.md).
 
 ``gpu`` is an estimate, not a measurement, for one datacenter GPU running the same
 models with transformers in eager mode at batch 1. Decode of such small models is bound
@@ -28,13 +44,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+#: Tokens per prefill forward pass, as `uniun_ray.models.engine.DEFAULT_PREFILL_CHUNK`.
+PREFILL_CHUNK = 256
+
 
 @dataclass(frozen=True)
 class ModelSpeed:
     """Per-model costs, all in seconds."""
 
     decode_s: float            # one decode step (one output token after the first)
-    prefill_s_per_token: float  # prefill cost per input token
+    prefill_s_per_token: float  # prefill cost per context token
     swap_s: float              # unload the current model and load this one
 
     def prefill_s(self, tokens: int) -> float:
@@ -45,7 +64,8 @@ class ModelSpeed:
 class DeviceProfile:
     name: str
     models: dict[str, ModelSpeed] = field(default_factory=dict)
-    revoke_delay_s: float = 0.02
+    revoke_delay_s: float = 0.01
+    prefill_chunk: int = PREFILL_CHUNK  # tokens per prefill pass: a revoke waits for one
 
     def speed(self, model_id: str) -> ModelSpeed:
         try:
@@ -55,9 +75,11 @@ class DeviceProfile:
                              f"known: {', '.join(sorted(self.models))}") from None
 
 
-#: Model ids used by the workloads. The active chat model is SMOLLM2.
-SMOLLM2 = "smollm2-135m"
+#: Model ids used by the workloads, as the registry names them (so a real run's event log
+#: and the profile agree). The active chat model is SMOLLM2.
+SMOLLM2 = "smollm2-135m-instruct"
 GEMMA3 = "gemma-3-270m"
+TINY = "tiny"
 
 
 def _from_rates(decode_tok_s: float, prefill_tok_s: float, swap_s: float) -> ModelSpeed:
@@ -66,8 +88,9 @@ def _from_rates(decode_tok_s: float, prefill_tok_s: float, swap_s: float) -> Mod
 
 PROFILES: dict[str, DeviceProfile] = {
     "cpu": DeviceProfile("cpu", {
-        SMOLLM2: _from_rates(45.0, 450.0, 1.2),
-        GEMMA3: _from_rates(25.0, 250.0, 2.5),
+        SMOLLM2: _from_rates(22.33, 1107 / 1.61, 0.43),
+        GEMMA3: _from_rates(19.48, 1078 / 1.14, 3.29),
+        TINY: _from_rates(834.55, 1188 / 0.03, 0.47),
     }),
     "gpu": DeviceProfile("gpu", {
         SMOLLM2: ModelSpeed(0.015, 0.00002, 0.4),

@@ -231,24 +231,51 @@ def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
     return [(a, b) for a, b in merged]
 
 
-def _t2_shares(trace: Trace, window_s: float) -> tuple[list[float], list[float]]:
-    """T2 share of every window that saw held time, and of those in which T3/T4 work
-    was outstanding (queued or running) the whole time."""
+@dataclass(frozen=True)
+class T2Window:
+    """One window of the T2 share: its start, the held and T2-held seconds in it, the
+    longest part of one T2 run inside it, and whether T3/T4 work was outstanding (queued
+    or running) throughout. R11 is checked when a job is picked, so a T2 job picked just
+    under the budget runs to its end: a window can exceed the share by up to one T2 run."""
+
+    start: float
+    held: float
+    t2: float
+    longest_t2_run: float
+    backlogged: bool
+
+    @property
+    def share(self) -> float:
+        return self.t2 / self.held
+
+
+def t2_windows(log: Iterable[Event] | Trace, window_s: float = 300.0) -> list[T2Window]:
+    """The windows that saw held time, in order."""
+    trace = log if isinstance(log, Trace) else Trace(log)
     held: Counter = Counter()
     t2: Counter = Counter()
+    longest: Counter = Counter()
     for run in trace.runs:
         for k, part in _window_parts(trace, window_s, run.start, run.end):
             held[k] += part
-            t2[k] += part if run.tier == 2 else 0.0
+            if run.tier == 2:
+                t2[k] += part
+                longest[k] = max(longest[k], part)
     lower = [(lo, hi) for rec in trace.jobs.values()
              for lo, hi, tier in trace.tier_pieces(rec, *trace.outstanding(rec)) if tier >= 3]
     covered: Counter = Counter()
     for a, b in _union(lower):
         for k, part in _window_parts(trace, window_s, a, b):
             covered[k] += part
-    shares = {k: t2[k] / held[k] for k in held if held[k] > 0}
+
     def length(k: int) -> float:
         lo = trace.start + k * window_s
         return min(trace.end, lo + window_s) - lo
-    backlogged = [s for k, s in shares.items() if covered[k] >= length(k) - 1e-9]
-    return list(shares.values()), backlogged
+    return [T2Window(trace.start + k * window_s, held[k], t2[k], longest[k], covered[k] >= length(k) - 1e-9)
+            for k in sorted(held) if held[k] > 0]
+
+
+def _t2_shares(trace: Trace, window_s: float) -> tuple[list[float], list[float]]:
+    """T2 share of every window that saw held time, and of the backlogged ones."""
+    windows = t2_windows(trace, window_s)
+    return [w.share for w in windows], [w.share for w in windows if w.backlogged]

@@ -16,9 +16,11 @@ runs, a revoke of a job that is not running, a second revoke) raises `ContractEr
 
 Costs the simulator charges, for one run of a job that has produced k of its n tokens:
 ``swap_s`` (when the Dispatch says swap), ``prefill_s(prompt + k)`` after which the next
-token exists, then ``decode_s`` per further token. Token boundaries are the end of the
-swap (no token yet: a revoked load stops there), the end of the prefill, and every decode
-step. A revoke whose next boundary is the job's last token lets the job finish "done".
+token exists, then ``decode_s`` per further token. Boundaries, where a revoke takes
+effect, are the end of the swap (no token yet: a revoked load stops there), the end of
+every prefill chunk of the profile's ``prefill_chunk`` tokens (no new token before the
+last one: that prefill is lost), and every decode step. A revoke whose next boundary is
+the job's last token lets the job finish "done".
 A swap is charged whenever the Dispatch asks for one; a Dispatch without swap for a model
 that is not loaded is a contract error. The device starts empty.
 """
@@ -70,6 +72,7 @@ class _Run:
     compute_start: float   # after the swap
     first_boundary: float  # end of prefill: produced + 1 tokens exist
     decode_s: float
+    chunk_s: float         # one full prefill chunk
     revoked: bool = False
     stop_boundary: float = math.inf  # the boundary a revoke stops at
     end_version: int = 0             # bumped when the end is rescheduled
@@ -89,7 +92,8 @@ class _Run:
         if t <= self.compute_start:
             return self.compute_start
         if t <= self.first_boundary:
-            return self.first_boundary
+            chunks = math.ceil((t - self.compute_start) / self.chunk_s - _EPS)
+            return min(self.compute_start + chunks * self.chunk_s, self.first_boundary)
         steps = math.ceil((t - self.first_boundary) / self.decode_s - _EPS)
         return self.first_boundary + steps * self.decode_s
 
@@ -229,7 +233,8 @@ class Simulator:
         swap_s = speed.swap_s if action.swap else 0.0
         compute_start = self.now + swap_s
         prefill = speed.prefill_s(state.spec.prompt_tokens + state.produced)
-        run = _Run(state, self.now, compute_start, compute_start + prefill, speed.decode_s)
+        run = _Run(state, self.now, compute_start, compute_start + prefill, speed.decode_s,
+                   speed.prefill_s(self.device.prefill_chunk))
         self._running = run
         self._log("dispatch", state, swap=action.swap, tier=int(tier_of(state.job, self._foreground, self.now)))
         if action.swap:

@@ -13,6 +13,9 @@
 * ``mixed_day``: 24 h on two models: Nataraj always refilling, Gana sessions and crons,
   relay extracts plus a night backfill, and a dozen user sessions in waking hours.
 
+``SHORT_WORKLOADS`` are minutes long, to be played on the real runtime (`replay`):
+``issue118_short`` (issue118 in 2.5 min) and ``swaps_short`` (a Gana on the other model).
+
 Token counts (medians, clipped log-normal draws; the app's prompts as the notes describe
 them): a chat turn sends a ~150-token system prompt, ~300 tokens of RAG context and the
 user's message, plus the conversation so far, and gets ~120 tokens back; a Nataraj card
@@ -113,17 +116,23 @@ def _poisson(rng: random.Random, rate_s: float, start: float, end: float) -> lis
 
 
 # -- the workloads ------------------------------------------------------------------------
+def _deck_and_chats(rng: random.Random, end: float, depth: int, starts: tuple[float, ...], jitter: float,
+                    turns: tuple[int, int], chat_page_s: float) -> tuple[list[Flow], list[ForegroundChange]]:
+    """Nataraj keeps `depth` cards queued (its deck page in front) while the user opens
+    Shiv chat at each start (plus up to `jitter` s) for `turns` turns, then goes back."""
+    flows = [_backlog(rng, "nataraj", "nataraj", CHAT_MODEL, 0.0, end, depth, CARD_PROMPT, CARD)]
+    foreground = [ForegroundChange(0.0, "nataraj")]
+    for i, start in enumerate(starts):
+        start += rng.uniform(0.0, jitter)
+        flows.append(_chat(rng, f"chat:{i}", start, rng.randint(*turns)))
+        foreground += [ForegroundChange(start - 2.0, "chat"), ForegroundChange(start + chat_page_s, "nataraj")]
+    return flows, foreground
+
+
 def issue118(seed: int) -> Workload:
-    rng = random.Random(seed)
-    end = 900.0
-    deck = _backlog(rng, "nataraj", "nataraj", CHAT_MODEL, 0.0, end, 8, CARD_PROMPT, CARD)
-    chats, foreground = [], [ForegroundChange(0.0, "nataraj")]
-    for i, start in enumerate((120.0, 400.0, 650.0)):
-        start += rng.uniform(0.0, 30.0)
-        chats.append(_chat(rng, f"chat:{i}", start, rng.randint(3, 5)))
-        foreground += [ForegroundChange(start - 2.0, "chat"), ForegroundChange(start + 180.0, "nataraj")]
+    flows, foreground = _deck_and_chats(random.Random(seed), 900.0, 8, (120.0, 400.0, 650.0), 30.0, (3, 5), 180.0)
     return Workload("issue118", seed, "Nataraj fills a deck of 8 cards; Shiv chat opens three times",
-                    flows=(deck, *chats), foreground=tuple(foreground))
+                    flows=tuple(flows), foreground=tuple(foreground))
 
 
 def backfill(seed: int) -> Workload:
@@ -219,13 +228,39 @@ def mixed_day(seed: int) -> Workload:
                     foreground=tuple(sorted(foreground, key=lambda c: c.t)))
 
 
+# -- short ones, to play on the real runtime beside their simulation (`replay`) ----------
+def issue118_short(seed: int) -> Workload:
+    flows, foreground = _deck_and_chats(random.Random(seed), 150.0, 3, (15.0, 80.0), 5.0, (3, 3), 60.0)
+    return Workload("issue118_short", seed, "2.5 min of issue118: Nataraj fills 3 cards, chat opens twice",
+                    flows=tuple(flows), foreground=tuple(foreground))
+
+
+def swaps_short(seed: int) -> Workload:
+    """Chat and Nataraj on the chat model, a Gana agent loop on the other one; the user
+    opens the chat, then the Gana's page (T1: it swaps at once), then leaves."""
+    rng = random.Random(seed)
+    end = 180.0
+    chat_at = 40.0 + rng.uniform(0.0, 5.0)
+    flows = (
+        _backlog(rng, "nataraj", "nataraj", CHAT_MODEL, 0.0, end, 2, CARD_PROMPT, CARD),
+        _backlog(rng, "gana:g1", "gana", GEMMA3, 0.0, end, 1, GANA_PROMPT, GANA_OUT, (1.0, 3.0)),
+        _chat(rng, "chat:0", chat_at, 3),
+    )
+    foreground = (ForegroundChange(0.0, "nataraj"), ForegroundChange(chat_at - 2.0, "chat"),
+                  ForegroundChange(120.0, "gana"), ForegroundChange(150.0, None))
+    return Workload("swaps_short", seed, "3 min: chat and Nataraj on SmolLM2, a Gana loop on Gemma, page changes",
+                    flows=flows, foreground=foreground)
+
+
 WORKLOADS: dict[str, Callable[[int], Workload]] = {
     "issue118": issue118, "backfill": backfill, "ganas": ganas, "foreground": foreground, "mixed_day": mixed_day,
 }
+#: Minutes long, for the real runtime (`uniun-ray bench --real`); not in the simulated bench.
+SHORT_WORKLOADS: dict[str, Callable[[int], Workload]] = {"issue118_short": issue118_short, "swaps_short": swaps_short}
 
 
 def generate(name: str, seed: int = 1) -> Workload:
     try:
-        return WORKLOADS[name](seed)
+        return {**WORKLOADS, **SHORT_WORKLOADS}[name](seed)
     except KeyError:
-        raise ValueError(f"unknown workload {name!r}; known: {', '.join(WORKLOADS)}") from None
+        raise ValueError(f"unknown workload {name!r}; known: {', '.join([*WORKLOADS, *SHORT_WORKLOADS])}") from None
