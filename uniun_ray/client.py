@@ -10,6 +10,13 @@ renews the lease, and release it. When the scheduler revokes the lease (a chat a
 the stream stops within a token; a background job is re-queued by the policy at its old
 place and resumes from the tokens it already produced (R6). A chat job is never revoked by
 other work. If the caller is interrupted, the job is cancelled so nothing is leaked.
+
+Faults. The scheduler keeps its queue in memory; when it restarts (a detached actor with
+max_restarts=-1) a client's next call dies with it or finds its job unknown, and the client
+submits the job again under the same id (a generation keeps the tokens it produced). If the
+scheduler does not come back within RECONNECT_S, the call fails with SchedulerUnavailable,
+which says to retry: never a silent loss. When the ModelActor dies under a generation, the
+client reports it (`device_lost`): the scheduler re-queues the job and reloads the model.
 """
 from __future__ import annotations
 
@@ -17,6 +24,8 @@ import asyncio
 import os
 import threading
 import time
+import uuid
+import weakref
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, replace
 from typing import Any, AsyncIterator, Awaitable, Callable, Iterator
@@ -24,9 +33,15 @@ from typing import Any, AsyncIterator, Awaitable, Callable, Iterator
 from .models import DEFAULT_CHAT_MODEL, GenerateRequest
 from .policy import Kind
 from .runtime.launch import handles
-from .runtime.protocol import JobDropped, JobSpec, Lease, LeaseRevoked, Preempted
+from .runtime.protocol import (NAMESPACE, SCHEDULER_NAME, DeviceLost, JobDropped, JobSpec, Lease, LeaseRevoked, Preempted,
+                               SchedulerUnavailable, UnknownJob)
 
-GRANT_POLL_S = 5.0
+GRANT_POLL_S = 60.0     # a grant long-poll's wait; the scheduler caps it (SESSION_POLL_S)
+RECONNECT_S = 30.0      # how long a job waits for a restarted scheduler before SchedulerUnavailable
+MAX_RESUBMITS = 5       # scheduler restarts one job survives
+#: The longest prompt (or messages' total content) accepted, in characters: far beyond any
+#: context window here (128k tokens ~ 512k characters), so only a mistake is refused.
+MAX_PROMPT_CHARS = 1_000_000
 
 
 def active_chat_model() -> str:
@@ -46,24 +61,194 @@ class Completion:
 
 
 def _spec(kind, model_id, producer, deadline, foreground_hint, subject) -> JobSpec:
-    return JobSpec.build(kind, model_id or active_chat_model(), producer=producer, deadline=deadline,
-                         foreground_hint=foreground_hint, subject=subject)
+    return JobSpec.build(kind, active_chat_model() if model_id is None else model_id, producer=producer,
+                         deadline=deadline, foreground_hint=foreground_hint, subject=subject)
 
 
-async def _await_lease(scheduler, job_id: str) -> Lease:
+def _check_prompt(prompt, messages) -> None:
+    """What GenerateRequest leaves open: an empty prompt (the model would babble from
+    nothing) and one too large for any model (refused before it crosses the cluster)."""
+    if isinstance(prompt, str) and not prompt.strip():
+        raise ValueError("prompt is empty: give the text the model should answer or continue")
+    size = len(prompt) if isinstance(prompt, str) else sum(
+        len(m.get("content", "")) for m in messages if isinstance(m, dict) and isinstance(m.get("content"), str)
+    ) if isinstance(messages, list) else 0
+    if size > MAX_PROMPT_CHARS:
+        raise ValueError(f"prompt is {size:,} characters; the limit is {MAX_PROMPT_CHARS:,} "
+                         f"(no model here reads that much)")
+
+
+async def _check(model, model_id: str, request: GenerateRequest) -> int:
+    """The ModelActor's request check, waiting out a restart of the actor (its calls fail
+    with ActorUnavailableError meanwhile)."""
+    from ray.exceptions import ActorUnavailableError
+    deadline = time.monotonic() + RECONNECT_S
     while True:
-        lease = await scheduler.grant.remote(job_id, GRANT_POLL_S)
-        if lease is not None:
-            return lease
+        try:
+            return await model.check.remote(model_id, request)
+        except ActorUnavailableError:
+            if time.monotonic() > deadline:
+                raise
+            await asyncio.sleep(0.2)
+
+
+def _scheduler_lost(error: BaseException) -> bool:
+    """The scheduler died under the call, or restarted and no longer knows the job."""
+    from ray.exceptions import RayActorError
+    return isinstance(error, (RayActorError, UnknownJob))
+
+
+class _Session:
+    """An event loop's session with the scheduler: one heartbeat proves every job this loop
+    waits for alive, so their grant polls can be long (60 s) instead of each job polling
+    every few seconds: 10,000 waiting jobs would otherwise flood the scheduler with calls."""
+
+    def __init__(self) -> None:
+        self.id = uuid.uuid4().hex
+        self.users = 0
+        self._task: asyncio.Task | None = None
+
+    @asynccontextmanager
+    async def using(self, scheduler):
+        self.users += 1
+        if self._task is None or self._task.done():
+            self._task = asyncio.get_running_loop().create_task(self._beat(scheduler))
+        try:
+            yield self.id
+        finally:
+            self.users -= 1
+            if self.users == 0 and self._task is not None:
+                self._task.cancel()
+                self._task = None
+
+    async def _beat(self, scheduler) -> None:
+        import ray
+        while True:
+            try:
+                interval = await scheduler.heartbeat.remote(self.id)
+            except Exception:  # restarting, or gone: the jobs find out through their own calls
+                interval = 1.0
+                try:
+                    scheduler = ray.get_actor(SCHEDULER_NAME, namespace=NAMESPACE)
+                except ValueError:
+                    pass
+            await asyncio.sleep(interval)
+
+
+_SESSIONS: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Session]" = weakref.WeakKeyDictionary()
+
+
+def _session() -> _Session:
+    loop = asyncio.get_running_loop()
+    session = _SESSIONS.get(loop)
+    if session is None:
+        session = _SESSIONS[loop] = _Session()
+    return session
+
+
+class _Job:
+    """One job's conversation with the scheduler, surviving scheduler restarts: a call that
+    died with the scheduler, or found the job unknown, is answered by `recover`, which waits
+    for the scheduler and submits the job again under the same id."""
+
+    def __init__(self, spec: JobSpec, scheduler) -> None:
+        self.spec, self.scheduler = spec, scheduler
+        self.resubmits = 0
+        self.session = _session()
+
+    @asynccontextmanager
+    async def submitted(self):
+        """Submit; on any exit but a clean release, withdraw the job (nothing leaks)."""
+        async with self.session.using(self.scheduler):
+            try:
+                await self.scheduler.submit.remote(self.spec)
+            except Exception as error:
+                await self.recover(error)
+            try:
+                yield self
+            except BaseException:
+                try:
+                    await asyncio.shield(self.scheduler.cancel.remote(self.spec.id))
+                except Exception:  # the scheduler is gone: nothing of the job is left there either
+                    pass
+                raise
+
+    async def lease(self) -> Lease:
+        while True:
+            try:
+                lease = await self.scheduler.grant.remote(self.spec.id, GRANT_POLL_S, self.session.id)
+            except Exception as error:
+                await self.recover(error)
+                continue
+            if lease is not None:
+                return lease
+
+    async def recover(self, error: BaseException) -> None:
+        """Re-raise `error` unless the scheduler was lost; else wait for it (restarted, or
+        re-created under its name) and submit the job again. SchedulerUnavailable when it
+        does not come back within RECONNECT_S."""
+        if not _scheduler_lost(error):
+            raise error
+        self.resubmits += 1
+        job = f"{self.spec.kind} job {self.spec.id}"
+        if self.resubmits > MAX_RESUBMITS:
+            raise SchedulerUnavailable(f"{job} was lost by the scheduler {self.resubmits - 1} times "
+                                       f"(restarts); it is not queued: retry it") from error
+        import ray
+        from ray.exceptions import RayActorError
+        deadline = time.monotonic() + RECONNECT_S
+        while True:
+            try:
+                await asyncio.wait_for(self.scheduler.submit.remote(self.spec), max(0.1, deadline - time.monotonic()))
+                return
+            except ValueError as refused:  # a RayTaskError of the scheduler's ValueError
+                if "duplicate job id" in str(refused):
+                    return  # it never lost the job after all (a transient error)
+                raise
+            except (RayActorError, asyncio.TimeoutError) as lost:
+                last = lost
+            if time.monotonic() >= deadline:
+                raise SchedulerUnavailable(
+                    f"the scheduler did not come back within {RECONNECT_S:.0f} s ({type(last).__name__}); "
+                    f"{job} was not completed and is not queued: retry it once the runtime is up "
+                    f"(`uniun-ray up`, or uniun_ray.start())") from error
+            await asyncio.sleep(0.2)
+            try:  # killed for good and created again: a new actor under the same name
+                self.scheduler = ray.get_actor(SCHEDULER_NAME, namespace=NAMESPACE)
+            except ValueError:
+                pass
+
+    async def still_held(self, lease: Lease) -> bool:
+        """The ModelActor refused our epoch: True when the scheduler never revoked it, so the
+        device must have restarted (it forgot the epoch)."""
+        try:
+            return await self.scheduler.renew.remote(lease.job_id, lease.epoch)
+        except Exception:
+            return False  # revoked, reclaimed, or the scheduler restarted: not a device fault
+
+    async def device_lost(self, lease: Lease, reason: str) -> None:
+        """Report that the device died under the lease; the job is re-queued (or recovered,
+        if the scheduler went too). DeviceLost when it failed too often."""
+        try:
+            requeued = await self.scheduler.device_lost.remote(lease.job_id, lease.epoch, reason)
+        except Exception as error:
+            await self.recover(error)
+            return
+        if not requeued:
+            raise DeviceLost(f"job {lease.job_id}: the model actor died under it too many times ({reason})")
 
 
 @asynccontextmanager
 async def _held(scheduler, lease: Lease):
-    """Renew the lease in the background while the block runs."""
+    """Renew the lease in the background while the block runs. A renewal that fails (the
+    scheduler restarted) ends the heartbeat; the job finds out at its next call."""
     async def beat():
         while True:
             await asyncio.sleep(lease.renew_every_s)
-            await scheduler.renew.remote(lease.job_id, lease.epoch)
+            try:
+                await scheduler.renew.remote(lease.job_id, lease.epoch)
+            except Exception:
+                return
     task = asyncio.get_running_loop().create_task(beat())
     try:
         yield
@@ -71,15 +256,10 @@ async def _held(scheduler, lease: Lease):
         task.cancel()
 
 
-@asynccontextmanager
-async def _submitted(scheduler, spec: JobSpec):
-    """Submit the job; on any exit but a clean release, withdraw it (nothing leaks)."""
-    await scheduler.submit.remote(spec)
-    try:
-        yield
-    except BaseException:
-        await asyncio.shield(scheduler.cancel.remote(spec.id))
-        raise
+def _error_text(error: BaseException) -> str:
+    cause = getattr(error, "cause", None)
+    error = cause if isinstance(cause, BaseException) else error
+    return f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
 
 
 class GenerationStream:
@@ -93,45 +273,73 @@ class GenerationStream:
         return self._run()
 
     async def _run(self) -> AsyncIterator[str]:
+        from ray.exceptions import RayActorError
+
         h = handles()
         started = time.perf_counter()
-        await h.model.check.remote(self.spec.model_id, self.request)  # clear errors, nothing queued
-        produced: tuple[int, ...] = ()
+        await _check(h.model, self.spec.model_id, self.request)  # clear errors, nothing queued
+        limit = self.request.max_new_tokens
+        produced: tuple[int, ...] = ()   # token ids of the finished runs: an exact resume (R6)
+        lossy = False                    # a run died with the device: resume from the text instead
+        count = 0                        # tokens produced (pieces, for a run the device lost)
         text, ttft, revokes = [], None, 0
-        async with _submitted(h.scheduler, self.spec):
+        job = _Job(self.spec, h.scheduler)
+        async with job.submitted():
             while True:
-                lease = await _await_lease(h.scheduler, self.spec.id)
-                remaining = self.request.max_new_tokens - len(produced)
-                result = None
-                async with _held(h.scheduler, lease):
-                    request = replace(self.request, resume_tokens=produced, max_new_tokens=remaining)
+                lease = await job.lease()
+                resume = {"resume_text": "".join(text)} if lossy else {"resume_tokens": produced}
+                request = replace(self.request, max_new_tokens=limit - count, **resume)
+                result, lost, pieces = None, None, 0
+                async with _held(job.scheduler, lease):
                     try:
                         stream = h.model.generate.options(num_returns="streaming").remote(lease.epoch, request)
                         async for ref in stream:
                             item = await ref
                             if "piece" in item:
                                 text.append(item["piece"])
+                                pieces += 1
                                 yield item["piece"]
                                 if ttft is None:
                                     ttft = time.perf_counter() - started
-                                    await h.scheduler.report_first_token.remote(self.spec.id, lease.epoch)
+                                    try:
+                                        await job.scheduler.report_first_token.remote(self.spec.id, lease.epoch)
+                                    except Exception:
+                                        pass  # for the log only; a lost scheduler shows at release
                             else:
                                 result = item["result"]
-                    except LeaseRevoked:
-                        pass  # fenced before it started: same as a revoke at token 0
+                    except LeaseRevoked:  # fenced before it started: a revoke at token 0 ...
+                        if await job.still_held(lease):  # ... unless the device forgot the epoch
+                            lost = "the model actor restarted (it no longer knows the lease)"
+                    except RayActorError as error:
+                        lost = _error_text(error)
                 if result is not None:
                     produced += tuple(result["token_ids"])
-                stopped = result is None or result["finish_reason"] == "cancel"
-                if stopped and len(produced) < self.request.max_new_tokens:
+                    count += len(result["token_ids"])
+                elif pieces:
+                    lossy, count = True, count + pieces
+                if lost is not None:
                     revokes += 1
-                    if await h.scheduler.release.remote(self.spec.id, lease.epoch, "revoked"):
+                    await job.device_lost(lease, lost)
+                    continue  # re-queued: resume from what was produced
+                stopped = result is None or result["finish_reason"] == "cancel"
+                if stopped and count < limit:
+                    revokes += 1
+                    try:
+                        requeued = await job.scheduler.release.remote(self.spec.id, lease.epoch, "revoked")
+                    except Exception as error:
+                        await job.recover(error)  # the scheduler restarted: submitted again
+                        continue
+                    if requeued:
                         continue  # re-queued at its old place: resume from `produced`
                     raise (Preempted if self.spec.kind == Kind.CHAT.value else JobDropped)(
                         f"job {self.spec.id} was revoked and not re-queued")
-                await h.scheduler.release.remote(self.spec.id, lease.epoch, "done")
-                self.completion = Completion("".join(text), len(produced), ttft,
-                                             time.perf_counter() - started, revokes, self.spec.id,
-                                             self.spec.model_id)
+                try:
+                    await job.scheduler.release.remote(self.spec.id, lease.epoch, "done")
+                except Exception as error:
+                    if not _scheduler_lost(error):
+                        raise  # the scheduler restarted while we held the device: done all the same
+                self.completion = Completion("".join(text), count, ttft, time.perf_counter() - started,
+                                             revokes, self.spec.id, self.spec.model_id)
                 return
 
 
@@ -143,6 +351,7 @@ def astream(kind: Kind | str, prompt: str | None = None, *, messages: list[dict]
     spec = _spec(kind, model_id, producer, deadline, foreground_hint, subject)
     request = GenerateRequest(prompt=prompt, messages=messages, max_new_tokens=max_new_tokens,
                               temperature=temperature)
+    _check_prompt(prompt, messages)
     return GenerationStream(spec, request)
 
 
@@ -182,23 +391,49 @@ class LeaseHandle:
 async def arun(kind, model_id: str | None, work: Callable[[LeaseHandle], Awaitable[Any]], *,
                producer=None, deadline=None, foreground_hint=False, subject=None) -> Any:
     """The notes' run<T>: hold the device for `work(lease)`, which may call the model
-    several times. After a revoke, `work` restarts from scratch on the next lease."""
+    several times. After a revoke, a lost device or a scheduler restart, `work` restarts
+    from scratch on the next lease."""
+    from ray.exceptions import RayActorError
+
     spec = _spec(kind, model_id, producer, deadline, foreground_hint, subject)
     h = handles()
-    async with _submitted(h.scheduler, spec):
+    job = _Job(spec, h.scheduler)
+    async with job.submitted():
         while True:
-            lease = await _await_lease(h.scheduler, spec.id)
-            async with _held(h.scheduler, lease):
+            lease = await job.lease()
+            lost = None
+            async with _held(job.scheduler, lease):
                 try:
                     value = await work(LeaseHandle(lease, h.model))
                 except LeaseRevoked:
-                    if await h.scheduler.release.remote(spec.id, lease.epoch, "revoked"):
-                        continue
-                    raise
+                    if await job.still_held(lease):
+                        lost = "the model actor restarted (it no longer knows the lease)"
+                    else:
+                        try:
+                            requeued = await job.scheduler.release.remote(spec.id, lease.epoch, "revoked")
+                        except Exception as error:
+                            await job.recover(error)
+                            continue
+                        if requeued:
+                            continue
+                        raise
+                except RayActorError as error:  # the model actor died under `work`
+                    lost = _error_text(error)
                 except Exception:
-                    await h.scheduler.release.remote(spec.id, lease.epoch, "failed")
+                    try:
+                        await job.scheduler.release.remote(spec.id, lease.epoch, "failed")
+                    except Exception as error:
+                        if not _scheduler_lost(error):
+                            raise
                     raise
-            await h.scheduler.release.remote(spec.id, lease.epoch, "done")
+            if lost is not None:
+                await job.device_lost(lease, lost)
+                continue
+            try:
+                await job.scheduler.release.remote(spec.id, lease.epoch, "done")
+            except Exception as error:
+                if not _scheduler_lost(error):
+                    raise
             return value
 
 

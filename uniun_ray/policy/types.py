@@ -120,7 +120,11 @@ class PolicyConfig:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")
         if not 0.0 <= check_time(self.t2_share, "t2_share") <= 1.0:
             raise ValueError(f"t2_share must be within [0, 1], got {self.t2_share!r}")
+        if not isinstance(self.weights, Mapping):
+            raise ValueError(f"weights must map kinds or producer ids to weights > 0, got {self.weights!r}")
         for flow, weight in dict(self.weights).items():
+            if not isinstance(flow, str) or not flow:
+                raise ValueError(f"weights: a key must be a kind or a producer id (a non-empty string), got {flow!r}")
             if check_time(weight, f"weight of {flow!r}") <= 0:
                 raise ValueError(f"weight of {flow!r} must be > 0, got {weight!r}")
 

@@ -13,7 +13,7 @@ import ray
 from .embedding_actor import EmbeddingActor
 from .metrics import SchedulerMetrics
 from .model_actor import ModelActor
-from .protocol import NAMESPACE
+from .protocol import NAMESPACE, DeviceLost
 from .service import RuntimeConfig, SchedulerService
 
 DEVICE_RESOURCE = "uniun_device"
@@ -21,23 +21,48 @@ EMBEDDER_RESOURCE = "uniun_embedder"
 
 
 class RayDevice:
-    """The ModelActor seen through its handle, as the scheduler's `Device`. Looked up by
-    name on every call, so a restarted ModelActor is found again."""
+    """The ModelActor seen through its handle, as the scheduler's `Device`. The handle is
+    looked up by name, and again after a failure, so a re-created ModelActor is found. A call
+    that dies with the actor raises DeviceLost; a restarted actor (max_restarts) comes back
+    empty, so `grant` reloads the model the scheduler believes is resident."""
 
     def __init__(self, name: str) -> None:
         self._name = name
+        self._cached = None
+        self._model: str | None = None   # what the last successful load made resident
 
     def _handle(self):
-        return ray.get_actor(self._name, namespace=NAMESPACE)
+        if self._cached is None:
+            self._cached = ray.get_actor(self._name, namespace=NAMESPACE)
+        return self._cached
+
+    async def _call(self, method: str, *args):
+        try:
+            handle = self._handle()
+        except ValueError as error:  # no actor by that name (killed for good)
+            raise DeviceLost(f"no model actor {self._name!r}: {error}") from error
+        try:
+            return await getattr(handle, method).remote(*args)
+        except ray.exceptions.RayActorError as error:
+            self._cached = None
+            raise DeviceLost(f"{self._name} died or is restarting ({type(error).__name__})") from error
 
     async def load(self, model_id: str) -> float:
-        return await self._handle().load.remote(model_id)
+        self._model = None
+        seconds = await self._call("load", model_id)
+        self._model = model_id
+        return seconds
 
     async def grant(self, epoch: int) -> None:
-        await self._handle().grant.remote(epoch)
+        loaded = await self._call("grant", epoch)
+        if self._model is not None and loaded != self._model:  # the actor restarted: reload
+            await self._call("load", self._model)
 
     async def revoke(self, epoch: int) -> None:
-        await self._handle().revoke.remote(epoch)
+        await self._call("revoke", epoch)
+
+    async def current_epoch(self) -> int:
+        return (await self._call("state"))["epoch"]
 
 
 class SchedulerActor(SchedulerService):
@@ -74,9 +99,15 @@ def embedder_options(name: str) -> dict:
                 num_cpus=0, max_restarts=3, max_task_retries=3, max_concurrency=2, **place)
 
 
+#: Concurrent calls the scheduler takes. Every queued job's caller holds a `grant` long-poll
+#: open, so Ray's async default (1000) would queue status, renew and release calls behind
+#: the polls once 1000 jobs wait (a stall until polls time out). Calls are cheap coroutines.
+SCHEDULER_MAX_CONCURRENCY = 100_000
+
+
 def scheduler_options(name: str) -> dict:
     return dict(name=name, namespace=NAMESPACE, lifetime="detached", get_if_exists=True,
-                num_cpus=0, max_restarts=-1, max_task_retries=0)
+                num_cpus=0, max_restarts=-1, max_task_retries=0, max_concurrency=SCHEDULER_MAX_CONCURRENCY)
 
 
 RemoteScheduler = ray.remote(SchedulerActor)

@@ -67,9 +67,16 @@ class ModelActor:
         await self._idle.wait()
 
     # -- fencing ---------------------------------------------------------------------------
-    async def grant(self, epoch: int) -> None:
+    async def grant(self, epoch: int) -> str | None:
+        """Make `epoch` the current lease. A newer epoch fences every older one: a generation
+        still running under an older lease stops at its next token. Returns the resident
+        model (None after a restart), so the scheduler can tell the device lost it."""
         if epoch > self._epoch:
             self._epoch, self._revoked = epoch, False
+            for older, flag in self._running.items():
+                if older < epoch:
+                    flag.set()
+        return self._engine.loaded
 
     async def revoke(self, epoch: int) -> None:
         if epoch == self._epoch:

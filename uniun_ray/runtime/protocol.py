@@ -17,6 +17,10 @@ SCHEDULER_NAME = "scheduler"
 EMBEDDER_NAME = "embedder"
 
 
+#: Deadlines before this (2001-09-09) are not epoch seconds but a relative delay or a typo.
+MIN_EPOCH_S = 1e9
+
+
 def model_actor_name(device: str) -> str:
     return f"model:{device}"
 
@@ -44,6 +48,22 @@ class QueueFull(UniunError):
     """The per-kind queue bound was reached; nothing was queued."""
 
 
+class UnknownJob(JobDropped):
+    """The scheduler holds no record of the job: it restarted since the job was submitted
+    (its queue lives in memory), or the id was never submitted. The client resubmits its
+    own in-flight jobs when it sees this."""
+
+
+class DeviceLost(UniunError):
+    """The ModelActor died (or restarted) under a job: the job is re-queued, and the device
+    reloads its model before the next grant."""
+
+
+class SchedulerUnavailable(UniunError):
+    """The scheduler died and did not come back in time; the job was not completed and is
+    not queued anywhere: retry it once the runtime is up again (`uniun-ray up`)."""
+
+
 @dataclass(frozen=True)
 class JobSpec:
     """A job as a client submits it. `deadline` is epoch seconds (time.time())."""
@@ -66,6 +86,9 @@ class JobSpec:
         if deadline is not None and (isinstance(deadline, bool) or not isinstance(deadline, (int, float))
                                      or not math.isfinite(deadline)):
             raise ValueError(f"deadline must be finite epoch seconds (time.time()), got {deadline!r}")
+        if deadline is not None and deadline < MIN_EPOCH_S:
+            raise ValueError(f"deadline must be epoch seconds (time.time() + delay), got {deadline!r}: "
+                             f"a negative or relative value is a mistake")
         spec = cls(job_id, kind, model_id, producer, None if deadline is None else float(deadline),
                    foreground_hint, subject)
         spec.to_job()

@@ -14,6 +14,8 @@ that was not renewed in time.
 from __future__ import annotations
 
 import asyncio
+import math
+import os
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -23,12 +25,21 @@ from collections import Counter
 
 from ..policy import Dispatch, Kind, Outcome, PolicyConfig, Revoke, SchedulerPolicy
 from .eventlog import EventLog
-from .protocol import JobDropped, JobSpec, Lease, Preempted, QueueFull
+from .protocol import DeviceLost, JobDropped, JobSpec, Lease, Preempted, QueueFull, UnknownJob
 
 _ENDED_MEMORY = 10_000
+#: How often one job may lose the device (ModelActor died under it) and be re-queued
+#: before it fails with DeviceLost: a model that kills its actor must not loop forever.
+MAX_DEVICE_FAULTS = 3
+#: The longest a `grant` long-poll waits when its caller's session heartbeats (see `heartbeat`).
+SESSION_POLL_S = 60.0
 
 
 class Device(Protocol):
+    """`load`, `grant` and `revoke` raise DeviceLost when the device died under the call.
+    Optional: `async current_epoch() -> int`, the newest epoch the device was granted, which
+    a (restarted) scheduler reads once so that its epochs fence every older lease."""
+
     async def load(self, model_id: str) -> float: ...
     async def grant(self, epoch: int) -> None: ...
     async def revoke(self, epoch: int) -> None: ...
@@ -49,14 +60,16 @@ class RuntimeConfig:
     def __post_init__(self) -> None:
         for name in ("lease_timeout_s", "waiter_timeout_s", "reap_period_s"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-                raise ValueError(f"{name} must be a number > 0, got {value!r}")
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+                raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
         for name in ("max_queued", "event_log_max_bytes"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
         if not isinstance(self.policy, PolicyConfig):
             raise ValueError(f"policy must be a PolicyConfig, got {type(self.policy).__name__}")
+        if self.event_log is not None and (not isinstance(self.event_log, (str, os.PathLike)) or not str(self.event_log)):
+            raise ValueError(f"event_log must be a path (or None for the default), got {self.event_log!r}")
 
 
 @dataclass(eq=False)
@@ -71,6 +84,8 @@ class _Tracked:
     drop_reason: str | None = None   # why the scheduler itself withdrew the job
     granted_at: float = 0.0
     first_token_seen: bool = False
+    device_faults: int = 0
+    session: str | None = None       # the caller's session: its heartbeats keep the job alive
 
 
 class SchedulerService:
@@ -81,9 +96,11 @@ class SchedulerService:
         self._jobs: dict[str, _Tracked] = {}
         self._ended: OrderedDict[str, str] = OrderedDict()
         self._epoch = 0
+        self._epoch_synced = False
         self._clock = 0.0
         self._swap_s: dict[str, float] = {}
         self._per_kind: Counter = Counter()
+        self._sessions: dict[str, float] = {}   # session -> last heartbeat (monotonic)
         self._device_model: str | None = None
         self.events = EventLog(self.config.event_log, self.config.event_log_max_bytes)
         # optional sink beside the log (runtime.metrics.SchedulerMetrics): write(event) for
@@ -114,17 +131,32 @@ class SchedulerService:
         self._apply(actions, reason=f"arrival of {spec.kind} job {spec.id}")
         return spec.id
 
-    async def grant(self, job_id: str, wait_s: float = 5.0) -> Lease | None:
-        """Wait for the job's lease; None means "still queued, poll again". The wait is
-        capped well inside the waiter timeout, so a live poller is never taken for dead."""
+    async def grant(self, job_id: str, wait_s: float = 5.0, session: str | None = None) -> Lease | None:
+        """Wait for the job's lease; None means "still queued, poll again". Without a
+        session, each poll proves the caller alive, so the wait is capped well inside the
+        waiter timeout. With a session that heartbeats (`heartbeat`), the session proves it
+        and a poll may wait up to SESSION_POLL_S: 10,000 waiters then cost the scheduler
+        a few calls a second instead of thousands."""
         self._ensure_timer()
         tracked = self._tracked(job_id)
         tracked.last_seen = time.monotonic()
+        cap = self.config.waiter_timeout_s / 3
+        if session is not None:
+            tracked.session = session
+            self._sessions[session] = tracked.last_seen
+            cap = SESSION_POLL_S
         try:
-            return await asyncio.wait_for(asyncio.shield(tracked.grant),
-                                          min(wait_s, self.config.waiter_timeout_s / 3))
+            return await asyncio.wait_for(asyncio.shield(tracked.grant), max(0.0, min(wait_s, cap)))
         except asyncio.TimeoutError:
             return None
+
+    async def heartbeat(self, session: str) -> float:
+        """A client process is alive, and with it every job it waits for under `session`.
+        Returns the seconds until its next heartbeat is due."""
+        if not isinstance(session, str) or not session:
+            raise ValueError(f"session must be a non-empty string, got {session!r}")
+        self._sessions[session] = time.monotonic()
+        return self.config.waiter_timeout_s / 3
 
     async def renew(self, job_id: str, epoch: int) -> bool:
         """A holder's heartbeat. False: the lease was revoked; stop at once and release."""
@@ -147,6 +179,13 @@ class SchedulerService:
         if outcome is Outcome.REVOKED and not tracked.revoke_requested:
             raise ValueError(f"release({job_id!r}, 'revoked'): the scheduler did not revoke this lease")
         return self._finish(tracked, outcome)
+
+    async def device_lost(self, job_id: str, epoch: int, reason: str = "the model actor died") -> bool:
+        """The holder's model call died with the ModelActor (killed, crashed, restarted). The
+        device no longer holds a known model, so the next dispatch reloads it; the job is
+        re-queued (a generation resumes from the tokens its client kept). Returns True when
+        re-queued (poll `grant` again); False when it failed (too many device faults)."""
+        return self._lose_device(self._holder(job_id, epoch), f"device lost: {reason}")
 
     async def cancel(self, job_id: str) -> None:
         """The caller withdraws its job, queued or running."""
@@ -208,6 +247,10 @@ class SchedulerService:
         """Load the model if asked, fence a new epoch at the device, then hand out the lease,
         unless the job was revoked meanwhile: then it ends its turn without ever running."""
         try:
+            if not self._epoch_synced:  # (re)started: fence above every lease the device saw
+                current = getattr(self._device, "current_epoch", None)
+                self._epoch = max(self._epoch, await current() if current else 0)
+                self._epoch_synced = True
             swap_s = 0.0
             if dispatch.swap:
                 self._emit("swap_start", tracked.spec, **{"from": self._device_model})
@@ -220,6 +263,10 @@ class SchedulerService:
             epoch = self._epoch
             await self._device.grant(epoch)
         except Exception as error:  # the load failed: the job fails, the device holds nothing known
+            self._device_model = None
+            if isinstance(error, DeviceLost) and not tracked.cancelled:
+                self._lose_device(tracked, f"device lost while preparing: {error}")
+                return
             self.policy.set_loaded_model(None, self._now())
             self._fail(tracked, error)
             return
@@ -232,9 +279,32 @@ class SchedulerService:
         tracked.last_seen = tracked.granted_at = time.monotonic()
         tracked.grant.set_result(tracked.lease)
 
+    def _lose_device(self, tracked: _Tracked, reason: str) -> bool:
+        """The device died under the dispatched job: forget the loaded model and run the job
+        again. The policy has no "lost" outcome, so the run ends as failed (its held time is
+        charged, R7) and the job is submitted again under its id; the log's finish says
+        `requeued`. Any kind, chat too: a fault is not a preemption."""
+        now = self._now()
+        self._device_model = None
+        self._apply(self.policy.set_loaded_model(None, now), reason=reason)
+        tracked.device_faults += 1
+        if tracked.device_faults > MAX_DEVICE_FAULTS:
+            self._fail(tracked, DeviceLost(f"{reason} ({tracked.device_faults} times; giving up)"))
+            return False
+        actions = self.policy.finish(tracked.spec.id, now, Outcome.FAILED)
+        self._emit("finish", tracked.spec, outcome="failed", reason=reason, requeued=True)
+        actions += self.policy.submit(tracked.spec.to_job(), now)
+        tracked.state, tracked.lease, tracked.revoke_requested = "queued", None, False
+        if tracked.grant.done():
+            tracked.grant = self._future()
+        tracked.last_seen = time.monotonic()
+        self._apply(actions, reason=f"re-queue of {tracked.spec.kind} job {tracked.spec.id} after {reason}")
+        return True
+
     def _fail(self, tracked: _Tracked, error: Exception) -> None:
         actions = self.policy.finish(tracked.spec.id, self._now(), Outcome.FAILED)
-        self._emit("finish", tracked.spec, outcome="failed", reason=f"load failed: {error}")
+        self._emit("finish", tracked.spec, outcome="failed",
+                   reason=str(error) if isinstance(error, DeviceLost) else f"load failed: {error}")
         self._forget(tracked, f"failed: {error}")
         if not tracked.grant.done():
             tracked.grant.set_exception(error)
@@ -244,7 +314,8 @@ class SchedulerService:
         job_id = tracked.spec.id
         actions = self.policy.finish(job_id, self._now(), outcome)
         self._emit("finish", tracked.spec, outcome=outcome.value)
-        requeued = self.policy.job_state(job_id) == "queued"
+        # re-queued (R6); possibly dispatched again by this very call (it is still the best job)
+        requeued = self.policy.job_state(job_id) is not None
         if requeued:
             tracked.state, tracked.lease, tracked.revoke_requested = "queued", None, False
             if tracked.grant.done():  # a waiter still on the unresolved one keeps it
@@ -298,8 +369,14 @@ class SchedulerService:
                 self.metrics.refresh(self.policy.snapshot)
 
     def _reap(self, mono: float) -> None:
+        for session, seen in list(self._sessions.items()):
+            if mono - seen > 10 * self.config.waiter_timeout_s:
+                del self._sessions[session]
         for tracked in list(self._jobs.values()):
-            idle = mono - tracked.last_seen
+            seen = tracked.last_seen
+            if tracked.state == "queued" and tracked.session is not None:
+                seen = max(seen, self._sessions.get(tracked.session, seen))
+            idle = mono - seen
             if tracked.state == "queued" and idle > self.config.waiter_timeout_s:
                 self._withdraw(tracked, f"its caller stopped polling for {idle:.1f} s (caller gone?)")
             elif tracked.state == "granted" and idle > self.config.lease_timeout_s:
@@ -330,7 +407,10 @@ class SchedulerService:
         tracked = self._jobs.get(job_id)
         if tracked is None:
             reason = self._ended.get(job_id)
-            raise JobDropped(f"job {job_id} ended: {reason}" if reason else f"unknown job {job_id!r}")
+            if reason:
+                raise JobDropped(f"job {job_id} ended: {reason}")
+            raise UnknownJob(f"unknown job {job_id!r}: this scheduler has no record of it (it restarted and "
+                             f"lost its queue, or the id was never submitted); resubmit it")
         return tracked
 
     def _holder(self, job_id: str, epoch: int) -> _Tracked:
