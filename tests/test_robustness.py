@@ -896,7 +896,8 @@ def test_up_sets_the_auth_mode_explicitly_and_binds_the_dashboard_to_localhost(t
             seen.append((command, env))
             raise _Started
 
-    monkeypatch.setattr(head.subprocess, "Popen", FakeRayStart)
+    import types
+    monkeypatch.setattr(head, "subprocess", types.SimpleNamespace(Popen=FakeRayStart, PIPE=-1, STDOUT=-2))
     monkeypatch.setattr(head, "_ray_executable", lambda: "ray")
     for argv, mode, host in ((["up"], "disabled", "127.0.0.1"),
                              (["up", "--auth", "token"], "token", "127.0.0.1"),

@@ -8,7 +8,8 @@ from importlib import import_module
 _CLIENT = {"generate", "stream", "run", "embed", "set_foreground", "status", "agenerate", "astream",
            "arun", "aembed", "aset_foreground", "astatus", "Completion", "LeaseHandle"}
 _LAUNCH = {"connect", "start"}
-_PROTOCOL = {"Preempted", "JobDropped", "LeaseRevoked", "QueueFull", "UniunError"}
+_PROTOCOL = {"Preempted", "JobDropped", "LeaseRevoked", "QueueFull", "UniunError", "SchedulerUnavailable", "DeviceLost",
+             "UnknownJob"}
 
 __all__ = sorted(_CLIENT | _LAUNCH | _PROTOCOL | {"Kind"})
 

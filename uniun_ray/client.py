@@ -317,7 +317,7 @@ class GenerationStream:
                     count += len(result["token_ids"])
                 elif pieces:
                     lossy, count = True, count + pieces
-                if lost is not None:
+                if lost is not None and result is None and count < limit:
                     revokes += 1
                     await job.device_lost(lease, lost)
                     continue  # re-queued: resume from what was produced
