@@ -8,8 +8,9 @@ foreground changes — with the simulator's job ids, then reads the SchedulerAct
 log (the simulator's schema) from the start of the play. `compare` scores both logs with
 `metrics.measure` and simulates the *realized* workload: each job's real context length
 (chat template included) and the tokens it really generated (a model may end its answer
-before `max_new_tokens`), so a gap between the two columns is the simulator's timing model,
-not different work.
+before `max_new_tokens`), so a gap is not different work. It simulates it twice, at the
+profile's speeds and at the speeds the run showed, to separate a gap in the simulator's model
+of the system from the machine being slower than its profile.
 
 `main` (``uniun-ray bench --real``) runs each short workload on a private local Ray with
 fresh actors and writes ``real-vs-sim.md``, both event logs and both timelines.
