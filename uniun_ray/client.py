@@ -30,7 +30,8 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, replace
 from typing import Any, AsyncIterator, Awaitable, Callable, Iterator
 
-from .models import DEFAULT_CHAT_MODEL, GenerateRequest
+from .models.registry import DEFAULT_CHAT_MODEL
+from .models.request import GenerateRequest
 from .policy import Kind
 from .runtime.launch import handles
 from .runtime.protocol import (NAMESPACE, SCHEDULER_NAME, DeviceLost, JobDropped, JobSpec, Lease, LeaseRevoked, Preempted,

@@ -12,13 +12,14 @@ event loop stays free to take a revoke while a generation is running.
 from __future__ import annotations
 
 import asyncio
+from collections import deque
 import os
 import threading
 import time
 from dataclasses import asdict
 
-from ..models import Engine, GenerateRequest, resolve
-from ..models.engine import inspect_request
+from ..models.registry import resolve
+from ..models.request import GenerateRequest
 from .metrics import ModelMetrics
 from .protocol import LeaseRevoked
 
@@ -33,6 +34,8 @@ def default_threads() -> int:
 
 class ModelActor:
     def __init__(self, device: str = "cpu", num_threads: int | None = None) -> None:
+        from ..models.engine import Engine  # torch: only in the actor's own process
+
         self._engine = Engine(device=device, num_threads=num_threads or default_threads())
         self._device = device
         self._epoch = 0
@@ -42,7 +45,7 @@ class ModelActor:
         self._idle.set()
         self._swap_lock = asyncio.Lock()
         self._last_revoke: dict[int, float] = {}
-        self.stop_latencies: list[float] = []
+        self.stop_latencies: deque[float] = deque(maxlen=1024)  # the latest; the histogram has all
         self._metrics = ModelMetrics()
 
     def __repr__(self) -> str:
@@ -91,6 +94,8 @@ class ModelActor:
         """Validate a request against a model without loading its weights (tokenizer and
         config only): prompt too long, messages to a model without a chat template... Returns
         the prompt's token count. Clients call this before queueing."""
+        from ..models.engine import inspect_request
+
         return await asyncio.to_thread(inspect_request, resolve(model_id), request)
 
     async def generate(self, epoch: int, request: GenerateRequest):
