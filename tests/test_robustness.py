@@ -31,6 +31,8 @@ from uniun_ray.runtime.protocol import (EMBEDDER_NAME, NAMESPACE, JobDropped, Jo
                                         SchedulerUnavailable, UnknownJob)
 from uniun_ray.runtime.service import RuntimeConfig, SchedulerService
 
+from test_runtime import started
+
 ROOT = Path(__file__).parent.parent
 LONG = 1800   # tokens of `tiny` (context 2048): a few seconds of work
 
@@ -71,20 +73,6 @@ async def idle_status(timeout: float = 20.0) -> dict:
             raise AssertionError(f"the scheduler is stuck: {status['running']}, queued {status['queued']}, "
                                  f"leases {status['leases']}")
         await asyncio.sleep(0.1)
-
-
-async def started(kind: str, timeout: float = 60) -> dict:
-    """A job of `kind` holds a granted lease and has generated a while (see test_runtime)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        status = await astatus()
-        running = status["running"]
-        if running and running["kind"] == kind:
-            lease = status["leases"].get(running["id"], {})
-            if lease.get("state") == "granted" and lease.get("held_s", 0) > 0.3:
-                return running
-        await asyncio.sleep(0.05)
-    raise AssertionError(f"no {kind} job started")
 
 
 async def queued(kind: str, timeout: float = 30) -> dict:
