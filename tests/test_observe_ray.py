@@ -69,6 +69,7 @@ def test_metrics_reach_the_node_metrics_endpoint_after_a_job(runtime):
     }
     deadline = time.monotonic() + 150  # generous: a loaded 2-core machine exports late
     while True:  # until an export taken after the whole run (both chats dispatched) is served
+        uniun_ray.embed(["a note"])  # the in-flight gauge is set per call: keep it fresh for the export
         text = metrics_text()
         missing = [name for name, tags in wanted.items() if sample(text, name, **tags) is None]
         if not missing and sample(text, "ray_uniun_dispatches_total", kind="chat") == 2:
