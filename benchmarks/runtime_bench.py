@@ -25,7 +25,6 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
 import ray  # noqa: E402
 
-import uniun_ray  # noqa: E402
 from uniun_ray.client import agenerate, arun, astatus  # noqa: E402
 from uniun_ray.runtime.launch import LOCAL_RESOURCES, start  # noqa: E402
 from uniun_ray.runtime.protocol import NAMESPACE  # noqa: E402

@@ -16,7 +16,6 @@ import time
 
 import ray
 
-import uniun_ray
 from common import job_parser, session
 from uniun_ray.runtime.producers import spawn_producer
 

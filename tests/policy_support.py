@@ -9,7 +9,7 @@ from __future__ import annotations
 import heapq
 from dataclasses import dataclass, field
 
-from uniun_ray.policy import Dispatch, Job, Kind, Revoke, SchedulerPolicy
+from uniun_ray.policy import Dispatch, Job, Revoke, SchedulerPolicy
 
 FAIR_TIERS = ("T2", "T3", "T4")
 

@@ -203,7 +203,7 @@ def test_r8_two_ganas_alternate():
     for i in range(3):
         p.submit(job(f"a{i}", "gana", producer="gana:A"), 0)
         p.submit(job(f"b{i}", "gana", producer="gana:B"), 0)
-    order, now, actions = ["a0"], 0.0, []
+    order, now = ["a0"], 0.0
     for _ in range(5):
         now += 30
         (d,) = p.finish(order[-1], now, "done")

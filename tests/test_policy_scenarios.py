@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from policy_support import Arrival, Driver, job
-from uniun_ray.policy import Dispatch, PolicyConfig, Revoke, SchedulerPolicy
+from uniun_ray.policy import Dispatch, Revoke, SchedulerPolicy
 
 
 def test_scenario_1_chat_preempts_running_nataraj_within_one_token():

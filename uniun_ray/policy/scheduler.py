@@ -10,7 +10,6 @@ ValueError leaves the state exactly as it was.
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Callable
 
 from .budget import Run, T2Window
 from .fairness import VruntimeLedger
