@@ -32,7 +32,8 @@ def metrics_text() -> str:
 
 
 def sample(text: str, name: str, **tags) -> float | None:
-    """The value of the first sample of `name` whose labels include `tags`."""
+    """The value of the first sample of `name` whose labels include `tags`. A session cluster
+    also serves the series of earlier tests' (killed) actors: pin `WorkerId` to tell them apart."""
     for line in text.splitlines():
         match = re.match(rf"{name}\{{(.*)\}} (\S+)$", line)
         if match and all(f'{k}="{v}"' in match.group(1) for k, v in tags.items()):
@@ -67,17 +68,18 @@ def test_metrics_reach_the_node_metrics_endpoint_after_a_job(runtime):
         "ray_uniun_embed_seconds_count": {},
         "ray_uniun_embed_in_flight": {},
     }
+    scheduler = uniun_ray.status()["worker_id"]  # this test's scheduler, not an earlier test's
     deadline = time.monotonic() + 150  # generous: a loaded 2-core machine exports late
     while True:  # until an export taken after the whole run (both chats dispatched) is served
         uniun_ray.embed(["a note"])  # the in-flight gauge is set per call: keep it fresh for the export
         text = metrics_text()
         missing = [name for name, tags in wanted.items() if sample(text, name, **tags) is None]
-        if not missing and sample(text, "ray_uniun_dispatches_total", kind="chat") == 2:
+        if not missing and sample(text, "ray_uniun_dispatches_total", kind="chat", WorkerId=scheduler) == 2:
             break
         assert time.monotonic() < deadline, f"not on the metrics endpoint: {missing}"
         time.sleep(1)
-    assert sample(text, "ray_uniun_loaded_model", model="tiny") == 1
-    assert sample(text, "ray_uniun_t2_share_limit") == pytest.approx(0.6)
+    assert sample(text, "ray_uniun_loaded_model", model="tiny", WorkerId=scheduler) == 1
+    assert sample(text, "ray_uniun_t2_share_limit") == pytest.approx(0.6)  # the same in every series
 
 
 def test_status_shows_queued_jobs_in_their_tiers(runtime):

@@ -78,6 +78,11 @@ class SchedulerActor(SchedulerService):
         return (f"SchedulerActor(loaded={self.policy.loaded_model}, queued={self.policy.queued}, "
                 f"running={running.kind.value + ':' + running.id if running else None}, events={self.events.path})")
 
+    async def status(self) -> dict:
+        """The service's status, plus this actor's Ray worker id: the `WorkerId` label of
+        its series on the metrics endpoint."""
+        return await super().status() | {"worker_id": ray.get_runtime_context().get_worker_id()}
+
     async def ping(self) -> str:
         return "ok"
 
