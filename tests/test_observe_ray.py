@@ -136,8 +136,12 @@ def test_replaying_the_event_log_reproduces_the_holders_timeline(make_runtime, t
     trace = Trace(read(log))
     runs = [run for run in trace.runs if run.job in {job for job, _, _ in held}]
     held.sort(key=lambda h: h[1])
-    assert [run.job for run in runs] == [job for job, _, _ in held]
-    for run, (job, began, ended) in zip(runs, held):
+    # every interval a holder saw lies inside a run of its job, in the same order; a run may
+    # have had no holder (revoked while its lease was being granted: it ended unserved)
+    remaining = iter(runs)
+    for job, began, ended in held:
+        run = next((r for r in remaining if r.job == job), None)
+        assert run is not None, f"no run of {job} in the log after the previous holder's"
         assert run.start <= began and ended <= run.end, (run, began, ended)
     kinds = [trace.jobs[run.job].kind for run in runs]
     assert kinds[0] == "nataraj" and "chat" in kinds and kinds[-1] == "nataraj"
