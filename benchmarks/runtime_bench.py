@@ -25,7 +25,8 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
 import ray  # noqa: E402
 
-from uniun_ray.client import agenerate, arun, astatus  # noqa: E402
+from uniun_ray.client import agenerate, arun  # noqa: E402
+from uniun_ray.demo import nataraj_generating  # noqa: E402
 from uniun_ray.runtime.launch import LOCAL_RESOURCES, start  # noqa: E402
 from uniun_ray.runtime.protocol import NAMESPACE  # noqa: E402
 
@@ -36,17 +37,6 @@ MODELS = ("tiny", "smollm2-135m-instruct", "gemma-3-270m")
 def pct(values, q):
     values = sorted(values)
     return values[min(len(values) - 1, int(round(q * (len(values) - 1))))]
-
-
-async def nataraj_generating() -> None:
-    while True:
-        status = await astatus()
-        running = status["running"]
-        if running and running["kind"] == "nataraj":
-            lease = status["leases"].get(running["id"], {})
-            if lease.get("state") == "granted" and lease.get("held_s", 0) > 0.5:
-                return
-        await asyncio.sleep(0.05)
 
 
 async def measure(h, repeat: int) -> dict:
@@ -63,7 +53,7 @@ async def measure(h, repeat: int) -> dict:
     busy = []
     for _ in range(repeat):
         card = asyncio.ensure_future(agenerate("nataraj", "Write a long story about the sea.", max_new_tokens=200))
-        await nataraj_generating()
+        assert await nataraj_generating(), "no nataraj job got the device"
         busy.append((await agenerate("chat", "Say hello.", max_new_tokens=8)).ttft_s)
         await card
     out["ttft_idle"], out["ttft_busy"] = idle, busy

@@ -22,7 +22,9 @@ from .runtime.protocol import NAMESPACE
 PROMPT = "Reply with one friendly sentence."
 
 
-async def _nataraj_generating(timeout_s: float = 120.0) -> bool:
+async def nataraj_generating(timeout_s: float = 120.0) -> bool:
+    """Wait until a nataraj job has held a granted lease for a while (so a chat sent now
+    preempts a generation, not a model load); False if none does within `timeout_s`."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         status = await astatus()
@@ -42,7 +44,7 @@ async def measure(turns: int, deck: int, card_tokens: int, chat_tokens: int) -> 
     busy = []
     try:
         for _ in range(turns):
-            if not await _nataraj_generating():
+            if not await nataraj_generating():
                 break
             busy.append((await agenerate("chat", PROMPT, max_new_tokens=chat_tokens)).ttft_s)
         card = await producer.take_card.remote() if await producer.wait_deck.remote(1, timeout_s=300) else None
