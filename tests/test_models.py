@@ -33,6 +33,7 @@ from uniun_ray.models import (
 )
 from uniun_ray.models import registry
 from uniun_ray.models.registry import CACHE_ENV
+from uniun_ray.models.tuning import Speed, fastest
 
 USER_CACHE = os.environ.get(CACHE_ENV)  # read at import, before the fixtures below redirect it
 
@@ -447,7 +448,10 @@ def test_default_chat_model_applies_its_template(monkeypatch):
         monkeypatch.setenv(CACHE_ENV, USER_CACHE)
     engine = Engine()
     engine.load(DEFAULT_CHAT_MODEL)
-    assert engine.chat and engine.dtype == torch.bfloat16
+    assert engine.chat and engine.dtype in (torch.bfloat16, torch.float32)
+    described = engine.describe()   # the dtype kept is the faster of the two measured on this host
+    assert {m["dtype"] for m in described["measured"]} == {"bfloat16", "float32"}
+    assert described["dtype"] == fastest([Speed(**m) for m in described["measured"]]).dtype
     question = "What is the capital of France?"
     messages = [{"role": "user", "content": question}]
     pieces, result = run(engine, GenerateRequest(messages=messages, max_new_tokens=24))

@@ -12,10 +12,13 @@ lives here, so it can be tested (and benchmarked) without a cluster:
   caller's thread, with no helper thread or queue as ``TextIteratorStreamer`` needs.
 * A revoked job resumes recompute-style (SPEC R6): the new request carries what the job already
   produced, the engine prefills prompt + that, and the result holds only the new part.
+* The host decides how it runs (``tuning``): on CPU the dtype is measured per host and model, and
+  prefill chunks are sized by the time they take here, so a revoke waits about one decode step.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import gc
 import inspect
@@ -26,10 +29,10 @@ from typing import Any, Iterator, Protocol
 
 import torch
 
-from .registry import ModelSpec, materialize, resolve
+from .registry import ModelSpec, cache_dir, materialize, resolve
 from .request import GenerateRequest, _is_int
-
-DEFAULT_PREFILL_CHUNK = 256
+from .settings import DTYPES, EngineSettings
+from .tuning import ProbeCache, Speed, StepClock, fastest, host_signature, measure
 
 
 class PromptTooLong(ValueError):
@@ -43,11 +46,8 @@ class CancelFlag(Protocol):
 
 
 def default_dtype(device: torch.device) -> torch.dtype:
-    """bfloat16 where it is fast: on CUDA GPUs that support it, and on CPU.
-
-    On this project's 2-core CPU machine bf16 decodes SmolLM2-135M about 1.6x faster than float32
-    (see MEASURED.md); older GPUs without bf16 get float16.
-    """
+    """The dtype a model is loaded in before any measurement: bfloat16 (the converted weights'
+    own), or float16 on GPUs without bf16. On CPU, "auto" then measures it against float32."""
     if device.type == "cuda" and not torch.cuda.is_bf16_supported():
         return torch.float16
     return torch.bfloat16
@@ -93,7 +93,7 @@ class _Vocabulary:
     chat: bool
 
 
-@dataclass(frozen=True)
+@dataclass
 class _Loaded:
     """The resident model and what the decode loop needs to know about it."""
 
@@ -102,15 +102,20 @@ class _Loaded:
     eos_ids: frozenset[int]
     cache_arg: str
     forward_kwargs: dict = field(default_factory=dict)
+    dtype: str = ""
+    speeds: list[Speed] = field(default_factory=list)   # what the choice of dtype was made on
+    clock: StepClock | None = None
 
 
 class Engine:
     """Holds at most one causal LM on ``device`` and generates with it, one run at a time.
 
-    ``num_threads`` sets torch's intra-op threads for the whole process. Pass it deliberately:
-    Ray sets OMP_NUM_THREADS from an actor's num_cpus, which may not be what the model should use.
-    ``prefill_chunk`` is the number of prompt tokens per forward pass in prefill, bounding how
-    long a cancel waits while a long prompt is read.
+    ``dtype``: one of ``settings.DTYPES`` or a torch dtype; "auto" (the default) measures bf16
+    against float32 on CPU, once per host and model (cached), and keeps the faster.
+    ``num_threads`` sets torch's intra-op threads for the whole process; None: every core this
+    process may run on. Pass it deliberately: Ray sets OMP_NUM_THREADS=1 in actors.
+    ``prefill_chunk`` fixes the prompt tokens per prefill forward pass; None (the default) sizes
+    each chunk to take about one decode step on this host, bounding how long a cancel waits.
 
     Thread safety: ``generate`` may be iterated in a worker thread. ``load`` and ``unload`` refuse
     (RuntimeError) while a run is in progress: revoke it and let its iterator finish first.
@@ -119,21 +124,22 @@ class Engine:
     def __init__(
         self,
         device: str | torch.device = "cpu",
-        dtype: str | torch.dtype | None = None,
+        dtype: str | torch.dtype | None = "auto",
         num_threads: int | None = None,
-        prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
+        prefill_chunk: int | None = None,
     ) -> None:
         self.device = torch.device(device)
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError(f"device {device!r} requested, but CUDA is not available")
-        self.dtype = _as_dtype(dtype) if dtype is not None else default_dtype(self.device)
-        if num_threads is not None:
-            if not _is_int(num_threads) or num_threads < 1:
-                raise ValueError(f"num_threads must be an int >= 1, got {num_threads!r}")
-            torch.set_num_threads(num_threads)
-        if not _is_int(prefill_chunk) or prefill_chunk < 1:
-            raise ValueError(f"prefill_chunk must be an int >= 1, got {prefill_chunk!r}")
+        self._dtype = _dtype_choice(dtype)
+        if num_threads is not None and (not _is_int(num_threads) or num_threads < 1):
+            raise ValueError(f"num_threads must be an int >= 1 or None, got {num_threads!r}")
+        self.threads = EngineSettings(threads=num_threads).resolved_threads()
+        torch.set_num_threads(self.threads)
+        if prefill_chunk is not None and (not _is_int(prefill_chunk) or prefill_chunk < 1):
+            raise ValueError(f"prefill_chunk must be an int >= 1 or None, got {prefill_chunk!r}")
         self.prefill_chunk = prefill_chunk
+        self._probes = ProbeCache(cache_dir() / "tuning.json")
         self._lock = threading.Lock()
         self._loaded: _Loaded | None = None
         self._running = 0
@@ -149,6 +155,25 @@ class Engine:
         """The resident model's context window in tokens, or None when nothing is loaded."""
         loaded = self._loaded
         return loaded.vocabulary.context_length if loaded else None
+
+    @property
+    def dtype(self) -> torch.dtype | None:
+        """The resident model's dtype, or None when nothing is loaded."""
+        loaded = self._loaded
+        return getattr(torch, loaded.dtype) if loaded else None
+
+    def describe(self) -> dict:
+        """The host choices, for ``status`` and the benchmarks: dtype (and the measurements it
+        was chosen on), threads, the current prefill chunk and step times."""
+        loaded = self._loaded
+        described = {"device": str(self.device), "threads": torch.get_num_threads(),
+                     "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+                     "dtype_setting": self._dtype if isinstance(self._dtype, str) else str(self._dtype)}
+        if loaded is None:
+            return described
+        return described | {"model": loaded.vocabulary.model_id, "dtype": loaded.dtype,
+                            "measured": [dataclasses.asdict(speed) for speed in loaded.speeds]} \
+            | loaded.clock.describe() | ({"prefill_chunk": self.prefill_chunk} if self.prefill_chunk else {})
 
     @property
     def chat(self) -> bool | None:
@@ -220,9 +245,10 @@ class Engine:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(folder)
-        model = AutoModelForCausalLM.from_pretrained(folder, dtype=self.dtype, device_map=str(self.device))
+        dtype = default_dtype(self.device) if self._dtype == "auto" else getattr(torch, self._dtype)
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, device_map=str(self.device))
         model.eval()
-        return _Loaded(
+        loaded = _Loaded(
             vocabulary=_vocabulary(model_id, tokenizer, model.config),
             model=model,
             eos_ids=_eos_ids(model, tokenizer),
@@ -230,7 +256,38 @@ class Engine:
             # Prefill needs logits for the last position only; Gemma's 262k vocabulary would
             # otherwise cost a quarter GB of logits per 256-token chunk.
             forward_kwargs={"logits_to_keep": 1} if model._supports_logits_to_keep() else {},
+            dtype=str(dtype).removeprefix("torch."),
         )
+        self._tune(loaded, folder)
+        return loaded
+
+    def _tune(self, loaded: _Loaded, folder: Any) -> None:
+        """Measure the loaded model (once per host, model and setting; cached) and keep the
+        fastest dtype: on CPU with "auto", bf16 against float32; otherwise the dtype as loaded,
+        measured only to size prefill chunks."""
+        candidates = [loaded.dtype]
+        if self._dtype == "auto" and self.device.type == "cpu" and loaded.dtype != "float32":
+            candidates.append("float32")
+        key = f"{host_signature(self.threads)}|{folder}|{'+'.join(candidates)}"
+        speeds = self._probes.get(key)
+        if speeds is None or sorted(s.dtype for s in speeds) != sorted(candidates):
+            speeds = []
+            for dtype in candidates:
+                self._cast(loaded, dtype)
+                speeds.append(measure(lambda ids, cache: _synced(_forward(loaded, ids, cache, self.device)),
+                                      len(loaded.vocabulary.tokenizer), dtype))
+            self._probes.put(key, speeds)
+        best = fastest(speeds)
+        self._cast(loaded, best.dtype)
+        loaded.speeds, loaded.clock = speeds, StepClock(best)
+
+    @staticmethod
+    def _cast(loaded: _Loaded, dtype: str) -> None:
+        """bf16 -> float32 -> bf16 is exact (every bf16 value is a float32), so trying float32
+        and going back costs no accuracy."""
+        if loaded.dtype != dtype:
+            loaded.model.to(getattr(torch, dtype))
+            loaded.dtype = dtype
 
     def _prepare(self, request: GenerateRequest) -> tuple[_Loaded, list[int]]:
         """The loaded model and the token ids to prefill for ``request``; raises if it cannot run."""
@@ -252,13 +309,14 @@ class Engine:
             self._running -= 1
 
 
-def _as_dtype(dtype: str | torch.dtype) -> torch.dtype:
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    resolved = getattr(torch, str(dtype), None)
-    if not isinstance(resolved, torch.dtype):
-        raise ValueError(f"unknown dtype {dtype!r}; use e.g. 'bfloat16', 'float16' or 'float32'")
-    return resolved
+def _dtype_choice(dtype: str | torch.dtype | None) -> str:
+    """"auto", or the name of a dtype the engine runs in."""
+    if dtype is None:
+        return "auto"
+    name = str(dtype).removeprefix("torch.") if isinstance(dtype, torch.dtype) else dtype
+    if name not in DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; use one of {', '.join(DTYPES)}")
+    return name
 
 
 def inspect_request(spec: ModelSpec, request: GenerateRequest) -> int:
@@ -442,14 +500,17 @@ class Generation(Iterator[str]):
 
 
 def _prefill(
-    loaded: _Loaded, context: list[int], chunk: int, device: torch.device, cancel: CancelFlag
+    loaded: _Loaded, context: list[int], fixed_chunk: int | None, device: torch.device, cancel: CancelFlag
 ) -> tuple[torch.Tensor | None, Any]:
-    """Read the context in chunks, checking ``cancel`` before each; logits None when cancelled."""
-    logits, cache = None, None
-    for start in range(0, len(context), chunk):
+    """Read the context in chunks, checking ``cancel`` before each; logits None when cancelled.
+    Unless fixed, each chunk is sized anew from the step times measured so far."""
+    logits, cache, start = None, None, 0
+    while start < len(context):
+        chunk = fixed_chunk or loaded.clock.chunk
         logits, cache = _step(loaded, context[start : start + chunk], cache, device, cancel)
         if logits is None:
             break
+        start += chunk
     return logits, cache
 
 
@@ -463,6 +524,21 @@ def _step(
     """
     if cancel.is_set():
         return None, cache
+    started = time.perf_counter()
+    logits, cache = _forward(loaded, ids, cache, device)
+    loaded.clock.observe(len(ids), time.perf_counter() - started)
+    return logits, cache
+
+
+def _synced(step: tuple[torch.Tensor, Any]) -> tuple[torch.Tensor, Any]:
+    """Wait for the device to finish the step: CUDA runs asynchronously, and a probe must time
+    the work, not its launch."""
+    if step[0].device.type == "cuda":
+        torch.cuda.synchronize()
+    return step
+
+
+def _forward(loaded: _Loaded, ids: list[int], cache: Any, device: torch.device) -> tuple[torch.Tensor, Any]:
     with torch.inference_mode():
         output = loaded.model(
             input_ids=torch.tensor([ids], device=device),

@@ -64,6 +64,13 @@ class RayDevice:
     async def current_epoch(self) -> int:
         return (await self._call("state"))["epoch"]
 
+    async def describe(self) -> dict:
+        """How the device runs its model on this host (dtype, threads, prefill chunk), for status."""
+        try:
+            return (await self._call("state"))["engine"]
+        except DeviceLost as error:
+            return {"error": str(error)}
+
 
 class SchedulerActor(SchedulerService):
     """The named, detached singleton. Every method is async: a plain `def` would block the
@@ -81,7 +88,8 @@ class SchedulerActor(SchedulerService):
     async def status(self) -> dict:
         """The service's status, plus this actor's Ray worker id: the `WorkerId` label of
         its series on the metrics endpoint."""
-        return await super().status() | {"worker_id": ray.get_runtime_context().get_worker_id()}
+        return await super().status() | {"worker_id": ray.get_runtime_context().get_worker_id(),
+                                         "engine": await self._device.describe()}
 
     async def ping(self) -> str:
         return "ok"

@@ -15,6 +15,7 @@ from .actors import (DEVICE_RESOURCE, EMBEDDER_RESOURCE, RemoteEmbedder, RemoteM
                      cuda_devices, embedder_options, model_actor_options, scheduler_options)
 from .protocol import EMBEDDER_NAME, NAMESPACE, SCHEDULER_NAME, UniunError, model_actor_name
 from .service import RuntimeConfig
+from ..models.settings import EngineSettings
 
 #: Resources a local cluster declares for the stand-in devices of a CPU-only machine.
 LOCAL_RESOURCES = {DEVICE_RESOURCE: 1, EMBEDDER_RESOURCE: 1}
@@ -95,6 +96,7 @@ def device_name() -> str:
 def start(config: RuntimeConfig | None = None) -> Handles:
     """Get or create the scheduler, the model actor and the embedder. `config` only
     applies when the scheduler is created here (a running one keeps its own)."""
+    settings = EngineSettings.from_env()   # a bad UNIUN_DTYPE / UNIUN_THREADS fails here, clearly
     connect()
     gpu = cuda_devices() >= 1
     if not gpu and ray.cluster_resources().get(DEVICE_RESOURCE, 0) < 1:
@@ -103,7 +105,8 @@ def start(config: RuntimeConfig | None = None) -> Handles:
             f"cannot be placed. Start Ray with `uniun-ray up`, or `ray start --head "
             f"--resources='{{\"{DEVICE_RESOURCE}\": 1, \"{EMBEDDER_RESOURCE}\": 1}}'`.")
     model_name = model_actor_name(device_name())
-    model = RemoteModel.options(**model_actor_options(model_name)).remote(device="cuda" if gpu else "cpu")
+    model = RemoteModel.options(**model_actor_options(model_name)).remote(
+        device="cuda" if gpu else "cpu", settings=settings)
     # Ray shows an actor only the GPU it was given, as cuda:0
     embedder = RemoteEmbedder.options(**embedder_options(EMBEDDER_NAME)).remote(
         device="cuda" if cuda_devices() >= 2 else "cpu")
