@@ -12,6 +12,7 @@ import uniun_ray
 from uniun_ray.client import agenerate, astatus
 from uniun_ray.models import PromptTooLong, UnknownModel
 from uniun_ray.policy import PolicyConfig
+from uniun_ray.runtime.eventlog import read as read_events
 
 pytestmark = pytest.mark.ray
 
@@ -133,9 +134,25 @@ def test_scenario_5_extract_backfill_is_held_to_its_share(make_runtime):
         return shares, sum(await deck)
     shares, cards_done = asyncio.run(go())
     steady = shares[int(window / 0.5):]          # once a whole window has passed
+    # The budget is a pick-time rule: the share may exceed the cap by one extract run in flight.
+    # How long a run takes depends on the host, so the bound uses the longest one this run saw.
+    longest = max(run_lengths(read_events(uniun_ray.status()["event_log"]), kind="extract"))
     assert cards_done >= 3                        # T4 got the device despite a flood of T2
-    assert max(steady) <= 0.6 + 0.1, steady       # the cap, plus at most one ~0.3 s extract job
+    assert max(steady) <= 0.6 + longest / window + 0.02, (steady, longest)
     assert max(steady) >= 0.4, steady             # and T2 does use its share
+
+
+def run_lengths(events: list[dict], kind: str) -> list[float]:
+    """Held time of every run of `kind` in the event log: dispatch to its finish."""
+    started, lengths = {}, []
+    for event in events:
+        if event.get("kind") != kind:
+            continue
+        if event["ev"] == "dispatch":
+            started[event["job"]] = event["t"]
+        elif event["ev"] == "finish" and event["job"] in started:
+            lengths.append(event["t"] - started.pop(event["job"]))
+    return lengths
 
 
 def test_scenario_6_affinity_prefers_the_loaded_model(runtime):
