@@ -354,6 +354,55 @@ def test_resume_text_prefills_prompt_plus_text_and_returns_only_new_text(engine)
     assert "forty-two" not in result.text and result.tokens == 5
 
 
+SAMPLING = dict(temperature=0.8, top_k=40, top_p=0.9, repetition_penalty=1.3)
+
+
+def test_seeded_sampling_draws_what_transformers_generate_draws(engine):
+    """The processors are transformers' own, built from generation_config + the request."""
+    model, tokenizer = engine._loaded.model, engine._loaded.vocabulary.tokenizer
+    inputs = tokenizer(PROMPT, return_tensors="pt")
+    torch.manual_seed(11)
+    with torch.inference_mode():
+        output = model.generate(**inputs, max_new_tokens=24, do_sample=True, **SAMPLING)
+    expected = output[0, inputs.input_ids.shape[1]:].tolist()
+    _, result = run(engine, GenerateRequest(prompt=PROMPT, max_new_tokens=24, seed=11, **SAMPLING))
+    assert list(result.token_ids) == expected
+    greedy = run(engine, GenerateRequest(prompt=PROMPT, max_new_tokens=24))[1].token_ids
+    assert list(greedy) != expected                     # it did sample
+
+
+def test_greedy_with_a_repetition_penalty_matches_transformers_generate(engine):
+    model, tokenizer = engine._loaded.model, engine._loaded.vocabulary.tokenizer
+    inputs = tokenizer(PROMPT, return_tensors="pt")
+    with torch.inference_mode():
+        output = model.generate(**inputs, max_new_tokens=30, do_sample=False, repetition_penalty=1.5)
+    _, result = run(engine, GenerateRequest(prompt=PROMPT, max_new_tokens=30, repetition_penalty=1.5))
+    assert list(result.token_ids) == output[0, inputs.input_ids.shape[1]:].tolist()
+
+
+def test_the_models_generation_config_is_the_default(engine, monkeypatch):
+    config = engine._loaded.model.generation_config
+    monkeypatch.setattr(config, "do_sample", True)      # a model that samples by default
+    monkeypatch.setattr(config, "temperature", 1.7)
+    sampled = [run(engine, GenerateRequest(prompt=PROMPT, max_new_tokens=20, seed=seed))[1].token_ids
+               for seed in (1, 1, 2)]
+    assert sampled[0] == sampled[1] != sampled[2]
+    greedy = run(engine, GenerateRequest(prompt=PROMPT, max_new_tokens=20, temperature=0))[1].token_ids
+    monkeypatch.setattr(config, "do_sample", False)
+    assert greedy == run(engine, GenerateRequest(prompt=PROMPT, max_new_tokens=20))[1].token_ids
+
+
+def test_stop_strings_end_the_run_before_the_stop_string(engine):
+    whole = run(engine, GenerateRequest(prompt=PROMPT, max_new_tokens=60))[1].text
+    stop = whole[len(whole) // 2: len(whole) // 2 + 3]
+    assert len(stop.strip()) >= 2, whole
+    pieces, result = run(engine, GenerateRequest(prompt=PROMPT, max_new_tokens=60, stop=["\x00never", stop]))
+    assert result.finish_reason == "stop"
+    assert result.text == whole[: whole.index(stop)] == "".join(pieces)
+    unmatched = run(engine, GenerateRequest(prompt=PROMPT, max_new_tokens=60, stop="\x00never"))[1]
+    assert unmatched.text == whole and unmatched.finish_reason == "length"
+
+
 def test_sampling_is_seeded_by_torch(engine):
     request = GenerateRequest(prompt=PROMPT, max_new_tokens=20, temperature=1.5)
     torch.manual_seed(7)
@@ -405,6 +454,16 @@ def test_inspect_request_needs_no_loaded_model(engine):
         ({"prompt": "a", "resume_tokens": "12"}, "resume_tokens"),
         ({"prompt": "a", "resume_tokens": [1, -2]}, "resume_tokens"),
         ({"prompt": "a", "resume_tokens": [1], "resume_text": "x"}, "not both"),
+        ({"prompt": "a", "top_p": 0}, r"top_p must be a number in \(0, 1\]"),
+        ({"prompt": "a", "top_p": 1.5}, "top_p"),
+        ({"prompt": "a", "top_k": -1}, "top_k must be an int >= 0"),
+        ({"prompt": "a", "top_k": 2.0}, "top_k"),
+        ({"prompt": "a", "repetition_penalty": 0}, "repetition_penalty must be a finite number > 0"),
+        ({"prompt": "a", "repetition_penalty": float("inf")}, "repetition_penalty"),
+        ({"prompt": "a", "seed": -1}, "seed must be an int >= 0"),
+        ({"prompt": "a", "seed": "7"}, "seed"),
+        ({"prompt": "a", "stop": [""]}, "stop must be a string or a list of non-empty strings"),
+        ({"prompt": "a", "stop": [3]}, "stop"),
     ],
 )
 def test_bad_requests_are_refused_with_a_clear_message(fields, message):

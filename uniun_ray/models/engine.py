@@ -29,6 +29,7 @@ from typing import Any, Iterator, Protocol
 
 import torch
 
+from .decoding import StopText, decoding
 from .registry import ModelSpec, cache_dir, materialize, resolve
 from .request import GenerateRequest, _is_int
 from .settings import DTYPES, EngineSettings
@@ -62,8 +63,9 @@ class GenerationResult:
     revoke. On cancel, a token or two whose text was still incomplete (a multi-byte character
     split across tokens) is left out of both, so the resumed run recomputes it instead of the
     text losing a character. ``finish_reason`` is "eos", "length" (max_new_tokens reached),
-    "cancel" (the flag was set, or the consumer closed the iterator) or "error" (the model
-    raised; the exception reached the consumer). ``ttft_s`` is the time from
+    "stop" (a stop string; the text ends before it), "cancel" (the flag was set, or the
+    consumer closed the iterator) or "error" (the model raised; the exception reached the
+    consumer). ``ttft_s`` is the time from
     the start of the run (its first ``next``) to the first sampled token, None if none was.
     """
 
@@ -456,34 +458,46 @@ class Generation(Iterator[str]):
         engine._begin(loaded)
         started = time.perf_counter()
         detokenizer = _Detokenizer(loaded.vocabulary.tokenizer, context)
+        stop_text = StopText(request.stop)
         pieces: list[str] = []
         first_token_at: float | None = None
         reason = "error"  # what an exception from the model leaves
         try:
-            logits, cache = _prefill(loaded, context, engine.prefill_chunk, engine.device, cancel)
-            for produced in range(1, request.max_new_tokens + 1):
-                if logits is None:
-                    reason = "cancel"  # the flag was seen in prefill or before a decode step
-                    break
-                token = _pick(logits, request.temperature)
+            run = decoding(loaded.model, loaded.vocabulary.tokenizer, request, len(context),
+                           loaded.eos_ids, cancel, engine.device)
+            sequence = torch.empty((1, len(context) + request.max_new_tokens), dtype=torch.long)
+            sequence[0, : len(context)] = torch.tensor(context)
+            length = len(context)
+            logits, cache = _prefill(loaded, context, engine.prefill_chunk, engine.device, run.cancel)
+            while logits is not None:
+                token = run.next_token(sequence[:, :length], logits)
                 if first_token_at is None:
                     first_token_at = time.perf_counter()
-                if token in loaded.eos_ids:
-                    reason = "eos"
+                sequence[0, length] = token
+                length += 1
+                ended = run.finish_reason(sequence[:, :length])
+                if token not in loaded.eos_ids:
+                    piece = stop_text.push(detokenizer.push(token))
+                    if piece:
+                        pieces.append(piece)
+                        yield piece
+                if stop_text.stopped:
+                    ended = "stop"  # seen in the text at a token boundary the criterion had not
+                if ended is not None:
+                    reason = ended
                     break
-                piece = detokenizer.push(token)
-                if piece:
-                    pieces.append(piece)
-                    yield piece
-                if produced == request.max_new_tokens:
-                    reason = "length"
-                    break
-                logits, cache = _step(loaded, [token], cache, engine.device, cancel)
-            if reason != "cancel":
-                tail = detokenizer.flush()
-                if tail:
-                    pieces.append(tail)
-                    yield tail
+                logits, cache = _step(loaded, [token], cache, engine.device, run.cancel)
+            else:
+                reason = "cancel"  # the flag was seen in prefill or before a decode step
+            # A cancelled run leaves out text still held for an incomplete character (its tokens
+            # are not committed: the resumed run recomputes them), but not text held back as a
+            # possible stop string, whose tokens are.
+            tail = stop_text.flush() if reason == "cancel" else stop_text.push(detokenizer.flush())
+            if not stop_text.stopped:
+                tail += stop_text.flush()
+            if tail:
+                pieces.append(tail)
+                yield tail
         except GeneratorExit:
             reason = "cancel"  # the consumer closed the iterator
             raise
@@ -547,14 +561,6 @@ def _forward(loaded: _Loaded, ids: list[int], cache: Any, device: torch.device) 
             **loaded.forward_kwargs,
         )
     return output.logits[0, -1], getattr(output, loaded.cache_arg)
-
-
-def _pick(logits: torch.Tensor, temperature: float) -> int:
-    """Greedy argmax at temperature 0, otherwise a sample from softmax(logits / temperature)."""
-    if temperature == 0:
-        return int(torch.argmax(logits).item())
-    probabilities = torch.softmax(logits.float() / temperature, dim=-1)
-    return int(torch.multinomial(probabilities, 1).item())
 
 
 class _Detokenizer:
