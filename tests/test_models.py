@@ -62,10 +62,19 @@ def tiny_cache(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def engine(tiny_cache):
+def loaded_engine(tiny_cache):
     engine = Engine(dtype="float32")
     engine.load("tiny")
     return engine
+
+
+@pytest.fixture
+def engine(loaded_engine):
+    """The module's engine with an empty prefix cache: no test starts from another's KV."""
+    if loaded_engine.loaded != "tiny":
+        loaded_engine.load("tiny")
+    loaded_engine._loaded.prefix.clear()
+    return loaded_engine
 
 
 @pytest.fixture
@@ -518,3 +527,102 @@ def test_default_chat_model_applies_its_template(monkeypatch):
     assert "<|im_end|>" not in result.text and len(pieces) > 1
     # A plain prompt to a chat model is sent as a single user turn.
     assert run(engine, GenerateRequest(prompt=question, max_new_tokens=24))[1].text == result.text
+
+
+# -- the prefix cache (issue 11) ----------------------------------------------------------------
+
+
+@pytest.fixture
+def uncached(tiny_cache):
+    engine = Engine(dtype="float32", kv_cache_mb=0)
+    engine.load("tiny")
+    return engine
+
+
+def kv(engine) -> dict:
+    return engine.describe()["kv_cache"]
+
+
+def test_a_conversation_turn_prefills_only_what_is_new_and_matches_an_uncached_run(engine, uncached):
+    first = GenerateRequest(prompt=PROMPT, max_new_tokens=40)
+    reply = run(engine, first)[1]
+    assert run(uncached, first)[1].token_ids == reply.token_ids
+    second = GenerateRequest(prompt=PROMPT + reply.text + "\n# and now in a loop:", max_new_tokens=40)
+    before = kv(engine)
+    assert run(engine, second)[1].token_ids == run(uncached, second)[1].token_ids
+    after = kv(engine)
+    reused = after["reused_tokens"] - before["reused_tokens"]
+    prefilled = after["prefilled_tokens"] - before["prefilled_tokens"]
+    assert after["hits"] == before["hits"] + 1
+    assert reused >= engine.check(first) and prefilled <= 20      # the history came from the cache
+    assert kv(uncached)["entries"] == 0 and kv(uncached)["hits"] == 0
+
+
+@pytest.mark.parametrize("stop_after", [2, 9])
+def test_a_revoked_run_keeps_its_kv_and_its_resume_prefills_one_token(engine, uncached, forwards, stop_after):
+    request = GenerateRequest(prompt=LONG_PROMPT, max_new_tokens=30)
+    whole = run(uncached, request)[1]
+    cancel = threading.Event()
+    forwards.actions[stop_after] = cancel.set          # mid-decode (pass 2 of a 1-chunk prefill is a decode)
+    monkey_chunk = engine.prefill_chunk
+    engine.prefill_chunk = 2048                          # the prompt in one pass: a clean count
+    try:
+        first = run(engine, request, cancel)[1]
+    finally:
+        engine.prefill_chunk = monkey_chunk
+    assert first.stopped_by_cancel and kv(engine)["preempted_entries"] == 1
+    before = kv(engine)
+    rest = run(engine, GenerateRequest(prompt=LONG_PROMPT, max_new_tokens=30 - first.tokens,
+                                       resume_tokens=first.token_ids))[1]
+    after = kv(engine)
+    assert first.token_ids + rest.token_ids == whole.token_ids
+    assert after["prefilled_tokens"] - before["prefilled_tokens"] <= 2   # nothing but the uncached tail
+    assert after["preempted_entries"] == 0                               # the resume took it over
+
+
+def test_a_run_revoked_mid_prefill_resumes_from_the_chunks_it_read(engine, uncached, forwards, monkeypatch):
+    monkeypatch.setattr(engine, "prefill_chunk", 16)
+    request = GenerateRequest(prompt=LONG_PROMPT, max_new_tokens=10)
+    cancel = threading.Event()
+    forwards.actions[3] = cancel.set
+    first = run(engine, request, cancel)[1]
+    assert first.stopped_by_cancel and first.tokens == 0
+    before = kv(engine)
+    again = run(engine, request)[1]
+    after = kv(engine)
+    assert again.token_ids == run(uncached, request)[1].token_ids
+    assert after["reused_tokens"] - before["reused_tokens"] == 3 * 16    # the three chunks read
+    assert after["prefilled_tokens"] - before["prefilled_tokens"] == engine.check(request) - 48
+
+
+def test_the_cache_is_bounded_evicts_the_least_recent_first_and_revoked_runs_last(engine):
+    from uniun_ray.models.kvcache import PrefixCache
+
+    for i in range(4):                                 # real caches, from the model
+        run(engine, GenerateRequest(prompt=f"{i}: " + PROMPT * 3, max_new_tokens=2))
+    entry_bytes = engine._loaded.prefix.held_bytes // len(engine._loaded.prefix._entries)
+    store = PrefixCache(budget_bytes=int(2.5 * entry_bytes))
+    source = engine._loaded.prefix._entries
+    entries = list(source.values())[-4:]
+    store.put(list(entries[0].tokens), entries[0].cache, preempted=True)     # a revoked job's
+    store.put(list(entries[1].tokens), entries[1].cache, preempted=False)
+    store.put(list(entries[2].tokens), entries[2].cache, preempted=False)   # over budget: evict one
+    kept = {e.tokens for e in store._entries.values()}
+    assert entries[0].tokens in kept and entries[1].tokens not in kept and entries[2].tokens in kept
+    assert store.evictions == 1 and store.held_bytes <= store.budget_bytes
+    store.put(list(entries[3].tokens), entries[3].cache, preempted=False)
+    kept = {e.tokens for e in store._entries.values()}
+    assert kept == {entries[0].tokens, entries[3].tokens}                   # the revoked one stays longest
+    tiny_store = PrefixCache(budget_bytes=entry_bytes // 2)
+    tiny_store.put(list(entries[3].tokens), entries[3].cache, preempted=False)
+    assert tiny_store.describe()["entries"] == 0 and tiny_store.evictions == 1   # does not fit: not kept
+
+
+def test_a_swap_drops_the_cache_and_a_bad_budget_is_refused(engine):
+    run(engine, GenerateRequest(prompt=PROMPT, max_new_tokens=4))
+    assert kv(engine)["entries"] >= 1
+    engine.unload()
+    engine.load("tiny")
+    assert kv(engine)["entries"] == 0 and kv(engine)["budget_mb"] == 1024
+    with pytest.raises(ValueError, match="kv_cache_mb must be an int >= 0"):
+        Engine(kv_cache_mb=-1)

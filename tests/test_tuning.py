@@ -11,8 +11,12 @@ from uniun_ray.models.tuning import MAX_CHUNK, MIN_CHUNK, ProbeCache, Speed, Ste
 
 
 def test_settings_come_from_the_environment_with_clear_errors():
-    assert EngineSettings.from_env({}) == EngineSettings("auto", None)
-    assert EngineSettings.from_env({"UNIUN_DTYPE": "float32", "UNIUN_THREADS": "3"}) == EngineSettings("float32", 3)
+    assert EngineSettings.from_env({}) == EngineSettings("auto", None, None)
+    assert EngineSettings.from_env({"UNIUN_DTYPE": "float32", "UNIUN_THREADS": "3", "UNIUN_KV_CACHE_MB": "0"}) \
+        == EngineSettings("float32", 3, 0)
+    for bad in ("-1", "1e3", "lots"):
+        with pytest.raises(ValueError, match=rf"UNIUN_KV_CACHE_MB='{bad}' is not a size in MB"):
+            EngineSettings.from_env({"UNIUN_KV_CACHE_MB": bad})
     with pytest.raises(ValueError, match=r"UNIUN_DTYPE='fp8' is not a dtype; use one of auto, bfloat16"):
         EngineSettings.from_env({"UNIUN_DTYPE": "fp8"})
     for bad in ("0", "-2", "two", "1.5"):

@@ -23,7 +23,14 @@ from .runtime.launch import LOCAL_RESOURCES, ensure_auth_mode, start
 from .runtime.producers import spawn_producer
 from .runtime.protocol import NAMESPACE
 
-PROMPT = "Reply with one friendly sentence."
+PROMPT = "Reply with one friendly sentence about {topic}."
+TOPICS = ("the sea", "lighthouses", "autumn", "bread", "trains", "owls", "rain", "maps", "tea", "bees")
+
+
+def prompts(turns: int) -> list[str]:
+    """A new message each turn, as in a conversation: the chat template's prefix is cached (the
+    prefix cache), the message itself is prefilled. The bare engine gets the same list."""
+    return [PROMPT.format(topic=TOPICS[i % len(TOPICS)]) for i in range(turns)]
 
 
 async def nataraj_generating(timeout_s: float = 120.0) -> bool:
@@ -42,15 +49,15 @@ async def nataraj_generating(timeout_s: float = 120.0) -> bool:
 
 async def measure(turns: int, deck: int, card_tokens: int, chat_tokens: int) -> dict:
     await agenerate("chat", "warm up", max_new_tokens=2)   # the first load is not what we measure
-    idle = [(await agenerate("chat", PROMPT, max_new_tokens=chat_tokens)).ttft_s for _ in range(turns)]
+    idle = [(await agenerate("chat", prompt, max_new_tokens=chat_tokens)).ttft_s for prompt in prompts(turns)]
     producer = spawn_producer("nataraj", "demo", deck_size=deck, max_new_tokens=card_tokens)
     await producer.open_page.remote()                      # the user is on the deck page
     busy = []
     try:
-        for _ in range(turns):
+        for prompt in prompts(turns):
             if not await nataraj_generating():
                 break
-            busy.append((await agenerate("chat", PROMPT, max_new_tokens=chat_tokens)).ttft_s)
+            busy.append((await agenerate("chat", prompt, max_new_tokens=chat_tokens)).ttft_s)
         card = await producer.take_card.remote() if await producer.wait_deck.remote(1, timeout_s=300) else None
         state = await producer.state.remote()
     finally:
@@ -67,12 +74,11 @@ def bare_engine(turns: int, chat_tokens: int) -> dict:
     from .models.settings import EngineSettings
 
     settings = EngineSettings.from_env()
-    engine = Engine(dtype=settings.dtype, num_threads=settings.threads)
+    engine = Engine(dtype=settings.dtype, num_threads=settings.threads, kv_cache_mb=settings.kv_cache_mb)
     engine.load(DEFAULT_CHAT_MODEL)
-    request = GenerateRequest(prompt=PROMPT, max_new_tokens=chat_tokens)
     ttfts = []
-    for _ in range(turns + 1):   # the first run warms up
-        generation = engine.generate(request, cancel=_Never())
+    for prompt in ["warm up"] + prompts(turns):
+        generation = engine.generate(GenerateRequest(prompt=prompt, max_new_tokens=chat_tokens), cancel=_Never())
         for _piece in generation:
             pass
         ttfts.append(generation.result.ttft_s)

@@ -30,6 +30,7 @@ from typing import Any, Iterator, Protocol
 import torch
 
 from .decoding import StopText, decoding
+from .kvcache import Hit, PrefixCache
 from .registry import ModelSpec, cache_dir, materialize, resolve
 from .request import GenerateRequest, _is_int
 from .settings import DTYPES, EngineSettings
@@ -107,6 +108,7 @@ class _Loaded:
     dtype: str = ""
     speeds: list[Speed] = field(default_factory=list)   # what the choice of dtype was made on
     clock: StepClock | None = None
+    prefix: PrefixCache = field(default_factory=lambda: PrefixCache(0))
 
 
 class Engine:
@@ -118,6 +120,8 @@ class Engine:
     process may run on. Pass it deliberately: Ray sets OMP_NUM_THREADS=1 in actors.
     ``prefill_chunk`` fixes the prompt tokens per prefill forward pass; None (the default) sizes
     each chunk to take about one decode step on this host, bounding how long a cancel waits.
+    ``kv_cache_mb`` bounds the prefix cache of the loaded model (``kvcache``; 0: off; None: the
+    device's default).
 
     Thread safety: ``generate`` may be iterated in a worker thread. ``load`` and ``unload`` refuse
     (RuntimeError) while a run is in progress: revoke it and let its iterator finish first.
@@ -129,6 +133,7 @@ class Engine:
         dtype: str | torch.dtype | None = "auto",
         num_threads: int | None = None,
         prefill_chunk: int | None = None,
+        kv_cache_mb: int | None = None,
     ) -> None:
         self.device = torch.device(device)
         if self.device.type == "cuda" and not torch.cuda.is_available():
@@ -141,6 +146,9 @@ class Engine:
         if prefill_chunk is not None and (not _is_int(prefill_chunk) or prefill_chunk < 1):
             raise ValueError(f"prefill_chunk must be an int >= 1 or None, got {prefill_chunk!r}")
         self.prefill_chunk = prefill_chunk
+        if kv_cache_mb is not None and (not _is_int(kv_cache_mb) or kv_cache_mb < 0):
+            raise ValueError(f"kv_cache_mb must be an int >= 0 or None, got {kv_cache_mb!r}")
+        self.kv_cache_mb = default_kv_cache_mb(self.device) if kv_cache_mb is None else kv_cache_mb
         self._probes = ProbeCache(cache_dir() / "tuning.json")
         self._lock = threading.Lock()
         self._loaded: _Loaded | None = None
@@ -175,7 +183,8 @@ class Engine:
             return described
         return described | {"model": loaded.vocabulary.model_id, "dtype": loaded.dtype,
                             "measured": [dataclasses.asdict(speed) for speed in loaded.speeds]} \
-            | loaded.clock.describe() | ({"prefill_chunk": self.prefill_chunk} if self.prefill_chunk else {})
+            | loaded.clock.describe() | ({"prefill_chunk": self.prefill_chunk} if self.prefill_chunk else {}) \
+            | {"kv_cache": loaded.prefix.describe()}
 
     @property
     def chat(self) -> bool | None:
@@ -259,6 +268,7 @@ class Engine:
             # otherwise cost a quarter GB of logits per 256-token chunk.
             forward_kwargs={"logits_to_keep": 1} if model._supports_logits_to_keep() else {},
             dtype=str(dtype).removeprefix("torch."),
+            prefix=PrefixCache(self.kv_cache_mb * 2**20),
         )
         self._tune(loaded, folder)
         return loaded
@@ -309,6 +319,12 @@ class Engine:
     def _end(self) -> None:
         with self._lock:
             self._running -= 1
+
+
+def default_kv_cache_mb(device: torch.device) -> int:
+    """The prefix cache's budget when none is set: 1 GiB of host memory on CPU (about 22k tokens
+    of SmolLM2 in float32), 4 GiB on a GPU."""
+    return 4096 if device.type == "cuda" else 1024
 
 
 def _dtype_choice(dtype: str | torch.dtype | None) -> str:
@@ -462,13 +478,15 @@ class Generation(Iterator[str]):
         pieces: list[str] = []
         first_token_at: float | None = None
         reason = "error"  # what an exception from the model leaves
+        cache, fed = None, 0
         try:
             run = decoding(loaded.model, loaded.vocabulary.tokenizer, request, len(context),
                            loaded.eos_ids, cancel, engine.device)
             sequence = torch.empty((1, len(context) + request.max_new_tokens), dtype=torch.long)
             sequence[0, : len(context)] = torch.tensor(context)
             length = len(context)
-            logits, cache = _prefill(loaded, context, engine.prefill_chunk, engine.device, run.cancel)
+            hit = loaded.prefix.take(context)
+            logits, cache, fed = _prefill(loaded, context, hit, engine.prefill_chunk, engine.device, run.cancel)
             while logits is not None:
                 token = run.next_token(sequence[:, :length], logits)
                 if first_token_at is None:
@@ -487,6 +505,7 @@ class Generation(Iterator[str]):
                     reason = ended
                     break
                 logits, cache = _step(loaded, [token], cache, engine.device, run.cancel)
+                fed += logits is not None
             else:
                 reason = "cancel"  # the flag was seen in prefill or before a decode step
             # A cancelled run leaves out text still held for an incomplete character (its tokens
@@ -502,6 +521,8 @@ class Generation(Iterator[str]):
             reason = "cancel"  # the consumer closed the iterator
             raise
         finally:
+            if reason != "error" and fed:  # keep the KV for the next turn, or for the resume
+                loaded.prefix.put(sequence[0, :fed].tolist(), cache, preempted=reason == "cancel")
             engine._end()
             self.result = GenerationResult(
                 text="".join(pieces),
@@ -514,18 +535,20 @@ class Generation(Iterator[str]):
 
 
 def _prefill(
-    loaded: _Loaded, context: list[int], fixed_chunk: int | None, device: torch.device, cancel: CancelFlag
-) -> tuple[torch.Tensor | None, Any]:
-    """Read the context in chunks, checking ``cancel`` before each; logits None when cancelled.
+    loaded: _Loaded, context: list[int], hit: Hit, fixed_chunk: int | None, device: torch.device,
+    cancel: CancelFlag,
+) -> tuple[torch.Tensor | None, Any, int]:
+    """Read the context after the cached prefix in chunks, checking ``cancel`` before each.
+    Returns the last logits (None when cancelled), the cache and how many tokens it holds.
     Unless fixed, each chunk is sized anew from the step times measured so far."""
-    logits, cache, start = None, None, 0
+    logits, cache, start = None, hit.cache, hit.tokens
     while start < len(context):
         chunk = fixed_chunk or loaded.clock.chunk
-        logits, cache = _step(loaded, context[start : start + chunk], cache, device, cancel)
-        if logits is None:
-            break
-        start += chunk
-    return logits, cache
+        step_logits, cache = _step(loaded, context[start : start + chunk], cache, device, cancel)
+        if step_logits is None:
+            return None, cache, start
+        logits, start = step_logits, min(start + chunk, len(context))
+    return logits, cache, start
 
 
 def _step(

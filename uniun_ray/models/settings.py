@@ -1,4 +1,4 @@
-"""How a user forces the engine's host choices: ``UNIUN_DTYPE`` and ``UNIUN_THREADS``.
+"""How a user sets the engine's host choices: ``UNIUN_DTYPE``, ``UNIUN_THREADS``, ``UNIUN_KV_CACHE_MB``.
 
 Parsed without torch, in the process that starts the ModelActor (so a bad value is refused with
 a clear message before any actor exists) and handed to the actor as plain data: an environment
@@ -12,6 +12,7 @@ from typing import Mapping
 
 DTYPE_ENV = "UNIUN_DTYPE"
 THREADS_ENV = "UNIUN_THREADS"
+KV_CACHE_ENV = "UNIUN_KV_CACHE_MB"
 
 #: "auto" measures, per host and model, which precision runs fastest on a CPU (see ``tuning``);
 #: on a GPU it means bfloat16, or float16 where bf16 is not supported.
@@ -21,10 +22,12 @@ DTYPES = ("auto", "bfloat16", "float16", "float32")
 @dataclass(frozen=True)
 class EngineSettings:
     """``dtype``: one of ``DTYPES``. ``threads``: torch's intra-op threads, or None for every
-    core this process may run on (its CPU affinity), never Ray's OMP_NUM_THREADS=1 default."""
+    core this process may run on (its CPU affinity), never Ray's OMP_NUM_THREADS=1 default.
+    ``kv_cache_mb``: the prefix cache's memory budget (0: off; None: the device's default)."""
 
     dtype: str = "auto"
     threads: int | None = None
+    kv_cache_mb: int | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -33,19 +36,30 @@ class EngineSettings:
             isinstance(self.threads, bool) or not isinstance(self.threads, int) or self.threads < 1
         ):
             raise ValueError(f"threads must be an int >= 1 or None, got {self.threads!r}")
+        if self.kv_cache_mb is not None and (
+            isinstance(self.kv_cache_mb, bool) or not isinstance(self.kv_cache_mb, int) or self.kv_cache_mb < 0
+        ):
+            raise ValueError(f"kv_cache_mb must be an int >= 0 or None, got {self.kv_cache_mb!r}")
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] = os.environ) -> "EngineSettings":
         dtype = environ.get(DTYPE_ENV, "").strip() or "auto"
         if dtype not in DTYPES:
             raise ValueError(f"{DTYPE_ENV}={dtype!r} is not a dtype; use one of {', '.join(DTYPES)}")
-        raw = environ.get(THREADS_ENV, "").strip()
-        if not raw:
-            return cls(dtype)
-        if not raw.isdigit() or int(raw) < 1:
-            raise ValueError(f"{THREADS_ENV}={raw!r} is not a thread count; use an integer >= 1")
-        return cls(dtype, int(raw))
+        threads = _count(environ, THREADS_ENV, "a thread count; use an integer >= 1", minimum=1)
+        kv_cache_mb = _count(environ, KV_CACHE_ENV, "a size in MB; use an integer >= 0 (0 turns the cache off)",
+                             minimum=0)
+        return cls(dtype, threads, kv_cache_mb)
 
     def resolved_threads(self) -> int:
         """The thread count to give torch in this process."""
         return self.threads or len(os.sched_getaffinity(0)) or 1
+
+
+def _count(environ: Mapping[str, str], name: str, what: str, minimum: int) -> int | None:
+    raw = environ.get(name, "").strip()
+    if not raw:
+        return None
+    if not raw.isdigit() or int(raw) < minimum:
+        raise ValueError(f"{name}={raw!r} is not {what}")
+    return int(raw)

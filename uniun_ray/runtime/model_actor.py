@@ -35,7 +35,8 @@ class ModelActor:
         from ..models.engine import Engine  # torch: only in the actor's own process
 
         settings = settings or EngineSettings()
-        self._engine = Engine(device=device, dtype=settings.dtype, num_threads=settings.threads)
+        self._engine = Engine(device=device, dtype=settings.dtype, num_threads=settings.threads,
+                              kv_cache_mb=settings.kv_cache_mb)
         self._device = device
         self._epoch = 0
         self._revoked = False
