@@ -151,11 +151,29 @@ class SchedulerMetrics:
 
 
 class ModelMetrics:
-    """What the ModelActor times: from a revoke to the generation actually stopping."""
+    """What the ModelActor times (from a revoke to the generation actually stopping) and how its
+    prefix KV cache does (refreshed after every generation)."""
 
     def __init__(self) -> None:
         self.stop = Histogram("uniun_revoke_stop_seconds", "Revoke to the generation stopping (token boundary)",
                               STOP_BUCKETS, ("model",))
+        model = ("model",)
+        self.kv = {
+            "held_bytes": Gauge("uniun_kv_cache_held_bytes", "Bytes of KV the prefix cache holds", model),
+            "hit_rate": Gauge("uniun_kv_cache_hit_rate", "Share of generations that reused a cached prefix", model),
+            "reused_tokens": Gauge("uniun_kv_cache_reused_tokens",
+                                   "Prompt tokens taken from the prefix cache, not prefilled (since load)", model),
+            "prefilled_tokens": Gauge("uniun_kv_cache_prefilled_tokens", "Prompt tokens prefilled (since load)", model),
+            "evictions": Gauge("uniun_kv_cache_evictions",
+                               "Prefix cache entries evicted to stay within UNIUN_KV_CACHE_MB (since load)", model),
+        }
+
+    def kv_cache(self, model: str | None, described: dict) -> None:
+        tags = {"model": str(model)}
+        self.kv["held_bytes"].set(described["held_mb"] * 2**20, tags=tags)
+        self.kv["hit_rate"].set(described["hit_rate"] or 0.0, tags=tags)
+        for name in ("reused_tokens", "prefilled_tokens", "evictions"):
+            self.kv[name].set(described[name], tags=tags)
 
 
 class EmbedderMetrics:

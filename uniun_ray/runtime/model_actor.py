@@ -118,6 +118,9 @@ class ModelActor:
                 self.stop_latencies.append(result["stop_latency_s"])
                 self._metrics.stop.observe(result["stop_latency_s"], tags={"model": str(self._engine.loaded)})
             yield {"result": result}
+            described = self._engine.describe()
+            if "kv_cache" in described:
+                self._metrics.kv_cache(described["model"], described["kv_cache"])
         finally:
             flag.set()  # a consumer that went away stops the run at the next token
             await asyncio.to_thread(generation.close)
