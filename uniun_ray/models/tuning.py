@@ -80,11 +80,11 @@ def host_signature(threads: int) -> str:
     """What the measurements depend on: CPU model, torch's vector ISA, torch version, threads."""
     import torch
 
-    return "|".join([platform.machine(), _cpu_model(), torch.backends.cpu.get_cpu_capability(),
+    return "|".join([platform.machine(), cpu_model(), torch.backends.cpu.get_cpu_capability(),
                      torch.__version__, f"{threads} threads"])
 
 
-def _cpu_model() -> str:
+def cpu_model() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
