@@ -626,3 +626,18 @@ def test_a_swap_drops_the_cache_and_a_bad_budget_is_refused(engine):
     assert kv(engine)["entries"] == 0 and kv(engine)["budget_mb"] == 1024
     with pytest.raises(ValueError, match="kv_cache_mb must be an int >= 0"):
         Engine(kv_cache_mb=-1)
+
+
+def test_a_model_larger_than_its_memory_budget_is_offloaded_by_accelerate_with_the_same_output(engine, tiny_cache):
+    """accelerate's device_map="auto": 2 MB of CPU memory holds none of tiny's weights, so they
+    are offloaded to disk and streamed in per layer; the tokens do not change."""
+    request = GenerateRequest(prompt=PROMPT, max_new_tokens=20)
+    expected = run(engine, request)[1].token_ids
+    offloaded = Engine(dtype="float32", max_memory={"cpu": "2MB"})
+    offloaded.load("tiny")
+    assert set(offloaded.describe()["placement"].values()) == {"disk"}
+    assert run(offloaded, request)[1].token_ids == expected
+    with pytest.raises(ValueError, match="is not a size like"):
+        Engine(max_memory={"cpu": "lots"})
+    with pytest.raises(ValueError, match="neither 'cpu' nor a GPU index"):
+        Engine(max_memory={"gpu": "1GiB"})

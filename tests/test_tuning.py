@@ -98,3 +98,12 @@ def test_concurrent_writers_leave_a_readable_cache(tmp_path):
         writer.join()
     assert ProbeCache(path).get("k0") in (None, [Speed("float32", 1e-3, 1e-2)])
     assert isinstance(ProbeCache(path)._read(), dict) and ProbeCache(path)._read()
+
+
+def test_max_memory_comes_from_the_environment_as_device_size_pairs():
+    settings = EngineSettings.from_env({"UNIUN_MAX_MEMORY": "0=6GiB, cpu=20GiB"})
+    assert settings.max_memory == {"0": "6GiB", "cpu": "20GiB"}
+    with pytest.raises(ValueError, match="write DEVICE=SIZE pairs"):
+        EngineSettings.from_env({"UNIUN_MAX_MEMORY": "6GiB"})
+    with pytest.raises(ValueError, match=r"UNIUN_MAX_MEMORY='cpu=huge': max_memory: size 'huge'"):
+        EngineSettings.from_env({"UNIUN_MAX_MEMORY": "cpu=huge"})

@@ -33,7 +33,7 @@ from .decoding import StopText, decoding
 from .kvcache import Hit, PrefixCache
 from .registry import ModelSpec, cache_dir, materialize, resolve
 from .request import GenerateRequest, _is_int
-from .settings import DTYPES, EngineSettings
+from .settings import DTYPES, EngineSettings, check_max_memory
 from .tuning import ProbeCache, Speed, StepClock, fastest, host_signature, measure
 
 
@@ -121,7 +121,9 @@ class Engine:
     ``prefill_chunk`` fixes the prompt tokens per prefill forward pass; None (the default) sizes
     each chunk to take about one decode step on this host, bounding how long a cancel waits.
     ``kv_cache_mb`` bounds the prefix cache of the loaded model (``kvcache``; 0: off; None: the
-    device's default).
+    device's default). ``max_memory`` ({"cpu": "2GiB"} or {"0": "6GiB", "cpu": "20GiB"}) lets
+    accelerate place the weights (``device_map="auto"``) and offload what does not fit, to CPU
+    memory or to disk under the cache folder: a model larger than the device runs, slower.
 
     Thread safety: ``generate`` may be iterated in a worker thread. ``load`` and ``unload`` refuse
     (RuntimeError) while a run is in progress: revoke it and let its iterator finish first.
@@ -134,6 +136,7 @@ class Engine:
         num_threads: int | None = None,
         prefill_chunk: int | None = None,
         kv_cache_mb: int | None = None,
+        max_memory: dict[str, str] | None = None,
     ) -> None:
         self.device = torch.device(device)
         if self.device.type == "cuda" and not torch.cuda.is_available():
@@ -149,6 +152,9 @@ class Engine:
         if kv_cache_mb is not None and (not _is_int(kv_cache_mb) or kv_cache_mb < 0):
             raise ValueError(f"kv_cache_mb must be an int >= 0 or None, got {kv_cache_mb!r}")
         self.kv_cache_mb = default_kv_cache_mb(self.device) if kv_cache_mb is None else kv_cache_mb
+        if max_memory is not None:
+            check_max_memory(max_memory)
+        self.max_memory = max_memory
         self._probes = ProbeCache(cache_dir() / "tuning.json")
         self._lock = threading.Lock()
         self._loaded: _Loaded | None = None
@@ -181,7 +187,8 @@ class Engine:
                      "dtype_setting": self._dtype if isinstance(self._dtype, str) else str(self._dtype)}
         if loaded is None:
             return described
-        return described | {"model": loaded.vocabulary.model_id, "dtype": loaded.dtype,
+        placement = getattr(loaded.model, "hf_device_map", None)
+        return described | {"model": loaded.vocabulary.model_id, "dtype": loaded.dtype, "placement": placement,
                             "measured": [dataclasses.asdict(speed) for speed in loaded.speeds]} \
             | loaded.clock.describe() | ({"prefill_chunk": self.prefill_chunk} if self.prefill_chunk else {}) \
             | {"kv_cache": loaded.prefix.describe()}
@@ -257,7 +264,7 @@ class Engine:
 
         tokenizer = AutoTokenizer.from_pretrained(folder)
         dtype = default_dtype(self.device) if self._dtype == "auto" else getattr(torch, self._dtype)
-        model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, device_map=str(self.device))
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, **self._placement(model_id))
         model.eval()
         loaded = _Loaded(
             vocabulary=_vocabulary(model_id, tokenizer, model.config),
@@ -273,12 +280,20 @@ class Engine:
         self._tune(loaded, folder)
         return loaded
 
+    def _placement(self, model_id: str) -> dict:
+        """Where the weights go: all on the device, or where accelerate fits them in ``max_memory``."""
+        if self.max_memory is None:
+            return {"device_map": str(self.device)}
+        return {"device_map": "auto", "offload_folder": str(cache_dir() / "offload" / model_id),
+                "max_memory": {int(k) if k.isdigit() else k: v for k, v in self.max_memory.items()}}
+
     def _tune(self, loaded: _Loaded, folder: Any) -> None:
         """Measure the loaded model (once per host, model and setting; cached) and keep the
         fastest dtype: on CPU with "auto", bf16 against float32; otherwise the dtype as loaded,
         measured only to size prefill chunks."""
         candidates = [loaded.dtype]
-        if self._dtype == "auto" and self.device.type == "cpu" and loaded.dtype != "float32":
+        offloaded = self.max_memory is not None   # offloaded weights are not cast in place
+        if self._dtype == "auto" and self.device.type == "cpu" and loaded.dtype != "float32" and not offloaded:
             candidates.append("float32")
         key = f"{host_signature(self.threads)}|{folder}|{'+'.join(candidates)}"
         speeds = self._probes.get(key)

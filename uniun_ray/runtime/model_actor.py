@@ -36,7 +36,7 @@ class ModelActor:
 
         settings = settings or EngineSettings()
         self._engine = Engine(device=device, dtype=settings.dtype, num_threads=settings.threads,
-                              kv_cache_mb=settings.kv_cache_mb)
+                              kv_cache_mb=settings.kv_cache_mb, max_memory=settings.max_memory)
         self._device = device
         self._epoch = 0
         self._revoked = False
