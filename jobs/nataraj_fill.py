@@ -34,6 +34,9 @@ def main(argv: list[str] | None = None) -> None:
             ray.get(deck.open_page.remote())
         filled = ray.get(deck.wait_deck.remote(timeout_s=args.timeout))
         print(f"deck {filled}/{args.deck} after {time.perf_counter() - started:.1f}s")
+        if filled < min(args.take, args.deck):
+            raise SystemExit(f"timed out: the deck holds {filled} card(s) after {args.timeout:.0f}s, "
+                             f"fewer than the {args.take} to take (a busy device? raise --timeout)")
         for _ in range(args.take):
             card = ray.get(deck.take_card.remote())
             print(f"  card [{card['topic']}] ({card['total_s']:.1f}s, {card['revokes']} revokes): "
