@@ -18,7 +18,7 @@ from uniun_ray.client import agenerate, arun, astatus
 from uniun_ray.observe.explain import explain
 from uniun_ray.observe.statusview import render
 from uniun_ray.runtime.eventlog import read
-from uniun_ray.sim.trace import Trace
+from uniun_ray.events.trace import Trace
 
 pytestmark = pytest.mark.ray
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 
-from uniun_ray.sim import replay
+from uniun_ray import replay
 from uniun_ray.sim.device import PROFILES, TINY
 from uniun_ray.sim.workload import Arrival, Flow, FlowStep, ForegroundChange, JobSpec, Workload
 

@@ -221,7 +221,7 @@ def test_bounded_queue_raises_queue_full_naming_the_limit():
 
 def test_event_log_tells_the_story_in_the_simulator_schema(tmp_path):
     from uniun_ray.runtime.eventlog import read
-    from uniun_ray.sim.events import validate
+    from uniun_ray.events.schema import validate
 
     async def go():
         dev = FakeDevice(load_s=0.01)

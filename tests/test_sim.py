@@ -7,10 +7,10 @@ from uniun_ray.policy import Dispatch, Job, Kind, Revoke, SchedulerPolicy
 from uniun_ray.sim import bench, plots
 from uniun_ray.sim.baselines import Fifo, StrictPriority, TwoLaneQueue
 from uniun_ray.sim.device import DeviceProfile, ModelSpeed
-from uniun_ray.sim.events import read_jsonl, validate, write_jsonl
+from uniun_ray.events.schema import read_jsonl, validate, write_jsonl
 from uniun_ray.sim.metrics import T2Window, jain_of, measure, t2_windows
 from uniun_ray.sim.simulator import ContractError, simulate
-from uniun_ray.sim.trace import Trace
+from uniun_ray.events.trace import Trace
 from uniun_ray.sim.workload import Arrival, Flow, FlowStep, JobSpec, Workload
 from uniun_ray.sim.workloads import WORKLOADS, generate
 

@@ -16,7 +16,7 @@ import ray
 
 from .client import agenerate, astatus
 from .runtime.launch import LOCAL_RESOURCES, ensure_auth_mode, start
-from .runtime.producers import spawn_producer
+from .producers import spawn_producer
 from .runtime.protocol import NAMESPACE
 
 PROMPT = "Reply with one friendly sentence."

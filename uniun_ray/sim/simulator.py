@@ -2,7 +2,7 @@
 API of SPEC §1 (the real `SchedulerPolicy` or a baseline) on a virtual clock.
 
 Entry point: ``simulate(policy, workload, device) -> SimResult``; ``SimResult.events`` is
-the event log of `uniun_ray.sim.events`.
+the event log of `uniun_ray.events.schema`.
 
 The simulator plays the runtime's part of the contract, and checks the policy's: it
 submits jobs, reports foreground changes, calls `tick(now)` at `next_wakeup()`, runs each
@@ -35,7 +35,7 @@ from typing import Any, Callable
 from uniun_ray.policy import Dispatch, Foreground, Job, Kind, Revoke, tier_of
 
 from .device import DeviceProfile, PROFILES
-from .events import Event
+from ..events.schema import Event
 from .workload import Flow, JobSpec, Workload
 
 #: Slack when rounding a revoke time up to the next token boundary (float noise).

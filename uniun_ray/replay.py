@@ -25,16 +25,15 @@ import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from uniun_ray.policy import SchedulerPolicy
-
-from . import plots
-from .device import DeviceProfile, ModelSpeed
-from .events import Event, validate, write_jsonl
-from .metrics import measure, percentile
-from .simulator import simulate
-from .trace import Trace
-from .workload import Arrival, Flow, FlowStep, JobSpec, Workload
-from .workloads import generate
+from .events.schema import Event, validate, write_jsonl
+from .events.trace import Trace
+from .policy import SchedulerPolicy
+from .sim import plots
+from .sim.device import DeviceProfile, ModelSpeed
+from .sim.metrics import measure, percentile
+from .sim.simulator import simulate
+from .sim.workload import Arrival, Flow, FlowStep, JobSpec, Workload
+from .sim.workloads import generate
 
 #: Prompt text, repeated to the length a job asks for; a story so the models keep writing.
 _STORY = ("The lighthouse keeper kept a log of every night on the island: the wind and the tide, "
