@@ -9,7 +9,7 @@ import re
 import time
 
 from rich.console import Console
-from test_service import FakeDevice, lease_of, spec
+from conftest import FakeDevice, lease_of, spec
 
 from uniun_ray.observe.explain import explain, replayable
 from uniun_ray.observe.statusview import render

@@ -27,11 +27,11 @@ import uniun_ray
 from uniun_ray import client
 from uniun_ray.client import agenerate, arun, astatus
 from uniun_ray.runtime.eventlog import read as read_events
-from uniun_ray.runtime.protocol import (EMBEDDER_NAME, NAMESPACE, JobDropped, JobSpec, LeaseRevoked, QueueFull,
+from uniun_ray.runtime.protocol import (EMBEDDER_NAME, NAMESPACE, JobDropped, LeaseRevoked, QueueFull,
                                         SchedulerUnavailable, UnknownJob)
 from uniun_ray.runtime.service import RuntimeConfig, SchedulerService
 
-from test_runtime import started
+from conftest import FakeDevice, lease_of, spec, started
 
 ROOT = Path(__file__).parent.parent
 LONG = 1800   # tokens of `tiny` (context 2048): a few seconds of work
@@ -236,44 +236,12 @@ def test_embedding_actor_killed_mid_embed_is_retried(live_runtime):
 
 # == 2. Races ===================================================================================
 # -- on the protocol, with a fake device (exact and fast) ----------------------------------------
-class FakeDevice:
-    """The device as the scheduler sees it; `epoch` is what it was last granted."""
-
-    def __init__(self, load_s: float = 0.0) -> None:
-        self.load_s, self.loads, self.revoked, self.epoch = load_s, [], [], 0
-
-    async def load(self, model_id: str) -> float:
-        await asyncio.sleep(self.load_s)
-        self.loads.append(model_id)
-        return self.load_s
-
-    async def grant(self, epoch: int) -> None:
-        assert epoch > self.epoch, "epochs only grow"
-        self.epoch = epoch
-
-    async def revoke(self, epoch: int) -> None:
-        self.revoked.append(epoch)
-
-    async def current_epoch(self) -> int:
-        return self.epoch
-
-
 FAST = dict(lease_timeout_s=0.3, waiter_timeout_s=0.3, reap_period_s=0.05)
 
 
 def service(tmp_path, device=None, **config) -> SchedulerService:
     return SchedulerService(device or FakeDevice(), RuntimeConfig(**(FAST | config),
                                                                   event_log=str(tmp_path / "events.jsonl")))
-
-
-def spec(job_id: str, kind: str, model: str = "m", **kw) -> JobSpec:
-    return JobSpec.build(kind, model, job_id=job_id, **kw)
-
-
-async def lease_of(s: SchedulerService, job_id: str):
-    while (lease := await s.grant(job_id, wait_s=0.05)) is None:
-        pass
-    return lease
 
 
 async def assert_settled(s: SchedulerService) -> list[dict]:

@@ -452,6 +452,25 @@ async def astatus() -> dict:
     return await handles().scheduler.status.remote()
 
 
+async def await_generating(kind: Kind | str, timeout_s: float = 120.0, min_held_s: float = 0.5) -> dict | None:
+    """Wait until a job of `kind` is generating: it runs, its lease is granted (so its model
+    is loaded: a job still loading would end its turn unserved, not be revoked) and it has
+    held the device `min_held_s`. Returns the running job's snapshot, or None after
+    `timeout_s`. What demos, benchmarks, jobs and tests use before they preempt something."""
+    kind = Kind.parse(kind).value
+    deadline = time.monotonic() + timeout_s
+    while True:
+        status = await astatus()
+        running = status["running"]
+        if running and running["kind"] == kind:
+            lease = status["leases"].get(running["id"], {})
+            if lease.get("state") == "granted" and lease.get("held_s", 0.0) >= min_held_s:
+                return running
+        if time.monotonic() >= deadline:
+            return None
+        await asyncio.sleep(0.05)
+
+
 # -- the sync names ----------------------------------------------------------------------
 class _LoopThread:
     """One private event loop in a daemon thread, started on first use."""
@@ -515,3 +534,7 @@ def set_foreground(kind, subject: str | None = None) -> None:
 
 def status() -> dict:
     return _LOOP.run(astatus())
+
+
+def wait_generating(kind: Kind | str, timeout_s: float = 120.0, min_held_s: float = 0.5) -> dict | None:
+    return _LOOP.run(await_generating(kind, timeout_s, min_held_s))

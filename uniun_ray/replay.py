@@ -284,10 +284,7 @@ def compare(played: Played, device: DeviceProfile) -> tuple[str, list[Event]]:
 
 def main(out: Path, seed: int, device: DeviceProfile, names: list[str]) -> int:
     """`uniun-ray bench --real`: each workload on its own private local Ray, fresh actors."""
-    import ray
-
-    from uniun_ray.runtime.launch import LOCAL_RESOURCES, ensure_auth_mode, start
-    from uniun_ray.runtime.protocol import NAMESPACE
+    from uniun_ray.runtime.launch import local_cluster, start
     from uniun_ray.runtime.service import RuntimeConfig
 
     out.mkdir(parents=True, exist_ok=True)
@@ -297,14 +294,9 @@ def main(out: Path, seed: int, device: DeviceProfile, names: list[str]) -> int:
         log = out / f"events-{name}.jsonl"
         log.unlink(missing_ok=True)
         span = max([f.stop or f.start for f in workload.flows] + [a.t for a in workload.arrivals])
-        ensure_auth_mode()
-        ray.init(address="local", namespace=NAMESPACE, resources=LOCAL_RESOURCES, include_dashboard=False,
-                 log_to_driver=False)
-        try:
+        with local_cluster():
             start(RuntimeConfig(event_log=str(log)))
             played = asyncio.run(play(workload, timeout_s=3 * span + 120))
-        finally:
-            ray.shutdown()
         text, predicted = compare(played, device)
         write_jsonl(played.events, out / f"real-{name}.jsonl")
         write_jsonl(predicted, out / f"sim-{name}.jsonl")
