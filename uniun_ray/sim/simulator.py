@@ -8,10 +8,10 @@ The simulator plays the runtime's part of the contract, and checks the policy's:
 submits jobs, reports foreground changes, calls `tick(now)` at `next_wakeup()`, runs each
 Dispatch (swap first when asked, then prefill, then decode, costs from the
 `DeviceProfile`), stops a revoked job at its next token boundary plus the revoke delay
-and reports ``finish(..., "revoked")``, and reports ``"done"`` otherwise. A revoked chat
-job is over (it failed); any other revoked job stays with the policy, which queues it
-again (R6) and later dispatches it to resume: it re-prefills prompt + produced tokens and
-decodes the rest. A policy that breaks the contract (a second job dispatched while one
+and reports ``finish(..., "revoked")``, and reports ``"done"`` otherwise. A revoked job
+that the policy answers with `Requeued` stays with it (R6) and is later dispatched to
+resume: it re-prefills prompt + produced tokens and decodes the rest; any other revoked
+job is over (a chat failed as preempted). A policy that breaks the contract (a second job dispatched while one
 runs, a revoke of a job that is not running, a second revoke) raises `ContractError`.
 
 Costs the simulator charges, for one run of a job that has produced k of its n tokens:
@@ -32,7 +32,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from uniun_ray.policy import Dispatch, Foreground, Job, Kind, Revoke, tier_of
+from uniun_ray.policy import Dispatch, Job, Kind, Requeued, Revoke
 
 from .device import DeviceProfile, PROFILES
 from ..events.schema import Event
@@ -125,7 +125,6 @@ class Simulator:
         self._outstanding: set[str] = set()
         self._running: _Run | None = None
         self._loaded: str | None = None
-        self._foreground = Foreground()
         self._last_wake: float = -math.inf
 
     # -- the loop ------------------------------------------------------------------------
@@ -202,7 +201,6 @@ class Simulator:
 
     def _set_foreground(self, change) -> None:
         kind = None if change.kind is None else Kind.parse(change.kind)
-        self._foreground = Foreground(kind, change.subject)
         self._log("foreground", kind=change.kind, subject=change.subject)
         self._apply(self.policy.set_foreground(kind, self.now, subject=change.subject))
 
@@ -213,7 +211,7 @@ class Simulator:
                 self._dispatch(action)
             elif isinstance(action, Revoke):
                 self._revoke(action)
-            else:
+            elif not isinstance(action, Requeued):  # `_end` reads it before applying
                 raise ContractError(f"unknown action {action!r}")
 
     def _dispatch(self, action: Dispatch) -> None:
@@ -236,7 +234,7 @@ class Simulator:
         run = _Run(state, self.now, compute_start, compute_start + prefill, speed.decode_s,
                    speed.prefill_s(self.device.prefill_chunk))
         self._running = run
-        self._log("dispatch", state, swap=action.swap, tier=int(tier_of(state.job, self._foreground, self.now)))
+        self._log("dispatch", state, swap=action.swap, tier=int(action.tier))
         if action.swap:
             self._log("swap_start", state, **{"from": self._loaded})
             self._loaded = action.model_id
@@ -278,12 +276,12 @@ class Simulator:
         outcome = "revoked" if stopped else "done"
         self._running = None
         self._log("finish", state, outcome=outcome, tokens=state.produced)
-        terminal = outcome == "done" or state.spec.kind == Kind.CHAT.value
-        if terminal:
+        actions = self.policy.finish(state.spec.id, self.now, outcome)
+        if Requeued(state.spec.id) not in actions:
             self._outstanding.discard(state.spec.id)
             if state.flow is not None:
                 self._next_step(state.flow)
-        self._apply(self.policy.finish(state.spec.id, self.now, outcome))
+        self._apply(actions)
 
 
 def simulate(policy, workload: Workload, device: DeviceProfile = PROFILES["cpu"]) -> SimResult:
