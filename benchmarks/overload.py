@@ -49,11 +49,11 @@ class LoadClient:
         self.specs = []
 
     async def submit(self, producers: list[str], per_producer: int) -> float:
-        from uniun_ray.runtime.protocol import JobSpec
+        from uniun_ray.runtime.protocol import new_job
 
         for producer in producers:
             kind = KINDS[int(producer.rsplit(":", 1)[1]) % len(KINDS)]
-            self.specs += [JobSpec.build(kind, "tiny", producer=producer, job_id=f"{producer}/{i}")
+            self.specs += [new_job(kind, "tiny", producer=producer, job_id=f"{producer}/{i}")
                            for i in range(per_producer)]
         started = time.perf_counter()
         await asyncio.gather(*(self.scheduler.submit.remote(spec) for spec in self.specs))

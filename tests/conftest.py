@@ -104,10 +104,10 @@ class FakeDevice:
 
 
 def spec(job_id: str, kind: str, model: str = "m", **fields):
-    """A job as the client submits it, validated as the client validates it."""
-    from uniun_ray.runtime.protocol import JobSpec
+    """A job as the client submits it (the policy's `Job`, validated as the client does)."""
+    from uniun_ray.runtime.protocol import new_job
 
-    return JobSpec.build(kind, model, job_id=job_id, **fields)
+    return new_job(kind, model, job_id=job_id, **fields)
 
 
 async def lease_of(service, job_id: str, wait_s: float = 0.05):

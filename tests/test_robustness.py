@@ -249,7 +249,7 @@ async def assert_settled(s: SchedulerService) -> list[dict]:
     ended exactly once. Returns the event log."""
     snap = await s.status()
     assert snap["running"] is None and snap["queued"] == 0 and snap["leases"] == {}, snap
-    assert not s._jobs and all(count == 0 for count in s._per_kind.values()), (s._jobs, s._per_kind)
+    assert not s.leases.jobs and all(count == 0 for count in s.leases.per_kind.values()), (s.leases.jobs, s.leases.per_kind)
     events = read_events(s.events.path)
     ends = final_outcomes(events)
     assert all(len(outcomes) == 1 for outcomes in ends.values()), ends
@@ -697,7 +697,7 @@ def test_bad_input_on_the_live_runtime_changes_nothing(live_runtime):
         (lambda: uniun_ray.embed("a string, not a list"), ValueError, "embed takes a list of strings"),
         (lambda: uniun_ray.embed(["ok", 3]), ValueError, "non-string item"),
         # the actors themselves, called directly with junk
-        (lambda: ray.get(live_runtime.scheduler.submit.remote({"kind": "chat"})), ValueError, "takes a JobSpec"),
+        (lambda: ray.get(live_runtime.scheduler.submit.remote({"kind": "chat"})), ValueError, "takes a Job"),
         (lambda: ray.get(live_runtime.scheduler.grant.remote("no-such-job")), UnknownJob, "unknown job"),
         (lambda: ray.get(live_runtime.scheduler.release.remote("no-such-job", 1, "maybe")), ValueError,
          "unknown outcome 'maybe'"),

@@ -11,7 +11,8 @@ from uniun_ray.events.schema import read_jsonl, validate, write_jsonl
 from uniun_ray.sim.metrics import T2Window, jain_of, measure, t2_windows
 from uniun_ray.sim.simulator import ContractError, simulate
 from uniun_ray.events.trace import Trace
-from uniun_ray.sim.workload import Arrival, Flow, FlowStep, JobSpec, Workload
+from uniun_ray.policy import Job
+from uniun_ray.sim.workload import Arrival, Flow, FlowStep, SimJob, Workload
 from uniun_ray.sim.workloads import WORKLOADS, generate
 
 # -- metrics on a hand-checked log ----------------------------------------------------------
@@ -91,7 +92,7 @@ DEVICE = DeviceProfile("test", {"m1": ModelSpeed(0.1, 0.01, 2.0), "m2": ModelSpe
 
 
 def spec(job_id, kind, model, prompt, out):
-    return JobSpec(job_id, kind, model, kind, prompt, out)
+    return SimJob(Job(job_id, kind, model, kind), prompt, out)
 
 
 def times(events, kind, job):

@@ -36,7 +36,7 @@ from uniun_ray.policy import Dispatch, Job, Kind, Requeued, Revoke
 
 from .device import DeviceProfile, PROFILES
 from ..events.schema import Event
-from .workload import Flow, JobSpec, Workload
+from .workload import Flow, SimJob, Workload
 
 #: Slack when rounding a revoke time up to the next token boundary (float noise).
 _EPS = 1e-9
@@ -56,7 +56,7 @@ class SimResult:
 
 @dataclass
 class _JobState:
-    spec: JobSpec
+    spec: SimJob
     job: Job
     flow: "_FlowState | None"
     produced: int = 0
@@ -162,8 +162,8 @@ class Simulator:
     def _log(self, ev: str, state: _JobState | None = None, **fields) -> None:
         event: Event = {"t": self.now, "ev": ev}
         if state is not None:
-            spec = state.spec
-            event.update(job=spec.id, kind=spec.kind, producer=spec.producer, model=spec.model)
+            job = state.job
+            event.update(job=job.id, kind=job.kind.value, producer=job.producer, model=job.model_id)
         event.update(fields)
         self.events.append(event)
 
@@ -186,17 +186,16 @@ class Simulator:
         fs, n = arg
         self._submit((fs.flow.job(n, self.now), fs))
 
-    def _submit(self, arg: tuple[JobSpec, _FlowState | None]) -> None:
+    def _submit(self, arg: tuple[SimJob, _FlowState | None]) -> None:
         spec, fs = arg
-        if spec.id in self._jobs:
-            raise ValueError(f"workload {self.workload.name!r}: job id {spec.id!r} submitted twice")
-        job = Job(spec.id, Kind.parse(spec.kind), spec.model, spec.producer, spec.deadline,
-                  spec.foreground_hint, spec.subject)
+        job = spec.job
+        if job.id in self._jobs:
+            raise ValueError(f"workload {self.workload.name!r}: job id {job.id!r} submitted twice")
         state = _JobState(spec, job, fs)
-        self._jobs[spec.id] = state
-        self._outstanding.add(spec.id)
-        self._log("submit", state, deadline=spec.deadline, foreground_hint=spec.foreground_hint,
-                  subject=spec.subject, prompt_tokens=spec.prompt_tokens, output_tokens=spec.output_tokens)
+        self._jobs[job.id] = state
+        self._outstanding.add(job.id)
+        self._log("submit", state, deadline=job.deadline, foreground_hint=job.foreground_hint,
+                  subject=job.subject, prompt_tokens=spec.prompt_tokens, output_tokens=spec.output_tokens)
         self._apply(self.policy.submit(job, self.now))
 
     def _set_foreground(self, change) -> None:
@@ -217,13 +216,13 @@ class Simulator:
     def _dispatch(self, action: Dispatch) -> None:
         if self._running is not None:
             raise ContractError(f"t={self.now}: Dispatch({action.job_id!r}) while "
-                                f"{self._running.state.spec.id!r} is running")
+                                f"{self._running.state.job.id!r} is running")
         state = self._jobs.get(action.job_id)
         if state is None or action.job_id not in self._outstanding:
             raise ContractError(f"t={self.now}: Dispatch of unknown or ended job {action.job_id!r}")
-        if action.model_id != state.spec.model:
+        if action.model_id != state.job.model_id:
             raise ContractError(f"t={self.now}: Dispatch({action.job_id!r}) on {action.model_id!r}, "
-                                f"the job wants {state.spec.model!r}")
+                                f"the job wants {state.job.model_id!r}")
         if not action.swap and action.model_id != self._loaded:
             raise ContractError(f"t={self.now}: Dispatch({action.job_id!r}) without swap, "
                                 f"but {self._loaded!r} is loaded")
@@ -253,7 +252,7 @@ class Simulator:
 
     def _revoke(self, action: Revoke) -> None:
         run = self._running
-        if run is None or run.state.spec.id != action.job_id:
+        if run is None or run.state.job.id != action.job_id:
             raise ContractError(f"t={self.now}: Revoke({action.job_id!r}) of a job that is not running")
         if run.revoked:
             raise ContractError(f"t={self.now}: second Revoke of {action.job_id!r}")
@@ -276,9 +275,9 @@ class Simulator:
         outcome = "revoked" if stopped else "done"
         self._running = None
         self._log("finish", state, outcome=outcome, tokens=state.produced)
-        actions = self.policy.finish(state.spec.id, self.now, outcome)
-        if Requeued(state.spec.id) not in actions:
-            self._outstanding.discard(state.spec.id)
+        actions = self.policy.finish(state.job.id, self.now, outcome)
+        if Requeued(state.job.id) not in actions:
+            self._outstanding.discard(state.job.id)
             if state.flow is not None:
                 self._next_step(state.flow)
         self._apply(actions)
