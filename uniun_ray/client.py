@@ -21,9 +21,8 @@ which says to retry: never a silent loss. When the ModelActor dies under a turn,
 reports it (`device_lost`): the scheduler re-queues the job and reloads the model.
 
 Validation. A request is checked before anything is queued: the job by the policy's own
-`Job`, the prompt against the model's tokenizer and context window (`inspect_request`), in
-this process: the tokenizer is local, so no round trip to the busy ModelActor precedes a
-generation (BENCHMARKS.md, "Control plane").
+`Job`, here; the prompt against the model's tokenizer and context window by the ModelActor
+(`check`, one round trip: see `_check` for why not here).
 """
 from __future__ import annotations
 
@@ -87,12 +86,25 @@ def _check_prompt(prompt, messages) -> None:
 
 
 async def _check(model_id: str, request: GenerateRequest) -> int:
-    """The request against the model's tokenizer and context window, here (tokenizer and
-    config only, cached per model; the first call imports transformers): a prompt too long,
-    messages to a model without a chat template... Returns the prompt's token count."""
-    from .models import inspect_request, resolve
+    """The ModelActor's request check (tokenizer and config only, cached there per model):
+    a prompt too long, messages to a model without a chat template... Returns the prompt's
+    token count. It waits out a restart of the actor (its calls fail with
+    ActorUnavailableError meanwhile).
 
-    return await asyncio.to_thread(inspect_request, resolve(model_id), request)
+    Why a round trip and not the tokenizer here: a local check imports torch and
+    transformers into every client process (seconds for a one-shot `uniun-ray chat`,
+    hundreds of MB per producer actor) and, for an embedded GGUF model, converts it on the
+    client's node; the round trip costs about a bare actor call (BENCHMARKS.md, "Control
+    plane"), also while the actor generates, since the check runs beside the decode thread."""
+    from ray.exceptions import ActorUnavailableError
+    deadline = time.monotonic() + RECONNECT_S
+    while True:
+        try:
+            return await handles().model.check.remote(model_id, request)
+        except ActorUnavailableError:
+            if time.monotonic() > deadline:
+                raise
+            await asyncio.sleep(0.2)
 
 
 def _scheduler_lost(error: BaseException) -> bool:
