@@ -27,11 +27,11 @@ import uniun_ray
 from uniun_ray import client
 from uniun_ray.client import agenerate, arun, astatus
 from uniun_ray.runtime.eventlog import read as read_events
-from uniun_ray.runtime.protocol import (EMBEDDER_NAME, NAMESPACE, JobDropped, JobSpec, LeaseRevoked, QueueFull,
+from uniun_ray.runtime.protocol import (EMBEDDER_NAME, NAMESPACE, JobDropped, LeaseRevoked, QueueFull,
                                         SchedulerUnavailable, UnknownJob)
 from uniun_ray.runtime.service import RuntimeConfig, SchedulerService
 
-from test_runtime import started
+from conftest import FakeDevice, lease_of, spec, started
 
 ROOT = Path(__file__).parent.parent
 LONG = 1800   # tokens of `tiny` (context 2048): a few seconds of work
@@ -236,28 +236,6 @@ def test_embedding_actor_killed_mid_embed_is_retried(live_runtime):
 
 # == 2. Races ===================================================================================
 # -- on the protocol, with a fake device (exact and fast) ----------------------------------------
-class FakeDevice:
-    """The device as the scheduler sees it; `epoch` is what it was last granted."""
-
-    def __init__(self, load_s: float = 0.0) -> None:
-        self.load_s, self.loads, self.revoked, self.epoch = load_s, [], [], 0
-
-    async def load(self, model_id: str) -> float:
-        await asyncio.sleep(self.load_s)
-        self.loads.append(model_id)
-        return self.load_s
-
-    async def grant(self, epoch: int) -> None:
-        assert epoch > self.epoch, "epochs only grow"
-        self.epoch = epoch
-
-    async def revoke(self, epoch: int) -> None:
-        self.revoked.append(epoch)
-
-    async def current_epoch(self) -> int:
-        return self.epoch
-
-
 FAST = dict(lease_timeout_s=0.3, waiter_timeout_s=0.3, reap_period_s=0.05)
 
 
@@ -266,22 +244,12 @@ def service(tmp_path, device=None, **config) -> SchedulerService:
                                                                   event_log=str(tmp_path / "events.jsonl")))
 
 
-def spec(job_id: str, kind: str, model: str = "m", **kw) -> JobSpec:
-    return JobSpec.build(kind, model, job_id=job_id, **kw)
-
-
-async def lease_of(s: SchedulerService, job_id: str):
-    while (lease := await s.grant(job_id, wait_s=0.05)) is None:
-        pass
-    return lease
-
-
 async def assert_settled(s: SchedulerService) -> list[dict]:
     """Nothing running, queued or leased; every per-kind count back to zero; each job
     ended exactly once. Returns the event log."""
     snap = await s.status()
     assert snap["running"] is None and snap["queued"] == 0 and snap["leases"] == {}, snap
-    assert not s._jobs and all(count == 0 for count in s._per_kind.values()), (s._jobs, s._per_kind)
+    assert not s.leases.jobs and all(count == 0 for count in s.leases.per_kind.values()), (s.leases.jobs, s.leases.per_kind)
     events = read_events(s.events.path)
     ends = final_outcomes(events)
     assert all(len(outcomes) == 1 for outcomes in ends.values()), ends
@@ -731,7 +699,7 @@ def test_bad_input_on_the_live_runtime_changes_nothing(live_runtime):
         (lambda: uniun_ray.embed("a string, not a list"), ValueError, "embed takes a list of strings"),
         (lambda: uniun_ray.embed(["ok", 3]), ValueError, "non-string item"),
         # the actors themselves, called directly with junk
-        (lambda: ray.get(live_runtime.scheduler.submit.remote({"kind": "chat"})), ValueError, "takes a JobSpec"),
+        (lambda: ray.get(live_runtime.scheduler.submit.remote({"kind": "chat"})), ValueError, "takes a Job"),
         (lambda: ray.get(live_runtime.scheduler.grant.remote("no-such-job")), UnknownJob, "unknown job"),
         (lambda: ray.get(live_runtime.scheduler.release.remote("no-such-job", 1, "maybe")), ValueError,
          "unknown outcome 'maybe'"),

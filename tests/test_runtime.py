@@ -14,6 +14,8 @@ from uniun_ray.models import PromptTooLong, UnknownModel
 from uniun_ray.policy import PolicyConfig
 from uniun_ray.runtime.eventlog import read as read_events
 
+from conftest import started
+
 pytestmark = pytest.mark.ray
 
 LONG = 1800   # tokens (tiny context 2048): seconds of work, long enough to be preempted mid-way
@@ -27,21 +29,6 @@ async def finish_order(*coros) -> list:
         done.append(await coro)
     await asyncio.gather(*(one(c) for c in coros))
     return done
-
-
-async def started(kind: str, timeout: float = 60) -> dict:
-    """Wait until a job of `kind` holds a granted lease and has been generating a while
-    (a job still loading its model would end its turn unserved, not be revoked)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        status = await astatus()
-        running = status["running"]
-        if running and running["kind"] == kind:
-            lease = status["leases"].get(running["id"], {})
-            if lease.get("state") == "granted" and lease.get("held_s", 0) > 0.3:
-                return running
-        await asyncio.sleep(0.05)
-    raise AssertionError(f"no {kind} job started")
 
 
 def test_scenario_1_chat_preempts_nataraj_within_one_token(runtime):

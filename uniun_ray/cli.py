@@ -142,7 +142,7 @@ def _up(args) -> int:
 
     from .runtime.head import HeadError, HeadState, start_head, state_path
     from .runtime.launch import start
-    from .runtime.producers import error_text
+    from .producers import error_text
     from .runtime.protocol import NAMESPACE
 
     state = HeadState.load()
@@ -186,7 +186,7 @@ def _actor_names() -> list[str]:
 
 def _down(args) -> int:
     from .runtime.head import HeadState, state_path, stop_head
-    from .runtime.producers import error_text
+    from .producers import error_text
 
     state = HeadState.load()
     if state is None:
@@ -290,7 +290,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if argv[:1] == ["bench"]:  # forwarded whole, --help included
             from .sim.bench import main as bench
-            return bench(argv[1:])
+
+            def real(*args):  # the simulator stays Ray-free: the real-runtime replay is passed in
+                from .replay import main as real_vs_sim
+                return real_vs_sim(*args)
+            return bench(argv[1:], real=real)
         args = parser.parse_args(argv)
     except SystemExit as exit_:  # argparse printed the help, or the usage and the error
         return 0 if exit_.code is None else exit_.code if isinstance(exit_.code, int) else 2
@@ -313,7 +317,7 @@ def _report(error: Exception) -> int:
     from ray.exceptions import RayError
 
     from .runtime.head import HeadError
-    from .runtime.producers import error_text
+    from .producers import error_text
     from .runtime.protocol import UniunError
 
     cause = getattr(error, "cause", None)  # a RayTaskError carries the remote exception

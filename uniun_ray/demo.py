@@ -13,15 +13,13 @@ import argparse
 import asyncio
 import platform
 import statistics
-import time
 
 import ray
 
-from .client import agenerate, astatus
+from .client import agenerate, await_generating
 from .models import DEFAULT_CHAT_MODEL
-from .runtime.launch import LOCAL_RESOURCES, ensure_auth_mode, start
-from .runtime.producers import spawn_producer
-from .runtime.protocol import NAMESPACE
+from .producers import spawn_producer
+from .runtime.launch import local_cluster, start
 
 PROMPT = "Reply with one friendly sentence about {topic}."
 TOPICS = ("the sea", "lighthouses", "autumn", "bread", "trains", "owls", "rain", "maps", "tea", "bees")
@@ -33,20 +31,6 @@ def prompts(turns: int) -> list[str]:
     return [PROMPT.format(topic=TOPICS[i % len(TOPICS)]) for i in range(turns)]
 
 
-async def nataraj_generating(timeout_s: float = 120.0) -> bool:
-    """Wait until a nataraj job has held a granted lease for a while (so a chat sent now
-    preempts a generation, not a model load); False if none does within `timeout_s`."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        status = await astatus()
-        running = status["running"]
-        if running and running["kind"] == "nataraj":
-            if status["leases"].get(running["id"], {}).get("held_s", 0) > 0.5:
-                return True
-        await asyncio.sleep(0.05)
-    return False
-
-
 async def measure(turns: int, deck: int, card_tokens: int, chat_tokens: int) -> dict:
     await agenerate("chat", "warm up", max_new_tokens=2)   # the first load is not what we measure
     idle = [(await agenerate("chat", prompt, max_new_tokens=chat_tokens)).ttft_s for prompt in prompts(turns)]
@@ -55,7 +39,7 @@ async def measure(turns: int, deck: int, card_tokens: int, chat_tokens: int) -> 
     busy = []
     try:
         for prompt in prompts(turns):
-            if not await nataraj_generating():
+            if not await await_generating("nataraj"):
                 break
             busy.append((await agenerate("chat", prompt, max_new_tokens=chat_tokens)).ttft_s)
         card = await producer.take_card.remote() if await producer.wait_deck.remote(1, timeout_s=300) else None
@@ -123,10 +107,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"host: {platform.machine()}, torch CPU capability {host['cpu_capability']}, "
           f"{host['threads']} threads; {DEFAULT_CHAT_MODEL} runs in {host['dtype']} "
           f"(decode {host['decode_ms']:.0f} ms/token, prefill chunk {host['prefill_chunk']} tokens)")
-    ensure_auth_mode()
-    context = ray.init(address="local", namespace=NAMESPACE, resources=LOCAL_RESOURCES,
-                       include_dashboard=True, dashboard_host="127.0.0.1", log_to_driver=False)
-    try:
+    with local_cluster(dashboard=True) as context:
         print(f"Ray dashboard: http://{context.dashboard_url}  (actors: scheduler, model:cpu0, "
               f"embedder, producer:nataraj:demo)")
         events = ray.get(start().scheduler.status.remote())["event_log"]
@@ -135,8 +116,6 @@ def main(argv: list[str] | None = None) -> None:
         print("Loading the chat model into the ModelActor...", flush=True)
         r = asyncio.run(measure(args.turns, args.deck, args.card_tokens, args.chat_tokens))
         sim = simulated_two_lane()
-    finally:
-        ray.shutdown()
 
     def show(values):
         return f"p50 {statistics.median(values):6.2f} s   max {max(values):6.2f} s   (n={len(values)})"

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import socket
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import ray
@@ -78,8 +79,31 @@ def connect(address: str | None = None, namespace: str = NAMESPACE, **init_kwarg
     elif address is not None:
         raise UniunError(f"no Ray cluster answers at {address}")
     else:
-        ray.init(address="local", namespace=namespace, resources=LOCAL_RESOURCES,
-                 include_dashboard=False, **init_kwargs)
+        init_local(namespace, **init_kwargs)
+
+
+def init_local(namespace: str = NAMESPACE, *, dashboard: bool = False, **init_kwargs):
+    """Start a private local Ray with the stand-in device resources: never a running
+    cluster (address="local"), no dashboard unless asked (then on 127.0.0.1), the driver not
+    flooded with workers' logs. The one place a local cluster is made: `connect`, the demo,
+    the replay, the benchmarks and the tests all come here. Returns Ray's context."""
+    ensure_auth_mode()
+    init_kwargs.setdefault("log_to_driver", False)
+    if dashboard:
+        init_kwargs.setdefault("dashboard_host", "127.0.0.1")
+    return ray.init(address="local", namespace=namespace, resources=LOCAL_RESOURCES,
+                    include_dashboard=dashboard, **init_kwargs)
+
+
+@contextmanager
+def local_cluster(namespace: str = NAMESPACE, **options):
+    """`init_local` for the length of a block, then `ray.shutdown()` of that Ray only."""
+    context = init_local(namespace, **options)
+    try:
+        yield context
+    finally:
+        forget_handles()
+        ray.shutdown()
 
 
 @dataclass(frozen=True)
@@ -112,14 +136,45 @@ def start(config: RuntimeConfig | None = None) -> Handles:
         device="cuda" if cuda_devices() >= 2 else "cpu")
     scheduler = RemoteScheduler.options(**scheduler_options(SCHEDULER_NAME)).remote(model_name, config)
     ray.get(scheduler.ping.remote())
-    return Handles(scheduler, model, embedder)
+    return _remember(Handles(scheduler, model, embedder))
+
+
+#: The handles this process last found or made, and the Ray session they belong to. A named
+#: lookup is a GCS round trip; every client call used to make three.
+_cached: tuple[object, Handles] | None = None
+
+
+def _session_key():
+    """What tells one Ray session from the next in this process (a shutdown and a new init):
+    its session name and the driver's core worker. Attribute reads only (well under 1 us)."""
+    worker = ray._private.worker.global_worker
+    core = getattr(worker, "core_worker", None)
+    node = getattr(worker, "node", None)
+    return None if core is None or node is None else (id(core), node.session_name)
+
+
+def _remember(h: Handles) -> Handles:
+    global _cached
+    _cached = (_session_key(), h)
+    return h
+
+
+def forget_handles() -> None:
+    """Drop the cached handles: the next `handles()` looks the actors up by name again. The
+    client calls it when an actor died for good (killed, then created again under its name)."""
+    global _cached
+    _cached = None
 
 
 def handles() -> Handles:
-    """The running actors, created on first use."""
+    """The running actors, created on first use; cached per Ray session (a detached actor's
+    handle stays valid across its restarts)."""
+    cached = _cached
+    if cached is not None and cached[0] is not None and cached[0] == _session_key():
+        return cached[1]
     connect()
     try:
         get = lambda name: ray.get_actor(name, namespace=NAMESPACE)  # noqa: E731
-        return Handles(get(SCHEDULER_NAME), get(model_actor_name(device_name())), get(EMBEDDER_NAME))
+        return _remember(Handles(get(SCHEDULER_NAME), get(model_actor_name(device_name())), get(EMBEDDER_NAME)))
     except ValueError:
         return start()

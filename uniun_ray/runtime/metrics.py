@@ -31,15 +31,6 @@ KINDS = tuple(k.value for k in Kind)
 TIERS = tuple(t.label for t in Tier)
 
 
-def revoke_cause(reason: str | None) -> str:
-    """The revoke's reason text (see `SchedulerService._apply`) as a small tag set:
-    arrival | foreground | deadline | withdrawn (cancelled, caller gone, lease reclaimed)."""
-    for cause in ("arrival", "foreground", "deadline"):
-        if (reason or "").startswith(cause):
-            return cause
-    return "withdrawn"
-
-
 class SchedulerMetrics:
     """The scheduler's sink: `write(event)` for each event it emits, `refresh(snapshot)`
     from its timer."""
@@ -95,7 +86,7 @@ class SchedulerMetrics:
         elif ev == "first_token" and job in self._submitted:
             self.ttft.observe(t - self._submitted[job], tags={"kind": event["kind"], "model": event["model"]})
         elif ev == "revoke":
-            self.revokes.inc(tags={"kind": event["kind"], "cause": revoke_cause(event.get("reason"))})
+            self.revokes.inc(tags={"kind": event["kind"], "cause": event.get("cause", "unknown")})
         elif ev == "reclaim":
             self.reclaims.inc(tags={"kind": event["kind"]})
         elif ev == "drop":
@@ -103,7 +94,7 @@ class SchedulerMetrics:
             self._forget(job)
         elif ev == "finish":
             self.finishes.inc(tags={"kind": event["kind"], "outcome": event["outcome"]})
-            if event.get("requeued") or (event["outcome"] == "revoked" and event["kind"] != Kind.CHAT.value):
+            if event.get("requeued"):  # the policy's word (its Requeued action)
                 self._queued_since[job] = t  # re-queued (R6); pruned by refresh if not
             else:
                 self._forget(job)
