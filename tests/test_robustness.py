@@ -623,16 +623,24 @@ TIMES = st.one_of(st.none(), st.floats(allow_nan=True, allow_infinity=True), st.
 @given(kind=KINDS, prompt=PROMPTS, messages=MESSAGES, model_id=st.one_of(st.none(), st.just("tiny"), JUNK),
        producer=st.one_of(st.none(), st.just("gana:1"), JUNK), deadline=TIMES,
        foreground_hint=st.one_of(st.booleans(), JUNK), subject=st.one_of(st.none(), st.just("note-1"), JUNK),
-       max_new_tokens=st.one_of(st.integers(-5, 5000), JUNK), temperature=st.one_of(st.floats(0, 2), JUNK))
+       max_new_tokens=st.one_of(st.integers(-5, 5000), JUNK),
+       temperature=st.one_of(st.none(), st.floats(-1, 2), st.just(float("nan")), JUNK),
+       sampling=st.fixed_dictionaries({}, optional={
+           "top_p": st.one_of(st.floats(-0.5, 1.5), st.just(float("nan")), JUNK),
+           "top_k": st.one_of(st.integers(-3, 100), JUNK),
+           "repetition_penalty": st.one_of(st.floats(-1, 3), st.just(float("inf")), JUNK),
+           "stop": st.one_of(st.text(max_size=3), st.lists(st.text(max_size=3), max_size=3), JUNK),
+           "seed": st.one_of(st.integers(-2, 2**40), JUNK)}))
 @settings(max_examples=500, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 def test_fuzz_client_validation_accepts_only_valid_jobs(kind, prompt, messages, model_id, producer, deadline,
-                                                        foreground_hint, subject, max_new_tokens, temperature):
+                                                        foreground_hint, subject, max_new_tokens, temperature,
+                                                        sampling):
     """`astream` validates everything before anything runs (no Ray here): it either raises
     a ValueError with a message, or returns a stream whose job and request are sound."""
     try:
         stream = client.astream(kind, prompt, messages=messages, model_id=model_id, producer=producer,
                                 deadline=deadline, foreground_hint=foreground_hint, subject=subject,
-                                max_new_tokens=max_new_tokens, temperature=temperature)
+                                max_new_tokens=max_new_tokens, temperature=temperature, **sampling)
     except ValueError as error:
         assert str(error).strip()
         return
@@ -642,7 +650,13 @@ def test_fuzz_client_validation_accepts_only_valid_jobs(kind, prompt, messages, 
     assert spec.deadline is None or (math.isfinite(spec.deadline) and spec.deadline >= 1e9)
     assert isinstance(spec.foreground_hint, bool) and (spec.subject is None or (isinstance(spec.subject, str) and spec.subject))
     assert type(request.max_new_tokens) is int and request.max_new_tokens >= 1
-    assert math.isfinite(request.temperature) and request.temperature >= 0
+    assert request.temperature is None or (math.isfinite(request.temperature) and request.temperature >= 0)
+    assert request.top_p is None or 0 < request.top_p <= 1
+    assert request.top_k is None or (type(request.top_k) is int and request.top_k >= 0)
+    assert request.repetition_penalty is None or (math.isfinite(request.repetition_penalty)
+                                                  and request.repetition_penalty > 0)
+    assert isinstance(request.stop, tuple) and all(isinstance(s, str) and s for s in request.stop)
+    assert request.seed is None or (type(request.seed) is int and request.seed >= 0)
     if request.prompt is not None:
         assert isinstance(request.prompt, str) and request.prompt.strip()
         assert len(request.prompt) <= client.MAX_PROMPT_CHARS
@@ -672,6 +686,11 @@ def test_fuzz_client_validation_accepts_only_valid_jobs(kind, prompt, messages, 
     (lambda: client.astream("extract", "hi", foreground_hint="yes"), "foreground_hint must be a bool"),
     (lambda: client.astream("extract", "hi", subject=""), "subject must be a non-empty string"),
     (lambda: client.astream("chat", "hi", temperature=-1), "temperature must be a finite number >= 0"),
+    (lambda: client.astream("chat", "hi", top_p=0), "top_p must be a number in (0, 1]"),
+    (lambda: client.astream("chat", "hi", top_k=1.5), "top_k must be an int >= 0"),
+    (lambda: client.astream("chat", "hi", repetition_penalty=0), "repetition_penalty must be a finite number > 0"),
+    (lambda: client.astream("chat", "hi", stop=["", "x"]), "stop must be a string or a list of non-empty strings"),
+    (lambda: client.astream("chat", "hi", seed=-3), "seed must be an int >= 0"),
 ])
 def test_client_api_bad_input_is_a_clear_value_error(call, error):
     with pytest.raises(ValueError, match=re.escape(error)):

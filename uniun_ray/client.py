@@ -452,11 +452,15 @@ class GenerationStream:
 def astream(kind: Kind | str, prompt: str | None = None, *, messages: list[dict] | None = None,
             model_id: str | None = None, producer: str | None = None, deadline: float | None = None,
             foreground_hint: bool = False, subject: str | None = None, max_new_tokens: int = 128,
-            temperature: float = 0.0) -> GenerationStream:
-    """Validated here, before anything is queued; runs when iterated."""
+            temperature: float | None = None, top_p: float | None = None, top_k: int | None = None,
+            repetition_penalty: float | None = None, stop: str | list[str] = (),
+            seed: int | None = None) -> GenerationStream:
+    """Validated here, before anything is queued; runs when iterated. Sampling fields left None
+    take the model's generation_config (greedy for the embedded models); see GenerateRequest."""
     job = _job(kind, model_id, producer, deadline, foreground_hint, subject)
     request = GenerateRequest(prompt=prompt, messages=messages, max_new_tokens=max_new_tokens,
-                              temperature=temperature)
+                              temperature=temperature, top_p=top_p, top_k=top_k,
+                              repetition_penalty=repetition_penalty, stop=stop, seed=seed)
     _check_prompt(prompt, messages)
     return GenerationStream(job, request)
 
@@ -480,9 +484,9 @@ class LeaseHandle:
         return self.lease.model_id
 
     async def agenerate(self, prompt: str | None = None, *, messages=None, max_new_tokens: int = 128,
-                        temperature: float = 0.0) -> str:
-        request = GenerateRequest(prompt=prompt, messages=messages, max_new_tokens=max_new_tokens,
-                                  temperature=temperature)
+                        **sampling) -> str:
+        """``sampling``: temperature, top_p, top_k, repetition_penalty, stop, seed (GenerateRequest)."""
+        request = GenerateRequest(prompt=prompt, messages=messages, max_new_tokens=max_new_tokens, **sampling)
         result = None
         async for item in _generation(self._model, self.lease.epoch, request):
             result = item.get("result", result)
