@@ -19,7 +19,7 @@ import ray
 from .client import agenerate, await_generating
 from .models import DEFAULT_CHAT_MODEL
 from .producers import spawn_producer
-from .runtime.launch import local_cluster, start
+from .runtime.launch import device_name, local_cluster, start
 
 PROMPT = "Reply with one friendly sentence about {topic}."
 TOPICS = ("the sea", "lighthouses", "autumn", "bread", "trains", "owls", "rain", "maps", "tea", "bees")
@@ -108,7 +108,7 @@ def main(argv: list[str] | None = None) -> None:
           f"{host['threads']} threads; {DEFAULT_CHAT_MODEL} runs in {host['dtype']} "
           f"(decode {host['decode_ms']:.0f} ms/token, prefill chunk {host['prefill_chunk']} tokens)")
     with local_cluster(dashboard=True) as context:
-        print(f"Ray dashboard: http://{context.dashboard_url}  (actors: scheduler, model:cpu0, "
+        print(f"Ray dashboard: http://{context.dashboard_url}  (actors: scheduler, model:{device_name()}, "
               f"embedder, producer:nataraj:demo)")
         events = ray.get(start().scheduler.status.remote())["event_log"]
         print(f"watch it: uniun-ray status --watch --address {context.address_info['gcs_address']}\n"

@@ -12,8 +12,9 @@ from dataclasses import dataclass
 
 import ray
 
-from .actors import (DEVICE_RESOURCE, EMBEDDER_RESOURCE, RemoteEmbedder, RemoteModel, RemoteScheduler,
-                     cuda_devices, embedder_options, model_actor_options, scheduler_options)
+from . import placement
+from .actors import RemoteEmbedder, RemoteModel, RemoteScheduler, embedder_options, model_actor_options, scheduler_options
+from .placement import DEVICE_RESOURCE, EMBEDDER_RESOURCE
 from .protocol import EMBEDDER_NAME, NAMESPACE, SCHEDULER_NAME, UniunError, model_actor_name
 from .service import RuntimeConfig
 from ..models.settings import EngineSettings
@@ -114,29 +115,44 @@ class Handles:
 
 
 def device_name() -> str:
-    return "gpu0" if cuda_devices() >= 1 else "cpu0"
+    return placement.device_name(ray.cluster_resources())
 
 
 def start(config: RuntimeConfig | None = None) -> Handles:
     """Get or create the scheduler, the model actor and the embedder. `config` only
-    applies when the scheduler is created here (a running one keeps its own)."""
-    settings = EngineSettings.from_env()   # a bad UNIUN_DTYPE / UNIUN_THREADS fails here, clearly
+    applies when the scheduler is created here (a running one keeps its own). Placement
+    follows what the cluster declares (`placement`); an actor whose seat is taken is refused
+    at once, naming the resource, rather than left waiting for ever."""
+    settings = EngineSettings.from_env()   # bad UNIUN_* settings fail here, clearly, before any actor
+    forced, concurrency = placement.torch_device(), placement.embed_concurrency()
     connect()
-    gpu = cuda_devices() >= 1
-    if not gpu and ray.cluster_resources().get(DEVICE_RESOURCE, 0) < 1:
-        raise UniunError(
-            f"this Ray cluster has no GPU and no {DEVICE_RESOURCE!r} resource, so the model actor "
-            f"cannot be placed. Start Ray with `uniun-ray up`, or `ray start --head "
-            f"--resources='{{\"{DEVICE_RESOURCE}\": 1, \"{EMBEDDER_RESOURCE}\": 1}}'`.")
-    model_name = model_actor_name(device_name())
-    model = RemoteModel.options(**model_actor_options(model_name)).remote(
-        device="cuda" if gpu else "cpu", settings=settings)
-    # Ray shows an actor only the GPU it was given, as cuda:0
-    embedder = RemoteEmbedder.options(**embedder_options(EMBEDDER_NAME)).remote(
-        device="cuda" if cuda_devices() >= 2 else "cpu")
+    resources = ray.cluster_resources()
+    model_name = model_actor_name(placement.device_name(resources))
+    model_seat = placement.model_seat(resources, forced)
+    embedder_seat = placement.embedder_seat(resources, forced)
+    _check_seats([(model_name, model_seat), (EMBEDDER_NAME, embedder_seat)])
+    model = RemoteModel.options(**model_actor_options(model_name, model_seat)).remote(
+        device=model_seat.torch_device, settings=settings)
+    embedder = RemoteEmbedder.options(**embedder_options(EMBEDDER_NAME, embedder_seat, concurrency)).remote(
+        device=embedder_seat.torch_device)
     scheduler = RemoteScheduler.options(**scheduler_options(SCHEDULER_NAME)).remote(model_name, config)
     ray.get(scheduler.ping.remote())
     return _remember(Handles(scheduler, model, embedder))
+
+
+def _check_seats(seats: list[tuple[str, "placement.Seat"]]) -> None:
+    """Actors that do not exist yet must find their seat free: the model and the embedder
+    together, when they ask for the same resource (two GPUs, one of them taken)."""
+    available = dict(ray.available_resources())
+    for name, seat in seats:
+        try:
+            ray.get_actor(name, namespace=NAMESPACE)
+            continue            # it exists: get_if_exists takes it as it is
+        except ValueError:
+            pass
+        placement.check_free(name, seat, available)
+        for resource, amount in seat.needs.items():
+            available[resource] = available.get(resource, 0) - amount
 
 
 #: The handles this process last found or made, and the Ray session they belong to. A named

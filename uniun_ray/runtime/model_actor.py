@@ -21,6 +21,7 @@ from ..models.registry import resolve
 from ..models.request import GenerateRequest
 from ..models.settings import EngineSettings
 from .metrics import ModelMetrics
+from .placement import assigned_resources
 from .protocol import LeaseRevoked
 
 _END = object()
@@ -132,4 +133,5 @@ class ModelActor:
         return {"device": self._device, "loaded": self._engine.loaded, "epoch": self._epoch,
                 "revoked": self._revoked, "generating": sorted(self._running),
                 "context_length": self._engine.context_length, "engine": self._engine.describe(),
+                "ray_resources": assigned_resources(),
                 "stop_latency_s": list(self.stop_latencies)}
