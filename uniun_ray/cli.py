@@ -141,7 +141,8 @@ def _up(args) -> int:
     import ray
 
     from .runtime.head import HeadError, HeadState, start_head, state_path
-    from .runtime.launch import start
+    from .runtime.launch import chat_model_setting, start
+    from .runtime.service import RuntimeConfig
     from .producers import error_text
     from .runtime.protocol import NAMESPACE
 
@@ -160,7 +161,10 @@ def _up(args) -> int:
         state.address = context.address_info.get("gcs_address") or state.address
         state.session_dir = context.address_info.get("session_dir")
         state.dashboard_url = f"http://{context.dashboard_url}" if context.dashboard_url else None
-        event_log = ray.get(start().scheduler.status.remote())["event_log"]
+        handles = start(chat_model_setting(None) if args.chat_model is None
+                        else RuntimeConfig(chat_model=args.chat_model))
+        event_log = ray.get(handles.scheduler.status.remote())["event_log"]
+        print(f"active chat model: {handles.chat_model}")
         state.actors = _actor_names()
     except Exception as error:
         raise HeadError(f"the head is up, but its actors could not be created ({error_text(error)}); "
@@ -245,6 +249,8 @@ def _parser() -> argparse.ArgumentParser:
     up.add_argument("--auth", choices=("disabled", "token"), default="disabled",
                     help="RAY_AUTH_MODE of the head (default disabled; token on shared networks)")
     up.add_argument("--temp-dir", help="Ray temp dir (default Ray's, /tmp/ray)")
+    up.add_argument("--chat-model", help="the active chat model every client's model_id=None means "
+                    "(default: UNIUN_CHAT_MODEL, else smollm2-135m-instruct)")
     up.add_argument("ray_args", nargs="*", metavar="-- RAY_START_ARG", help="more `ray start` arguments, after --")
     up.set_defaults(run=_up)
 

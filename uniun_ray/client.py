@@ -27,7 +27,6 @@ Validation. A request is checked before anything is queued: the job by the polic
 from __future__ import annotations
 
 import asyncio
-import os
 import threading
 import time
 import uuid
@@ -52,8 +51,9 @@ MAX_PROMPT_CHARS = 1_000_000
 
 
 def active_chat_model() -> str:
-    """`model_id=None` means the active chat model (env UNIUN_CHAT_MODEL, else the default)."""
-    return os.environ.get("UNIUN_CHAT_MODEL", DEFAULT_CHAT_MODEL)
+    """What `model_id=None` means: the scheduler's setting (`uniun-ray up --chat-model`, or
+    UNIUN_CHAT_MODEL where the scheduler was created), so every process agrees."""
+    return handles().chat_model
 
 
 @dataclass(frozen=True)
@@ -68,8 +68,15 @@ class Completion:
 
 
 def _job(kind, model_id, producer, deadline, foreground_hint, subject) -> Job:
-    return new_job(kind, active_chat_model() if model_id is None else model_id, producer=producer,
+    """The job, validated now, before anything is queued and without a cluster. `model_id=None`
+    is validated as the default model and becomes the active chat model when the job starts
+    (`_bound`), when this process is connected."""
+    return new_job(kind, DEFAULT_CHAT_MODEL if model_id is None else model_id, producer=producer,
                    deadline=deadline, foreground_hint=foreground_hint, subject=subject)
+
+
+def _bound(job: Job, model_id: str | None) -> Job:
+    return job if model_id is not None else replace(job, model_id=active_chat_model())
 
 
 def _check_prompt(prompt, messages) -> None:
@@ -392,15 +399,17 @@ class GenerationStream:
     """An async iterator of text pieces; `completion` is set once it is exhausted. Work for
     the lease loop: each turn generates from prompt + what earlier turns produced (R6)."""
 
-    def __init__(self, job: Job, request: GenerateRequest) -> None:
+    def __init__(self, job: Job, request: GenerateRequest, follows_chat_model: bool = False) -> None:
         self.job, self.request = job, request
         self.completion: Completion | None = None
+        self._follows_chat_model = follows_chat_model
 
     def __aiter__(self) -> AsyncIterator[str]:
         return self._run()
 
     async def _run(self) -> AsyncIterator[str]:
         started = time.perf_counter()
+        self.job = _bound(self.job, None if self._follows_chat_model else self.job.model_id)
         await _check(self.job.model_id, self.request)  # clear errors, nothing queued
         limit = self.request.max_new_tokens
         produced: tuple[int, ...] = ()   # token ids of the finished runs: an exact resume (R6)
@@ -462,7 +471,7 @@ def astream(kind: Kind | str, prompt: str | None = None, *, messages: list[dict]
                               temperature=temperature, top_p=top_p, top_k=top_k,
                               repetition_penalty=repetition_penalty, stop=stop, seed=seed)
     _check_prompt(prompt, messages)
-    return GenerationStream(job, request)
+    return GenerationStream(job, request, follows_chat_model=model_id is None)
 
 
 async def agenerate(kind, prompt=None, **kwargs) -> Completion:
@@ -503,7 +512,7 @@ async def arun(kind, model_id: str | None, work: Callable[[LeaseHandle], Awaitab
     """The notes' run<T>: hold the device for `work(lease)`, which may call the model
     several times. After a revoke, a lost device or a scheduler restart, `work` restarts
     from scratch on the next lease."""
-    job = _job(kind, model_id, producer, deadline, foreground_hint, subject)
+    job = _bound(_job(kind, model_id, producer, deadline, foreground_hint, subject), model_id)
     loop = LeaseLoop(job, dropped=LeaseRevoked)
     turns = loop.turns()
     try:

@@ -14,7 +14,7 @@ from .model_actor import ModelActor
 from .protocol import NAMESPACE, DeviceLost
 from .service import RuntimeConfig, SchedulerService
 
-from .placement import DEVICE_RESOURCE, EMBEDDER_RESOURCE, Seat  # noqa: F401 (re-exported)
+from .placement import Seat
 
 
 class RayDevice:
@@ -90,6 +90,10 @@ class SchedulerActor(SchedulerService):
 
     async def ping(self) -> str:
         return "ok"
+
+    async def chat_model(self) -> str:
+        """The active chat model: what every client means by `model_id=None`."""
+        return self.config.chat_model
 
 
 def model_actor_options(name: str, seat: Seat) -> dict:

@@ -17,6 +17,7 @@ from .actors import RemoteEmbedder, RemoteModel, RemoteScheduler, embedder_optio
 from .placement import DEVICE_RESOURCE, EMBEDDER_RESOURCE
 from .protocol import EMBEDDER_NAME, NAMESPACE, SCHEDULER_NAME, UniunError, model_actor_name
 from .service import RuntimeConfig
+from ..models.registry import DEFAULT_CHAT_MODEL, resolve
 from ..models.settings import EngineSettings
 
 #: Resources a local cluster declares for the stand-in devices of a CPU-only machine.
@@ -112,6 +113,16 @@ class Handles:
     scheduler: object
     model: object
     embedder: object
+    chat_model: str     # the scheduler's setting, asked once per session
+
+
+def chat_model_setting(config: RuntimeConfig | None) -> RuntimeConfig:
+    """The configuration a new scheduler gets: `config`, else the defaults with the chat model
+    from UNIUN_CHAT_MODEL (checked against the registry here, before any actor exists)."""
+    if config is None:
+        config = RuntimeConfig(chat_model=os.environ.get("UNIUN_CHAT_MODEL", "").strip() or DEFAULT_CHAT_MODEL)
+    resolve(config.chat_model)   # UnknownModel names the choices
+    return config
 
 
 def device_name() -> str:
@@ -124,6 +135,7 @@ def start(config: RuntimeConfig | None = None) -> Handles:
     follows what the cluster declares (`placement`); an actor whose seat is taken is refused
     at once, naming the resource, rather than left waiting for ever."""
     settings = EngineSettings.from_env()   # bad UNIUN_* settings fail here, clearly, before any actor
+    config = chat_model_setting(config)
     forced, concurrency = placement.torch_device(), placement.embed_concurrency()
     connect()
     resources = ray.cluster_resources()
@@ -136,8 +148,7 @@ def start(config: RuntimeConfig | None = None) -> Handles:
     embedder = RemoteEmbedder.options(**embedder_options(EMBEDDER_NAME, embedder_seat, concurrency)).remote(
         device=embedder_seat.torch_device)
     scheduler = RemoteScheduler.options(**scheduler_options(SCHEDULER_NAME)).remote(model_name, config)
-    ray.get(scheduler.ping.remote())
-    return _remember(Handles(scheduler, model, embedder))
+    return _remember(Handles(scheduler, model, embedder, ray.get(scheduler.chat_model.remote())))
 
 
 def _check_seats(seats: list[tuple[str, "placement.Seat"]]) -> None:
@@ -191,6 +202,8 @@ def handles() -> Handles:
     connect()
     try:
         get = lambda name: ray.get_actor(name, namespace=NAMESPACE)  # noqa: E731
-        return _remember(Handles(get(SCHEDULER_NAME), get(model_actor_name(device_name())), get(EMBEDDER_NAME)))
+        scheduler = get(SCHEDULER_NAME)
+        return _remember(Handles(scheduler, get(model_actor_name(device_name())), get(EMBEDDER_NAME),
+                                 ray.get(scheduler.chat_model.remote())))
     except ValueError:
         return start()

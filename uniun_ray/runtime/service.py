@@ -23,6 +23,7 @@ import os
 import time
 from dataclasses import dataclass, field
 
+from ..models.registry import DEFAULT_CHAT_MODEL
 from ..policy import Dispatch, Job, Outcome, PolicyConfig, Requeued, Revoke, RevokeCause, SchedulerPolicy
 from .driver import Device, DeviceDriver
 from .eventlog import EventLog
@@ -54,6 +55,7 @@ class RuntimeConfig:
     max_queued: int = 10_000          # per kind, queued or running; beyond it submit raises QueueFull
     event_log: str | None = None      # JSONL path (default ~/.cache/uniun-ray/events.jsonl)
     event_log_max_bytes: int = 20 * 1024 * 1024
+    chat_model: str = DEFAULT_CHAT_MODEL   # what `model_id=None` means, for every process alike
 
     def __post_init__(self) -> None:
         for name in ("lease_timeout_s", "waiter_timeout_s", "reap_period_s"):
@@ -66,6 +68,8 @@ class RuntimeConfig:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
         if not isinstance(self.policy, PolicyConfig):
             raise ValueError(f"policy must be a PolicyConfig, got {type(self.policy).__name__}")
+        if not isinstance(self.chat_model, str) or not self.chat_model:
+            raise ValueError(f"chat_model must be a model id, got {self.chat_model!r}")
         if self.event_log is not None and (not isinstance(self.event_log, (str, os.PathLike)) or not str(self.event_log)):
             raise ValueError(f"event_log must be a path (or None for the default), got {self.event_log!r}")
 
@@ -171,6 +175,7 @@ class SchedulerService:
         snap = self.policy.snapshot()
         snap["swap_s"] = dict(self.driver.swap_s)
         snap["event_log"] = str(self.events.path)
+        snap["chat_model"] = self.config.chat_model
         snap["leases"] = self.leases.snapshot()
         return snap
 
