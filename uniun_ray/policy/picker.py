@@ -1,14 +1,18 @@
 """Choosing a job (R2, R3, R11, R12) and deciding whether it preempts (R4).
 
-Two questions, two functions: `pick` answers "the device is free: what runs next?";
-`preemptor` answers "something changed: does a queued job outrank the running one?" with
-the same rules, the running job counted as a candidate. The T2 budget and the affinity
+Three questions, three functions: `pick` answers "the device is free: what runs next?";
+`preemptor` answers "an event happened: does a queued job outrank the running one?" with
+the same rules, the running job counted as a candidate; `affinity_wakeup` answers "when
+does the affinity wait that holds such a job back end?". The T2 budget and the affinity
 wait are pick-time rules: they are consulted, so an over-budget T2 or a job on another
 model still inside its affinity wait never revokes (a revoke would only hand the device
-straight back: thrash), but they are not events, so they never revoke on their own.
+straight back: thrash). The budget is never an event; the end of an outranking job's
+affinity wait is one (R4, clarified), so that whether it revokes does not depend on an
+unrelated call happening to come along.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Callable
@@ -47,6 +51,22 @@ class PickContext:
         return _FAIR_TIERS
 
 
+def affinity_end(submitted: float, max_wait_s: float) -> float:
+    """The first instant at which a job submitted at `submitted` has waited longer than
+    `max_wait_s` (R12), with the comparison `waited_past` makes, float for float: the
+    runtime's tick at this time finds the wait over, not a hair short of it."""
+    end = submitted + max_wait_s
+    while end - submitted <= max_wait_s:
+        end = math.nextafter(end, math.inf)
+    while (earlier := math.nextafter(end, -math.inf)) - submitted > max_wait_s:
+        end = earlier
+    return end
+
+
+def waited_past(entry: Entry, ctx: PickContext) -> bool:
+    return ctx.now - entry.submitted > ctx.max_affinity_wait_s
+
+
 def pick(ctx: PickContext) -> Entry | None:
     urgent = ctx.first((Tier.CHAT, Tier.FOREGROUND))
     if urgent is not None:
@@ -58,9 +78,14 @@ def pick(ctx: PickContext) -> Entry | None:
     # R12: fall through T2–T4 to the best job on the loaded model, unless the best job
     # has waited past the affinity bound; after a swap this favours the new model.
     same = ctx.first(tiers, ctx.loaded_model)
-    if same is not None and ctx.now - best.submitted <= ctx.max_affinity_wait_s:
+    if same is not None and not waited_past(best, ctx):
         return same
     return best
+
+
+def _outranking_fair_tiers(ctx: PickContext, running_tier: Tier) -> list[Tier]:
+    lower_work = len(ctx.queues.pool) > 0 or running_tier >= Tier.DEADLINE
+    return [t for t in ctx.fair_tiers(lower_work) if t < running_tier]
 
 
 def preemptor(ctx: PickContext, running_tier: Tier) -> Entry | None:
@@ -68,20 +93,36 @@ def preemptor(ctx: PickContext, running_tier: Tier) -> Entry | None:
     `pick` would choose, with the runner counted as a candidate, when it is of a lower tier.
 
     The runner is on the loaded model, so for T2–T4 it is always a same-model candidate: a
-    job on another model preempts only once its affinity wait is over (at an event: this
-    is never a timer of its own), and an over-budget T2 never does while the runner is
-    T3/T4 work."""
+    job on another model preempts only once its affinity wait is over (the end of that
+    wait is an event: `affinity_wakeup`), and an over-budget T2 never does while the
+    runner is T3/T4 work."""
     if running_tier is Tier.CHAT:
         return None  # chat only loses to itself (R4)
     urgent = ctx.first(t for t in (Tier.CHAT, Tier.FOREGROUND) if t < running_tier)
     if urgent is not None:
         return urgent
-    lower_work = len(ctx.queues.pool) > 0 or running_tier >= Tier.DEADLINE
-    tiers = [t for t in ctx.fair_tiers(lower_work) if t < running_tier]
+    tiers = _outranking_fair_tiers(ctx, running_tier)
     same = ctx.first(tiers, ctx.loaded_model)
     if same is not None:
         return same
     best = ctx.first(tiers)
-    if best is not None and ctx.now - best.submitted > ctx.max_affinity_wait_s:
+    if best is not None and waited_past(best, ctx):
         return best
     return None
+
+
+def affinity_wakeup(ctx: PickContext, running_tier: Tier) -> float | None:
+    """When the affinity wait of the job that would preempt a runner of `running_tier`
+    ends (R4, R5), or None when no outranking job on another model is inside its wait.
+
+    Only the best outranking job's wait matters: `preemptor` looks at no other job on
+    another model, so the end of any other job's wait would be an event that changes
+    nothing."""
+    if running_tier is Tier.CHAT:
+        return None
+    tiers = _outranking_fair_tiers(ctx, running_tier)
+    best = ctx.first(tiers)
+    if best is None or best.job.model_id == ctx.loaded_model or ctx.first(tiers, ctx.loaded_model):
+        return None
+    end = affinity_end(best.submitted, ctx.max_affinity_wait_s)
+    return end if end > ctx.now else None

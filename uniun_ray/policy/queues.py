@@ -9,7 +9,7 @@ that scope is past no deadline).
 """
 from __future__ import annotations
 
-from collections import defaultdict
+from collections import Counter, defaultdict
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
@@ -103,6 +103,30 @@ class Buckets:
     def head(self, key: object) -> Entry | None:
         bucket = self._buckets.get(key)
         return bucket[0] if bucket else None
+
+    def count(self, key: object) -> int:
+        bucket = self._buckets.get(key)
+        return len(bucket) if bucket else 0
+
+
+class Tally:
+    """How many entries share a fixed attribute, where only the count is ever asked."""
+
+    def __init__(self, key_of: Callable[[Entry], object]) -> None:
+        self._key_of = key_of
+        self._counts: Counter = Counter()
+
+    def add(self, entry: Entry) -> None:
+        self._counts[self._key_of(entry)] += 1
+
+    def remove(self, entry: Entry) -> None:
+        key = self._key_of(entry)
+        self._counts[key] -= 1
+        if not self._counts[key]:
+            del self._counts[key]
+
+    def count(self, key: object) -> int:
+        return self._counts.get(key, 0)
 
 
 class FairPool:
@@ -204,6 +228,7 @@ class Queues:
         self._deadlines = Ordered(_by_deadline)
         self._by_kind = Buckets(lambda e: e.job.kind)
         self._by_subject = Buckets(lambda e: e.job.subject)
+        self._by_kind_subject = Tally(lambda e: (e.job.kind, e.job.subject))
         self.pool = FairPool(ledger)
 
     def __len__(self) -> int:
@@ -215,7 +240,7 @@ class Queues:
     def get(self, job_id: str) -> Entry | None:
         return self._entries.get(job_id)
 
-    def _indexes(self, entry: Entry) -> Iterator[Ordered | Buckets | FairPool]:
+    def _indexes(self, entry: Entry) -> Iterator[Ordered | Buckets | Tally | FairPool]:
         """Every index this entry belongs to. Only hinted extracts are filed under their
         kind: a foreground extract page hoists those alone (R1)."""
         job = entry.job
@@ -227,9 +252,9 @@ class Queues:
         if job.kind is Kind.EXTRACT:
             yield self._extract
             if job.foreground_hint:
-                yield self._by_kind
+                yield from self._kind_indexes(job)
             return
-        yield self._by_kind
+        yield from self._kind_indexes(job)
         yield self.pool
         if job.deadline is not None:
             yield self._deadlines
@@ -243,6 +268,35 @@ class Queues:
         del self._entries[entry.job.id]
         for index in self._indexes(entry):
             index.remove(entry)
+
+    def _kind_indexes(self, job: Job) -> Iterator[Buckets | Tally]:
+        yield self._by_kind
+        if job.subject is not None:
+            yield self._by_kind_subject
+
+    def _hoisted_count(self, foreground: Foreground) -> int:
+        if foreground.kind is None:
+            return 0
+        if foreground.subject is not None:
+            return self._by_subject.count(foreground.subject)
+        return self._by_kind.count(foreground.kind)
+
+    def _hoisted_by_both(self, a: Foreground, b: Foreground) -> int:
+        if a.kind is None or b.kind is None:
+            return 0
+        if a.subject is not None and b.subject is not None:  # by subject: the same set or disjoint
+            return self._by_subject.count(a.subject) if a.subject == b.subject else 0
+        if a.subject is None and b.subject is None:  # by kind: the same set or disjoint
+            return self._by_kind.count(a.kind) if a.kind is b.kind else 0
+        kind_only, subject = (a, b.subject) if a.subject is None else (b, a.subject)
+        return self._by_kind_subject.count((kind_only.kind, subject))
+
+    def moved_by(self, before: Foreground, after: Foreground) -> bool:
+        """Whether changing the foreground from `before` to `after` moves some queued job in
+        or out of T1 (R4: a change that alters no tier is no event). From counts, O(1):
+        the two hoisted sets differ exactly when they are not both their intersection."""
+        both = self._hoisted_by_both(before, after)
+        return self._hoisted_count(before) != both or self._hoisted_count(after) != both
 
     def hoisted_head(self, foreground: Foreground) -> Entry | None:
         if foreground.kind is None:

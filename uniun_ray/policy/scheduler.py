@@ -14,7 +14,7 @@ from collections import OrderedDict
 
 from .budget import Run, T2Window
 from .fairness import VruntimeLedger
-from .picker import PickContext, pick, preemptor
+from .picker import PickContext, affinity_wakeup, pick, preemptor
 from .queues import Entry, Queues
 from .tiers import Foreground, Tier, tier_of
 from .types import (WITHDRAWALS, Action, Dispatch, Job, Kind, Outcome, PolicyConfig, Requeued, Revoke,
@@ -49,9 +49,9 @@ class SchedulerPolicy:
         self._seq += 1
         self._ledger.arrive(entry.flow, now)
         self._queues.add(entry)
-        # only the new job became eligible, so only a job outranking the runner can preempt
+        # an arrival is an event (R4); named for a deadline or wait it did not outrank
         outranks = self._running is not None and self.tier(job) < self.tier(self._running.job)
-        return self._react(now, RevokeCause.ARRIVAL if outranks else passed)
+        return self._react(now, passed if passed is not None and not outranks else RevokeCause.ARRIVAL)
 
     def finish(self, job_id: str, now: float, outcome: Outcome | str) -> list[Action]:
         now = self._check_now(now)
@@ -102,13 +102,17 @@ class SchedulerPolicy:
             raise ValueError(f"foreground subject must be a non-empty string or None, got {subject!r}")
         if kind is None and subject is not None:
             raise ValueError("a foreground subject needs a foreground kind (kind None means nothing is in front)")
-        self._advance(now)
-        self._foreground = Foreground(kind, subject)
-        return self._react(now, RevokeCause.FOREGROUND)
+        passed = self._advance(now)
+        before, self._foreground = self._foreground, Foreground(kind, subject)
+        running = self._running.job if self._running is not None else None
+        moved = self._queues.moved_by(before, self._foreground) or (
+            running is not None and before.hoists(running) != self._foreground.hoists(running))
+        return self._react(now, RevokeCause.FOREGROUND if moved else passed)
 
     def tick(self, now: float) -> list[Action]:
         """R5: the runtime calls this at `next_wakeup()`; a deadline that passed since the
-        last call may promote a queued job to T3 and preempt."""
+        last call may promote a queued job to T3 and preempt, and the end of an outranking
+        job's affinity wait may let it preempt. Otherwise a tick changes nothing."""
         now = self._check_now(now)
         return self._react(now, self._advance(now))
 
@@ -123,9 +127,12 @@ class SchedulerPolicy:
         return self._react(now, passed)
 
     def next_wakeup(self) -> float | None:
+        """R5: the earliest queued deadline not yet passed, or the end of the affinity wait
+        of a queued job that outranks the running one, whichever comes first."""
         if self._now is None:
             return None
-        return self._queues.next_deadline_after(self._now)
+        times = (self._queues.next_deadline_after(self._now), self._affinity_wakeup())
+        return min((t for t in times if t is not None), default=None)
 
     def snapshot(self) -> dict:
         now = self._now if self._now is not None else 0.0
@@ -187,12 +194,24 @@ class SchedulerPolicy:
         return now
 
     def _advance(self, now: float) -> RevokeCause | None:
-        """Move the clock; DEADLINE when a queued deadline passed on the way (R4, R5)."""
-        previous, self._now = self._now, now
+        """Move the clock; name the event that happened on the way, if any (R4, R5): a
+        queued deadline passed, or an outranking job's affinity wait ended. Whatever call
+        comes first notices it, whether or not the runtime ticked at `next_wakeup`."""
+        previous = self._now
+        affinity = self._affinity_wakeup()  # of the state since the last call
+        self._now = now
         if self._ledger.decay(now):
             self._queues.pool.reprice_all()
         due = self._queues.next_deadline_after(previous) if previous is not None else None
-        return RevokeCause.DEADLINE if due is not None and due <= now else None
+        if due is not None and due <= now:
+            return RevokeCause.DEADLINE
+        return RevokeCause.AFFINITY if affinity is not None and affinity <= now else None
+
+    def _affinity_wakeup(self) -> float | None:
+        runner = self._running
+        if self._now is None or runner is None or runner.revoke_sent:
+            return None
+        return affinity_wakeup(self._context(self._now), self.tier(runner.job))
 
     def _require_running(self, job_id: str, verb: str) -> Entry:
         if self._is_running(job_id):
