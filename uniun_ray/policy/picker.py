@@ -1,9 +1,11 @@
-"""Choosing a job (R2, R3, R11, R12) and deciding whether it preempts (R4).
+"""Choosing a job (R2, R3, R11, R12, R16, R17) and deciding whether it preempts (R4, R18).
 
-Three questions, three functions: `pick` answers "the device is free: what runs next?";
-`preemptor` answers "an event happened: does a queued job outrank the running one?" with
-the same rules, the running job counted as a candidate; `affinity_wakeup` answers "when
-does the affinity wait that holds such a job back end?". The T2 budget and the affinity
+`place` answers "devices are free: what runs next, and where?"; `preemptor` answers "an
+event happened: does a queued job outrank the job running on this device?" with the same
+rules, the running job counted as a candidate; `victim` chooses, across the pool, the one
+running job to revoke; `affinity_wakeup` answers "when does the affinity wait that holds
+such a job back end?". With one device these are exactly the single-device rules: a
+device is a model (its `loaded`) and the pool's ties never arise. The T2 budget and the affinity
 wait are pick-time rules: they are consulted, so an over-budget T2 or a job on another
 model still inside its affinity wait never revokes (a revoke would only hand the device
 straight back: thrash). The budget is never an event; the end of an outranking job's
@@ -17,6 +19,7 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Callable
 
+from .pool import Device, device_for, swap_target
 from .queues import Entry, Queues
 from .tiers import Foreground, Tier
 
@@ -28,9 +31,9 @@ class PickContext:
     queues: Queues
     foreground: Foreground
     now: float
-    loaded_model: str | None
     budget_check: Callable[[], bool]
     max_affinity_wait_s: float
+    tier: Callable[[Entry], Tier]
 
     @cached_property
     def t2_over_budget(self) -> bool:
@@ -67,20 +70,28 @@ def waited_past(entry: Entry, ctx: PickContext) -> bool:
     return ctx.now - entry.submitted > ctx.max_affinity_wait_s
 
 
-def pick(ctx: PickContext) -> Entry | None:
+def place(ctx: PickContext, free: list[Device]) -> tuple[Entry, Device] | None:
+    """The next job and the free device it runs on (R16: while any job waits, a free device
+    gets one), or None when nothing waits. Called once per free device, in a loop."""
     urgent = ctx.first((Tier.CHAT, Tier.FOREGROUND))
     if urgent is not None:
-        return urgent  # T0/T1 swap at once (R12, R13)
+        return urgent, device_for(urgent, free, ctx.queues.count_on)  # T0/T1 swap at once (R12, R13)
     tiers = ctx.fair_tiers(lower_work=len(ctx.queues.pool) > 0)
     best = ctx.first(tiers)
-    if best is None or ctx.loaded_model is None or best.job.model_id == ctx.loaded_model:
-        return best
-    # R12: fall through T2–T4 to the best job on the loaded model, unless the best job
-    # has waited past the affinity bound; after a swap this favours the new model.
-    same = ctx.first(tiers, ctx.loaded_model)
-    if same is not None and not waited_past(best, ctx):
-        return same
-    return best
+    if best is None:
+        return None
+    holder = next((d for d in free if d.loaded == best.job.model_id), None)
+    if holder is not None:
+        return best, holder
+    if waited_past(best, ctx) or any(d.loaded is None for d in free):
+        return best, swap_target(free, ctx.queues.count_on)
+    # R12: each free device falls through T2–T4 to the best job on its model while the
+    # best job is inside its affinity wait; after a swap this favours the new model.
+    for device in free:
+        same = ctx.first(tiers, device.loaded)
+        if same is not None:
+            return same, device
+    return best, swap_target(free, ctx.queues.count_on)
 
 
 def _outranking_fair_tiers(ctx: PickContext, running_tier: Tier) -> list[Tier]:
@@ -88,9 +99,10 @@ def _outranking_fair_tiers(ctx: PickContext, running_tier: Tier) -> list[Tier]:
     return [t for t in ctx.fair_tiers(lower_work) if t < running_tier]
 
 
-def preemptor(ctx: PickContext, running_tier: Tier) -> Entry | None:
-    """The queued job that should revoke a running job of `running_tier`, if any: the job
-    `pick` would choose, with the runner counted as a candidate, when it is of a lower tier.
+def preemptor(ctx: PickContext, loaded: str | None, running_tier: Tier) -> Entry | None:
+    """The queued job that should revoke a running job of `running_tier` on a device holding
+    `loaded`, if any: the job `place` would choose for that device, with the runner counted
+    as a candidate, when it is of a lower tier.
 
     The runner is on the loaded model, so for T2–T4 it is always a same-model candidate: a
     job on another model preempts only once its affinity wait is over (the end of that
@@ -102,7 +114,7 @@ def preemptor(ctx: PickContext, running_tier: Tier) -> Entry | None:
     if urgent is not None:
         return urgent
     tiers = _outranking_fair_tiers(ctx, running_tier)
-    same = ctx.first(tiers, ctx.loaded_model)
+    same = ctx.first(tiers, loaded)
     if same is not None:
         return same
     best = ctx.first(tiers)
@@ -111,7 +123,25 @@ def preemptor(ctx: PickContext, running_tier: Tier) -> Entry | None:
     return None
 
 
-def affinity_wakeup(ctx: PickContext, running_tier: Tier) -> float | None:
+def victim(ctx: PickContext, busy: list[Device]) -> tuple[Device, Entry] | None:
+    """R18: at an event with no device free, the one running job to revoke and the queued
+    job it makes way for: the lowest-ranked running job (the highest tier) that a queued
+    job outranks; ties: the one holding that job's model (no swap), then the most recently
+    dispatched (the least work lost). A revoked job is already making way; chat never is."""
+    candidates = [(ctx.tier(d.running), d) for d in busy if not d.running.revoke_sent]
+    worst = max((tier for tier, _ in candidates), default=Tier.CHAT)
+    chosen = None
+    for tier, device in candidates:
+        if tier != worst:
+            continue
+        entry = preemptor(ctx, device.loaded, tier)
+        key = (entry is not None and entry.job.model_id == device.loaded, device.dispatch_no)
+        if entry is not None and (chosen is None or key > chosen[0]):
+            chosen = (key, device, entry)
+    return chosen[1:] if chosen else None
+
+
+def affinity_wakeup(ctx: PickContext, loaded: str | None, running_tier: Tier) -> float | None:
     """When the affinity wait of the job that would preempt a runner of `running_tier`
     ends (R4, R5), or None when no outranking job on another model is inside its wait.
 
@@ -122,7 +152,7 @@ def affinity_wakeup(ctx: PickContext, running_tier: Tier) -> float | None:
         return None
     tiers = _outranking_fair_tiers(ctx, running_tier)
     best = ctx.first(tiers)
-    if best is None or best.job.model_id == ctx.loaded_model or ctx.first(tiers, ctx.loaded_model):
+    if best is None or best.job.model_id == loaded or ctx.first(tiers, loaded):
         return None
     end = affinity_end(best.submitted, ctx.max_affinity_wait_s)
     return end if end > ctx.now else None

@@ -229,6 +229,7 @@ class Queues:
         self._by_kind = Buckets(lambda e: e.job.kind)
         self._by_subject = Buckets(lambda e: e.job.subject)
         self._by_kind_subject = Tally(lambda e: (e.job.kind, e.job.subject))
+        self._by_model = Tally(lambda e: e.job.model_id)
         self.pool = FairPool(ledger)
 
     def __len__(self) -> int:
@@ -244,6 +245,7 @@ class Queues:
         """Every index this entry belongs to. Only hinted extracts are filed under their
         kind: a foreground extract page hoists those alone (R1)."""
         job = entry.job
+        yield self._by_model
         if job.kind is Kind.CHAT:
             yield self._chat
             return
@@ -268,6 +270,10 @@ class Queues:
         del self._entries[entry.job.id]
         for index in self._indexes(entry):
             index.remove(entry)
+
+    def count_on(self, model: str) -> int:
+        """Queued jobs that want `model` (R17: how much a swap away from it would cost)."""
+        return self._by_model.count(model)
 
     def _kind_indexes(self, job: Job) -> Iterator[Buckets | Tally]:
         yield self._by_kind
