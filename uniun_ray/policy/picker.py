@@ -47,11 +47,14 @@ class PickContext:
                 return entry
         return None
 
-    def fair_tiers(self, lower_work: bool) -> tuple[Tier, ...]:
-        """R11: over budget, T2 is skipped only if T3/T4 work exists (work-conserving)."""
-        if lower_work and self.queues.head(Tier.EXTRACT, self.foreground, self.now) and self.t2_over_budget:
-            return _FAIR_TIERS[1:]
-        return _FAIR_TIERS
+    def fair_tiers(self, lower_work: bool, below: Tier | None = None) -> tuple[Tier, ...]:
+        """T2–T4 (those numbered below `below`, when given). R11: over budget, T2 is skipped
+        only if T3/T4 work exists (work-conserving)."""
+        tiers = _FAIR_TIERS if below is None else tuple(t for t in _FAIR_TIERS if t < below)
+        if (tiers[:1] == (Tier.EXTRACT,) and lower_work
+                and self.queues.head(Tier.EXTRACT, self.foreground, self.now) and self.t2_over_budget):
+            return tiers[1:]
+        return tiers
 
 
 def affinity_end(submitted: float, max_wait_s: float) -> float:
@@ -96,7 +99,7 @@ def place(ctx: PickContext, free: list[Device]) -> tuple[Entry, Device] | None:
 
 def _outranking_fair_tiers(ctx: PickContext, running_tier: Tier) -> list[Tier]:
     lower_work = len(ctx.queues.pool) > 0 or running_tier >= Tier.DEADLINE
-    return [t for t in ctx.fair_tiers(lower_work) if t < running_tier]
+    return ctx.fair_tiers(lower_work, below=running_tier)
 
 
 def preemptor(ctx: PickContext, loaded: str | None, running_tier: Tier) -> Entry | None:

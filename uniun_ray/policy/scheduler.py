@@ -39,6 +39,7 @@ class SchedulerPolicy:
         self._now: float | None = None
         self._seq = 0
         self._dispatches = 0
+        self._affinity_at: float | None = None  # R5's wait end, as of the last call (`_settle`)
         self._ended: OrderedDict[str, Outcome] = OrderedDict()
 
     # -- public API ----------------------------------------------------------------------
@@ -82,7 +83,9 @@ class SchedulerPolicy:
         passed = self._advance(now)
         if device is not None:
             device.running.cancelled = True
-            return self._revoke(device.running, cause)
+            actions = self._revoke(device.running, cause)
+            self._settle(self._context(now))
+            return actions
         self._queues.remove(queued)
         self._end(queued, Outcome.REVOKED, now)
         return self._react(now, passed)
@@ -146,7 +149,7 @@ class SchedulerPolicy:
         of a queued job that outranks a running one, whichever comes first."""
         if self._now is None:
             return None
-        times = (self._queues.next_deadline_after(self._now), self._affinity_wakeup())
+        times = (self._queues.next_deadline_after(self._now), self._affinity_at)
         return min((t for t in times if t is not None), default=None)
 
     def snapshot(self) -> dict:
@@ -233,8 +236,7 @@ class SchedulerPolicy:
         """Move the clock; name the event that happened on the way, if any (R4, R5): a
         queued deadline passed, or an outranking job's affinity wait ended. Whatever call
         comes first notices it, whether or not the runtime ticked at `next_wakeup`."""
-        previous = self._now
-        affinity = self._affinity_wakeup()  # of the state since the last call
+        previous, affinity = self._now, self._affinity_at  # of the state since the last call
         self._now = now
         if self._ledger.decay(now):
             self._queues.pool.reprice_all()
@@ -243,13 +245,14 @@ class SchedulerPolicy:
             return RevokeCause.DEADLINE
         return RevokeCause.AFFINITY if affinity is not None and affinity <= now else None
 
-    def _affinity_wakeup(self) -> float | None:
-        if self._now is None:
-            return None
-        ctx = self._context(self._now)
+    def _settle(self, ctx: PickContext) -> None:
+        """Note, at the end of every call that changes the state, when the affinity wait of
+        an outranking job ends (R4, R5): `next_wakeup` reports it, and the next call's
+        `_advance` finds out whether it passed. Computed once per call, with the call's
+        context (its T2 budget reading included)."""
         times = [affinity_wakeup(ctx, d.loaded, self.tier(d.running.job))
                  for d in self._pool.busy() if not d.running.revoke_sent]
-        return min((t for t in times if t is not None), default=None)
+        self._affinity_at = min((t for t in times if t is not None), default=None)
 
     def _require_running(self, job_id: str, verb: str) -> Device:
         device = self._pool.holder(job_id)
@@ -309,6 +312,7 @@ class SchedulerPolicy:
             actions.append(self._dispatch(*choice, now))
         if event is not None:
             actions += self._preempt(ctx, event, fresh={a.job_id for a in actions})
+        self._settle(ctx)
         return actions
 
     def _preempt(self, ctx: PickContext, event: RevokeCause, fresh: set[str]) -> list[Action]:
