@@ -21,8 +21,20 @@ def job(id: str, kind: str, model: str = "m", **fields) -> Job:
     return Job(id, kind, model, **fields)
 
 
-def _cfs_order(jobs: list[dict], vr: dict) -> list[dict]:
-    """T4 order: kind vruntime, kind's oldest job, producer vruntime, producer's oldest job."""
+def _cfs_order(jobs: list[dict], vr: dict, running: list[dict] = ()) -> list[dict]:
+    """T4 order: kind rank, kind's oldest job, producer rank, producer's oldest job. A rank is
+    the vruntime, plus, on a pool, the time the flow's `running` jobs have held their
+    devices so far, then their count (R19; unit weights)."""
+    inflight: dict = {}
+    for r in running:
+        for key in (r["kind"], (r["kind"], r["producer"])):
+            held, count = inflight.get(key, (0.0, 0))
+            inflight[key] = (held + r["held_s"], count + 1)
+
+    def rank(v: float, key) -> tuple[float, int]:
+        held, count = inflight.get(key, (0.0, 0))
+        return (v + held, count) if count else (v, 0)
+
     kind_oldest, prod_oldest = {}, {}
     for j in jobs:
         kind_oldest[j["kind"]] = min(kind_oldest.get(j["kind"], j["order"]), j["order"])
@@ -30,27 +42,28 @@ def _cfs_order(jobs: list[dict], vr: dict) -> list[dict]:
         prod_oldest[key] = min(prod_oldest.get(key, j["order"]), j["order"])
 
     def key(j):
-        return (vr["kinds"].get(j["kind"], 0.0), kind_oldest[j["kind"]],
-                vr["producers"].get(j["kind"], {}).get(j["producer"], 0.0),
+        return (rank(vr["kinds"].get(j["kind"], 0.0), j["kind"]), kind_oldest[j["kind"]],
+                rank(vr["producers"].get(j["kind"], {}).get(j["producer"], 0.0), (j["kind"], j["producer"])),
                 prod_oldest[(j["kind"], j["producer"])], j["producer"], j["order"])
     return sorted(jobs, key=key)
 
 
-def _ordered(tier: str, jobs: list[dict], vr: dict) -> list[dict]:
+def _ordered(tier: str, jobs: list[dict], vr: dict, running: list[dict] = ()) -> list[dict]:
     if tier == "T3":
         return sorted(jobs, key=lambda j: (j["deadline"], j["order"]))
     if tier == "T4":
-        return _cfs_order(jobs, vr)
+        return _cfs_order(jobs, vr, running)
     return sorted(jobs, key=lambda j: j["order"])
 
 
-def _fair_ranked(tiers: dict[str, list[dict]], snap: dict, over_budget: bool, below: str = "T5") -> list[dict]:
+def _fair_ranked(tiers: dict[str, list[dict]], snap: dict, over_budget: bool, below: str = "T5",
+                 running: list[dict] = ()) -> list[dict]:
     """T2–T4 jobs of tiers below `below` in pick order; T2 skipped over budget (R11) when
     T3/T4 work waits."""
     fair = [t for t in FAIR_TIERS if t < below]
     if over_budget and (tiers["T3"] or tiers["T4"]) and "T2" in fair:
         fair.remove("T2")
-    return [j for t in fair for j in _ordered(t, tiers[t], snap["vruntime"])]
+    return [j for t in fair for j in _ordered(t, tiers[t], snap["vruntime"], running)]
 
 
 def expected_pick(tiers: dict[str, list[dict]], snap: dict, loaded: str | None, max_wait: float,
@@ -92,10 +105,10 @@ def t2_over_budget(runs: list["Run"], now: float, config: PolicyConfig) -> bool 
     never over."""
     lo, hi = Fraction(now) - Fraction(config.window_s), Fraction(now)
     t2 = held = Fraction(0)
-    for r in reversed(runs):
+    for r in runs:
         end = Fraction(now if r.end is None else r.end)
         if end <= lo:
-            break  # runs end in dispatch order
+            continue
         part = min(end, hi) - max(Fraction(r.start), lo)
         held += part
         t2 += part if r.tier == "T2" else 0

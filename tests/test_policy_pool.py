@@ -8,8 +8,12 @@ from __future__ import annotations
 import copy
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
-from policy_support import job
+from policy_support import Arrival, job
+from pool_support import PoolDriver
+from test_policy_properties import configs, workloads
 from uniun_ray.policy import (Dispatch, PolicyConfig, Requeued, Revoke, RevokeCause, SchedulerPolicy,
                               Tier)
 from uniun_ray.policy.pool import Device, swap_target
@@ -163,3 +167,66 @@ def test_pool_devices_must_be_names():
         SchedulerPolicy(devices="dev0")
     with pytest.raises(ValueError, match="already in the pool"):
         SchedulerPolicy(devices=("a", "a"))
+
+
+# properties, 1–4 devices, against the scan-everything oracle (pool_support) -------------
+POOL_PROPS = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+@POOL_PROPS
+@given(st.integers(1, 4), workloads(max_jobs=30), configs())
+def test_prop_pool_never_idle_every_placement_is_the_rules_and_one_revoke_per_arrival(devices, workload, config):
+    arrivals, foreground = workload
+    d = PoolDriver(config, devices)
+    d.run(arrivals, foreground)
+    assert sorted(d.ended) == sorted(a.job.id for a in arrivals) and set(d.ended.values()) == {1}
+    assert d.policy.queued == 0 and not d.policy.running_jobs and d.policy.next_wakeup() is None
+
+
+@POOL_PROPS
+@given(st.integers(1, 4), workloads(kinds=("extract", "extract", "nataraj", "gana", "chat"), max_jobs=40),
+       configs())
+def test_prop_pool_t2_holds_its_share_of_device_seconds_plus_one_job_per_device(devices, workload, config):
+    arrivals, foreground = workload
+    d = PoolDriver(config, devices)
+    d.run(arrivals, foreground)
+    t2_runs = [r for r in d.runs if r.tier == "T2"]
+    if not t2_runs:
+        return
+    longest = max(r.end - r.start for r in t2_runs)
+    waited = [(t, bool(s["tiers"]["T3"] or s["tiers"]["T4"])) for t, s in d.samples]
+    for i, (t, _) in enumerate(waited):
+        lo = t - config.window_s
+        start = max((j for j, (u, _) in enumerate(waited) if u <= lo), default=None)
+        if start is None or not all(w for _, w in waited[start:i]):
+            continue
+        t2 = _held(d.runs, lo, t, only_t2=True)
+        held = _held(d.runs, lo, t, only_t2=False)
+        assert t2 <= config.t2_share * held + devices * longest + 1e-6, (t, t2, held, longest)
+
+
+def _held(runs, lo, hi, only_t2):
+    return sum(max(0.0, min(hi if r.end is None else r.end, hi) - max(r.start, lo))
+               for r in runs if not only_t2 or r.tier == "T2")
+
+
+@POOL_PROPS
+@given(st.integers(1, 4), st.lists(st.floats(0.1, 30, allow_nan=False), min_size=2, max_size=30),
+       st.lists(st.floats(0.1, 30, allow_nan=False), min_size=2, max_size=30))
+def test_prop_pool_two_equal_backlogged_t4_flows_within_twice_the_largest_job(devices, a_jobs, b_jobs):
+    # submitted in turns (a0, b0, a1, b1, ...) at t=0, so that both are backlogged from the start
+    arrivals = [Arrival(0.0, 2 * i, job(f"a{i}", "gana", producer="gana:A"), t) for i, t in enumerate(a_jobs)]
+    arrivals += [Arrival(0.0, 2 * i + 1, job(f"b{i}", "gana", producer="gana:B"), t) for i, t in enumerate(b_jobs)]
+    d = PoolDriver(PolicyConfig(decay_period_s=1e9), devices)
+    d.run(arrivals)
+    largest = max(a_jobs + b_jobs)
+    # service (device-seconds) at each moment both flows are still backlogged
+    ends = sorted({r.end for r in d.runs})
+    for t in ends:
+        left = {p: sum(1 for r in d.runs if r.producer == p and r.end > t) +
+                sum(1 for a in arrivals if a.job.producer == p and a.job.id not in {r.job_id for r in d.runs})
+                for p in ("gana:A", "gana:B")}
+        if not all(left.values()):
+            break
+        service = {p: _held([r for r in d.runs if r.producer == p], 0.0, t, only_t2=False) for p in left}
+        assert abs(service["gana:A"] - service["gana:B"]) <= 2 * largest, (t, service, largest)

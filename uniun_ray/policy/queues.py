@@ -137,12 +137,20 @@ class FairPool:
 
     Producers are kept in a sorted list per (kind, scope), scope being all jobs or the jobs
     on one model, keyed by (vruntime, oldest seq, name); a key changes only when the
-    producer is charged, decayed or its oldest job changes, and is then re-inserted."""
+    producer is charged, decayed or its oldest job changes, and is then re-inserted.
+
+    On a pool of devices (R19) the flows' running jobs count before they finish: `inflight`
+    gives, per kind and per (kind, producer), the time they have held devices so far and
+    how many run, and a flow's rank is its vruntime plus that time (divided by its weight),
+    then the fewer running jobs, so that free devices are not all handed to the one flow
+    that is first at the instant they free. With one device nothing runs while the pool is
+    asked, and the rank is the stored one."""
 
     _GLOBAL = None
 
-    def __init__(self, ledger: VruntimeLedger) -> None:
+    def __init__(self, ledger: VruntimeLedger, inflight: Callable[[], dict]) -> None:
         self._ledger = ledger
+        self._inflight = inflight
         self._jobs: dict[tuple[ProducerFlow, str | None], SortedKeyList] = defaultdict(_fifo)
         self._kind_jobs: dict[tuple[Kind, str | None], SortedKeyList] = defaultdict(_fifo)
         self._producers: dict[tuple[Kind, str | None], SortedList] = defaultdict(SortedList)
@@ -205,23 +213,39 @@ class FairPool:
             del self._producers[(flow[0], scope)]
 
     def head(self, model: str | None = None) -> Entry | None:
-        ledger = self._ledger
+        running = self._inflight()
         kinds = [
-            (ledger.kind_vruntime(kind), self._kind_jobs[(kind, self._GLOBAL)][0].seq, kind)
+            (self._rank(kind, self._ledger.kind_vruntime(kind), kind.value, running),
+             self._kind_jobs[(kind, self._GLOBAL)][0].seq, kind)
             for kind in POOL_KINDS
             if (kind, model) in self._kind_jobs
         ]
         if not kinds:
             return None
         kind = min(kinds)[2]
-        producer = self._producers[(kind, model)][0][2]
-        return self._jobs[((kind, producer), model)][0]
+        return self._jobs[((kind, self._fairest(kind, model, running)), model)][0]
+
+    def _rank(self, flow: object, vruntime: float, name: str, running: dict) -> tuple[float, int]:
+        held, count = running.get(flow, (0.0, 0))
+        return (vruntime + held / self._ledger.weight(name), count) if count else (vruntime, 0)
+
+    def _fairest(self, kind: Kind, model: str | None, running: dict) -> str:
+        """The producer of `kind` to serve. The stored ranking leaves out running time, which
+        only raises a rank, so the scan stops at the first producer with nothing running:
+        it looks at most at one producer per device, and one more."""
+        best = None
+        for vruntime, oldest, producer in self._producers[(kind, model)]:
+            key = (self._rank((kind, producer), vruntime, producer, running), oldest, producer)
+            best = key if best is None or key < best else best
+            if (kind, producer) not in running:
+                break
+        return best[2]
 
 
 class Queues:
     """All queued jobs, indexed for the picker."""
 
-    def __init__(self, ledger: VruntimeLedger) -> None:
+    def __init__(self, ledger: VruntimeLedger, inflight: Callable[[], dict]) -> None:
         self._entries: dict[str, Entry] = {}
         self._chat = Ordered(_by_seq)
         self._extract = Ordered(_by_seq)
@@ -230,7 +254,7 @@ class Queues:
         self._by_subject = Buckets(lambda e: e.job.subject)
         self._by_kind_subject = Tally(lambda e: (e.job.kind, e.job.subject))
         self._by_model = Tally(lambda e: e.job.model_id)
-        self.pool = FairPool(ledger)
+        self.pool = FairPool(ledger, inflight)
 
     def __len__(self) -> int:
         return len(self._entries)

@@ -19,8 +19,8 @@ from .picker import PickContext, affinity_wakeup, place, victim
 from .pool import Device, Pool
 from .queues import Entry, Queues
 from .tiers import Foreground, Tier, tier_of
-from .types import (WITHDRAWALS, Action, Dispatch, Job, Kind, Outcome, PolicyConfig, Requeued, Revoke,
-                    RevokeCause, check_time)
+from .types import (POOL_KINDS, WITHDRAWALS, Action, Dispatch, Job, Kind, Outcome, PolicyConfig, Requeued,
+                    Revoke, RevokeCause, check_time)
 
 #: How many ended job ids are remembered, only to tell "finished twice" from "unknown".
 _ENDED_MEMORY = 10_000
@@ -33,7 +33,7 @@ class SchedulerPolicy:
         self.config = config or PolicyConfig()
         self._pool = Pool(devices)
         self._ledger = VruntimeLedger(self.config)
-        self._queues = Queues(self._ledger)
+        self._queues = Queues(self._ledger, self._inflight)
         self._window = T2Window(self.config.window_s, self.config.t2_share)
         self._foreground = Foreground()
         self._now: float | None = None
@@ -244,6 +244,18 @@ class SchedulerPolicy:
         if due is not None and due <= now:
             return RevokeCause.DEADLINE
         return RevokeCause.AFFINITY if affinity is not None and affinity <= now else None
+
+    def _inflight(self) -> dict:
+        """R19: per pool kind and per (kind, producer), the time its running jobs have held
+        their devices so far and how many run, for the fair pool to rank by."""
+        running: dict = {}
+        for device in self._pool.busy():
+            entry = device.running
+            if entry.job.kind in POOL_KINDS:
+                for flow in (entry.job.kind, entry.flow):
+                    held, count = running.get(flow, (0.0, 0))
+                    running[flow] = (held + self._now - entry.dispatched_at, count + 1)
+        return running
 
     def _settle(self, ctx: PickContext) -> None:
         """Note, at the end of every call that changes the state, when the affinity wait of
