@@ -9,6 +9,7 @@ before and after it.
 from __future__ import annotations
 
 import heapq
+import sys
 from dataclasses import dataclass, field
 from fractions import Fraction
 
@@ -129,6 +130,28 @@ def hoisted(j: dict, foreground: tuple[str | None, str | None]) -> bool:
     if subject is not None:
         return j["subject"] == subject
     return j["kind"] == kind and (kind != "extract" or j["foreground_hint"])
+
+
+def calls_per_cycle(p: SchedulerPolicy, queued: int) -> int:
+    """Python function calls made by one finish -> dispatch -> submit cycle of `p` (R15's
+    structural check), once `queued` jobs wait and every device is busy."""
+    for i in range(queued):
+        kind = ("nataraj", "gana", "extract")[i % 3]
+        p.submit(job(f"j{i}", kind, model=("m", "y")[i % 2], producer=f"{kind}:{i % 10}",
+                     deadline=1e6 + i if i % 5 == 0 else None), 0)
+    running = next(iter(p.running_jobs.values())).id
+    calls = 0
+
+    def count(frame, event, arg):
+        nonlocal calls
+        calls += event == "call"
+    sys.setprofile(count)
+    try:
+        p.finish(running, 1, "done")
+        p.submit(job("new", "gana", producer="gana:3"), 1)
+    finally:
+        sys.setprofile(None)
+    return calls
 
 
 @dataclass

@@ -11,7 +11,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from policy_support import Arrival, job
+from policy_support import Arrival, calls_per_cycle, job
 from pool_support import PoolDriver
 from test_policy_properties import configs, workloads
 from uniun_ray.policy import (Dispatch, PolicyConfig, Requeued, Revoke, RevokeCause, SchedulerPolicy,
@@ -143,6 +143,15 @@ def test_r20_a_cancelled_job_on_a_removed_device_ends():
     assert p.job_state("n") is None and p.devices == ()
     assert p.submit(job("m", "nataraj", model="a"), 3) == []  # no device: it waits
     assert p.add_device("d9", 4) == [D("m", Tier.FAIR, "d9", swap=True)]
+
+
+# R15 on a pool ---------------------------------------------------------------------------
+def test_r15_on_a_pool_a_cycle_is_flat_in_queued_jobs_and_linear_in_devices():
+    calls = {d: [calls_per_cycle(SchedulerPolicy(devices=tuple(f"d{i}" for i in range(d))), n)
+                 for n in (100, 10_000)] for d in (4, 16)}
+    for small, large in calls.values():
+        assert large < 2 * small, calls
+    assert calls[16][1] < 4 * calls[4][1], calls  # 4x the devices: less than 4x the calls
 
 
 @pytest.mark.parametrize("call, message", [

@@ -1,11 +1,9 @@
 """One test (or a few) per SPEC rule, named for it, on a virtual clock."""
 from __future__ import annotations
 
-import sys
-
 import pytest
 
-from policy_support import job
+from policy_support import calls_per_cycle, job
 from uniun_ray.policy import (Dispatch, Foreground, Kind, PolicyConfig, Requeued, Revoke, RevokeCause,
                               SchedulerPolicy, Tier, tier_of)
 
@@ -510,30 +508,8 @@ def test_r14_defaults_and_configurable():
 
 
 # R15 ------------------------------------------------------------------------------------
-def _calls_per_cycle(queued: int) -> int:
-    """Python function calls made by one finish -> dispatch -> submit cycle."""
-    p = policy()
-    for i in range(queued):
-        kind = ("nataraj", "gana", "extract")[i % 3]
-        p.submit(job(f"j{i}", kind, model=("m", "y")[i % 2], producer=f"{kind}:{i % 10}",
-                     deadline=1e6 + i if i % 5 == 0 else None), 0)
-    running = p.snapshot()["running"]["id"]
-    calls = 0
-
-    def count(frame, event, arg):
-        nonlocal calls
-        calls += event == "call"
-    sys.setprofile(count)
-    try:
-        (d,) = p.finish(running, 1, "done")
-        p.submit(job("new", "gana", producer="gana:3"), 1)
-    finally:
-        sys.setprofile(None)
-    return calls
-
-
 def test_r15_pick_cost_does_not_grow_with_the_queue():
-    small, large = _calls_per_cycle(100), _calls_per_cycle(10_000)
+    small, large = calls_per_cycle(policy(), 100), calls_per_cycle(policy(), 10_000)
     assert large < 2 * small, (small, large)
 
 
