@@ -117,6 +117,12 @@ class SchedulerService:
         except asyncio.TimeoutError:
             return None
 
+    async def acquire(self, job: Job, wait_s: float = 5.0, session: str | None = None) -> Lease | None:
+        """`submit` then `grant` in one call: a client's first round trip both queues its job
+        and waits for its lease (None: queued, poll `grant`)."""
+        await self.submit(job)
+        return await self.grant(job.id, wait_s, session)
+
     async def heartbeat(self, session: str) -> float:
         """A client process is alive, and with it every job it waits for under `session`.
         Returns the seconds until its next heartbeat is due."""
