@@ -56,7 +56,24 @@ async def control_plane(h, n: int = 300, warmup: int = 20) -> dict:
         if i >= warmup:
             control.append(c)
             bare.append(b)
-    return {"control": control, "bare": bare}
+    # the request check before queueing: a round trip to the ModelActor, idle and while it generates
+    from uniun_ray.models import GenerateRequest
+    request = GenerateRequest(prompt="Say hello.", max_new_tokens=8)
+
+    async def checks(k: int) -> list[float]:
+        out = []
+        for _ in range(k):
+            t = time.perf_counter()
+            await h.model.check.remote("tiny", request)
+            out.append(time.perf_counter() - t)
+        return out
+    idle = await checks(50)
+    card = asyncio.ensure_future(agenerate("nataraj", "Write a long story about the sea.", model_id="tiny",
+                                           max_new_tokens=1800))
+    assert await await_generating("nataraj", min_held_s=0.2), "no nataraj job got the device"
+    busy = await checks(50)
+    await card
+    return {"control": control, "bare": bare, "check_idle": idle, "check_busy": busy}
 
 
 def host() -> str:
@@ -128,6 +145,9 @@ def main() -> None:
               f"{pct(r['control'], .5) * 1e3:.1f} / {pct(r['control'], .99) * 1e3:.1f} ms |")
         print(f"| bare actor call (p50 / p99) | {pct(r['bare'], .5) * 1e3:.1f} / {pct(r['bare'], .99) * 1e3:.1f} ms |")
         print(f"| control plane / bare call (p50) | {ratio:.1f}x (goal <= 3x) |")
+        for key, what in (("check_idle", "device idle"), ("check_busy", "while Nataraj generates")):
+            print(f"| request check `ModelActor.check`, {what} (p50 / p99) | "
+                  f"{pct(r[key], .5) * 1e3:.1f} / {pct(r[key], .99) * 1e3:.1f} ms |")
         return
     for model, s in r["swap"].items():
         print(f"| swap in `{model}` (p50) | {s:.2f} s |")

@@ -262,11 +262,11 @@ class LeaseLoop:
     async def turns(self) -> AsyncIterator[Turn]:
         async with self.session.using(self.scheduler):
             lease = None
-            try:  # one round trip submits and waits for the first lease
-                lease = await self.scheduler.acquire.remote(self.job, GRANT_POLL_S, self.session.id)
-            except Exception as error:
-                await self.recover(error)
             try:
+                try:  # one round trip submits and waits for the first lease
+                    lease = await self.scheduler.acquire.remote(self.job, GRANT_POLL_S, self.session.id)
+                except Exception as error:
+                    await self.recover(error)
                 while True:
                     lease = lease or await self._grant()
                     turn = Turn(self, lease, self.model)

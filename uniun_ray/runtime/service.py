@@ -94,7 +94,7 @@ class SchedulerService:
         self.reaper.ensure_running()
         if not isinstance(job, Job):
             raise ValueError(f"submit takes a Job (uniun_ray.policy.Job), got {type(job).__name__}")
-        self.leases.check_room(job.kind)
+        self.leases.check_room(job)
         actions = self.policy.submit(job, self._now())  # raises on a duplicate id
         self.leases.add(job)
         self._emit("submit", job, deadline=job.deadline, foreground_hint=job.foreground_hint, subject=job.subject)
@@ -163,8 +163,9 @@ class SchedulerService:
     async def cancel(self, job_id: str) -> None:
         """The caller withdraws its job, queued or running."""
         tracked = self.leases.jobs.get(job_id)
-        if tracked is None:
-            return  # already ended: cancelling is idempotent
+        if tracked is None:  # already ended (idempotent), or its submit is still on the way:
+            self.leases.cancelled_early(job_id)  # then that submit is refused
+            return
         self._withdraw(tracked, "cancelled by its caller", RevokeCause.CANCEL)
 
     async def set_foreground(self, kind: str | None, subject: str | None = None) -> None:
