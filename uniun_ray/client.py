@@ -45,6 +45,7 @@ from .runtime.protocol import (DeviceLost, JobDropped, Lease, LeaseRevoked, Pree
 GRANT_POLL_S = 60.0     # a grant long-poll's wait; the scheduler caps it (SESSION_POLL_S)
 RECONNECT_S = 30.0      # how long a job waits for a restarted scheduler before SchedulerUnavailable
 MAX_RESUBMITS = 5       # scheduler restarts one job survives
+FIRST_HEARTBEAT_S = 0.5  # a session's first heartbeat, after its first grant poll (well inside waiter_timeout_s / 3)
 #: The longest prompt (or messages' total content) accepted, in characters: far beyond any
 #: context window here (128k tokens ~ 512k characters), so only a mistake is refused.
 MAX_PROMPT_CHARS = 1_000_000
@@ -150,6 +151,9 @@ class _Session:
                 self._task = None
 
     async def _beat(self, scheduler) -> None:
+        # a grant poll proves the session alive too: the first heartbeat can wait a little,
+        # and a job that is served at once costs none
+        await asyncio.sleep(FIRST_HEARTBEAT_S)
         while True:
             try:
                 interval = await scheduler.heartbeat.remote(self.id)
@@ -264,18 +268,20 @@ class LeaseLoop:
 
     async def turns(self) -> AsyncIterator[Turn]:
         async with self.session.using(self.scheduler):
+            lease = None
             try:
-                await self.scheduler.submit.remote(self.job)
-            except Exception as error:
-                await self.recover(error)
-            try:
+                try:  # one round trip submits and waits for the first lease
+                    lease = await self.scheduler.acquire.remote(self.job, GRANT_POLL_S, self.session.id)
+                except Exception as error:
+                    await self.recover(error)
                 while True:
-                    lease = await self._grant()
+                    lease = lease or await self._grant()
                     turn = Turn(self, lease, self.model)
                     async with self._renewing(lease):
                         yield turn
                     if turn.outcome is None:
                         raise RuntimeError("a turn ended without an outcome: use `async with turn:`")
+                    lease = None
                     if await self._settle(turn):
                         return
             except BaseException:  # interrupted, or failed: withdraw the job (idempotent)
