@@ -1,0 +1,199 @@
+"""The one place the HTTP app meets the client API (SPEC §2): it opens a generation as a
+job with `uniun_ray.astream`, and gathers the facts an OpenAI answer reports about it.
+
+The client API does not (yet) report everything §4's answer carries, so three facts are
+found here, each with the client's own value preferred the day it has one:
+
+* the job id before the first token (a streaming answer's chunks carry it):
+  `GenerationStream.job_id`, else its `spec.id`;
+* `usage.prompt_tokens`: `Completion.prompt_tokens`, else the model's tokenizer here;
+* `uniun.tier_at_dispatch`: `Completion.tier_at_dispatch`, else the scheduler's event
+  log (its `dispatch` events carry the tier), read where the log is on this node;
+* `finish_reason`: `Completion.finish_reason`, else "length" when the job produced all the
+  tokens it asked for, "stop" otherwise.
+
+Sampling fields (`temperature`, `top_p`, `stop`, `seed`) go to the client through
+`sampling_kwargs`, which passes exactly those the client's `astream` accepts and names the
+rest in the answer's `uniun.ignored` (never silently).
+"""
+from __future__ import annotations
+
+import asyncio
+import functools
+import inspect
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import uniun_ray
+
+from .schemas import JobFields
+
+#: max_tokens when the request gives none (the client API's default).
+DEFAULT_MAX_TOKENS = 128
+#: OpenAI's sampling fields, in the order they are passed on.
+SAMPLING_FIELDS = ("temperature", "top_p", "stop", "seed")
+#: How far back in the event log a job's dispatch is looked for.
+LOG_SCAN_BYTES = 4 * 1024 * 1024
+
+
+@functools.lru_cache(maxsize=1)
+def _client_parameters() -> frozenset[str]:
+    return frozenset(inspect.signature(uniun_ray.astream).parameters)
+
+
+def sampling_kwargs(body: JobFields) -> tuple[dict, list[str]]:
+    """The single place sampling fields cross into the client API: those its `astream`
+    accepts are passed on; the rest are returned by name, to be reported as ignored."""
+    accepted, ignored = {}, []
+    for name in SAMPLING_FIELDS:
+        value = getattr(body, name, None)
+        if value is None:
+            continue
+        if name in _client_parameters():
+            accepted[name] = value
+        else:
+            ignored.append(name)
+    return accepted, ignored
+
+
+def producer_of(body: JobFields) -> str | None:
+    """`producer`, else one flow per OpenAI `user` within the kind (so two users' requests
+    of a background kind share the fair pool fairly, R8), else the kind's default."""
+    if body.producer:
+        return body.producer
+    return f"{body.kind}:{body.user}" if body.user else None
+
+
+@dataclass
+class Job:
+    """One request's job: its stream of pieces and, once done, the facts of the answer."""
+
+    body: JobFields
+    stream: object                      # the client's GenerationStream
+    max_tokens: int
+    ignored: list[str]
+    prompt: str | None = None
+    messages: list[dict] | None = None
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    @property
+    def id(self) -> str:
+        job_id = getattr(self.stream, "job_id", None)
+        return job_id if job_id is not None else self.stream.spec.id
+
+    @property
+    def completion(self):
+        return self.stream.completion
+
+    @property
+    def model(self) -> str:
+        done = self.completion
+        if done is not None:
+            return done.model_id
+        spec = getattr(self.stream, "spec", None)
+        return getattr(spec, "model_id", None) or self.body.model_id() or "default"
+
+    def finish_reason(self) -> str:
+        done = self.completion
+        reason = getattr(done, "finish_reason", None)
+        if reason is not None:
+            return {"eos": "stop", "stop": "stop", "length": "length"}.get(reason, reason)
+        return "length" if done.tokens >= self.max_tokens else "stop"
+
+    async def usage(self) -> dict:
+        done = self.completion
+        prompt = getattr(done, "prompt_tokens", None)
+        if prompt is None:
+            prompt = await count_prompt_tokens(done.model_id, self.prompt, self.messages)
+        return {"prompt_tokens": prompt, "completion_tokens": done.tokens,
+                "total_tokens": (prompt or 0) + done.tokens}
+
+    async def uniun(self) -> dict:
+        done = self.completion
+        tier = getattr(done, "tier_at_dispatch", None)
+        if tier is None:
+            tier = await tier_at_dispatch(self.id)
+        facts = {"job_id": self.id, "kind": self.body.kind, "tier_at_dispatch": tier,
+                 "ttft_s": done.ttft_s, "revokes": done.revokes}
+        if self.ignored:
+            facts["ignored"] = list(self.ignored)
+        return facts
+
+
+def open_job(body: JobFields, *, prompt: str | None = None, messages: list[dict] | None = None) -> Job:
+    """Validate and open the job (nothing is queued until it is iterated). ValueError and
+    the client's other errors propagate to the caller, which maps them to OpenAI errors."""
+    sampling, ignored = sampling_kwargs(body)
+    max_tokens = body.new_tokens() or DEFAULT_MAX_TOKENS
+    stream = uniun_ray.astream(body.kind, prompt, messages=messages, model_id=body.model_id(),
+                               producer=producer_of(body), deadline=body.deadline,
+                               foreground_hint=body.foreground_hint, subject=body.subject,
+                               max_new_tokens=max_tokens, **sampling)
+    return Job(body, stream, max_tokens, ignored, prompt=prompt, messages=messages)
+
+
+# -- facts the client API does not report (yet) ----------------------------------------------
+async def count_prompt_tokens(model_id: str, prompt: str | None, messages: list[dict] | None) -> int | None:
+    """The prompt's token count as the model sees it (chat template applied), from its
+    tokenizer in this process; None if that cannot be done here."""
+    def count() -> int:
+        from ..models.engine import inspect_request
+        from ..models.registry import resolve
+        from ..models.request import GenerateRequest
+
+        return inspect_request(resolve(model_id), GenerateRequest(prompt=prompt, messages=messages,
+                                                                  max_new_tokens=1))
+    try:
+        return await asyncio.to_thread(count)
+    except Exception:  # e.g. a prompt that fills the whole context: + 1 token is too long
+        return None
+
+
+_LOG_PATH: list[Path] = []
+
+
+async def _event_log() -> Path | None:
+    if not _LOG_PATH:
+        try:
+            _LOG_PATH.append(Path((await uniun_ray.astatus())["event_log"]))
+        except Exception:
+            return None
+    return _LOG_PATH[0]
+
+
+def _first_dispatch_tier(path: Path, job_id: str) -> int | None:
+    """The tier of the job's first dispatch, from the newest LOG_SCAN_BYTES of the log and
+    its newest backup (bytes are matched before any line is parsed: cheap on a busy log)."""
+    import json
+
+    needle, tier = f'"job":"{job_id}"'.encode(), None
+    budget = LOG_SCAN_BYTES
+    for file in (path, path.with_name(path.name + ".1")):
+        try:
+            with open(file, "rb") as f:
+                size = f.seek(0, os.SEEK_END)
+                f.seek(max(0, size - budget))
+                data = f.read()
+        except FileNotFoundError:
+            continue
+        for line in reversed(data.split(b"\n")):
+            if needle in line and b'"ev":"dispatch"' in line:
+                try:
+                    tier = json.loads(line).get("tier", tier)
+                except ValueError:
+                    continue
+            elif needle in line and b'"ev":"submit"' in line:
+                return tier
+        budget -= len(data)
+        if budget <= 0:
+            break
+    return tier
+
+
+async def tier_at_dispatch(job_id: str) -> int | None:
+    path = await _event_log()
+    if path is None:
+        return None
+    return await asyncio.to_thread(_first_dispatch_tier, path, job_id)
