@@ -1,6 +1,7 @@
 """`uniun-ray`: start and stop a local head, look at the scheduler, and poke it.
 
-    uniun-ray up [--port 6379] [--auth disabled|token] [-- more `ray start` args]
+    uniun-ray up [--port 6379] [--auth disabled|token] [--no-http | --http-host H --http-port P]
+                 [-- more `ray start` args]
     uniun-ray down
     uniun-ray status [--json | --watch [--interval S]]
     uniun-ray explain JOB_ID [--log PATH]
@@ -162,6 +163,7 @@ def _up(args) -> int:
         state.dashboard_url = f"http://{context.dashboard_url}" if context.dashboard_url else None
         event_log = ray.get(start().scheduler.status.remote())["event_log"]
         state.actors = _actor_names()
+        http_url = None if args.no_http else _deploy_http(args.http_host, args.http_port)
     except Exception as error:
         raise HeadError(f"the head is up, but its actors could not be created ({error_text(error)}); "
                         f"stop it with `uniun-ray down`") from error
@@ -172,10 +174,23 @@ def _up(args) -> int:
     print(f"dashboard: {state.dashboard_url or 'not running'}")
     print(f"actors: {', '.join(state.actors)}")
     print(f"event log: {event_log} (`uniun-ray status --watch`, `uniun-ray explain JOB_ID`)")
+    if http_url:
+        key = "bearer UNIUN_API_KEY required" if os.environ.get("UNIUN_API_KEY") else "no API key"
+        print(f"http: {http_url}/v1 (OpenAI-compatible; {key})")
     if state.dashboard_url:
         print(f"jobs: ray job submit --address {state.dashboard_url} --working-dir . -- python jobs/chat.py")
     print(f"state: {state_path()}; stop with `uniun-ray down`")
     return 0
+
+
+def _deploy_http(host: str, port: int) -> str:
+    """The OpenAI-compatible endpoint (SPEC §4) on Ray Serve, keyed by $UNIUN_API_KEY."""
+    from .http import deploy
+
+    if host not in ("127.0.0.1", "localhost", "::1") and not os.environ.get("UNIUN_API_KEY"):
+        print(f"warning: HTTP bound to {host} without UNIUN_API_KEY: anyone who reaches it can submit "
+              f"work and read the scheduler's state", file=sys.stderr)
+    return deploy(host, port)
 
 
 def _actor_names() -> list[str]:
@@ -245,6 +260,10 @@ def _parser() -> argparse.ArgumentParser:
     up.add_argument("--auth", choices=("disabled", "token"), default="disabled",
                     help="RAY_AUTH_MODE of the head (default disabled; token on shared networks)")
     up.add_argument("--temp-dir", help="Ray temp dir (default Ray's, /tmp/ray)")
+    up.add_argument("--no-http", action="store_true", help="do not deploy the OpenAI-compatible HTTP endpoint")
+    up.add_argument("--http-host", default="127.0.0.1",
+                    help="HTTP bind address (default 127.0.0.1; set UNIUN_API_KEY before binding wider)")
+    up.add_argument("--http-port", type=int, default=8000, help="HTTP port (default 8000)")
     up.add_argument("ray_args", nargs="*", metavar="-- RAY_START_ARG", help="more `ray start` arguments, after --")
     up.set_defaults(run=_up)
 

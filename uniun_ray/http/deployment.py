@@ -50,11 +50,26 @@ def build(api_key: str | None = None) -> Application:
 
 def deploy(host: str = DEFAULT_HOST, port: int = DEFAULT_PORT, api_key: str | None = None) -> str:
     """Start Serve's proxy on host:port (head node only) and run the app at "/"; returns the
-    base URL. Ray must be connected. Serve keeps running after this process exits."""
+    base URL. Ray must be connected. Serve keeps running after this process exits.
+    OSError when the port is taken (Serve's proxy would retry binding it for ever)."""
+    _check_free(host, port)
     serve.start(proxy_location="HeadOnly", http_options={"host": host, "port": port})
     serve.run(build(api_key), name=APP_NAME, route_prefix="/", blocking=False)
     shown = f"[{host}]" if ":" in host else host
     return f"http://{shown}:{port}"
+
+
+def _check_free(host: str, port: int) -> None:
+    import socket
+
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((host, port))
+        except OSError as error:
+            raise OSError(f"cannot serve HTTP on {host}:{port}: {error.strerror or error} "
+                          f"(pass another --http-port, or --no-http)") from None
 
 
 def undeploy() -> None:
