@@ -89,8 +89,7 @@ def _open(body, **prompt) -> Job:
 
 async def _run_to_end(job: Job) -> None:
     try:
-        async for _ in job.stream:
-            pass
+        await job.run()
     except Exception as error:
         raise from_client(error) from error
 
@@ -182,7 +181,7 @@ def create_app(api_key: str | None = None) -> FastAPI:
     async def chat_completions(body: ChatCompletionRequest):
         job = _open(body, messages=[m.as_dict() for m in body.messages])
         if body.stream:
-            pieces = job.stream.__aiter__()
+            pieces = job.pieces()
             first = await _first_piece(pieces)
             return _stream(job, first, pieces, _chat_chunk(job), body.include_usage())
         await _run_to_end(job)
@@ -196,7 +195,7 @@ def create_app(api_key: str | None = None) -> FastAPI:
     async def completions(body: CompletionRequest):
         job = _open(body, prompt=body.prompt)
         if body.stream:
-            pieces = job.stream.__aiter__()
+            pieces = job.pieces()
             first = await _first_piece(pieces)
             return _stream(job, first, pieces, _text_chunk(job), body.include_usage())
         await _run_to_end(job)

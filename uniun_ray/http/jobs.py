@@ -15,10 +15,21 @@ found here, each with the client's own value preferred the day it has one:
 Sampling fields (`temperature`, `top_p`, `stop`, `seed`) go to the client through
 `sampling_kwargs`, which passes exactly those the client's `astream` accepts and names the
 rest in the answer's `uniun.ignored` (never silently).
+
+Cancellation. When an HTTP client goes away, Serve cancels the request's Ray task, and Ray
+cancels every Ray call made in that task's context with it (recursive cancellation, ray
+#52476): the ModelActor's `generate` would be cancelled under the job instead of being
+revoked, and a cancelled actor generator is left suspended, never finishing (the actor then
+counts it as generating for ever, and a later model swap waits for it). So a job runs in a
+task with a context of its own (`Detached`), the same remedy Serve applies to its own
+long-poll; the request's cancellation is forwarded to that task as an asyncio cancellation,
+which the client API answers by withdrawing the job: the scheduler revokes the lease and the
+device stops at the next token, the ModelActor's generator ending as after any revoke.
 """
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import functools
 import inspect
 import os
@@ -66,6 +77,51 @@ def producer_of(body: JobFields) -> str | None:
     return f"{body.kind}:{body.user}" if body.user else None
 
 
+class Detached:
+    """The job's pieces, produced by a task outside the request's Ray task context (see the
+    module's note on cancellation), consumed here. `aclose` (or the consumer's cancellation)
+    cancels the producing task and waits until the client API has withdrawn the job."""
+
+    _END = object()
+
+    def __init__(self, stream) -> None:
+        self._queue: asyncio.Queue = asyncio.Queue()
+        self._task = asyncio.get_running_loop().create_task(self._pump(stream), context=contextvars.Context())
+
+    async def _pump(self, stream) -> None:
+        try:
+            async for piece in stream:
+                self._queue.put_nowait(piece)
+        except Exception as error:  # for the consumer to raise (a cancellation just ends the task)
+            self._queue.put_nowait(error)
+            return
+        self._queue.put_nowait(self._END)
+
+    def __aiter__(self) -> "Detached":
+        return self
+
+    async def __anext__(self) -> str:
+        try:
+            item = await self._queue.get()
+        except BaseException:
+            await self.aclose()
+            raise
+        if item is self._END:
+            raise StopAsyncIteration
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    async def aclose(self) -> None:
+        if self._task.done():
+            return
+        self._task.cancel()
+        try:
+            await asyncio.shield(self._task)
+        except BaseException:  # its own CancelledError, or the error it ended with
+            pass
+
+
 @dataclass
 class Job:
     """One request's job: its stream of pieces and, once done, the facts of the answer."""
@@ -77,6 +133,18 @@ class Job:
     prompt: str | None = None
     messages: list[dict] | None = None
     created: int = field(default_factory=lambda: int(time.time()))
+    _pieces: Detached | None = None
+
+    def pieces(self) -> Detached:
+        """The job's text pieces; iterating them runs the job (once)."""
+        if self._pieces is None:
+            self._pieces = Detached(self.stream)
+        return self._pieces
+
+    async def run(self) -> None:
+        """Run the job to its end (its Completion is then `completion`)."""
+        async for _ in self.pieces():
+            pass
 
     @property
     def id(self) -> str:
