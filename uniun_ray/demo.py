@@ -36,7 +36,7 @@ async def nataraj_generating(timeout_s: float = 120.0) -> bool:
     return False
 
 
-async def measure(turns: int, deck: int, card_tokens: int, chat_tokens: int) -> dict:
+async def measure(turns: int, deck: int, card_tokens: int, chat_tokens: int, http_url: str | None = None) -> dict:
     await agenerate("chat", "warm up", max_new_tokens=2)   # the first load is not what we measure
     idle = [(await agenerate("chat", PROMPT, max_new_tokens=chat_tokens)).ttft_s for _ in range(turns)]
     producer = spawn_producer("nataraj", "demo", deck_size=deck, max_new_tokens=card_tokens)
@@ -47,11 +47,16 @@ async def measure(turns: int, deck: int, card_tokens: int, chat_tokens: int) -> 
             if not await nataraj_generating():
                 break
             busy.append((await agenerate("chat", PROMPT, max_new_tokens=chat_tokens)).ttft_s)
+        http = None   # one chat over the OpenAI-compatible endpoint, as any HTTP client sends it
+        if http_url and await nataraj_generating():
+            from .http.measure import stream_ttft
+            http = (await asyncio.to_thread(stream_ttft, http_url, {
+                "messages": [{"role": "user", "content": PROMPT}], "max_tokens": chat_tokens}))[0]
         card = await producer.take_card.remote() if await producer.wait_deck.remote(1, timeout_s=300) else None
         state = await producer.state.remote()
     finally:
         await producer.stop.remote()
-    return {"idle": idle, "busy": busy, "nataraj": state, "card": card}
+    return {"idle": idle, "busy": busy, "nataraj": state, "card": card, "http": http}
 
 
 def simulated_two_lane() -> dict[str, float]:
@@ -84,8 +89,12 @@ def main(argv: list[str] | None = None) -> None:
         events = ray.get(start().scheduler.status.remote())["event_log"]
         print(f"watch it: uniun-ray status --watch --address {context.address_info['gcs_address']}\n"
               f"event log: {events}  (uniun-ray explain JOB_ID)")
+        from .http import deploy
+        from .http.measure import free_port
+        http_url = deploy(port=free_port())
+        print(f"OpenAI-compatible endpoint: {http_url}/v1")
         print("Loading the chat model (the first run converts it once, ~20 s)...", flush=True)
-        r = asyncio.run(measure(args.turns, args.deck, args.card_tokens, args.chat_tokens))
+        r = asyncio.run(measure(args.turns, args.deck, args.card_tokens, args.chat_tokens, http_url))
         sim = simulated_two_lane()
     finally:
         ray.shutdown()
@@ -95,6 +104,8 @@ def main(argv: list[str] | None = None) -> None:
     print()
     print(f"chat TTFT, device idle:               {show(r['idle'])}")
     print(f"chat TTFT, while Nataraj fills:       {show(r['busy'])}")
+    if r["http"] is not None:
+        print(f"chat TTFT over HTTP, while Nataraj fills: {r['http']:6.2f} s   (POST /v1/chat/completions, streamed)")
     card = r["card"]
     if card:
         print(f"Nataraj's first card: {len(card['text'])} characters, revoked {card['revokes']}× by those chats "
