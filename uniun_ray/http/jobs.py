@@ -231,32 +231,45 @@ async def _event_log() -> Path | None:
     return _LOG_PATH[0]
 
 
+def _lines_backwards(path: Path, limit: int, chunk: int = 64 * 1024):
+    """The complete lines of a file, newest first, reading at most `limit` bytes from its end."""
+    try:
+        f = open(path, "rb")
+    except FileNotFoundError:
+        return
+    with f:
+        position = f.seek(0, os.SEEK_END)
+        tail = b""
+        while position > 0 and limit > 0:
+            step = min(chunk, position, limit)
+            position -= step
+            limit -= step
+            f.seek(position)
+            lines = (f.read(step) + tail).split(b"\n")
+            tail = lines[0]   # may be cut: completed by the next chunk back
+            yield from reversed(lines[1:])
+        if position == 0:
+            yield tail
+
+
 def _first_dispatch_tier(path: Path, job_id: str) -> int | None:
-    """The tier of the job's first dispatch, from the newest LOG_SCAN_BYTES of the log and
-    its newest backup (bytes are matched before any line is parsed: cheap on a busy log)."""
+    """The tier of the job's first dispatch, reading the log (and its newest backup) back
+    from the end until the job's submit, at most LOG_SCAN_BYTES; bytes are matched before
+    any line is parsed, so a busy log costs little."""
     import json
 
     needle, tier = f'"job":"{job_id}"'.encode(), None
-    budget = LOG_SCAN_BYTES
     for file in (path, path.with_name(path.name + ".1")):
-        try:
-            with open(file, "rb") as f:
-                size = f.seek(0, os.SEEK_END)
-                f.seek(max(0, size - budget))
-                data = f.read()
-        except FileNotFoundError:
-            continue
-        for line in reversed(data.split(b"\n")):
-            if needle in line and b'"ev":"dispatch"' in line:
+        for line in _lines_backwards(file, LOG_SCAN_BYTES):
+            if needle not in line:
+                continue
+            if b'"ev":"dispatch"' in line:
                 try:
                     tier = json.loads(line).get("tier", tier)
                 except ValueError:
                     continue
-            elif needle in line and b'"ev":"submit"' in line:
+            elif b'"ev":"submit"' in line:
                 return tier
-        budget -= len(data)
-        if budget <= 0:
-            break
     return tier
 
 
