@@ -154,6 +154,7 @@ def test_up_then_down_stops_exactly_that_head(tmp_path):
         assert "actors: scheduler, model:cpu0, embedder" in up.stdout
         assert f"event log: {os.environ['UNIUN_STATE_DIR']}/events.jsonl" in up.stdout  # the scheduler's own
         assert f"http: http://127.0.0.1:{http}/v1 (OpenAI-compatible; no API key)" in up.stdout
+        assert f"live page: http://127.0.0.1:{http}/" in up.stdout
         models = json.loads(urllib.request.urlopen(f"http://127.0.0.1:{http}/v1/models", timeout=30).read())
         assert "tiny" in [m["id"] for m in models["data"]]   # SPEC §4 served by `up`
         head = HeadState.load(state)

@@ -11,12 +11,14 @@ import asyncio
 import base64
 import http.client
 import json
+import os
 import socket
 import struct
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 import ray
@@ -380,9 +382,11 @@ def test_foreground_and_status_routes(server):
     assert server.status()["foreground"] == {"kind": None, "subject": None}
 
 
-def test_scheduler_gone_is_503_and_back_when_it_returns(server, ray_cluster):
-    """Runs last: it kills the scheduler, then starts it again."""
-    from uniun_ray.runtime.launch import start
+# -- the live page (issue 15) -------------------------------------------------------------------
+DOCS = Path(__file__).resolve().parent.parent / "docs"
+
+
+def kill_scheduler() -> None:
     from uniun_ray.runtime.protocol import NAMESPACE, SCHEDULER_NAME
 
     ray.kill(ray.get_actor(SCHEDULER_NAME, namespace=NAMESPACE), no_restart=True)
@@ -392,7 +396,83 @@ def test_scheduler_gone_is_503_and_back_when_it_returns(server, ray_cluster):
             ray.get_actor(SCHEDULER_NAME, namespace=NAMESPACE)
             time.sleep(0.05)
         except ValueError:
-            break
+            return
+
+
+def test_live_page_in_headless_chromium(server):
+    """The page of issue 15 in a real browser: it shows the running nataraj, its timeline
+    grows, the revoke appears when a chat arrives (screenshot of that moment saved to docs/),
+    a click tells the job's story, and it says when the scheduler is unreachable and recovers."""
+    from browser import Chromium, find_chromium
+
+    from uniun_ray.runtime.launch import start
+
+    page = requests.get(server.url + "/", timeout=30)
+    assert page.status_code == 200 and "uniun-ray" in page.text and "//" not in page.text.split("<script")[1][:40]
+    assert requests.get(server.url + "/static/page.js", timeout=30).status_code == 200   # served by the app
+    error_of(requests.get(server.url + "/v1/events", timeout=30), 401)                      # the data needs the key
+    binary = find_chromium()
+    if binary is None:
+        if os.environ.get("UNIUN_REQUIRE_BROWSER"):
+            pytest.fail("no chromium binary: `apt-get install -y chromium` (.ci/run does it)")
+        pytest.skip("no chromium binary: `apt-get install -y chromium` (.ci/run does it)")
+
+    browser = Chromium(binary)
+    nataraj = gana = None
+    try:
+        browser.goto(f"{server.url}/#key={KEY}")
+        browser.wait_for("document.querySelector('#conn.live')", what="live")
+        nataraj = server.post("/v1/completions", {"model": CHAT_MODEL, "prompt": "Write a long story about the sea.",
+                                                  "max_tokens": 1500, "kind": "nataraj", "producer": "nataraj:deck",
+                                                  "stream": True}, stream=True)
+        lines = nataraj.iter_lines()
+        job = json.loads(next(line for line in lines if line)[len(b"data: "):])["id"]
+        browser.wait_for(f"document.querySelector('.holder [data-job=\"{job}\"]')", what="the running nataraj")
+        gana = ThreadPoolExecutor(1).submit(server.post, "/v1/completions", {
+            "model": CHAT_MODEL, "prompt": "Plan the week:", "max_tokens": 4, "kind": "gana", "producer": "gana:42",
+            "deadline": time.time() + 600})
+        browser.wait_for("document.querySelector('#queues').textContent.includes('gana:42')", what="the queued gana")
+
+        run = f"document.querySelector('rect.run[data-job=\"{job}\"]')"
+        first = browser.wait_for(f"{run} && {run}.width.baseVal.value", what="the nataraj's run")
+        browser.wait_for(f"{run}.width.baseVal.value > {first} + 2", what="the timeline growing")
+
+        chat = server.post("/v1/chat/completions", MESSAGES | {"model": CHAT_MODEL, "max_tokens": 4})
+        assert chat.status_code == 200, chat.text
+        revoke = f"document.querySelector('#decisions li.revoke[data-job=\"{job}\"]')"
+        text = browser.wait_for(f"{revoke} && {revoke}.textContent", what="the revoke")
+        assert "arrival of chat job" in text
+        browser.wait_for(f"document.querySelector('.revoke-mark[data-job=\"{job}\"]')", what="the revoke on the timeline")
+        browser.wait_for(f"document.querySelector('.holder [data-job=\"{job}\"]')", what="the nataraj resumed")
+        DOCS.mkdir(exist_ok=True)
+        browser.screenshot(DOCS / "live-page.png")
+
+        browser.js(f"{revoke}.querySelector('.job').click()")
+        story = browser.wait_for("!document.querySelector('#story').classList.contains('hidden') && "
+                                 "document.querySelector('#story-text').textContent.includes('revoked') && "
+                                 "document.querySelector('#story-text').textContent", what="the job's story")
+        assert job in story and "arrival of chat job" in story
+        nataraj.close()
+        gana.result(120)
+
+        kill_scheduler()
+        banner = browser.wait_for("!document.querySelector('#banner').classList.contains('hidden') && "
+                                  "document.querySelector('#banner').textContent", what="the unreachable banner")
+        assert "Scheduler unreachable" in banner and "not running" in banner
+        start(runtime_config())
+        browser.wait_for("document.querySelector('#conn.live') && "
+                         "document.querySelector('#banner').classList.contains('hidden')", what="the recovery")
+    finally:
+        if nataraj is not None:
+            nataraj.close()
+        browser.close()
+
+
+def test_scheduler_gone_is_503_and_back_when_it_returns(server, ray_cluster):
+    """Runs last: it kills the scheduler, then starts it again."""
+    from uniun_ray.runtime.launch import start
+
+    kill_scheduler()
     for path, body in (("/v1/completions", CHAT), ("/v1/chat/completions", MESSAGES | {"stream": True}),
                        ("/v1/foreground", {"kind": None})):
         error_of(server.post(path, body), 503, code="scheduler_unavailable")

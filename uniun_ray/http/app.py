@@ -253,6 +253,8 @@ def create_app(api_key: str | None = None) -> FastAPI:
             raise from_client(error) from error
         return JSONResponse(jsonable_encoder(snapshot, custom_encoder={float: _finite}))
 
+    from . import page
+    page.install(app, require_scheduler)
     return app
 
 
