@@ -209,14 +209,17 @@ def test_sampling_fields_are_validated_and_passed_or_reported(server):
     import uniun_ray
 
     accepted = inspect.signature(uniun_ray.astream).parameters
-    body = {"model": "tiny", "prompt": "x", "max_tokens": 2, "temperature": 0.7, "top_p": 0.9, "stop": ["\n"]}
+    body = {"model": "tiny", "prompt": "x", "max_tokens": 2, "temperature": 0.7, "top_p": 0.9, "stop": ["\n"],
+            "seed": 7, "top_k": 40, "repetition_penalty": 1.1}
     answer = server.post("/v1/completions", body)
     assert answer.status_code == 200, answer.text
     ignored = answer.json()["uniun"].get("ignored", [])
-    assert ignored == [name for name in ("temperature", "top_p", "stop") if name not in accepted]
+    assert ignored == [name for name in ("temperature", "top_p", "stop", "seed", "top_k", "repetition_penalty")
+                       if name not in accepted]
     error_of(server.post("/v1/completions", body | {"temperature": 3}), 400, param="temperature")
     error_of(server.post("/v1/completions", body | {"top_p": 0}), 400, param="top_p")
     error_of(server.post("/v1/completions", body | {"stop": ["a", "b", "c", "d", "e"]}), 400, param="stop")
+    error_of(server.post("/v1/completions", body | {"top_k": -1}), 400, param="top_k")
 
 
 # -- errors, raw HTTP ------------------------------------------------------------------------
@@ -258,7 +261,8 @@ def test_bad_json_and_non_object_bodies_are_400(server):
 
 def test_every_route_needs_the_key(server):
     for method, path in (("GET", "/v1/models"), ("GET", "/v1/status"), ("POST", "/v1/completions"),
-                         ("POST", "/v1/chat/completions"), ("POST", "/v1/embeddings"), ("POST", "/v1/foreground")):
+                         ("POST", "/v1/chat/completions"), ("POST", "/v1/embeddings"), ("POST", "/v1/foreground"),
+                         ("GET", "/v1/events"), ("GET", "/v1/explain/chat-000000000000")):
         for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}):
             response = requests.request(method, server.url + path, json=CHAT, headers=headers, timeout=30)
             error_of(response, 401, code="invalid_api_key")

@@ -12,7 +12,8 @@ found here, each with the client's own value preferred the day it has one:
 * `finish_reason`: `Completion.finish_reason`, else "length" when the job produced all the
   tokens it asked for, "stop" otherwise.
 
-Sampling fields (`temperature`, `top_p`, `stop`, `seed`) go to the client through
+Sampling fields (`temperature`, `top_p`, `stop`, `seed`, and vLLM's `top_k`,
+`repetition_penalty`) go to the client through
 `sampling_kwargs`, which passes exactly those the client's `astream` accepts and names the
 rest in the answer's `uniun.ignored` (never silently).
 
@@ -44,7 +45,7 @@ from .schemas import JobFields
 #: max_tokens when the request gives none (the client API's default).
 DEFAULT_MAX_TOKENS = 128
 #: OpenAI's sampling fields, in the order they are passed on.
-SAMPLING_FIELDS = ("temperature", "top_p", "stop", "seed")
+SAMPLING_FIELDS = ("temperature", "top_p", "stop", "seed", "top_k", "repetition_penalty")
 #: How far back in the event log a job's dispatch is looked for.
 LOG_SCAN_BYTES = 4 * 1024 * 1024
 

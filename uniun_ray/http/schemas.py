@@ -74,6 +74,8 @@ class JobFields(BaseModel):
     stop: StrictStr | Annotated[list[StrictStr], Field(max_length=MAX_STOP)] | None = None
     n: Literal[1] | None = None
     seed: StrictInt | None = None
+    top_k: Annotated[StrictInt, Field(ge=0)] | None = None                 # vLLM's extras
+    repetition_penalty: Annotated[Number, Field(gt=0)] | None = None
 
     @field_validator("deadline")
     @classmethod
