@@ -7,7 +7,7 @@ PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.installed
 export RAY_AUTH_MODE ?= disabled
 
-.PHONY: demo test bench install clean
+.PHONY: demo test test-stress bench install clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -24,6 +24,10 @@ install: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q
+
+# The runtime tests three times, each with an empty model cache and two CPU burners beside them.
+test-stress: $(STAMP)
+	PYTHON=$(PY) tests/stress.sh
 
 demo: $(STAMP)
 	$(PY) -m uniun_ray.demo

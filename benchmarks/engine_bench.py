@@ -12,7 +12,11 @@ and the user's cache is left alone):
 * prefill: time to first token for a ~1000-token prompt;
 * cancel-to-stop latency: a consumer thread streams, the main thread sets the cancel flag at a
   random moment, and the time until the iterator ends is taken; during decode and during a
-  long prompt's chunked prefill, median and max over the trials.
+  long prompt's chunked prefill, median and max over the trials;
+* the dtype the engine chose on this host (``--dtype auto``: bf16 and float32 measured) and
+  its prefill chunk, sized by time (``models/tuning.py``).
+
+The prefix KV cache is off here (every prefill is a cold one); ``kv_cache_bench.py`` measures it.
 
 Prints a markdown table (the one in uniun_ray/models/MEASURED.md).
 """
@@ -36,6 +40,7 @@ import torch  # noqa: E402
 
 from uniun_ray.models import Engine, GenerateRequest, known_ids  # noqa: E402
 from uniun_ray.models.registry import CACHE_ENV  # noqa: E402
+from uniun_ray.models.tuning import cpu_model  # noqa: E402
 
 LONG_PROMPT = " ".join(f"Item {i} costs {i * 7 % 50} coins." for i in range(110))
 
@@ -101,8 +106,10 @@ def bench_model(engine: Engine, model_id: str, trials: int) -> dict:
         cancel_latency(engine, GenerateRequest(prompt=LONG_PROMPT, max_new_tokens=1), (0.0, prefill_s), True)
         for _ in range(trials)
     ]
+    described = engine.describe()
     return {
         "model": model_id,
+        "dtype (chunk)": f"{described['dtype']} ({described['prefill_chunk']})",
         "first load s": first_load,
         "cached load s": statistics.median(cached),
         "decode tok/s": decode_tok_s,
@@ -126,19 +133,20 @@ def main() -> None:
     parser.add_argument("--models", nargs="+", default=["tiny", "smollm2-135m-instruct", "gemma-3-270m"],
                         choices=known_ids())
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--dtype", default=None, help="default: bfloat16 (float16 on GPUs without bf16)")
-    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's own)")
+    parser.add_argument("--dtype", default="auto", help="auto (default: measured per host and model), "
+                        "bfloat16, float16 or float32")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: this process's cores)")
     parser.add_argument("--trials", type=int, default=10, help="cancel trials per model and phase")
     args = parser.parse_args()
     os.environ[CACHE_ENV] = tempfile.mkdtemp(prefix="uniun-bench-cache-")
-    engine = Engine(device=args.device, dtype=args.dtype, num_threads=args.threads)
+    engine = Engine(device=args.device, dtype=args.dtype, num_threads=args.threads, kv_cache_mb=0)
     rows = []
     for model_id in args.models:
         rows.append(bench_model(engine, model_id, args.trials))
         engine.unload()
-    print(f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch "
-          f"{torch.__version__}, {torch.get_num_threads()} threads, device {engine.device}, "
-          f"dtype {engine.dtype}, prefill chunk {engine.prefill_chunk}\n")
+    print(f"{platform.machine()}, {cpu_model()}, {os.cpu_count()} cores, torch {torch.__version__} "
+          f"(CPU capability {torch.backends.cpu.get_cpu_capability()}), {torch.get_num_threads()} threads, "
+          f"device {engine.device}, dtype setting {args.dtype}\n")
     print(table(rows))
 
 

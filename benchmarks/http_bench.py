@@ -31,7 +31,7 @@ import ray  # noqa: E402
 import requests  # noqa: E402
 
 from uniun_ray.client import agenerate, astatus  # noqa: E402
-from uniun_ray.demo import nataraj_generating  # noqa: E402
+from uniun_ray.client import await_generating  # noqa: E402
 from uniun_ray.http import deploy  # noqa: E402
 from uniun_ray.http.measure import free_port, stream_ttft  # noqa: E402
 from uniun_ray.runtime.launch import LOCAL_RESOURCES, start  # noqa: E402
@@ -46,17 +46,16 @@ def pct(values, q):
     return values[min(len(values) - 1, int(round(q * (len(values) - 1))))]
 
 
-def host() -> str:
+def host(engine: dict) -> str:
+    """The CPU (lscpu's model name), its cores, and the ModelActor's torch threads and dtype
+    on the chat model (its own report, `state()["engine"]`)."""
     try:
         lines = subprocess.run(["lscpu"], capture_output=True, text=True).stdout.splitlines()
         name = next(line.split(":", 1)[1].strip() for line in lines if line.startswith("Model name"))
     except Exception:
         name = platform.processor() or platform.machine()
-    from uniun_ray.models.engine import default_dtype
-    from uniun_ray.runtime.model_actor import default_threads
-    import torch
-    return (f"{name}, {os.cpu_count()} cores, CPU only; ModelActor torch threads {default_threads()}, "
-            f"dtype {str(default_dtype(torch.device('cpu'))).removeprefix('torch.')}")
+    return (f"{name}, {os.cpu_count()} cores, {engine.get('device', 'cpu')}; ModelActor torch threads "
+            f"{engine.get('threads')}, {engine.get('model', CHAT)} in {engine.get('dtype')}")
 
 
 def overhead(url: str, n: int) -> tuple[list[float], list[float]]:
@@ -108,7 +107,7 @@ def ttfts(url: str, turns: int, tokens: int) -> dict:
     busy, revoked = [], 0
     try:
         for _ in range(turns):
-            assert asyncio.run(nataraj_generating()), "no nataraj job got the device"
+            assert asyncio.run(await_generating("nataraj")), "no nataraj job got the device"
             ttft, last = chat_turn(url, tokens)
             busy.append(ttft)
         revoked = asyncio.run(astatus())
@@ -132,13 +131,15 @@ def main() -> None:
         url = deploy(port=free_port())
         python, http = overhead(url, args.requests)
         t = ttfts(url, args.turns, args.chat_tokens)
+        from uniun_ray.runtime.launch import handles
+        engine = ray.get(handles().model.state.remote())["engine"]
     finally:
         ray.shutdown()
 
     diff = [b - a for a, b in zip(python, http)]
     idle, busy, step = statistics.median(t["idle"]), statistics.median(t["busy"]), t["step"]
     ms = lambda v: f"{v * 1000:.1f} ms"  # noqa: E731
-    print(host())
+    print(host(engine))
     print(f"--requests {args.requests} --turns {args.turns} --chat-tokens {args.chat_tokens}\n")
     print("| measurement | p50 | p99 / max |")
     print("|---|---|---|")

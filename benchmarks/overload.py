@@ -49,11 +49,11 @@ class LoadClient:
         self.specs = []
 
     async def submit(self, producers: list[str], per_producer: int) -> float:
-        from uniun_ray.runtime.protocol import JobSpec
+        from uniun_ray.runtime.protocol import new_job
 
         for producer in producers:
             kind = KINDS[int(producer.rsplit(":", 1)[1]) % len(KINDS)]
-            self.specs += [JobSpec.build(kind, "tiny", producer=producer, job_id=f"{producer}/{i}")
+            self.specs += [new_job(kind, "tiny", producer=producer, job_id=f"{producer}/{i}")
                            for i in range(per_producer)]
         started = time.perf_counter()
         await asyncio.gather(*(self.scheduler.submit.remote(spec) for spec in self.specs))
@@ -164,13 +164,11 @@ def main(argv: list[str] | None = None) -> None:
         parser.error("--jobs, --producers and --clients must be >= 1, and --jobs a multiple of --producers")
 
     from uniun_ray.runtime.eventlog import read
-    from uniun_ray.runtime.launch import LOCAL_RESOURCES, start
-    from uniun_ray.runtime.protocol import NAMESPACE
+    from uniun_ray.runtime.launch import init_local, start
     from uniun_ray.runtime.service import RuntimeConfig
 
     log = os.path.join(tempfile.mkdtemp(prefix="uniun-overload-"), "events.jsonl")
-    ray.init(address="local", namespace=NAMESPACE, include_dashboard=False, log_to_driver=False,
-             resources=LOCAL_RESOURCES)
+    init_local()
     config = RuntimeConfig(event_log=log, event_log_max_bytes=1 << 30, max_queued=args.jobs)
     h = start(config)
     ray.get(h.model.load.remote("tiny"))

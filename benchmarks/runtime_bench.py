@@ -25,10 +25,8 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
 import ray  # noqa: E402
 
-from uniun_ray.client import agenerate, arun  # noqa: E402
-from uniun_ray.demo import nataraj_generating  # noqa: E402
-from uniun_ray.runtime.launch import LOCAL_RESOURCES, start  # noqa: E402
-from uniun_ray.runtime.protocol import NAMESPACE  # noqa: E402
+from uniun_ray.client import agenerate, arun, await_generating  # noqa: E402
+from uniun_ray.runtime.launch import local_cluster, start  # noqa: E402
 
 CHAT = "smollm2-135m-instruct"
 MODELS = ("tiny", "smollm2-135m-instruct", "gemma-3-270m")
@@ -53,7 +51,7 @@ async def measure(h, repeat: int) -> dict:
     busy = []
     for _ in range(repeat):
         card = asyncio.ensure_future(agenerate("nataraj", "Write a long story about the sea.", max_new_tokens=200))
-        assert await nataraj_generating(), "no nataraj job got the device"
+        assert await await_generating("nataraj"), "no nataraj job got the device"
         busy.append((await agenerate("chat", "Say hello.", max_new_tokens=8)).ttft_s)
         await card
     out["ttft_idle"], out["ttft_busy"] = idle, busy
@@ -93,13 +91,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeat", type=int, default=5)
     args = ap.parse_args()
-    ray.init(address="local", namespace=NAMESPACE, include_dashboard=False, log_to_driver=False,
-             resources=LOCAL_RESOURCES)
-    h = start()
-    try:
-        r = asyncio.run(measure(h, args.repeat))
-    finally:
-        ray.shutdown()
+    with local_cluster():
+        r = asyncio.run(measure(start(), args.repeat))
     print(f"{platform.machine()}, {os.cpu_count()} cores, CPU only; --repeat {args.repeat}\n")
     print("| measurement | result |")
     print("|---|---|")

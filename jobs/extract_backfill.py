@@ -14,7 +14,7 @@ import ray
 
 import uniun_ray
 from common import job_parser, session
-from uniun_ray.runtime.producers import spawn_producer
+from uniun_ray.producers import spawn_producer
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -17,7 +17,7 @@ import time
 import ray
 
 from common import job_parser, session
-from uniun_ray.runtime.producers import spawn_producer
+from uniun_ray.producers import spawn_producer
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -14,23 +14,12 @@ See jobs/README.md for running it under `ray job submit`.
 from __future__ import annotations
 
 import statistics
-import time
 
 import ray
 
 import uniun_ray
 from common import job_parser, session
-from uniun_ray.runtime.producers import spawn_producer
-
-
-def nataraj_running(timeout_s: float) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        running = uniun_ray.status()["running"]
-        if running and running["kind"] == "nataraj":
-            return True
-        time.sleep(0.05)
-    return False
+from uniun_ray.producers import spawn_producer
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -56,10 +45,9 @@ def main(argv: list[str] | None = None) -> None:
     busy = []
     try:
         for _ in range(args.turns):
-            if not nataraj_running(60):
+            if not uniun_ray.wait_generating("nataraj", timeout_s=60):
                 print("Nataraj never got the device; is the model loading?")
                 break
-            time.sleep(0.2)               # a little way into the card
             busy.append(chat())
         # the card the chats interrupted: revoked at each chat, resumed from its tokens each time
         card = ray.get(deck.take_card.remote()) if ray.get(deck.wait_deck.remote(1, timeout_s=60)) else None

@@ -12,7 +12,7 @@ import time
 import ray
 
 from common import job_parser, session
-from uniun_ray.runtime.producers import spawn_producer
+from uniun_ray.producers import spawn_producer
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -24,6 +24,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--timeout", type=float, default=60.0)
     args = parser.parse_args(argv)
+    if not 1 <= args.take <= args.deck:
+        parser.error(f"--take must be between 1 and --deck ({args.deck}), got {args.take}")
 
     session(args)
     started = time.perf_counter()
@@ -34,6 +36,9 @@ def main(argv: list[str] | None = None) -> None:
             ray.get(deck.open_page.remote())
         filled = ray.get(deck.wait_deck.remote(timeout_s=args.timeout))
         print(f"deck {filled}/{args.deck} after {time.perf_counter() - started:.1f}s")
+        if filled < args.take:
+            raise SystemExit(f"timed out: the deck holds {filled} card(s) after {args.timeout:.0f}s, "
+                             f"fewer than the {args.take} to take (a busy device? raise --timeout)")
         for _ in range(args.take):
             card = ray.get(deck.take_card.remote())
             print(f"  card [{card['topic']}] ({card['total_s']:.1f}s, {card['revokes']} revokes): "

@@ -1,8 +1,11 @@
-"""Shared fixtures. One local Ray cluster per test session (address="local", no dashboard,
-a small object store, the stand-in device resources); tests that need it ask for `runtime`,
-which gives them freshly created actors with short lease timeouts."""
+"""Shared fixtures and fakes. One local Ray cluster per test session (`local_cluster`: no
+dashboard, a small object store, the stand-in device resources); tests that need it ask for
+`runtime`, which gives them freshly created actors with short lease timeouts. The fakes of
+the Ray-free protocol tests (`FakeDevice`, `spec`, `lease_of`) and the wait for a generating
+job (`started`) live here once; test modules import them (`from conftest import ...`)."""
 from __future__ import annotations
 
+import asyncio
 import os
 import sys
 import tempfile
@@ -20,13 +23,10 @@ sys.path.insert(0, str(Path(__file__).parent))
 def ray_cluster():
     import ray
 
-    from uniun_ray.runtime.launch import LOCAL_RESOURCES
-    from uniun_ray.runtime.protocol import NAMESPACE
+    from uniun_ray.runtime.launch import local_cluster
 
-    ray.init(address="local", namespace=NAMESPACE, include_dashboard=False, log_to_driver=False,
-             object_store_memory=100 * 1024 * 1024, resources=LOCAL_RESOURCES)
-    yield ray
-    ray.shutdown()
+    with local_cluster(object_store_memory=100 * 1024 * 1024):
+        yield ray
 
 
 def kill_uniun_actors(ray) -> None:
@@ -70,3 +70,58 @@ def make_runtime(ray_cluster):
 @pytest.fixture
 def runtime(make_runtime):
     return make_runtime()
+
+
+# -- fakes for the Ray-free protocol tests (SchedulerService with a fake device) ---------------
+class FakeDevice:
+    """The device as the scheduler sees it: loads (optionally slow, or failing for the models
+    in `fail`), grants and revokes are recorded; `epoch` is what it was last granted."""
+
+    def __init__(self, load_s: float = 0.0, fail: set[str] = frozenset()) -> None:
+        self.load_s, self.fail = load_s, fail
+        self.loads: list[str] = []
+        self.granted: list[int] = []
+        self.revoked: list[int] = []
+        self.epoch = 0
+
+    async def load(self, model_id: str) -> float:
+        await asyncio.sleep(self.load_s)
+        if model_id in self.fail:
+            raise RuntimeError(f"cannot load {model_id}")
+        self.loads.append(model_id)
+        return self.load_s
+
+    async def grant(self, epoch: int) -> None:
+        assert epoch > self.epoch, "epochs only grow"
+        self.epoch = epoch
+        self.granted.append(epoch)
+
+    async def revoke(self, epoch: int) -> None:
+        self.revoked.append(epoch)
+
+    async def current_epoch(self) -> int:
+        return self.epoch
+
+
+def spec(job_id: str, kind: str, model: str = "m", **fields):
+    """A job as the client submits it (the policy's `Job`, validated as the client does)."""
+    from uniun_ray.runtime.protocol import new_job
+
+    return new_job(kind, model, job_id=job_id, **fields)
+
+
+async def lease_of(service, job_id: str, wait_s: float = 0.05):
+    """Poll like a client does until the job's lease comes."""
+    while (lease := await service.grant(job_id, wait_s=wait_s)) is None:
+        pass
+    return lease
+
+
+async def started(kind: str, timeout: float = 60) -> dict:
+    """Wait until a job of `kind` is generating (the client's `await_generating`); fail the
+    test if none is within `timeout`."""
+    from uniun_ray.client import await_generating
+
+    running = await await_generating(kind, timeout_s=timeout, min_held_s=0.3)
+    assert running is not None, f"no {kind} job started"
+    return running

@@ -9,7 +9,7 @@ from __future__ import annotations
 import heapq
 from dataclasses import dataclass, field
 
-from uniun_ray.policy import Dispatch, Job, Revoke, SchedulerPolicy
+from uniun_ray.policy import Dispatch, Job, Requeued, Revoke, SchedulerPolicy
 
 FAIR_TIERS = ("T2", "T3", "T4")
 
@@ -126,21 +126,22 @@ class Driver:
         self.runs.append(Run(d.job_id, r["kind"], r["producer"], r["tier"], self.now))
         self.running = (d.job_id, self.now + self.durations[d.job_id])
 
-    def call(self, method: str, *args) -> None:
+    def call(self, method: str, *args) -> list:
         loaded = self.policy.loaded_model
-        self._apply(getattr(self.policy, method)(*args), loaded)
+        actions = getattr(self.policy, method)(*args)
+        self._apply(actions, loaded)
         assert self.policy.queued == 0 or self.policy.running_job is not None, "device idle while work waits"
         if self.sample:
             self.waiting_samples.append((self.now, self.policy.snapshot()))
+        return actions
 
     def _finish_running(self) -> None:
         job_id, _ = self.running
         outcome = "revoked" if self.runs[-1].revoked else "done"
         self.runs[-1].end = self.now
         self.running = None
-        if outcome == "done" or self.policy.running_job.kind.value == "chat":
+        if Requeued(job_id) not in self.call("finish", job_id, self.now, outcome):
             self.ended[job_id] = self.ended.get(job_id, 0) + 1
-        self.call("finish", job_id, self.now, outcome)
 
     def run(self, arrivals: list[Arrival], foreground: list[tuple[float, str | None, str | None]] = (),
             until: float = float("inf")) -> None:

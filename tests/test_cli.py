@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -151,7 +152,7 @@ def test_up_then_down_stops_exactly_that_head(tmp_path):
                      f"--dashboard-agent-listen-port={free_port()}", env=env)
         assert up.returncode == 0, up.stdout + up.stderr
         assert f"dashboard: http://127.0.0.1:{dashboard}" in up.stdout
-        assert "actors: scheduler, model:cpu0, embedder" in up.stdout
+        assert re.search(r"actors: scheduler, model:(cpu|gpu)0, embedder", up.stdout), up.stdout  # any host
         assert f"event log: {os.environ['UNIUN_STATE_DIR']}/events.jsonl" in up.stdout  # the scheduler's own
         assert f"http: http://127.0.0.1:{http}/v1 (OpenAI-compatible; no API key)" in up.stdout
         assert f"live page: http://127.0.0.1:{http}/" in up.stdout

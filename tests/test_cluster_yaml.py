@@ -13,8 +13,8 @@ import pytest
 import yaml
 from ray.autoscaler._private.util import prepare_config, validate_config
 
-from uniun_ray.runtime.actors import DEVICE_RESOURCE, EMBEDDER_RESOURCE
-from uniun_ray.runtime.head import stand_in_resources
+from uniun_ray.runtime.head import gpu_count, stand_in_resources
+from uniun_ray.runtime.placement import DEVICE_RESOURCE, EMBEDDER_RESOURCE
 
 CLUSTER_YAML = Path(__file__).parent.parent / "cluster.yaml"
 RESOURCES = '--resources="$(python -m uniun_ray.runtime.head)"'
@@ -56,13 +56,13 @@ def test_nodes_declare_their_stand_in_resources(config):
     for role, commands in start_commands(config).items():
         assert RESOURCES in commands, role
         assert 'PATH="$HOME/uniun-ray/.venv/bin:$PATH"' in commands, role  # that python has uniun_ray
-    # what the command prints, mirroring the actors' placement (actors.py)
+    # what the command prints, mirroring the actors' placement (placement.py)
     assert stand_in_resources(0) == {DEVICE_RESOURCE: 1, EMBEDDER_RESOURCE: 1}
     assert stand_in_resources(1) == {EMBEDDER_RESOURCE: 1}
     assert stand_in_resources(2) == {}
     printed = subprocess.run([sys.executable, "-m", "uniun_ray.runtime.head"], capture_output=True, text=True,
                              timeout=120, check=True).stdout
-    assert json.loads(printed) == {DEVICE_RESOURCE: 1, EMBEDDER_RESOURCE: 1}  # this CPU-only machine
+    assert json.loads(printed) == stand_in_resources(gpu_count())  # whatever GPUs this host has
 
 
 def test_setup_installs_the_project_and_nothing_runs_ray_stop(config):

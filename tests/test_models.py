@@ -33,6 +33,7 @@ from uniun_ray.models import (
 )
 from uniun_ray.models import registry
 from uniun_ray.models.registry import CACHE_ENV
+from uniun_ray.models.tuning import Speed, fastest
 
 USER_CACHE = os.environ.get(CACHE_ENV)  # read at import, before the fixtures below redirect it
 
@@ -61,10 +62,19 @@ def tiny_cache(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def engine(tiny_cache):
+def loaded_engine(tiny_cache):
     engine = Engine(dtype="float32")
     engine.load("tiny")
     return engine
+
+
+@pytest.fixture
+def engine(loaded_engine):
+    """The module's engine with an empty prefix cache: no test starts from another's KV."""
+    if loaded_engine.loaded != "tiny":
+        loaded_engine.load("tiny")
+    loaded_engine._loaded.prefix.clear()
+    return loaded_engine
 
 
 @pytest.fixture
@@ -353,6 +363,55 @@ def test_resume_text_prefills_prompt_plus_text_and_returns_only_new_text(engine)
     assert "forty-two" not in result.text and result.tokens == 5
 
 
+SAMPLING = dict(temperature=0.8, top_k=40, top_p=0.9, repetition_penalty=1.3)
+
+
+def test_seeded_sampling_draws_what_transformers_generate_draws(engine):
+    """The processors are transformers' own, built from generation_config + the request."""
+    model, tokenizer = engine._loaded.model, engine._loaded.vocabulary.tokenizer
+    inputs = tokenizer(PROMPT, return_tensors="pt")
+    torch.manual_seed(11)
+    with torch.inference_mode():
+        output = model.generate(**inputs, max_new_tokens=24, do_sample=True, **SAMPLING)
+    expected = output[0, inputs.input_ids.shape[1]:].tolist()
+    _, result = run(engine, GenerateRequest(prompt=PROMPT, max_new_tokens=24, seed=11, **SAMPLING))
+    assert list(result.token_ids) == expected
+    greedy = run(engine, GenerateRequest(prompt=PROMPT, max_new_tokens=24))[1].token_ids
+    assert list(greedy) != expected                     # it did sample
+
+
+def test_greedy_with_a_repetition_penalty_matches_transformers_generate(engine):
+    model, tokenizer = engine._loaded.model, engine._loaded.vocabulary.tokenizer
+    inputs = tokenizer(PROMPT, return_tensors="pt")
+    with torch.inference_mode():
+        output = model.generate(**inputs, max_new_tokens=30, do_sample=False, repetition_penalty=1.5)
+    _, result = run(engine, GenerateRequest(prompt=PROMPT, max_new_tokens=30, repetition_penalty=1.5))
+    assert list(result.token_ids) == output[0, inputs.input_ids.shape[1]:].tolist()
+
+
+def test_the_models_generation_config_is_the_default(engine, monkeypatch):
+    config = engine._loaded.model.generation_config
+    monkeypatch.setattr(config, "do_sample", True)      # a model that samples by default
+    monkeypatch.setattr(config, "temperature", 1.7)
+    sampled = [run(engine, GenerateRequest(prompt=PROMPT, max_new_tokens=20, seed=seed))[1].token_ids
+               for seed in (1, 1, 2)]
+    assert sampled[0] == sampled[1] != sampled[2]
+    greedy = run(engine, GenerateRequest(prompt=PROMPT, max_new_tokens=20, temperature=0))[1].token_ids
+    monkeypatch.setattr(config, "do_sample", False)
+    assert greedy == run(engine, GenerateRequest(prompt=PROMPT, max_new_tokens=20))[1].token_ids
+
+
+def test_stop_strings_end_the_run_before_the_stop_string(engine):
+    whole = run(engine, GenerateRequest(prompt=PROMPT, max_new_tokens=60))[1].text
+    stop = whole[len(whole) // 2: len(whole) // 2 + 3]
+    assert len(stop.strip()) >= 2, whole
+    pieces, result = run(engine, GenerateRequest(prompt=PROMPT, max_new_tokens=60, stop=["\x00never", stop]))
+    assert result.finish_reason == "stop"
+    assert result.text == whole[: whole.index(stop)] == "".join(pieces)
+    unmatched = run(engine, GenerateRequest(prompt=PROMPT, max_new_tokens=60, stop="\x00never"))[1]
+    assert unmatched.text == whole and unmatched.finish_reason == "length"
+
+
 def test_sampling_is_seeded_by_torch(engine):
     request = GenerateRequest(prompt=PROMPT, max_new_tokens=20, temperature=1.5)
     torch.manual_seed(7)
@@ -404,6 +463,16 @@ def test_inspect_request_needs_no_loaded_model(engine):
         ({"prompt": "a", "resume_tokens": "12"}, "resume_tokens"),
         ({"prompt": "a", "resume_tokens": [1, -2]}, "resume_tokens"),
         ({"prompt": "a", "resume_tokens": [1], "resume_text": "x"}, "not both"),
+        ({"prompt": "a", "top_p": 0}, r"top_p must be a number in \(0, 1\]"),
+        ({"prompt": "a", "top_p": 1.5}, "top_p"),
+        ({"prompt": "a", "top_k": -1}, "top_k must be an int >= 0"),
+        ({"prompt": "a", "top_k": 2.0}, "top_k"),
+        ({"prompt": "a", "repetition_penalty": 0}, "repetition_penalty must be a finite number > 0"),
+        ({"prompt": "a", "repetition_penalty": float("inf")}, "repetition_penalty"),
+        ({"prompt": "a", "seed": -1}, "seed must be an int >= 0"),
+        ({"prompt": "a", "seed": "7"}, "seed"),
+        ({"prompt": "a", "stop": [""]}, "stop must be a string or a list of non-empty strings"),
+        ({"prompt": "a", "stop": [3]}, "stop"),
     ],
 )
 def test_bad_requests_are_refused_with_a_clear_message(fields, message):
@@ -447,7 +516,10 @@ def test_default_chat_model_applies_its_template(monkeypatch):
         monkeypatch.setenv(CACHE_ENV, USER_CACHE)
     engine = Engine()
     engine.load(DEFAULT_CHAT_MODEL)
-    assert engine.chat and engine.dtype == torch.bfloat16
+    assert engine.chat and engine.dtype in (torch.bfloat16, torch.float32)
+    described = engine.describe()   # the dtype kept is the faster of the two measured on this host
+    assert {m["dtype"] for m in described["measured"]} == {"bfloat16", "float32"}
+    assert described["dtype"] == fastest([Speed(**m) for m in described["measured"]]).dtype
     question = "What is the capital of France?"
     messages = [{"role": "user", "content": question}]
     pieces, result = run(engine, GenerateRequest(messages=messages, max_new_tokens=24))
@@ -455,3 +527,117 @@ def test_default_chat_model_applies_its_template(monkeypatch):
     assert "<|im_end|>" not in result.text and len(pieces) > 1
     # A plain prompt to a chat model is sent as a single user turn.
     assert run(engine, GenerateRequest(prompt=question, max_new_tokens=24))[1].text == result.text
+
+
+# -- the prefix cache (issue 11) ----------------------------------------------------------------
+
+
+@pytest.fixture
+def uncached(tiny_cache):
+    engine = Engine(dtype="float32", kv_cache_mb=0)
+    engine.load("tiny")
+    return engine
+
+
+def kv(engine) -> dict:
+    return engine.describe()["kv_cache"]
+
+
+def test_a_conversation_turn_prefills_only_what_is_new_and_matches_an_uncached_run(engine, uncached):
+    first = GenerateRequest(prompt=PROMPT, max_new_tokens=40)
+    reply = run(engine, first)[1]
+    assert run(uncached, first)[1].token_ids == reply.token_ids
+    second = GenerateRequest(prompt=PROMPT + reply.text + "\n# and now in a loop:", max_new_tokens=40)
+    before = kv(engine)
+    assert run(engine, second)[1].token_ids == run(uncached, second)[1].token_ids
+    after = kv(engine)
+    reused = after["reused_tokens"] - before["reused_tokens"]
+    prefilled = after["prefilled_tokens"] - before["prefilled_tokens"]
+    assert after["hits"] == before["hits"] + 1
+    assert reused >= engine.check(first) and prefilled <= 20      # the history came from the cache
+    assert kv(uncached)["entries"] == 0 and kv(uncached)["hits"] == 0
+
+
+@pytest.mark.parametrize("stop_after", [2, 9])
+def test_a_revoked_run_keeps_its_kv_and_its_resume_prefills_one_token(engine, uncached, forwards, stop_after):
+    request = GenerateRequest(prompt=LONG_PROMPT, max_new_tokens=30)
+    whole = run(uncached, request)[1]
+    cancel = threading.Event()
+    forwards.actions[stop_after] = cancel.set          # mid-decode (pass 2 of a 1-chunk prefill is a decode)
+    monkey_chunk = engine.prefill_chunk
+    engine.prefill_chunk = 2048                          # the prompt in one pass: a clean count
+    try:
+        first = run(engine, request, cancel)[1]
+    finally:
+        engine.prefill_chunk = monkey_chunk
+    assert first.stopped_by_cancel and kv(engine)["preempted_entries"] == 1
+    before = kv(engine)
+    rest = run(engine, GenerateRequest(prompt=LONG_PROMPT, max_new_tokens=30 - first.tokens,
+                                       resume_tokens=first.token_ids))[1]
+    after = kv(engine)
+    assert first.token_ids + rest.token_ids == whole.token_ids
+    assert after["prefilled_tokens"] - before["prefilled_tokens"] <= 2   # nothing but the uncached tail
+    assert after["preempted_entries"] == 0                               # the resume took it over
+
+
+def test_a_run_revoked_mid_prefill_resumes_from_the_chunks_it_read(engine, uncached, forwards, monkeypatch):
+    monkeypatch.setattr(engine, "prefill_chunk", 16)
+    request = GenerateRequest(prompt=LONG_PROMPT, max_new_tokens=10)
+    cancel = threading.Event()
+    forwards.actions[3] = cancel.set
+    first = run(engine, request, cancel)[1]
+    assert first.stopped_by_cancel and first.tokens == 0
+    before = kv(engine)
+    again = run(engine, request)[1]
+    after = kv(engine)
+    assert again.token_ids == run(uncached, request)[1].token_ids
+    assert after["reused_tokens"] - before["reused_tokens"] == 3 * 16    # the three chunks read
+    assert after["prefilled_tokens"] - before["prefilled_tokens"] == engine.check(request) - 48
+
+
+def test_the_cache_is_bounded_evicts_the_least_recent_first_and_revoked_runs_last(engine):
+    from uniun_ray.models.kvcache import PrefixCache
+
+    for i in range(4):                                 # real caches, from the model
+        run(engine, GenerateRequest(prompt=f"{i}: " + PROMPT * 3, max_new_tokens=2))
+    entry_bytes = engine._loaded.prefix.held_bytes // len(engine._loaded.prefix._entries)
+    store = PrefixCache(budget_bytes=int(2.5 * entry_bytes))
+    source = engine._loaded.prefix._entries
+    entries = list(source.values())[-4:]
+    store.put(list(entries[0].tokens), entries[0].cache, preempted=True)     # a revoked job's
+    store.put(list(entries[1].tokens), entries[1].cache, preempted=False)
+    store.put(list(entries[2].tokens), entries[2].cache, preempted=False)   # over budget: evict one
+    kept = {e.tokens for e in store._entries.values()}
+    assert entries[0].tokens in kept and entries[1].tokens not in kept and entries[2].tokens in kept
+    assert store.evictions == 1 and store.held_bytes <= store.budget_bytes
+    store.put(list(entries[3].tokens), entries[3].cache, preempted=False)
+    kept = {e.tokens for e in store._entries.values()}
+    assert kept == {entries[0].tokens, entries[3].tokens}                   # the revoked one stays longest
+    tiny_store = PrefixCache(budget_bytes=entry_bytes // 2)
+    tiny_store.put(list(entries[3].tokens), entries[3].cache, preempted=False)
+    assert tiny_store.describe()["entries"] == 0 and tiny_store.evictions == 1   # does not fit: not kept
+
+
+def test_a_swap_drops_the_cache_and_a_bad_budget_is_refused(engine):
+    run(engine, GenerateRequest(prompt=PROMPT, max_new_tokens=4))
+    assert kv(engine)["entries"] >= 1
+    engine.unload()
+    engine.load("tiny")
+    assert kv(engine)["entries"] == 0 and kv(engine)["budget_mb"] == 1024
+    with pytest.raises(ValueError, match="kv_cache_mb must be an int >= 0"):
+        Engine(kv_cache_mb=-1)
+
+
+def test_a_model_larger_than_its_memory_budget_is_offloaded_by_accelerate_with_the_same_output(engine, tiny_cache):
+    """accelerate's device_map="auto": 2 MB of CPU memory holds none of tiny's weights, so they
+    are offloaded to disk and streamed in per layer; the tokens do not change."""
+    request = GenerateRequest(prompt=PROMPT, max_new_tokens=20)
+    expected = run(engine, request)[1].token_ids
+    offloaded = Engine(dtype="float32", max_memory={"cpu": "2MB"})
+    offloaded.load("tiny")
+    assert set(offloaded.describe()["placement"].values()) == {"disk"}
+    assert run(offloaded, request)[1].token_ids == expected
+    with pytest.raises(ValueError, match="is not a size like"):
+        Engine(max_memory={"cpu": "lots"})
+    with pytest.raises(ValueError, match="neither 'cpu' nor a GPU index"):
+        Engine(max_memory={"gpu": "1GiB"})

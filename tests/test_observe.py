@@ -9,12 +9,11 @@ import re
 import time
 
 from rich.console import Console
-from test_service import FakeDevice, lease_of, spec
+from conftest import FakeDevice, lease_of, spec
 
 from uniun_ray.observe.explain import explain, replayable
 from uniun_ray.observe.statusview import render
 from uniun_ray.runtime.eventlog import EventLog, read, tail
-from uniun_ray.runtime.metrics import revoke_cause
 from uniun_ray.runtime.service import RuntimeConfig, SchedulerService
 
 
@@ -36,7 +35,7 @@ LOG = [
     submit(102.0, "g1", "gana", "gana:cron", deadline=103.0),
     submit(104.0, "c1", "chat"),
     job(104.0, "revoke", "n1", "nataraj", "nataraj:deck", reason="arrival of chat job c1"),
-    job(104.05, "finish", "n1", "nataraj", "nataraj:deck", outcome="revoked"),
+    job(104.05, "finish", "n1", "nataraj", "nataraj:deck", outcome="revoked", requeued=True),
     job(104.05, "dispatch", "c1", "chat", swap=False, tier=0),
     job(104.25, "first_token", "c1", "chat"),
     submit(104.5, "c2", "chat"),
@@ -169,10 +168,32 @@ def test_the_scheduler_feeds_its_metrics_sink_every_logged_event(tmp_path):
     assert sink.snapshots and sink.snapshots[0]["running"]["id"] == "n"
 
 
-def test_revoke_causes_are_a_small_tag_set():
-    assert [revoke_cause(r) for r in ("arrival of chat job c", "foreground set to gana", "deadline passed",
-                                      "cancelled by its caller", "lease reclaimed: not renewed", None)] == \
-        ["arrival", "foreground", "deadline", "withdrawn", "withdrawn", "withdrawn"]
+def test_revoke_events_carry_the_policys_cause_and_finish_says_requeued(tmp_path):
+    """The log's (and the metrics') revoke cause is the policy's RevokeCause, not parsed
+    from text; `requeued` is the policy's Requeued, not "a chat is never re-queued"."""
+    from uniun_ray.runtime.eventlog import read
+
+    async def go():
+        s = SchedulerService(FakeDevice(), RuntimeConfig(event_log=str(tmp_path / "ev.jsonl"), lease_timeout_s=0.3,
+                                                         waiter_timeout_s=5.0, reap_period_s=0.05))
+        await s.submit(spec("n", "nataraj"))
+        n = await lease_of(s, "n")
+        await s.submit(spec("c", "chat"))                        # arrival
+        assert await s.release("n", n.epoch, "revoked") is True
+        c = await lease_of(s, "c")
+        await s.release("c", c.epoch, "done")
+        await lease_of(s, "n")
+        await s.cancel("n")                                      # cancel
+        await s.submit(spec("g", "gana"))
+        await lease_of(s, "g")                                   # never renewed: reclaim
+        while s.leases.jobs:
+            await asyncio.sleep(0.05)
+    asyncio.run(asyncio.wait_for(go(), 10))
+    events = read(tmp_path / "ev.jsonl")
+    assert [(e["job"], e["cause"]) for e in events if e["ev"] == "revoke"] == \
+        [("n", "arrival"), ("n", "cancel"), ("g", "reclaim")]
+    assert [(e["job"], e["outcome"], e["requeued"]) for e in events if e["ev"] == "finish"] == \
+        [("n", "revoked", True), ("c", "done", False), ("n", "revoked", False), ("g", "revoked", False)]
 
 
 def test_tail_reads_the_newest_events_across_a_rotation(tmp_path):

@@ -13,12 +13,13 @@ import ray
 from rich.console import Console
 
 import uniun_ray
-from test_runtime import LONG, started
+from conftest import started
+from test_runtime import LONG
 from uniun_ray.client import agenerate, arun, astatus
 from uniun_ray.observe.explain import explain
 from uniun_ray.observe.statusview import render
 from uniun_ray.runtime.eventlog import read
-from uniun_ray.sim.trace import Trace
+from uniun_ray.events.trace import Trace
 
 pytestmark = pytest.mark.ray
 

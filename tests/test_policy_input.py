@@ -7,7 +7,7 @@ import math
 import pytest
 
 from policy_support import job
-from uniun_ray.policy import Job, PolicyConfig, Revoke, SchedulerPolicy
+from uniun_ray.policy import Job, PolicyConfig, Revoke, RevokeCause, SchedulerPolicy
 
 
 @pytest.mark.parametrize("fields, message", [
@@ -41,6 +41,9 @@ BAD_CALLS = [
     ("finish unknown", lambda p: p.finish("nope", 3, "done"), "unknown job"),
     ("finish queued", lambda p: p.finish("n2", 3, "done"), "queued, not running"),
     ("cancel unknown", lambda p: p.cancel("nope", 3), "unknown job"),
+    ("cancel for a cause not the caller's", lambda p: p.cancel("n1", 3, cause="arrival"),
+     "cause must be one of cancel, reclaim"),
+    ("cancel for no known cause", lambda p: p.cancel("n1", 3, cause="bored"), "cause must be one of"),
     ("unknown outcome", lambda p: p.finish("n1", 3, "exploded"), "unknown outcome 'exploded'"),
     ("revoked without Revoke", lambda p: p.finish("n1", 3, "revoked"), "never revoked"),
     ("time backwards", lambda p: p.tick(1.5), "time went backwards"),
@@ -60,7 +63,7 @@ def test_bad_call_raises_and_leaves_state_unchanged(name, call, message):
         call(p)
     assert p.snapshot() == before
     # and the policy still works afterwards
-    assert p.submit(job("c", "chat"), 3) == [Revoke("n1")]
+    assert p.submit(job("c", "chat"), 3) == [Revoke("n1", RevokeCause.ARRIVAL)]
 
 
 def test_finish_twice_is_named():
@@ -74,12 +77,18 @@ def test_cancel_queued_and_running():
     p = busy_policy()
     assert p.cancel("n2", 3) == []
     assert [j["id"] for t in p.snapshot()["tiers"].values() for j in t] == ["g"]
-    assert p.cancel("n1", 4) == [Revoke("n1")]
+    assert p.cancel("n1", 4) == [Revoke("n1", RevokeCause.CANCEL)]
     assert p.cancel("n1", 4) == []  # a second cancel sends no second Revoke
     actions = p.finish("n1", 4.05, "revoked")  # cancelled: ends, not re-queued
     assert [a.job_id for a in actions] == ["g"]
     with pytest.raises(ValueError, match="already ended"):
         p.cancel("n1", 5)
+
+
+def test_reclaim_of_a_dead_holder_revokes_with_its_cause_and_never_requeues():
+    p = busy_policy()
+    assert p.cancel("n1", 3, cause="reclaim") == [Revoke("n1", RevokeCause.RECLAIM)]
+    assert [a.job_id for a in p.finish("n1", 3.5, "revoked")] == ["n2"]  # no Requeued
 
 
 def test_cancelled_job_that_completed_anyway_is_not_requeued():

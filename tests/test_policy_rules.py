@@ -6,11 +6,12 @@ import sys
 import pytest
 
 from policy_support import job
-from uniun_ray.policy import Dispatch, Foreground, Kind, PolicyConfig, Revoke, SchedulerPolicy, Tier, tier_of
+from uniun_ray.policy import (Dispatch, Foreground, Kind, PolicyConfig, Requeued, Revoke, RevokeCause,
+                              SchedulerPolicy, Tier, tier_of)
 
 
-def D(job_id, model="m", swap=False):
-    return [Dispatch(job_id, model, swap)]
+def D(job_id, tier, model="m", swap=False):
+    return [Dispatch(job_id, model, swap, tier)]
 
 
 def policy(**cfg) -> SchedulerPolicy:
@@ -86,39 +87,39 @@ def test_r3_fifo_in_t2_and_edf_in_t3():
     p.submit(job("early", "gana", producer="g2", deadline=4), 3.5)
     assert tiers(p)["T2"] == ["e1", "e2"]
     p.tick(6)
-    assert p.finish("c", 6, "done") == D("e1")
-    assert p.finish("e1", 7, "done") == D("e2")
-    assert p.finish("e2", 8, "done") == D("early")
-    assert p.finish("early", 9, "done") == D("late")
+    assert p.finish("c", 6, "done") == D("e1", Tier.EXTRACT)
+    assert p.finish("e1", 7, "done") == D("e2", Tier.EXTRACT)
+    assert p.finish("e2", 8, "done") == D("early", Tier.DEADLINE)
+    assert p.finish("early", 9, "done") == D("late", Tier.DEADLINE)
 
 
 def test_r3_requeued_job_keeps_its_original_place():
     p = policy()
     p.submit(job("e1", "extract"), 0)
     p.submit(job("e2", "extract"), 1)
-    assert p.submit(job("c", "chat"), 2) == [Revoke("e1")]
-    assert p.finish("e1", 2.1, "revoked") == D("c")
+    assert p.submit(job("c", "chat"), 2) == [Revoke("e1", RevokeCause.ARRIVAL)]
+    assert p.finish("e1", 2.1, "revoked") == [Requeued("e1"), *D("c", Tier.CHAT)]
     assert tiers(p)["T2"] == ["e1", "e2"]
-    assert p.finish("c", 3, "done") == D("e1")
+    assert p.finish("c", 3, "done") == D("e1", Tier.EXTRACT)
 
 
 # R4 -------------------------------------------------------------------------------------
 def test_r4_preempts_on_arrival():
     p = policy()
     p.submit(job("n", "nataraj"), 0)
-    assert p.submit(job("e", "extract"), 1) == [Revoke("n")]
+    assert p.submit(job("e", "extract"), 1) == [Revoke("n", RevokeCause.ARRIVAL)]
 
 
 def test_r4_preempts_on_foreground_change_both_sides():
     p = policy()
     p.submit(job("g", "gana"), 0)
     p.submit(job("n", "nataraj"), 0)
-    assert p.set_foreground("nataraj", 1) == [Revoke("g")]  # the queued side moves up
+    assert p.set_foreground("nataraj", 1) == [Revoke("g", RevokeCause.FOREGROUND)]  # the queued side moves up
     p.finish("g", 1.1, "revoked")
     assert p.snapshot()["running"]["id"] == "n"
     p.submit(job("e", "extract"), 2)  # T2 < T1? no: nataraj is hoisted, extract waits
     assert p.snapshot()["running"]["revoked"] is False
-    assert p.set_foreground(None, 3) == [Revoke("n")]  # the running side moves down
+    assert p.set_foreground(None, 3) == [Revoke("n", RevokeCause.FOREGROUND)]  # the running side moves down
 
 
 def test_r4_preempts_when_a_deadline_passes_while_waiting():
@@ -126,14 +127,14 @@ def test_r4_preempts_when_a_deadline_passes_while_waiting():
     p.submit(job("n", "nataraj"), 0)
     p.submit(job("g", "gana", deadline=10), 1)
     assert p.tick(9.9) == []
-    assert p.tick(10) == [Revoke("n")]
+    assert p.tick(10) == [Revoke("n", RevokeCause.DEADLINE)]
 
 
 def test_r4_never_on_budget():
     p = policy()
     p.submit(job("e1", "extract"), 0)
     p.submit(job("n", "nataraj"), 0)
-    assert p.finish("e1", 100, "done") == D("n")  # T2 held 100 % of the window: over budget
+    assert p.finish("e1", 100, "done") == D("n", Tier.FAIR)  # T2 held 100 % of the window: over budget
     assert p.submit(job("e2", "extract"), 101) == []
 
 
@@ -142,7 +143,7 @@ def test_r4_never_on_affinity_wait():
     p.submit(job("n", "nataraj"), 0)
     assert p.submit(job("g", "gana", model="other", deadline=1), 1) == []
     assert p.tick(500) == []  # long past the affinity bound: still no revoke
-    assert p.finish("n", 501, "done") == D("g", "other", swap=True)
+    assert p.finish("n", 501, "done") == D("g", Tier.DEADLINE, "other", swap=True)
 
 
 def test_r4_chat_is_never_preempted_and_revoke_is_sent_once():
@@ -152,7 +153,7 @@ def test_r4_chat_is_never_preempted_and_revoke_is_sent_once():
     assert p.set_foreground("nataraj", 1) == []
     p2 = policy()
     p2.submit(job("n", "nataraj"), 0)
-    assert p2.submit(job("c", "chat"), 1) == [Revoke("n")]
+    assert p2.submit(job("c", "chat"), 1) == [Revoke("n", RevokeCause.ARRIVAL)]
     assert p2.submit(job("c2", "chat"), 1) == []
 
 
@@ -175,14 +176,14 @@ def test_r6_revoked_background_job_is_requeued(kind):
     p = policy()
     p.submit(job("j", kind), 0)
     p.submit(job("c", "chat"), 1)
-    p.finish("j", 1.05, "revoked")
-    assert p.finish("c", 2, "done") == D("j")
+    assert p.finish("j", 1.05, "revoked") == [Requeued("j"), *D("c", Tier.CHAT)]
+    assert p.finish("c", 2, "done") == D("j", Tier.EXTRACT if kind == "extract" else Tier.FAIR)
 
 
 def test_r6_revoked_chat_is_not_requeued():
     p = policy()
     p.submit(job("c", "chat"), 0)
-    assert p.cancel("c", 1) == [Revoke("c")]
+    assert p.cancel("c", 1) == [Revoke("c", RevokeCause.CANCEL)]
     assert p.finish("c", 1.1, "revoked") == []
     assert p.snapshot()["queued"] == 0 and p.snapshot()["running"] is None
 
@@ -276,7 +277,7 @@ def test_r9_equal_vruntimes_go_to_the_flow_whose_oldest_job_came_first():
     p.submit(job("c", "chat"), 0)
     p.submit(job("b0", "gana", producer="B"), 1)
     p.submit(job("a0", "gana", producer="A"), 2)
-    assert p.finish("c", 3, "done") == D("b0")
+    assert p.finish("c", 3, "done") == D("b0", Tier.FAIR)
 
 
 # R10 ------------------------------------------------------------------------------------
@@ -299,7 +300,7 @@ def test_r11_t2_skipped_over_budget_when_lower_tiers_have_work():
     p.submit(job("e1", "extract"), 0)
     p.submit(job("e2", "extract"), 0)
     p.submit(job("n", "nataraj"), 0)
-    assert p.finish("e1", 100, "done") == D("n")
+    assert p.finish("e1", 100, "done") == D("n", Tier.FAIR)
     assert p.snapshot()["t2"]["over_budget"] is True
 
 
@@ -307,7 +308,7 @@ def test_r11_work_conserving_when_t2_is_the_only_work():
     p = policy()
     p.submit(job("e1", "extract"), 0)
     p.submit(job("e2", "extract"), 0)
-    assert p.finish("e1", 100, "done") == D("e2")
+    assert p.finish("e1", 100, "done") == D("e2", Tier.EXTRACT)
 
 
 def test_r11_hoisted_extracts_do_not_count():
@@ -326,11 +327,11 @@ def test_r11_window_slides():
     p.submit(job("e1", "extract"), 0)
     p.submit(job("n1", "nataraj"), 0)
     p.submit(job("e2", "extract"), 0)
-    assert p.finish("e1", 100, "done") == D("n1")   # T2 held 100 % of [0, 100]
+    assert p.finish("e1", 100, "done") == D("n1", Tier.FAIR)   # T2 held 100 % of [0, 100]
     p.submit(job("n2", "nataraj"), 100)
     # over [60, 160]: T2 40 s of 100 s held -> under budget again, although T2 had
     # 100 of 160 s since the start
-    assert p.finish("n1", 160, "done") == D("e2")
+    assert p.finish("n1", 160, "done") == D("e2", Tier.EXTRACT)
     assert p.snapshot()["t2"]["share"] == pytest.approx(0.4)
 
 
@@ -340,14 +341,14 @@ def test_r12_prefers_loaded_model_and_falls_through_tiers():
     p.submit(job("c", "chat"), 0)
     p.submit(job("e_other", "extract", model="y"), 1)   # T2, other model
     p.submit(job("n_same", "nataraj"), 2)              # T4, loaded model
-    assert p.finish("c", 3, "done") == D("n_same")
+    assert p.finish("c", 3, "done") == D("n_same", Tier.FAIR)
 
 
 def test_r12_swaps_when_nothing_on_the_loaded_model():
     p = policy()
     p.submit(job("c", "chat"), 0)
     p.submit(job("g", "gana", model="y"), 1)
-    assert p.finish("c", 2, "done") == D("g", "y", swap=True)
+    assert p.finish("c", 2, "done") == D("g", Tier.FAIR, "y", swap=True)
 
 
 def test_r12_swaps_when_other_model_job_waited_past_the_bound():
@@ -355,9 +356,9 @@ def test_r12_swaps_when_other_model_job_waited_past_the_bound():
     p.submit(job("n0", "nataraj"), 0)
     p.submit(job("g", "gana", model="y", producer="G"), 0)
     p.submit(job("n1", "nataraj"), 0)
-    assert p.finish("n0", 30, "done") == D("n1")
+    assert p.finish("n0", 30, "done") == D("n1", Tier.FAIR)
     p.submit(job("n2", "nataraj"), 30)
-    assert p.finish("n1", 61, "done") == D("g", "y", swap=True)
+    assert p.finish("n1", 61, "done") == D("g", Tier.FAIR, "y", swap=True)
 
 
 def test_r12_after_a_swap_the_new_model_is_favoured_batch():
@@ -366,26 +367,26 @@ def test_r12_after_a_swap_the_new_model_is_favoured_batch():
     p.submit(job("n", "nataraj", model="m"), 0.5)
     p.submit(job("g1", "gana", model="y", producer="A"), 1)
     p.submit(job("g2", "gana", model="y", producer="B"), 1)
-    assert p.finish("c", 2, "done") == D("g1", "y")
-    assert p.finish("g1", 3, "done") == D("g2", "y")
-    assert p.finish("g2", 4, "done") == D("n", "m", swap=True)
+    assert p.finish("c", 2, "done") == D("g1", Tier.FAIR, "y")
+    assert p.finish("g1", 3, "done") == D("g2", Tier.FAIR, "y")
+    assert p.finish("g2", 4, "done") == D("n", Tier.FAIR, "m", swap=True)
 
 
 def test_r12_t0_and_t1_swap_at_once():
     p = policy()
     p.submit(job("n", "nataraj"), 0)
     p.set_foreground("gana", 0)
-    assert p.submit(job("g", "gana", model="y"), 1) == [Revoke("n")]
-    assert p.finish("n", 1.1, "revoked") == D("g", "y", swap=True)
+    assert p.submit(job("g", "gana", model="y"), 1) == [Revoke("n", RevokeCause.ARRIVAL)]
+    assert p.finish("n", 1.1, "revoked") == [Requeued("n"), *D("g", Tier.FOREGROUND, "y", swap=True)]
 
 
 # R13 ------------------------------------------------------------------------------------
 def test_r13_chat_preempts_across_a_swap_then_the_picker_decides_again():
     p = policy()
     p.submit(job("n", "nataraj", model="m"), 0)
-    assert p.submit(job("c", "chat", model="x"), 5) == [Revoke("n")]
-    assert p.finish("n", 5.05, "revoked") == D("c", "x", swap=True)
-    assert p.finish("c", 8, "done") == D("n", "m", swap=True)
+    assert p.submit(job("c", "chat", model="x"), 5) == [Revoke("n", RevokeCause.ARRIVAL)]
+    assert p.finish("n", 5.05, "revoked") == [Requeued("n"), *D("c", Tier.CHAT, "x", swap=True)]
+    assert p.finish("c", 8, "done") == D("n", Tier.FAIR, "m", swap=True)
 
 
 # R14 ------------------------------------------------------------------------------------
@@ -396,7 +397,7 @@ def test_r14_defaults_and_configurable():
     p.submit(job("e1", "extract"), 0)
     p.submit(job("e2", "extract"), 0)
     p.submit(job("n", "nataraj"), 0)
-    assert p.finish("e1", 100, "done") == D("e2")
+    assert p.finish("e1", 100, "done") == D("e2", Tier.EXTRACT)
 
 
 # R15 ------------------------------------------------------------------------------------
@@ -435,5 +436,5 @@ def test_r5_a_deadline_passing_is_noticed_by_whatever_call_comes_first():
         p.submit(job("n", "nataraj"), 0)
         p.submit(job("gone", "gana", producer="x"), 0)
         p.submit(job("g", "gana", deadline=10), 1)
-        assert late_call(p) == [Revoke("n")]
+        assert late_call(p) == [Revoke("n", RevokeCause.DEADLINE)]
         assert p.tick(11) == []

@@ -13,7 +13,7 @@ from contextlib import contextmanager
 import pytest
 
 import uniun_ray
-from uniun_ray.runtime.producers import producer_name, spawn_producer
+from uniun_ray.producers import producer_name, spawn_producer
 
 pytestmark = pytest.mark.ray
 

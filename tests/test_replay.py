@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import asyncio
 
-from uniun_ray.sim import replay
+from uniun_ray import replay
 from uniun_ray.sim.device import PROFILES, TINY
-from uniun_ray.sim.workload import Arrival, Flow, FlowStep, ForegroundChange, JobSpec, Workload
+from uniun_ray.policy import Job
+from uniun_ray.sim.workload import Arrival, Flow, FlowStep, ForegroundChange, SimJob, Workload
 
 WORKLOAD = Workload(
     "replay-test", 0, "a Nataraj flow of two steps and one chat, on tiny",
-    arrivals=(Arrival(1.0, JobSpec("chat:0#0", "chat", TINY, "chat:0", 40, 8)),),
+    arrivals=(Arrival(1.0, SimJob(Job("chat:0#0", "chat", TINY, "chat:0"), 40, 8)),),
     flows=(Flow("nataraj", "nataraj", TINY, 0.0, (FlowStep(60, 30), FlowStep(70, 20, think_s=0.2))),),
     foreground=(ForegroundChange(0.5, "nataraj"),),
 )

@@ -12,6 +12,9 @@ import uniun_ray
 from uniun_ray.client import agenerate, astatus
 from uniun_ray.models import PromptTooLong, UnknownModel
 from uniun_ray.policy import PolicyConfig
+from uniun_ray.runtime.eventlog import read as read_events
+
+from conftest import started
 
 pytestmark = pytest.mark.ray
 
@@ -26,21 +29,6 @@ async def finish_order(*coros) -> list:
         done.append(await coro)
     await asyncio.gather(*(one(c) for c in coros))
     return done
-
-
-async def started(kind: str, timeout: float = 60) -> dict:
-    """Wait until a job of `kind` holds a granted lease and has been generating a while
-    (a job still loading its model would end its turn unserved, not be revoked)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        status = await astatus()
-        running = status["running"]
-        if running and running["kind"] == kind:
-            lease = status["leases"].get(running["id"], {})
-            if lease.get("state") == "granted" and lease.get("held_s", 0) > 0.3:
-                return running
-        await asyncio.sleep(0.05)
-    raise AssertionError(f"no {kind} job started")
 
 
 def test_scenario_1_chat_preempts_nataraj_within_one_token(runtime):
@@ -133,9 +121,25 @@ def test_scenario_5_extract_backfill_is_held_to_its_share(make_runtime):
         return shares, sum(await deck)
     shares, cards_done = asyncio.run(go())
     steady = shares[int(window / 0.5):]          # once a whole window has passed
+    # The budget is a pick-time rule: the share may exceed the cap by one extract run in flight.
+    # How long a run takes depends on the host, so the bound uses the longest one this run saw.
+    longest = max(run_lengths(read_events(uniun_ray.status()["event_log"]), kind="extract"))
     assert cards_done >= 3                        # T4 got the device despite a flood of T2
-    assert max(steady) <= 0.6 + 0.1, steady       # the cap, plus at most one ~0.3 s extract job
+    assert max(steady) <= 0.6 + longest / window + 0.02, (steady, longest)
     assert max(steady) >= 0.4, steady             # and T2 does use its share
+
+
+def run_lengths(events: list[dict], kind: str) -> list[float]:
+    """Held time of every run of `kind` in the event log: dispatch to its finish."""
+    started, lengths = {}, []
+    for event in events:
+        if event.get("kind") != kind:
+            continue
+        if event["ev"] == "dispatch":
+            started[event["job"]] = event["t"]
+        elif event["ev"] == "finish" and event["job"] in started:
+            lengths.append(event["t"] - started.pop(event["job"]))
+    return lengths
 
 
 def test_scenario_6_affinity_prefers_the_loaded_model(runtime):

@@ -7,43 +7,12 @@ import asyncio
 
 import pytest
 
-from uniun_ray.runtime.protocol import JobDropped, JobSpec, QueueFull
+from conftest import FakeDevice, lease_of, spec
+from uniun_ray.runtime.protocol import JobDropped, QueueFull
 from uniun_ray.runtime.service import RuntimeConfig, SchedulerService
 
 
-class FakeDevice:
-    def __init__(self, load_s: float = 0.0, fail: set[str] = frozenset()) -> None:
-        self.load_s, self.fail = load_s, fail
-        self.loads: list[str] = []
-        self.granted: list[int] = []
-        self.revoked: list[int] = []
-
-    async def load(self, model_id: str) -> float:
-        await asyncio.sleep(self.load_s)
-        if model_id in self.fail:
-            raise RuntimeError(f"cannot load {model_id}")
-        self.loads.append(model_id)
-        return self.load_s
-
-    async def grant(self, epoch: int) -> None:
-        self.granted.append(epoch)
-
-    async def revoke(self, epoch: int) -> None:
-        self.revoked.append(epoch)
-
-
 FAST = RuntimeConfig(lease_timeout_s=0.3, waiter_timeout_s=0.3, reap_period_s=0.05, max_queued=50)
-
-
-async def lease_of(s: SchedulerService, job_id: str):
-    """Poll like a client does until the job's lease comes."""
-    while (lease := await s.grant(job_id)) is None:
-        pass
-    return lease
-
-
-def spec(job_id: str, kind: str, model: str = "m", **kw) -> JobSpec:
-    return JobSpec.build(kind, model, job_id=job_id, **kw)
 
 
 def run(coro):
@@ -221,7 +190,7 @@ def test_bounded_queue_raises_queue_full_naming_the_limit():
 
 def test_event_log_tells_the_story_in_the_simulator_schema(tmp_path):
     from uniun_ray.runtime.eventlog import read
-    from uniun_ray.sim.events import validate
+    from uniun_ray.events.schema import validate
 
     async def go():
         dev = FakeDevice(load_s=0.01)

@@ -3,15 +3,16 @@ from __future__ import annotations
 
 import pytest
 
-from uniun_ray.policy import Dispatch, Job, Kind, Revoke, SchedulerPolicy
+from uniun_ray.policy import Dispatch, Job, Kind, Requeued, Revoke, RevokeCause, SchedulerPolicy, Tier
 from uniun_ray.sim import bench, plots
 from uniun_ray.sim.baselines import Fifo, StrictPriority, TwoLaneQueue
 from uniun_ray.sim.device import DeviceProfile, ModelSpeed
-from uniun_ray.sim.events import read_jsonl, validate, write_jsonl
+from uniun_ray.events.schema import read_jsonl, validate, write_jsonl
 from uniun_ray.sim.metrics import T2Window, jain_of, measure, t2_windows
 from uniun_ray.sim.simulator import ContractError, simulate
-from uniun_ray.sim.trace import Trace
-from uniun_ray.sim.workload import Arrival, Flow, FlowStep, JobSpec, Workload
+from uniun_ray.events.trace import Trace
+from uniun_ray.policy import Job
+from uniun_ray.sim.workload import Arrival, Flow, FlowStep, SimJob, Workload
 from uniun_ray.sim.workloads import WORKLOADS, generate
 
 # -- metrics on a hand-checked log ----------------------------------------------------------
@@ -91,7 +92,7 @@ DEVICE = DeviceProfile("test", {"m1": ModelSpeed(0.1, 0.01, 2.0), "m2": ModelSpe
 
 
 def spec(job_id, kind, model, prompt, out):
-    return JobSpec(job_id, kind, model, kind, prompt, out)
+    return SimJob(Job(job_id, kind, model, kind), prompt, out)
 
 
 def times(events, kind, job):
@@ -165,7 +166,7 @@ def test_a_policy_that_breaks_the_contract_is_caught():
     class Greedy(Fifo):
         def submit(self, job, now):
             super().submit(job, now)
-            return [Dispatch(job.id, job.model_id, True)]
+            return [Dispatch(job.id, job.model_id, True, Tier.FAIR)]
 
     w = Workload("tiny", 0, "", arrivals=(Arrival(0.0, spec("J1", "nataraj", "m1", 10, 5)),
                                           Arrival(0.1, spec("J2", "nataraj", "m1", 10, 5))))
@@ -180,18 +181,18 @@ def job(job_id, kind, model="m1"):
 
 def test_two_lane_chat_waits_behind_nataraj_on_the_high_lane():
     q = TwoLaneQueue()
-    assert q.submit(job("n1", "nataraj"), 0.0) == [Dispatch("n1", "m1", True)]
+    assert q.submit(job("n1", "nataraj"), 0.0) == [Dispatch("n1", "m1", True, Tier.FAIR)]
     assert q.submit(job("n2", "nataraj"), 0.1) == []
     assert q.submit(job("c", "chat"), 0.2) == []  # no preemption
-    assert q.finish("n1", 5.0, "done") == [Dispatch("n2", "m1", False)]  # FIFO on the high lane
-    assert q.finish("n2", 9.0, "done") == [Dispatch("c", "m1", False)]
+    assert q.finish("n1", 5.0, "done") == [Dispatch("n2", "m1", False, Tier.FAIR)]  # FIFO on the high lane
+    assert q.finish("n2", 9.0, "done") == [Dispatch("c", "m1", False, Tier.CHAT)]
 
 
 def test_two_lane_pauses_the_low_lane_while_chat_is_in_front():
     q = TwoLaneQueue()
     q.set_foreground(Kind.CHAT, 0.0)
     assert q.submit(job("e", "extract"), 1.0) == []  # idle device, paused lane
-    assert q.set_foreground(None, 2.0) == [Dispatch("e", "m1", True)]
+    assert q.set_foreground(None, 2.0) == [Dispatch("e", "m1", True, Tier.EXTRACT)]
 
 
 def test_fifo_never_preempts():
@@ -199,16 +200,16 @@ def test_fifo_never_preempts():
     q.submit(job("n", "nataraj"), 0.0)
     q.submit(job("e", "extract"), 0.5)
     assert q.submit(job("c", "chat"), 1.0) == []
-    assert q.finish("n", 2.0, "done") == [Dispatch("e", "m1", False)]
+    assert q.finish("n", 2.0, "done") == [Dispatch("e", "m1", False, Tier.EXTRACT)]
 
 
 def test_strict_priority_preempts_and_requeues_in_place():
     q = StrictPriority()
     q.submit(job("n1", "nataraj"), 0.0)
     q.submit(job("n2", "nataraj"), 0.1)
-    assert q.submit(job("c", "chat", "m2"), 1.0) == [Revoke("n1")]
-    assert q.finish("n1", 1.1, "revoked") == [Dispatch("c", "m2", True)]  # no affinity: swap
-    assert q.finish("c", 2.0, "done") == [Dispatch("n1", "m1", True)]  # n1 kept its place
+    assert q.submit(job("c", "chat", "m2"), 1.0) == [Revoke("n1", RevokeCause.ARRIVAL)]
+    assert q.finish("n1", 1.1, "revoked") == [Requeued("n1"), Dispatch("c", "m2", True, Tier.CHAT)]  # no affinity: swap
+    assert q.finish("c", 2.0, "done") == [Dispatch("n1", "m1", True, Tier.FAIR)]  # n1 kept its place
 
 
 # -- workloads ------------------------------------------------------------------------------

@@ -142,8 +142,9 @@ def _up(args) -> int:
     import ray
 
     from .runtime.head import HeadError, HeadState, start_head, state_path
-    from .runtime.launch import start
-    from .runtime.producers import error_text
+    from .runtime.launch import chat_model_setting, start
+    from .runtime.service import RuntimeConfig
+    from .producers import error_text
     from .runtime.protocol import NAMESPACE
 
     state = HeadState.load()
@@ -161,7 +162,10 @@ def _up(args) -> int:
         state.address = context.address_info.get("gcs_address") or state.address
         state.session_dir = context.address_info.get("session_dir")
         state.dashboard_url = f"http://{context.dashboard_url}" if context.dashboard_url else None
-        event_log = ray.get(start().scheduler.status.remote())["event_log"]
+        handles = start(chat_model_setting(None) if args.chat_model is None
+                        else RuntimeConfig(chat_model=args.chat_model))
+        event_log = ray.get(handles.scheduler.status.remote())["event_log"]
+        print(f"active chat model: {handles.chat_model}")
         state.actors = _actor_names()
         http_url = None if args.no_http else _deploy_http(args.http_host, args.http_port)
     except Exception as error:
@@ -202,7 +206,7 @@ def _actor_names() -> list[str]:
 
 def _down(args) -> int:
     from .runtime.head import HeadState, state_path, stop_head
-    from .runtime.producers import error_text
+    from .producers import error_text
 
     state = HeadState.load()
     if state is None:
@@ -261,6 +265,8 @@ def _parser() -> argparse.ArgumentParser:
     up.add_argument("--auth", choices=("disabled", "token"), default="disabled",
                     help="RAY_AUTH_MODE of the head (default disabled; token on shared networks)")
     up.add_argument("--temp-dir", help="Ray temp dir (default Ray's, /tmp/ray)")
+    up.add_argument("--chat-model", help="the active chat model every client's model_id=None means "
+                    "(default: UNIUN_CHAT_MODEL, else smollm2-135m-instruct)")
     up.add_argument("--no-http", action="store_true", help="do not deploy the OpenAI-compatible HTTP endpoint")
     up.add_argument("--http-host", default="127.0.0.1",
                     help="HTTP bind address (default 127.0.0.1; set UNIUN_API_KEY before binding wider)")
@@ -310,7 +316,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if argv[:1] == ["bench"]:  # forwarded whole, --help included
             from .sim.bench import main as bench
-            return bench(argv[1:])
+
+            def real(*args):  # the simulator stays Ray-free: the real-runtime replay is passed in
+                from .replay import main as real_vs_sim
+                return real_vs_sim(*args)
+            return bench(argv[1:], real=real)
         args = parser.parse_args(argv)
     except SystemExit as exit_:  # argparse printed the help, or the usage and the error
         return 0 if exit_.code is None else exit_.code if isinstance(exit_.code, int) else 2
@@ -333,7 +343,7 @@ def _report(error: Exception) -> int:
     from ray.exceptions import RayError
 
     from .runtime.head import HeadError
-    from .runtime.producers import error_text
+    from .producers import error_text
     from .runtime.protocol import UniunError
 
     cause = getattr(error, "cause", None)  # a RayTaskError carries the remote exception

@@ -1,27 +1,32 @@
-"""The client API of SPEC §2: what scripts, producers and the CLI call.
+"""The client API of SPEC §2: what scripts, producers, the CLI and (next) HTTP call.
 
 Each call is implemented once, async (`agenerate`, `astream`, `arun`, `aembed`,
 `aset_foreground`, `astatus`); the sync names run the same coroutine on a private event
 loop thread, so behaviour cannot drift between the two.
 
-A generation is a loop over leases: submit the job, wait for its lease (long-polling, which
-proves to the scheduler that we are alive), stream from the ModelActor while a heartbeat
-renews the lease, and release it. When the scheduler revokes the lease (a chat arrived),
-the stream stops within a token; a background job is re-queued by the policy at its old
-place and resumes from the tokens it already produced (R6). A chat job is never revoked by
-other work. If the caller is interrupted, the job is cancelled so nothing is leaked.
+One lease loop (`LeaseLoop`) speaks the lease protocol for every kind of work: submit the
+job, wait for its lease (long-polling, which proves to the scheduler that we are alive),
+run one *turn* of the work while a heartbeat renews the lease, and settle the turn: release
+it, resume after a revoke (a background job is re-queued by the policy at its old place,
+R6), recover after a scheduler restart, report a lost device. `generate`, `stream` and
+`run` are only work handed to it: a generation resumes from the tokens it produced, a
+`run(work)` restarts its work. If the caller is interrupted, the job is cancelled so
+nothing is leaked.
 
 Faults. The scheduler keeps its queue in memory; when it restarts (a detached actor with
-max_restarts=-1) a client's next call dies with it or finds its job unknown, and the client
+max_restarts=-1) a client's next call dies with it or finds its job unknown, and the loop
 submits the job again under the same id (a generation keeps the tokens it produced). If the
 scheduler does not come back within RECONNECT_S, the call fails with SchedulerUnavailable,
-which says to retry: never a silent loss. When the ModelActor dies under a generation, the
-client reports it (`device_lost`): the scheduler re-queues the job and reloads the model.
+which says to retry: never a silent loss. When the ModelActor dies under a turn, the loop
+reports it (`device_lost`): the scheduler re-queues the job and reloads the model.
+
+Validation. A request is checked before anything is queued: the job by the policy's own
+`Job`, here; the prompt against the model's tokenizer and context window by the ModelActor
+(`check`, one round trip: see `_check` for why not here).
 """
 from __future__ import annotations
 
 import asyncio
-import os
 import threading
 import time
 import uuid
@@ -32,10 +37,10 @@ from typing import Any, AsyncIterator, Awaitable, Callable, Iterator
 
 from .models.registry import DEFAULT_CHAT_MODEL
 from .models.request import GenerateRequest
-from .policy import Kind
-from .runtime.launch import handles
-from .runtime.protocol import (NAMESPACE, SCHEDULER_NAME, DeviceLost, JobDropped, JobSpec, Lease, LeaseRevoked, Preempted,
-                               SchedulerUnavailable, UnknownJob)
+from .policy import Job, Kind
+from .runtime.launch import forget_handles, handles
+from .runtime.protocol import (DeviceLost, JobDropped, Lease, LeaseRevoked, Preempted, SchedulerUnavailable,
+                               UnknownJob, new_job)
 
 GRANT_POLL_S = 60.0     # a grant long-poll's wait; the scheduler caps it (SESSION_POLL_S)
 RECONNECT_S = 30.0      # how long a job waits for a restarted scheduler before SchedulerUnavailable
@@ -46,8 +51,9 @@ MAX_PROMPT_CHARS = 1_000_000
 
 
 def active_chat_model() -> str:
-    """`model_id=None` means the active chat model (env UNIUN_CHAT_MODEL, else the default)."""
-    return os.environ.get("UNIUN_CHAT_MODEL", DEFAULT_CHAT_MODEL)
+    """What `model_id=None` means: the scheduler's setting (`uniun-ray up --chat-model`, or
+    UNIUN_CHAT_MODEL where the scheduler was created), so every process agrees."""
+    return handles().chat_model
 
 
 @dataclass(frozen=True)
@@ -61,9 +67,16 @@ class Completion:
     model_id: str
 
 
-def _spec(kind, model_id, producer, deadline, foreground_hint, subject) -> JobSpec:
-    return JobSpec.build(kind, active_chat_model() if model_id is None else model_id, producer=producer,
-                         deadline=deadline, foreground_hint=foreground_hint, subject=subject)
+def _job(kind, model_id, producer, deadline, foreground_hint, subject) -> Job:
+    """The job, validated now, before anything is queued and without a cluster. `model_id=None`
+    is validated as the default model and becomes the active chat model when the job starts
+    (`_bound`), when this process is connected."""
+    return new_job(kind, DEFAULT_CHAT_MODEL if model_id is None else model_id, producer=producer,
+                   deadline=deadline, foreground_hint=foreground_hint, subject=subject)
+
+
+def _bound(job: Job, model_id: str | None) -> Job:
+    return job if model_id is not None else replace(job, model_id=active_chat_model())
 
 
 def _check_prompt(prompt, messages) -> None:
@@ -79,14 +92,22 @@ def _check_prompt(prompt, messages) -> None:
                          f"(no model here reads that much)")
 
 
-async def _check(model, model_id: str, request: GenerateRequest) -> int:
-    """The ModelActor's request check, waiting out a restart of the actor (its calls fail
-    with ActorUnavailableError meanwhile)."""
+async def _check(model_id: str, request: GenerateRequest) -> int:
+    """The ModelActor's request check (tokenizer and config only, cached there per model):
+    a prompt too long, messages to a model without a chat template... Returns the prompt's
+    token count. It waits out a restart of the actor (its calls fail with
+    ActorUnavailableError meanwhile).
+
+    Why a round trip and not the tokenizer here: a local check imports torch and
+    transformers into every client process (seconds for a one-shot `uniun-ray chat`,
+    hundreds of MB per producer actor) and, for an embedded GGUF model, converts it on the
+    client's node; the round trip costs about a bare actor call (BENCHMARKS.md, "Control
+    plane"), also while the actor generates, since the check runs beside the decode thread."""
     from ray.exceptions import ActorUnavailableError
     deadline = time.monotonic() + RECONNECT_S
     while True:
         try:
-            return await model.check.remote(model_id, request)
+            return await handles().model.check.remote(model_id, request)
         except ActorUnavailableError:
             if time.monotonic() > deadline:
                 raise
@@ -97,6 +118,12 @@ def _scheduler_lost(error: BaseException) -> bool:
     """The scheduler died under the call, or restarted and no longer knows the job."""
     from ray.exceptions import RayActorError
     return isinstance(error, (RayActorError, UnknownJob))
+
+
+def _error_text(error: BaseException) -> str:
+    cause = getattr(error, "cause", None)
+    error = cause if isinstance(cause, BaseException) else error
+    return f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
 
 
 class _Session:
@@ -123,16 +150,12 @@ class _Session:
                 self._task = None
 
     async def _beat(self, scheduler) -> None:
-        import ray
         while True:
             try:
                 interval = await scheduler.heartbeat.remote(self.id)
             except Exception:  # restarting, or gone: the jobs find out through their own calls
                 interval = 1.0
-                try:
-                    scheduler = ray.get_actor(SCHEDULER_NAME, namespace=NAMESPACE)
-                except ValueError:
-                    pass
+                scheduler = _lookup_scheduler() or scheduler
             await asyncio.sleep(interval)
 
 
@@ -147,42 +170,177 @@ def _session() -> _Session:
     return session
 
 
-class _Job:
-    """One job's conversation with the scheduler, surviving scheduler restarts: a call that
-    died with the scheduler, or found the job unknown, is answered by `recover`, which waits
-    for the scheduler and submits the job again under the same id."""
+def _lookup_scheduler():
+    """The scheduler by name, again (killed for good and created anew: a new actor), or None
+    while there is none; the cached handles are looked up afresh at the next call."""
+    import ray
 
-    def __init__(self, spec: JobSpec, scheduler) -> None:
-        self.spec, self.scheduler = spec, scheduler
-        self.resubmits = 0
+    from .runtime.protocol import NAMESPACE, SCHEDULER_NAME
+    try:
+        scheduler = ray.get_actor(SCHEDULER_NAME, namespace=NAMESPACE)
+    except ValueError:
+        return None
+    forget_handles()
+    return scheduler
+
+
+async def _generation(model, epoch: int, request: GenerateRequest) -> AsyncIterator[dict]:
+    """The ModelActor's stream for one lease: {"piece": text} items, then {"result": ...}."""
+    async for ref in model.generate.options(num_returns="streaming").remote(epoch, request):
+        yield await ref
+
+
+class Turn:
+    """One lease's worth of work, inside `async with turn:`. The work says how it ended —
+    `done(value)`, or `stopped()` when it stopped early at a revoke — or raises; the turn
+    files what it raised: LeaseRevoked (the device refused the lease) is a revoke unless the
+    scheduler still holds it for us (then the device restarted), a RayActorError is a lost
+    device, anything else fails the job. The loop then settles the turn."""
+
+    def __init__(self, loop: "LeaseLoop", lease: Lease, model) -> None:
+        self.loop, self.lease, self.model = loop, lease, model
+        self.outcome: str | None = None     # done | revoked | lost
+        self.value: Any = None
+        self.lost_reason: str | None = None
+
+    def done(self, value: Any = None) -> None:
+        self.outcome, self.value = "done", value
+
+    def stopped(self) -> None:
+        self.outcome = "revoked"
+
+    def lost(self, reason: str) -> None:
+        self.outcome, self.lost_reason = "lost", reason
+
+    async def __aenter__(self) -> "Turn":
+        return self
+
+    async def __aexit__(self, kind, error, tb) -> bool:
+        from ray.exceptions import RayActorError
+
+        if error is None:
+            if self.outcome is None:
+                self.done()
+            return False
+        if isinstance(error, LeaseRevoked):  # fenced: a revoke (at token 0, or one we missed) ...
+            if await self.loop.still_held(self.lease):  # ... unless the device forgot the epoch
+                self.lost("the model actor restarted (it no longer knows the lease)")
+            else:
+                self.stopped()
+            return True
+        if isinstance(error, RayActorError):  # the model actor died under the work
+            self.lost(_error_text(error))
+            return True
+        if isinstance(error, Exception):
+            await self.loop.release(self.lease, "failed")
+        return False
+
+
+class LeaseLoop:
+    """One job's whole conversation with the scheduler: submit, grant, renew, release,
+    re-queue, recovery after a scheduler restart, device loss. Iterate `turns()`; each turn
+    holds a lease (renewed in the background) for `async with turn:`; the loop settles it
+    and either ends (done) or waits for the next lease.
+
+        loop = LeaseLoop(job)
+        async for turn in loop.turns():
+            async with turn:
+                ...  # call turn.model with turn.lease.epoch; turn.done(value) / turn.stopped()
+        loop.value, loop.revokes
+
+    A turn that was revoked resumes (the job was re-queued) or, when the policy did not
+    re-queue it (a chat revoked by its own cancel, a reclaimed lease), raises `dropped`
+    (default: Preempted for a chat, JobDropped otherwise).
+    """
+
+    def __init__(self, job: Job, dropped: Callable[[str], BaseException] | None = None) -> None:
+        h = handles()
+        self.job, self.scheduler, self.model = job, h.scheduler, h.model
+        self.dropped = dropped or (Preempted if job.kind is Kind.CHAT else JobDropped)
         self.session = _session()
+        self.resubmits = 0
+        self.revokes = 0      # turns that ended before the work did: revoked, or the device lost
+        self.value: Any = None
 
-    @asynccontextmanager
-    async def submitted(self):
-        """Submit; on any exit but a clean release, withdraw the job (nothing leaks)."""
+    async def turns(self) -> AsyncIterator[Turn]:
         async with self.session.using(self.scheduler):
             try:
-                await self.scheduler.submit.remote(self.spec)
+                await self.scheduler.submit.remote(self.job)
             except Exception as error:
                 await self.recover(error)
             try:
-                yield self
-            except BaseException:
+                while True:
+                    lease = await self._grant()
+                    turn = Turn(self, lease, self.model)
+                    async with self._renewing(lease):
+                        yield turn
+                    if turn.outcome is None:
+                        raise RuntimeError("a turn ended without an outcome: use `async with turn:`")
+                    if await self._settle(turn):
+                        return
+            except BaseException:  # interrupted, or failed: withdraw the job (idempotent)
                 try:
-                    await asyncio.shield(self.scheduler.cancel.remote(self.spec.id))
+                    await asyncio.shield(self.scheduler.cancel.remote(self.job.id))
                 except Exception:  # the scheduler is gone: nothing of the job is left there either
                     pass
                 raise
 
-    async def lease(self) -> Lease:
+    async def _settle(self, turn: Turn) -> bool:
+        """True when the job is over (its value in `self.value`); False: take the next turn."""
+        if turn.outcome == "done":
+            await self.release(turn.lease, "done")
+            self.value = turn.value
+            return True
+        self.revokes += 1
+        if turn.outcome == "lost":
+            await self.device_lost(turn.lease, turn.lost_reason)
+            forget_handles()  # the model actor may be a new one under its name by the next grant
+            self.model = handles().model
+            return False
+        try:
+            requeued = await self.scheduler.release.remote(self.job.id, turn.lease.epoch, "revoked")
+        except Exception as error:
+            await self.recover(error)  # the scheduler restarted: submitted again
+            return False
+        if not requeued:
+            raise self.dropped(f"job {self.job.id} was revoked and not re-queued")
+        return False  # re-queued at its old place (R6)
+
+    async def _grant(self) -> Lease:
         while True:
             try:
-                lease = await self.scheduler.grant.remote(self.spec.id, GRANT_POLL_S, self.session.id)
+                lease = await self.scheduler.grant.remote(self.job.id, GRANT_POLL_S, self.session.id)
             except Exception as error:
                 await self.recover(error)
                 continue
             if lease is not None:
                 return lease
+
+    @asynccontextmanager
+    async def _renewing(self, lease: Lease):
+        """Renew the lease in the background while the turn runs. A renewal that fails (the
+        scheduler restarted) ends the heartbeat; the loop finds out at its next call."""
+        async def beat():
+            while True:
+                await asyncio.sleep(lease.renew_every_s)
+                try:
+                    await self.scheduler.renew.remote(lease.job_id, lease.epoch)
+                except Exception:
+                    return
+        task = asyncio.get_running_loop().create_task(beat())
+        try:
+            yield
+        finally:
+            task.cancel()
+
+    async def release(self, lease: Lease, outcome: str) -> None:
+        """End the lease ("done" or "failed"). A scheduler that restarted while we held the
+        device has forgotten the job: the work is over all the same."""
+        try:
+            await self.scheduler.release.remote(self.job.id, lease.epoch, outcome)
+        except Exception as error:
+            if not _scheduler_lost(error):
+                raise
 
     async def recover(self, error: BaseException) -> None:
         """Re-raise `error` unless the scheduler was lost; else wait for it (restarted, or
@@ -190,17 +348,17 @@ class _Job:
         does not come back within RECONNECT_S."""
         if not _scheduler_lost(error):
             raise error
-        self.resubmits += 1
-        job = f"{self.spec.kind} job {self.spec.id}"
-        if self.resubmits > MAX_RESUBMITS:
-            raise SchedulerUnavailable(f"{job} was lost by the scheduler {self.resubmits - 1} times "
-                                       f"(restarts); it is not queued: retry it") from error
-        import ray
         from ray.exceptions import RayActorError
+
+        self.resubmits += 1
+        what = f"{self.job.kind.value} job {self.job.id}"
+        if self.resubmits > MAX_RESUBMITS:
+            raise SchedulerUnavailable(f"{what} was lost by the scheduler {self.resubmits - 1} times "
+                                       f"(restarts); it is not queued: retry it") from error
         deadline = time.monotonic() + RECONNECT_S
         while True:
             try:
-                await asyncio.wait_for(self.scheduler.submit.remote(self.spec), max(0.1, deadline - time.monotonic()))
+                await asyncio.wait_for(self.scheduler.submit.remote(self.job), max(0.1, deadline - time.monotonic()))
                 return
             except ValueError as refused:  # a RayTaskError of the scheduler's ValueError
                 if "duplicate job id" in str(refused):
@@ -211,13 +369,11 @@ class _Job:
             if time.monotonic() >= deadline:
                 raise SchedulerUnavailable(
                     f"the scheduler did not come back within {RECONNECT_S:.0f} s ({type(last).__name__}); "
-                    f"{job} was not completed and is not queued: retry it once the runtime is up "
+                    f"{what} was not completed and is not queued: retry it once the runtime is up "
                     f"(`uniun-ray up`, or uniun_ray.start())") from error
             await asyncio.sleep(0.2)
-            try:  # killed for good and created again: a new actor under the same name
-                self.scheduler = ray.get_actor(SCHEDULER_NAME, namespace=NAMESPACE)
-            except ValueError:
-                pass
+            # killed for good and created again: a new actor under the same name
+            self.scheduler = _lookup_scheduler() or self.scheduler
 
     async def still_held(self, lease: Lease) -> bool:
         """The ModelActor refused our epoch: True when the scheduler never revoked it, so the
@@ -239,121 +395,83 @@ class _Job:
             raise DeviceLost(f"job {lease.job_id}: the model actor died under it too many times ({reason})")
 
 
-@asynccontextmanager
-async def _held(scheduler, lease: Lease):
-    """Renew the lease in the background while the block runs. A renewal that fails (the
-    scheduler restarted) ends the heartbeat; the job finds out at its next call."""
-    async def beat():
-        while True:
-            await asyncio.sleep(lease.renew_every_s)
-            try:
-                await scheduler.renew.remote(lease.job_id, lease.epoch)
-            except Exception:
-                return
-    task = asyncio.get_running_loop().create_task(beat())
-    try:
-        yield
-    finally:
-        task.cancel()
-
-
-def _error_text(error: BaseException) -> str:
-    cause = getattr(error, "cause", None)
-    error = cause if isinstance(cause, BaseException) else error
-    return f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
-
-
 class GenerationStream:
-    """An async iterator of text pieces; `completion` is set once it is exhausted."""
+    """An async iterator of text pieces; `completion` is set once it is exhausted. Work for
+    the lease loop: each turn generates from prompt + what earlier turns produced (R6)."""
 
-    def __init__(self, spec: JobSpec, request: GenerateRequest) -> None:
-        self.spec, self.request = spec, request
+    def __init__(self, job: Job, request: GenerateRequest, follows_chat_model: bool = False) -> None:
+        self.job, self.request = job, request
         self.completion: Completion | None = None
+        self._follows_chat_model = follows_chat_model
 
     def __aiter__(self) -> AsyncIterator[str]:
         return self._run()
 
     async def _run(self) -> AsyncIterator[str]:
-        from ray.exceptions import RayActorError
-
-        h = handles()
         started = time.perf_counter()
-        await _check(h.model, self.spec.model_id, self.request)  # clear errors, nothing queued
+        self.job = _bound(self.job, None if self._follows_chat_model else self.job.model_id)
+        await _check(self.job.model_id, self.request)  # clear errors, nothing queued
         limit = self.request.max_new_tokens
         produced: tuple[int, ...] = ()   # token ids of the finished runs: an exact resume (R6)
         lossy = False                    # a run died with the device: resume from the text instead
         count = 0                        # tokens produced (pieces, for a run the device lost)
-        text, ttft, revokes = [], None, 0
-        job = _Job(self.spec, h.scheduler)
-        async with job.submitted():
-            while True:
-                lease = await job.lease()
+        text, ttft = [], None
+        loop = LeaseLoop(self.job)
+        turns = loop.turns()
+        try:
+            async for turn in turns:
                 resume = {"resume_text": "".join(text)} if lossy else {"resume_tokens": produced}
                 request = replace(self.request, max_new_tokens=limit - count, **resume)
-                result, lost, pieces = None, None, 0
-                async with _held(job.scheduler, lease):
-                    try:
-                        stream = h.model.generate.options(num_returns="streaming").remote(lease.epoch, request)
-                        async for ref in stream:
-                            item = await ref
-                            if "piece" in item:
-                                text.append(item["piece"])
-                                pieces += 1
-                                yield item["piece"]
-                                if ttft is None:
-                                    ttft = time.perf_counter() - started
-                                    try:
-                                        await job.scheduler.report_first_token.remote(self.spec.id, lease.epoch)
-                                    except Exception:
-                                        pass  # for the log only; a lost scheduler shows at release
-                            else:
-                                result = item["result"]
-                    except LeaseRevoked:  # fenced before it started: a revoke at token 0 ...
-                        if await job.still_held(lease):  # ... unless the device forgot the epoch
-                            lost = "the model actor restarted (it no longer knows the lease)"
-                    except RayActorError as error:
-                        lost = _error_text(error)
+                result, pieces = None, 0
+                async with turn:
+                    async for item in _generation(turn.model, turn.lease.epoch, request):
+                        if "piece" in item:
+                            text.append(item["piece"])
+                            pieces += 1
+                            yield item["piece"]
+                            if ttft is None:
+                                ttft = time.perf_counter() - started
+                                await self._first_token(loop, turn.lease)
+                        else:
+                            result = item["result"]
                 if result is not None:
                     produced += tuple(result["token_ids"])
                     count += len(result["token_ids"])
                 elif pieces:
                     lossy, count = True, count + pieces
-                if lost is not None and result is None and count < limit:
-                    revokes += 1
-                    await job.device_lost(lease, lost)
-                    continue  # re-queued: resume from what was produced
-                stopped = result is None or result["finish_reason"] == "cancel"
-                if stopped and count < limit:
-                    revokes += 1
-                    try:
-                        requeued = await job.scheduler.release.remote(self.spec.id, lease.epoch, "revoked")
-                    except Exception as error:
-                        await job.recover(error)  # the scheduler restarted: submitted again
-                        continue
-                    if requeued:
-                        continue  # re-queued at its old place: resume from `produced`
-                    raise (Preempted if self.spec.kind == Kind.CHAT.value else JobDropped)(
-                        f"job {self.spec.id} was revoked and not re-queued")
-                try:
-                    await job.scheduler.release.remote(self.spec.id, lease.epoch, "done")
-                except Exception as error:
-                    if not _scheduler_lost(error):
-                        raise  # the scheduler restarted while we held the device: done all the same
-                self.completion = Completion("".join(text), count, ttft, time.perf_counter() - started,
-                                             revokes, self.spec.id, self.spec.model_id)
-                return
+                if count >= limit:
+                    turn.done()          # whatever stopped the run, nothing is left to produce
+                elif turn.outcome == "done" and (result is None or result["finish_reason"] == "cancel"):
+                    turn.stopped()       # stopped at a revoke before its end
+                elif turn.outcome == "lost" and result is not None:
+                    turn.done() if result["finish_reason"] != "cancel" else turn.stopped()
+        finally:
+            await turns.aclose()
+        self.completion = Completion("".join(text), count, ttft, time.perf_counter() - started,
+                                     loop.revokes, self.job.id, self.job.model_id)
+
+    @staticmethod
+    async def _first_token(loop: LeaseLoop, lease: Lease) -> None:
+        try:
+            await loop.scheduler.report_first_token.remote(lease.job_id, lease.epoch)
+        except Exception:
+            pass  # for the log only; a lost scheduler shows at release
 
 
 def astream(kind: Kind | str, prompt: str | None = None, *, messages: list[dict] | None = None,
             model_id: str | None = None, producer: str | None = None, deadline: float | None = None,
             foreground_hint: bool = False, subject: str | None = None, max_new_tokens: int = 128,
-            temperature: float = 0.0) -> GenerationStream:
-    """Validated here, before anything is queued; runs when iterated."""
-    spec = _spec(kind, model_id, producer, deadline, foreground_hint, subject)
+            temperature: float | None = None, top_p: float | None = None, top_k: int | None = None,
+            repetition_penalty: float | None = None, stop: str | list[str] = (),
+            seed: int | None = None) -> GenerationStream:
+    """Validated here, before anything is queued; runs when iterated. Sampling fields left None
+    take the model's generation_config (greedy for the embedded models); see GenerateRequest."""
+    job = _job(kind, model_id, producer, deadline, foreground_hint, subject)
     request = GenerateRequest(prompt=prompt, messages=messages, max_new_tokens=max_new_tokens,
-                              temperature=temperature)
+                              temperature=temperature, top_p=top_p, top_k=top_k,
+                              repetition_penalty=repetition_penalty, stop=stop, seed=seed)
     _check_prompt(prompt, messages)
-    return GenerationStream(spec, request)
+    return GenerationStream(job, request, follows_chat_model=model_id is None)
 
 
 async def agenerate(kind, prompt=None, **kwargs) -> Completion:
@@ -375,12 +493,12 @@ class LeaseHandle:
         return self.lease.model_id
 
     async def agenerate(self, prompt: str | None = None, *, messages=None, max_new_tokens: int = 128,
-                        temperature: float = 0.0) -> str:
-        request = GenerateRequest(prompt=prompt, messages=messages, max_new_tokens=max_new_tokens,
-                                  temperature=temperature)
+                        **sampling) -> str:
+        """``sampling``: temperature, top_p, top_k, repetition_penalty, stop, seed (GenerateRequest)."""
+        request = GenerateRequest(prompt=prompt, messages=messages, max_new_tokens=max_new_tokens, **sampling)
         result = None
-        async for ref in self._model.generate.options(num_returns="streaming").remote(self.lease.epoch, request):
-            result = (await ref).get("result", result)
+        async for item in _generation(self._model, self.lease.epoch, request):
+            result = item.get("result", result)
         if result["finish_reason"] == "cancel":
             raise LeaseRevoked(f"lease {self.lease.epoch} of job {self.lease.job_id} was revoked")
         return result["text"]
@@ -394,48 +512,16 @@ async def arun(kind, model_id: str | None, work: Callable[[LeaseHandle], Awaitab
     """The notes' run<T>: hold the device for `work(lease)`, which may call the model
     several times. After a revoke, a lost device or a scheduler restart, `work` restarts
     from scratch on the next lease."""
-    from ray.exceptions import RayActorError
-
-    spec = _spec(kind, model_id, producer, deadline, foreground_hint, subject)
-    h = handles()
-    job = _Job(spec, h.scheduler)
-    async with job.submitted():
-        while True:
-            lease = await job.lease()
-            lost = None
-            async with _held(job.scheduler, lease):
-                try:
-                    value = await work(LeaseHandle(lease, h.model))
-                except LeaseRevoked:
-                    if await job.still_held(lease):
-                        lost = "the model actor restarted (it no longer knows the lease)"
-                    else:
-                        try:
-                            requeued = await job.scheduler.release.remote(spec.id, lease.epoch, "revoked")
-                        except Exception as error:
-                            await job.recover(error)
-                            continue
-                        if requeued:
-                            continue
-                        raise
-                except RayActorError as error:  # the model actor died under `work`
-                    lost = _error_text(error)
-                except Exception:
-                    try:
-                        await job.scheduler.release.remote(spec.id, lease.epoch, "failed")
-                    except Exception as error:
-                        if not _scheduler_lost(error):
-                            raise
-                    raise
-            if lost is not None:
-                await job.device_lost(lease, lost)
-                continue
-            try:
-                await job.scheduler.release.remote(spec.id, lease.epoch, "done")
-            except Exception as error:
-                if not _scheduler_lost(error):
-                    raise
-            return value
+    job = _bound(_job(kind, model_id, producer, deadline, foreground_hint, subject), model_id)
+    loop = LeaseLoop(job, dropped=LeaseRevoked)
+    turns = loop.turns()
+    try:
+        async for turn in turns:
+            async with turn:
+                turn.done(await work(LeaseHandle(turn.lease, turn.model)))
+    finally:
+        await turns.aclose()
+    return loop.value
 
 
 async def aembed(texts: list[str]) -> list[list[float]]:
@@ -450,6 +536,25 @@ async def aset_foreground(kind: Kind | str | None, subject: str | None = None) -
 
 async def astatus() -> dict:
     return await handles().scheduler.status.remote()
+
+
+async def await_generating(kind: Kind | str, timeout_s: float = 120.0, min_held_s: float = 0.5) -> dict | None:
+    """Wait until a job of `kind` is generating: it runs, its lease is granted (so its model
+    is loaded: a job still loading would end its turn unserved, not be revoked) and it has
+    held the device `min_held_s`. Returns the running job's snapshot, or None after
+    `timeout_s`. What demos, benchmarks, jobs and tests use before they preempt something."""
+    kind = Kind.parse(kind).value
+    deadline = time.monotonic() + timeout_s
+    while True:
+        status = await astatus()
+        running = status["running"]
+        if running and running["kind"] == kind:
+            lease = status["leases"].get(running["id"], {})
+            if lease.get("state") == "granted" and lease.get("held_s", 0.0) >= min_held_s:
+                return running
+        if time.monotonic() >= deadline:
+            return None
+        await asyncio.sleep(0.05)
 
 
 # -- the sync names ----------------------------------------------------------------------
@@ -515,3 +620,7 @@ def set_foreground(kind, subject: str | None = None) -> None:
 
 def status() -> dict:
     return _LOOP.run(astatus())
+
+
+def wait_generating(kind: Kind | str, timeout_s: float = 120.0, min_held_s: float = 0.5) -> dict | None:
+    return _LOOP.run(await_generating(kind, timeout_s, min_held_s))

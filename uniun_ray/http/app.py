@@ -276,9 +276,15 @@ def _encode(vector: list[float], encoding_format: str):
 
 
 def _active_chat_model() -> str | None:
+    """The scheduler's active chat model; None when no scheduler runs (asking the client
+    then would start a runtime from inside the HTTP server)."""
     from .. import client
     active = getattr(client, "active_chat_model", None)
-    return active() if callable(active) else None
+    try:
+        require_scheduler()
+        return active() if callable(active) else None
+    except Exception:
+        return None
 
 
 @functools.lru_cache(maxsize=1)

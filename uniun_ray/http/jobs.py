@@ -5,7 +5,7 @@ The client API does not (yet) report everything §4's answer carries, so three f
 found here, each with the client's own value preferred the day it has one:
 
 * the job id before the first token (a streaming answer's chunks carry it):
-  `GenerationStream.job_id`, else its `spec.id`;
+  `GenerationStream.job_id`, else its `job.id`;
 * `usage.prompt_tokens`: `Completion.prompt_tokens`, else the model's tokenizer here;
 * `uniun.tier_at_dispatch`: `Completion.tier_at_dispatch`, else the scheduler's event
   log (its `dispatch` events carry the tier), read where the log is on this node;
@@ -148,9 +148,14 @@ class Job:
             pass
 
     @property
+    def _record(self):
+        """The client's record of the job (`job`; `spec` before issue 12)."""
+        return getattr(self.stream, "job", None) or getattr(self.stream, "spec", None)
+
+    @property
     def id(self) -> str:
         job_id = getattr(self.stream, "job_id", None)
-        return job_id if job_id is not None else self.stream.spec.id
+        return job_id if job_id is not None else self._record.id
 
     @property
     def completion(self):
@@ -161,8 +166,7 @@ class Job:
         done = self.completion
         if done is not None:
             return done.model_id
-        spec = getattr(self.stream, "spec", None)
-        return getattr(spec, "model_id", None) or self.body.model_id() or "default"
+        return getattr(self._record, "model_id", None) or self.body.model_id() or "default"
 
     def finish_reason(self) -> str:
         done = self.completion

@@ -12,10 +12,13 @@ lives here, so it can be tested (and benchmarked) without a cluster:
   caller's thread, with no helper thread or queue as ``TextIteratorStreamer`` needs.
 * A revoked job resumes recompute-style (SPEC R6): the new request carries what the job already
   produced, the engine prefills prompt + that, and the result holds only the new part.
+* The host decides how it runs (``tuning``): on CPU the dtype is measured per host and model, and
+  prefill chunks are sized by the time they take here, so a revoke waits about one decode step.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import gc
 import inspect
@@ -26,10 +29,12 @@ from typing import Any, Iterator, Protocol
 
 import torch
 
-from .registry import ModelSpec, materialize, resolve
+from .decoding import StopText, decoding
+from .kvcache import Hit, PrefixCache
+from .registry import ModelSpec, cache_dir, materialize, resolve
 from .request import GenerateRequest, _is_int
-
-DEFAULT_PREFILL_CHUNK = 256
+from .settings import DTYPES, EngineSettings, check_max_memory
+from .tuning import ProbeCache, Speed, StepClock, fastest, host_signature, measure
 
 
 class PromptTooLong(ValueError):
@@ -43,11 +48,8 @@ class CancelFlag(Protocol):
 
 
 def default_dtype(device: torch.device) -> torch.dtype:
-    """bfloat16 where it is fast: on CUDA GPUs that support it, and on CPU.
-
-    On this project's 2-core CPU machine bf16 decodes SmolLM2-135M about 1.6x faster than float32
-    (see MEASURED.md); older GPUs without bf16 get float16.
-    """
+    """The dtype a model is loaded in before any measurement: bfloat16 (the converted weights'
+    own), or float16 on GPUs without bf16. On CPU, "auto" then measures it against float32."""
     if device.type == "cuda" and not torch.cuda.is_bf16_supported():
         return torch.float16
     return torch.bfloat16
@@ -62,8 +64,9 @@ class GenerationResult:
     revoke. On cancel, a token or two whose text was still incomplete (a multi-byte character
     split across tokens) is left out of both, so the resumed run recomputes it instead of the
     text losing a character. ``finish_reason`` is "eos", "length" (max_new_tokens reached),
-    "cancel" (the flag was set, or the consumer closed the iterator) or "error" (the model
-    raised; the exception reached the consumer). ``ttft_s`` is the time from
+    "stop" (a stop string; the text ends before it), "cancel" (the flag was set, or the
+    consumer closed the iterator) or "error" (the model raised; the exception reached the
+    consumer). ``ttft_s`` is the time from
     the start of the run (its first ``next``) to the first sampled token, None if none was.
     """
 
@@ -93,7 +96,7 @@ class _Vocabulary:
     chat: bool
 
 
-@dataclass(frozen=True)
+@dataclass
 class _Loaded:
     """The resident model and what the decode loop needs to know about it."""
 
@@ -102,15 +105,25 @@ class _Loaded:
     eos_ids: frozenset[int]
     cache_arg: str
     forward_kwargs: dict = field(default_factory=dict)
+    dtype: str = ""
+    speeds: list[Speed] = field(default_factory=list)   # what the choice of dtype was made on
+    clock: StepClock | None = None
+    prefix: PrefixCache = field(default_factory=lambda: PrefixCache(0))
 
 
 class Engine:
     """Holds at most one causal LM on ``device`` and generates with it, one run at a time.
 
-    ``num_threads`` sets torch's intra-op threads for the whole process. Pass it deliberately:
-    Ray sets OMP_NUM_THREADS from an actor's num_cpus, which may not be what the model should use.
-    ``prefill_chunk`` is the number of prompt tokens per forward pass in prefill, bounding how
-    long a cancel waits while a long prompt is read.
+    ``dtype``: one of ``settings.DTYPES`` or a torch dtype; "auto" (the default) measures bf16
+    against float32 on CPU, once per host and model (cached), and keeps the faster.
+    ``num_threads`` sets torch's intra-op threads for the whole process; None: every core this
+    process may run on. Pass it deliberately: Ray sets OMP_NUM_THREADS=1 in actors.
+    ``prefill_chunk`` fixes the prompt tokens per prefill forward pass; None (the default) sizes
+    each chunk to take about one decode step on this host, bounding how long a cancel waits.
+    ``kv_cache_mb`` bounds the prefix cache of the loaded model (``kvcache``; 0: off; None: the
+    device's default). ``max_memory`` ({"cpu": "2GiB"} or {"0": "6GiB", "cpu": "20GiB"}) lets
+    accelerate place the weights (``device_map="auto"``) and offload what does not fit, to CPU
+    memory or to disk under the cache folder: a model larger than the device runs, slower.
 
     Thread safety: ``generate`` may be iterated in a worker thread. ``load`` and ``unload`` refuse
     (RuntimeError) while a run is in progress: revoke it and let its iterator finish first.
@@ -119,21 +132,30 @@ class Engine:
     def __init__(
         self,
         device: str | torch.device = "cpu",
-        dtype: str | torch.dtype | None = None,
+        dtype: str | torch.dtype | None = "auto",
         num_threads: int | None = None,
-        prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
+        prefill_chunk: int | None = None,
+        kv_cache_mb: int | None = None,
+        max_memory: dict[str, str] | None = None,
     ) -> None:
         self.device = torch.device(device)
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError(f"device {device!r} requested, but CUDA is not available")
-        self.dtype = _as_dtype(dtype) if dtype is not None else default_dtype(self.device)
-        if num_threads is not None:
-            if not _is_int(num_threads) or num_threads < 1:
-                raise ValueError(f"num_threads must be an int >= 1, got {num_threads!r}")
-            torch.set_num_threads(num_threads)
-        if not _is_int(prefill_chunk) or prefill_chunk < 1:
-            raise ValueError(f"prefill_chunk must be an int >= 1, got {prefill_chunk!r}")
+        self._dtype = _dtype_choice(dtype)
+        if num_threads is not None and (not _is_int(num_threads) or num_threads < 1):
+            raise ValueError(f"num_threads must be an int >= 1 or None, got {num_threads!r}")
+        self.threads = EngineSettings(threads=num_threads).resolved_threads()
+        torch.set_num_threads(self.threads)
+        if prefill_chunk is not None and (not _is_int(prefill_chunk) or prefill_chunk < 1):
+            raise ValueError(f"prefill_chunk must be an int >= 1 or None, got {prefill_chunk!r}")
         self.prefill_chunk = prefill_chunk
+        if kv_cache_mb is not None and (not _is_int(kv_cache_mb) or kv_cache_mb < 0):
+            raise ValueError(f"kv_cache_mb must be an int >= 0 or None, got {kv_cache_mb!r}")
+        self.kv_cache_mb = default_kv_cache_mb(self.device) if kv_cache_mb is None else kv_cache_mb
+        if max_memory is not None:
+            check_max_memory(max_memory)
+        self.max_memory = max_memory
+        self._probes = ProbeCache(cache_dir() / "tuning.json")
         self._lock = threading.Lock()
         self._loaded: _Loaded | None = None
         self._running = 0
@@ -149,6 +171,27 @@ class Engine:
         """The resident model's context window in tokens, or None when nothing is loaded."""
         loaded = self._loaded
         return loaded.vocabulary.context_length if loaded else None
+
+    @property
+    def dtype(self) -> torch.dtype | None:
+        """The resident model's dtype, or None when nothing is loaded."""
+        loaded = self._loaded
+        return getattr(torch, loaded.dtype) if loaded else None
+
+    def describe(self) -> dict:
+        """The host choices, for ``status`` and the benchmarks: dtype (and the measurements it
+        was chosen on), threads, the current prefill chunk and step times."""
+        loaded = self._loaded
+        described = {"device": str(self.device), "threads": torch.get_num_threads(),
+                     "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+                     "dtype_setting": self._dtype if isinstance(self._dtype, str) else str(self._dtype)}
+        if loaded is None:
+            return described
+        placement = getattr(loaded.model, "hf_device_map", None)
+        return described | {"model": loaded.vocabulary.model_id, "dtype": loaded.dtype, "placement": placement,
+                            "measured": [dataclasses.asdict(speed) for speed in loaded.speeds]} \
+            | loaded.clock.describe() | ({"prefill_chunk": self.prefill_chunk} if self.prefill_chunk else {}) \
+            | {"kv_cache": loaded.prefix.describe()}
 
     @property
     def chat(self) -> bool | None:
@@ -220,9 +263,10 @@ class Engine:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(folder)
-        model = AutoModelForCausalLM.from_pretrained(folder, dtype=self.dtype, device_map=str(self.device))
+        dtype = default_dtype(self.device) if self._dtype == "auto" else getattr(torch, self._dtype)
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, **self._placement(model_id))
         model.eval()
-        return _Loaded(
+        loaded = _Loaded(
             vocabulary=_vocabulary(model_id, tokenizer, model.config),
             model=model,
             eos_ids=_eos_ids(model, tokenizer),
@@ -230,7 +274,47 @@ class Engine:
             # Prefill needs logits for the last position only; Gemma's 262k vocabulary would
             # otherwise cost a quarter GB of logits per 256-token chunk.
             forward_kwargs={"logits_to_keep": 1} if model._supports_logits_to_keep() else {},
+            dtype=str(dtype).removeprefix("torch."),
+            prefix=PrefixCache(self.kv_cache_mb * 2**20),
         )
+        self._tune(loaded, folder)
+        return loaded
+
+    def _placement(self, model_id: str) -> dict:
+        """Where the weights go: all on the device, or where accelerate fits them in ``max_memory``."""
+        if self.max_memory is None:
+            return {"device_map": str(self.device)}
+        return {"device_map": "auto", "offload_folder": str(cache_dir() / "offload" / model_id),
+                "max_memory": {int(k) if k.isdigit() else k: v for k, v in self.max_memory.items()}}
+
+    def _tune(self, loaded: _Loaded, folder: Any) -> None:
+        """Measure the loaded model (once per host, model and setting; cached) and keep the
+        fastest dtype: on CPU with "auto", bf16 against float32; otherwise the dtype as loaded,
+        measured only to size prefill chunks."""
+        candidates = [loaded.dtype]
+        offloaded = self.max_memory is not None   # offloaded weights are not cast in place
+        if self._dtype == "auto" and self.device.type == "cpu" and loaded.dtype != "float32" and not offloaded:
+            candidates.append("float32")
+        key = f"{host_signature(self.threads)}|{folder}|{'+'.join(candidates)}"
+        speeds = self._probes.get(key)
+        if speeds is None or sorted(s.dtype for s in speeds) != sorted(candidates):
+            speeds = []
+            for dtype in candidates:
+                self._cast(loaded, dtype)
+                speeds.append(measure(lambda ids, cache: _synced(_forward(loaded, ids, cache, self.device)),
+                                      len(loaded.vocabulary.tokenizer), dtype))
+            self._probes.put(key, speeds)
+        best = fastest(speeds)
+        self._cast(loaded, best.dtype)
+        loaded.speeds, loaded.clock = speeds, StepClock(best)
+
+    @staticmethod
+    def _cast(loaded: _Loaded, dtype: str) -> None:
+        """bf16 -> float32 -> bf16 is exact (every bf16 value is a float32), so trying float32
+        and going back costs no accuracy."""
+        if loaded.dtype != dtype:
+            loaded.model.to(getattr(torch, dtype))
+            loaded.dtype = dtype
 
     def _prepare(self, request: GenerateRequest) -> tuple[_Loaded, list[int]]:
         """The loaded model and the token ids to prefill for ``request``; raises if it cannot run."""
@@ -252,13 +336,20 @@ class Engine:
             self._running -= 1
 
 
-def _as_dtype(dtype: str | torch.dtype) -> torch.dtype:
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    resolved = getattr(torch, str(dtype), None)
-    if not isinstance(resolved, torch.dtype):
-        raise ValueError(f"unknown dtype {dtype!r}; use e.g. 'bfloat16', 'float16' or 'float32'")
-    return resolved
+def default_kv_cache_mb(device: torch.device) -> int:
+    """The prefix cache's budget when none is set: 1 GiB of host memory on CPU (about 22k tokens
+    of SmolLM2 in float32), 4 GiB on a GPU."""
+    return 4096 if device.type == "cuda" else 1024
+
+
+def _dtype_choice(dtype: str | torch.dtype | None) -> str:
+    """"auto", or the name of a dtype the engine runs in."""
+    if dtype is None:
+        return "auto"
+    name = str(dtype).removeprefix("torch.") if isinstance(dtype, torch.dtype) else dtype
+    if name not in DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; use one of {', '.join(DTYPES)}")
+    return name
 
 
 def inspect_request(spec: ModelSpec, request: GenerateRequest) -> int:
@@ -398,38 +489,55 @@ class Generation(Iterator[str]):
         engine._begin(loaded)
         started = time.perf_counter()
         detokenizer = _Detokenizer(loaded.vocabulary.tokenizer, context)
+        stop_text = StopText(request.stop)
         pieces: list[str] = []
         first_token_at: float | None = None
         reason = "error"  # what an exception from the model leaves
+        cache, fed = None, 0
         try:
-            logits, cache = _prefill(loaded, context, engine.prefill_chunk, engine.device, cancel)
-            for produced in range(1, request.max_new_tokens + 1):
-                if logits is None:
-                    reason = "cancel"  # the flag was seen in prefill or before a decode step
-                    break
-                token = _pick(logits, request.temperature)
+            run = decoding(loaded.model, loaded.vocabulary.tokenizer, request, len(context),
+                           loaded.eos_ids, cancel, engine.device)
+            sequence = torch.empty((1, len(context) + request.max_new_tokens), dtype=torch.long)
+            sequence[0, : len(context)] = torch.tensor(context)
+            length = len(context)
+            hit = loaded.prefix.take(context)
+            logits, cache, fed = _prefill(loaded, context, hit, engine.prefill_chunk, engine.device, run.cancel)
+            while logits is not None:
+                token = run.next_token(sequence[:, :length], logits)
                 if first_token_at is None:
                     first_token_at = time.perf_counter()
-                if token in loaded.eos_ids:
-                    reason = "eos"
+                sequence[0, length] = token
+                length += 1
+                ended = run.finish_reason(sequence[:, :length])
+                if token not in loaded.eos_ids:
+                    piece = stop_text.push(detokenizer.push(token))
+                    if piece:
+                        pieces.append(piece)
+                        yield piece
+                if stop_text.stopped:
+                    ended = "stop"  # seen in the text at a token boundary the criterion had not
+                if ended is not None:
+                    reason = ended
                     break
-                piece = detokenizer.push(token)
-                if piece:
-                    pieces.append(piece)
-                    yield piece
-                if produced == request.max_new_tokens:
-                    reason = "length"
-                    break
-                logits, cache = _step(loaded, [token], cache, engine.device, cancel)
-            if reason != "cancel":
-                tail = detokenizer.flush()
-                if tail:
-                    pieces.append(tail)
-                    yield tail
+                logits, cache = _step(loaded, [token], cache, engine.device, run.cancel)
+                fed += logits is not None
+            else:
+                reason = "cancel"  # the flag was seen in prefill or before a decode step
+            # A cancelled run leaves out text still held for an incomplete character (its tokens
+            # are not committed: the resumed run recomputes them), but not text held back as a
+            # possible stop string, whose tokens are.
+            tail = stop_text.flush() if reason == "cancel" else stop_text.push(detokenizer.flush())
+            if not stop_text.stopped:
+                tail += stop_text.flush()
+            if tail:
+                pieces.append(tail)
+                yield tail
         except GeneratorExit:
             reason = "cancel"  # the consumer closed the iterator
             raise
         finally:
+            if reason != "error" and fed:  # keep the KV for the next turn, or for the resume
+                loaded.prefix.put(sequence[0, :fed].tolist(), cache, preempted=reason == "cancel")
             engine._end()
             self.result = GenerationResult(
                 text="".join(pieces),
@@ -442,15 +550,20 @@ class Generation(Iterator[str]):
 
 
 def _prefill(
-    loaded: _Loaded, context: list[int], chunk: int, device: torch.device, cancel: CancelFlag
-) -> tuple[torch.Tensor | None, Any]:
-    """Read the context in chunks, checking ``cancel`` before each; logits None when cancelled."""
-    logits, cache = None, None
-    for start in range(0, len(context), chunk):
-        logits, cache = _step(loaded, context[start : start + chunk], cache, device, cancel)
-        if logits is None:
-            break
-    return logits, cache
+    loaded: _Loaded, context: list[int], hit: Hit, fixed_chunk: int | None, device: torch.device,
+    cancel: CancelFlag,
+) -> tuple[torch.Tensor | None, Any, int]:
+    """Read the context after the cached prefix in chunks, checking ``cancel`` before each.
+    Returns the last logits (None when cancelled), the cache and how many tokens it holds.
+    Unless fixed, each chunk is sized anew from the step times measured so far."""
+    logits, cache, start = None, hit.cache, hit.tokens
+    while start < len(context):
+        chunk = fixed_chunk or loaded.clock.chunk
+        step_logits, cache = _step(loaded, context[start : start + chunk], cache, device, cancel)
+        if step_logits is None:
+            return None, cache, start
+        logits, start = step_logits, min(start + chunk, len(context))
+    return logits, cache, start
 
 
 def _step(
@@ -463,6 +576,21 @@ def _step(
     """
     if cancel.is_set():
         return None, cache
+    started = time.perf_counter()
+    logits, cache = _forward(loaded, ids, cache, device)
+    loaded.clock.observe(len(ids), time.perf_counter() - started)
+    return logits, cache
+
+
+def _synced(step: tuple[torch.Tensor, Any]) -> tuple[torch.Tensor, Any]:
+    """Wait for the device to finish the step: CUDA runs asynchronously, and a probe must time
+    the work, not its launch."""
+    if step[0].device.type == "cuda":
+        torch.cuda.synchronize()
+    return step
+
+
+def _forward(loaded: _Loaded, ids: list[int], cache: Any, device: torch.device) -> tuple[torch.Tensor, Any]:
     with torch.inference_mode():
         output = loaded.model(
             input_ids=torch.tensor([ids], device=device),
@@ -471,14 +599,6 @@ def _step(
             **loaded.forward_kwargs,
         )
     return output.logits[0, -1], getattr(output, loaded.cache_arg)
-
-
-def _pick(logits: torch.Tensor, temperature: float) -> int:
-    """Greedy argmax at temperature 0, otherwise a sample from softmax(logits / temperature)."""
-    if temperature == 0:
-        return int(torch.argmax(logits).item())
-    probabilities = torch.softmax(logits.float() / temperature, dim=-1)
-    return int(torch.multinomial(probabilities, 1).item())
 
 
 class _Detokenizer:

@@ -29,8 +29,12 @@ class GenerateRequest:
       which may split it into different tokens than the model produced, so the continuation can
       differ from an uninterrupted run. Use it when the token ids are not at hand.
 
-    ``temperature`` 0 is greedy (deterministic); above 0 samples from the softmax at that
-    temperature.
+    Sampling, as transformers' ``generate`` reads it: ``temperature`` 0 is greedy (deterministic);
+    above 0 samples, shaped by ``top_k`` (0: off), ``top_p`` (1: off) and ``repetition_penalty``
+    (1: off). A field left None takes the model's ``generation_config`` value (so a model whose
+    config says ``do_sample`` samples by default; the embedded ones are greedy). ``seed`` makes a
+    sampled run repeatable. ``stop``: strings that end the run; the text returned stops before
+    the first of them (OpenAI's ``stop``).
     """
 
     prompt: str | None = None
@@ -38,7 +42,12 @@ class GenerateRequest:
     max_new_tokens: int = 128
     resume_text: str = ""
     resume_tokens: tuple[int, ...] = ()
-    temperature: float = 0.0
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    repetition_penalty: float | None = None
+    stop: tuple[str, ...] = ()
+    seed: int | None = None
 
     def __post_init__(self) -> None:
         if (self.prompt is None) == (self.messages is None):
@@ -54,8 +63,20 @@ class GenerateRequest:
         object.__setattr__(self, "resume_tokens", _token_tuple(self.resume_tokens))
         if self.resume_text and self.resume_tokens:
             raise ValueError("give resume_tokens or resume_text, not both")
-        if not _is_real(self.temperature) or not math.isfinite(self.temperature) or self.temperature < 0:
-            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+        _check_optional(self.temperature, "temperature", "a finite number >= 0", lambda v: _is_real(v) and 0 <= v)
+        _check_optional(self.top_p, "top_p", "a number in (0, 1]", lambda v: _is_real(v) and 0 < v <= 1)
+        _check_optional(self.top_k, "top_k", "an int >= 0", lambda v: _is_int(v) and v >= 0)
+        _check_optional(self.repetition_penalty, "repetition_penalty", "a finite number > 0",
+                        lambda v: _is_real(v) and v > 0)
+        _check_optional(self.seed, "seed", "an int >= 0", lambda v: _is_int(v) and v >= 0)
+        object.__setattr__(self, "stop", _stop_tuple(self.stop))
+
+    @property
+    def sampling(self) -> dict:
+        """The sampling fields that were given, as ``GenerationConfig`` names them."""
+        fields = {"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k,
+                  "repetition_penalty": self.repetition_penalty}
+        return {name: value for name, value in fields.items() if value is not None}
 
 
 def _is_int(value: Any) -> bool:
@@ -64,6 +85,20 @@ def _is_int(value: Any) -> bool:
 
 def _is_real(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _check_optional(value: Any, name: str, what: str, valid) -> None:
+    if value is not None and not (valid(value) and math.isfinite(value)):
+        raise ValueError(f"{name} must be {what}, got {value!r}")
+
+
+def _stop_tuple(stop: Any) -> tuple[str, ...]:
+    """One string or a sequence of non-empty strings (OpenAI accepts both)."""
+    if isinstance(stop, str):
+        stop = (stop,)
+    if not isinstance(stop, Sequence) or not all(isinstance(s, str) and s for s in stop):
+        raise ValueError(f"stop must be a string or a list of non-empty strings, got {stop!r}")
+    return tuple(stop)
 
 
 def _check_messages(messages: Any) -> None:

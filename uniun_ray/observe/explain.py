@@ -13,7 +13,7 @@ import time
 from typing import Iterable
 
 from ..policy import tier_of
-from ..sim.trace import JobRecord, Run, Trace
+from ..events.trace import JobRecord, Run, Trace
 
 #: Gaps shorter than this (the hand-over between a release and the next dispatch) are not
 #: reported as idle device time; waits shorter than MIN_WAIT_S (a dispatch on arrival) not at all.

@@ -46,6 +46,8 @@ def _summary(snap: dict, now: float) -> Table:
     grid.add_column()
     foreground = (fg["kind"] or "none") + (f" ({fg['subject']})" if fg["subject"] else "")
     grid.add_row("loaded model", str(snap["loaded_model"] or "none"), "foreground (T1)", foreground)
+    if snap.get("chat_model"):
+        grid.add_row("chat model", snap["chat_model"], "", "")
     budget = Text(f"{_bar(t2['share'] / t2['limit'] if t2['limit'] else 0)} {t2['share']:.0%} of {t2['limit']:.0%}")
     if t2["over_budget"]:
         budget.append("  over budget: T2 yields to waiting T3/T4", style="bold yellow")

@@ -4,9 +4,10 @@ The SchedulerActor, the simulator and users' own what-if studies all drive this 
 """
 from .scheduler import SchedulerPolicy
 from .tiers import Foreground, Tier, tier_of
-from .types import POOL_KINDS, Action, Dispatch, Job, Kind, Outcome, PolicyConfig, Revoke
+from .types import (POOL_KINDS, Action, Dispatch, Job, Kind, Outcome, PolicyConfig, Requeued, Revoke,
+                    RevokeCause)
 
 __all__ = [
     "Action", "Dispatch", "Foreground", "Job", "Kind", "Outcome", "POOL_KINDS", "PolicyConfig",
-    "Revoke", "SchedulerPolicy", "Tier", "tier_of",
+    "Requeued", "Revoke", "RevokeCause", "SchedulerPolicy", "Tier", "tier_of",
 ]

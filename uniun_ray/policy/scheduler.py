@@ -1,8 +1,9 @@
 """`SchedulerPolicy`: the state machine of SPEC §1, with explicit time.
 
 It holds the queues, the running job, the foreground, the loaded model, the vruntime
-ledger and the T2 window, and turns each event into actions (Dispatch, Revoke). It never
-sleeps or reads a clock: the SchedulerActor feeds it real time, the simulator virtual time.
+ledger and the T2 window, and turns each event into actions (Dispatch, Revoke, Requeued).
+It never sleeps or reads a clock: the SchedulerActor feeds it real time, the simulator
+virtual time.
 
 Every public method validates all of its input before it changes anything, so a
 ValueError leaves the state exactly as it was.
@@ -16,7 +17,8 @@ from .fairness import VruntimeLedger
 from .picker import PickContext, pick, preemptor
 from .queues import Entry, Queues
 from .tiers import Foreground, Tier, tier_of
-from .types import Action, Dispatch, Job, Kind, Outcome, PolicyConfig, Revoke, check_time
+from .types import (WITHDRAWALS, Action, Dispatch, Job, Kind, Outcome, PolicyConfig, Requeued, Revoke,
+                    RevokeCause, check_time)
 
 #: How many ended job ids are remembered, only to tell "finished twice" from "unknown".
 _ENDED_MEMORY = 10_000
@@ -42,14 +44,14 @@ class SchedulerPolicy:
             raise ValueError(f"submit takes a Job, got {type(job).__name__}")
         if self._queues.get(job.id) is not None or self._is_running(job.id):
             raise ValueError(f"duplicate job id {job.id!r}: a job with this id is already queued or running")
-        promoted = self._advance(now)
+        passed = self._advance(now)
         entry = Entry(job, self._seq, now)
         self._seq += 1
         self._ledger.arrive(entry.flow, now)
         self._queues.add(entry)
         # only the new job became eligible, so only a job outranking the runner can preempt
         outranks = self._running is not None and self.tier(job) < self.tier(self._running.job)
-        return self._react(now, changed=outranks or promoted)
+        return self._react(now, RevokeCause.ARRIVAL if outranks else passed)
 
     def finish(self, job_id: str, now: float, outcome: Outcome | str) -> list[Action]:
         now = self._check_now(now)
@@ -68,23 +70,29 @@ class SchedulerPolicy:
             entry.dispatched_at = entry.dispatch_tier = None
             entry.revoke_sent = False
             self._queues.add(entry)  # same seq: its original place (R6)
-        else:
-            self._end(entry, outcome, now)
-        return self._react(now, changed=False)
+            return [Requeued(job_id), *self._react(now, None)]
+        self._end(entry, outcome, now)
+        return self._react(now, None)
 
-    def cancel(self, job_id: str, now: float) -> list[Action]:
+    def cancel(self, job_id: str, now: float, cause: RevokeCause | str = RevokeCause.CANCEL) -> list[Action]:
+        """The caller withdrew the job: CANCEL, or RECLAIM when the runtime took back the
+        lease of a holder that died. A running job gets its Revoke with that cause."""
         now = self._check_now(now)
+        if cause not in WITHDRAWALS:  # a str Enum: "cancel" matches RevokeCause.CANCEL too
+            raise ValueError(f"cancel({job_id!r}): cause must be one of "
+                             f"{', '.join(c.value for c in WITHDRAWALS)}, got {cause!r}")
+        cause = RevokeCause(cause)
         queued = self._queues.get(job_id)
         running = self._running if self._is_running(job_id) else None
         if queued is None and running is None:
             raise ValueError(self._unknown(job_id, "cancel"))
-        promoted = self._advance(now)
+        passed = self._advance(now)
         if running is not None:
             running.cancelled = True
-            return self._revoke(running)
+            return self._revoke(running, cause)
         self._queues.remove(queued)
         self._end(queued, Outcome.REVOKED, now)
-        return self._react(now, changed=promoted)
+        return self._react(now, passed)
 
     def set_foreground(self, kind: Kind | str | None, now: float, subject: str | None = None) -> list[Action]:
         now = self._check_now(now)
@@ -96,13 +104,13 @@ class SchedulerPolicy:
             raise ValueError("a foreground subject needs a foreground kind (kind None means nothing is in front)")
         self._advance(now)
         self._foreground = Foreground(kind, subject)
-        return self._react(now, changed=True)
+        return self._react(now, RevokeCause.FOREGROUND)
 
     def tick(self, now: float) -> list[Action]:
         """R5: the runtime calls this at `next_wakeup()`; a deadline that passed since the
         last call may promote a queued job to T3 and preempt."""
         now = self._check_now(now)
-        return self._react(now, changed=self._advance(now))
+        return self._react(now, self._advance(now))
 
     def set_loaded_model(self, model_id: str | None, now: float) -> list[Action]:
         """The runtime tells what the device really holds (after a failed load or a restart
@@ -110,9 +118,9 @@ class SchedulerPolicy:
         now = self._check_now(now)
         if model_id is not None and (not isinstance(model_id, str) or not model_id):
             raise ValueError(f"model_id must be a non-empty string or None, got {model_id!r}")
-        promoted = self._advance(now)
+        passed = self._advance(now)
         self._loaded = model_id
-        return self._react(now, changed=promoted)
+        return self._react(now, passed)
 
     def next_wakeup(self) -> float | None:
         if self._now is None:
@@ -178,13 +186,13 @@ class SchedulerPolicy:
             raise ValueError(f"time went backwards: now={now} is before the last call's {self._now}")
         return now
 
-    def _advance(self, now: float) -> bool:
-        """Move the clock; tell whether a queued deadline passed on the way (R4, R5)."""
+    def _advance(self, now: float) -> RevokeCause | None:
+        """Move the clock; DEADLINE when a queued deadline passed on the way (R4, R5)."""
         previous, self._now = self._now, now
         if self._ledger.decay(now):
             self._queues.pool.reprice_all()
         due = self._queues.next_deadline_after(previous) if previous is not None else None
-        return due is not None and due <= now
+        return RevokeCause.DEADLINE if due is not None and due <= now else None
 
     def _require_running(self, job_id: str, verb: str) -> Entry:
         if self._is_running(job_id):
@@ -218,12 +226,12 @@ class SchedulerPolicy:
         return PickContext(self._queues, self._foreground, now, self._loaded,
                            lambda: self._t2_over(now), self.config.max_affinity_wait_s)
 
-    def _react(self, now: float, changed: bool) -> list[Action]:
-        """Dispatch when idle; when something changed tiers, revoke a lower-tier runner."""
+    def _react(self, now: float, event: RevokeCause | None) -> list[Action]:
+        """Dispatch when idle; at an event (R4), revoke a runner that a queued job outranks."""
         if self._running is None:
             return self._dispatch(now)
-        if changed and preemptor(self._context(now), self.tier(self._running.job)) is not None:
-            return self._revoke(self._running)
+        if event is not None and preemptor(self._context(now), self.tier(self._running.job)) is not None:
+            return self._revoke(self._running, event)
         return []
 
     def _dispatch(self, now: float) -> list[Action]:
@@ -236,13 +244,13 @@ class SchedulerPolicy:
         swap = entry.job.model_id != self._loaded
         self._loaded = entry.job.model_id
         self._running = entry
-        return [Dispatch(entry.job.id, entry.job.model_id, swap)]
+        return [Dispatch(entry.job.id, entry.job.model_id, swap, entry.dispatch_tier)]
 
-    def _revoke(self, entry: Entry) -> list[Action]:
+    def _revoke(self, entry: Entry, cause: RevokeCause) -> list[Action]:
         if entry.revoke_sent:
             return []  # a running job gets at most one Revoke
         entry.revoke_sent = True
-        return [Revoke(entry.job.id)]
+        return [Revoke(entry.job.id, cause)]
 
     def _describe(self, entry: Entry, now: float) -> dict:
         job = entry.job

@@ -6,23 +6,10 @@ so a foreground change or a deadline passing moves jobs without any bookkeeping.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from enum import IntEnum
 
-from .types import Job, Kind
+from .types import Job, Kind, Tier
 
-
-class Tier(IntEnum):
-    """Strict order (R2): a lower number always runs first."""
-
-    CHAT = 0
-    FOREGROUND = 1
-    EXTRACT = 2
-    DEADLINE = 3
-    FAIR = 4
-
-    @property
-    def label(self) -> str:
-        return f"T{int(self)}"
+__all__ = ["Foreground", "Tier", "tier_of"]  # Tier is re-exported from .types
 
 
 @dataclass(frozen=True, slots=True)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from enum import Enum
+from enum import Enum, IntEnum
 from numbers import Real
 from typing import Mapping
 
@@ -30,6 +30,21 @@ class Kind(str, Enum):
         except ValueError:
             choices = ", ".join(k.value for k in cls)
             raise ValueError(f"unknown kind {value!r}; expected one of: {choices}") from None
+
+
+class Tier(IntEnum):
+    """Strict order (R2): a lower number always runs first. It lives here, beside the
+    actions, because a `Dispatch` carries the tier its job was dispatched at."""
+
+    CHAT = 0
+    FOREGROUND = 1
+    EXTRACT = 2
+    DEADLINE = 3
+    FAIR = 4
+
+    @property
+    def label(self) -> str:
+        return f"T{int(self)}"
 
 
 #: Kinds that live in the fair pool (T4) unless hoisted or past a deadline. Only these
@@ -132,13 +147,33 @@ class PolicyConfig:
         return float(self.weights.get(flow, 1.0))
 
 
+class RevokeCause(str, Enum):
+    """Why the policy revoked a running job, so that no caller parses it back out of text.
+
+    The first four are the R4 events; CANCEL and RECLAIM are the caller's own withdrawal
+    (`cancel`), RECLAIM when the runtime takes back the lease of a holder that died."""
+
+    ARRIVAL = "arrival"
+    FOREGROUND = "foreground"
+    DEADLINE = "deadline"
+    AFFINITY = "affinity"  # an outranking queued job's affinity wait ended (R4, R12)
+    CANCEL = "cancel"
+    RECLAIM = "reclaim"
+
+
+#: The causes a caller may give to `cancel`.
+WITHDRAWALS = (RevokeCause.CANCEL, RevokeCause.RECLAIM)
+
+
 @dataclass(frozen=True)
 class Dispatch:
-    """Run `job_id` now on `model_id`; when `swap` is true, load that model first."""
+    """Run `job_id` now on `model_id`; when `swap` is true, load that model first. `tier` is
+    the job's tier at this dispatch: what the T2 budget counts it as (R11)."""
 
     job_id: str
     model_id: str
     swap: bool
+    tier: Tier
 
 
 @dataclass(frozen=True)
@@ -146,6 +181,16 @@ class Revoke:
     """Stop the running job `job_id` at its next token boundary, then report `finish`."""
 
     job_id: str
+    cause: RevokeCause
 
 
-Action = Dispatch | Revoke
+@dataclass(frozen=True)
+class Requeued:
+    """The revoked job `job_id` went back into its queue at its original place (R6); it
+    will be dispatched again. `finish` returns it, before any Dispatch, so that no caller
+    re-derives which jobs are re-queued (a chat never is, a cancelled job never is)."""
+
+    job_id: str
+
+
+Action = Dispatch | Revoke | Requeued

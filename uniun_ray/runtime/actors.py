@@ -1,10 +1,8 @@
 """Ray shells: the actor classes as the cluster runs them, and how they are placed.
 
-Placement. The ModelActor takes the accelerator: `num_gpus=1` where a CUDA GPU is
-present, otherwise the custom resource `uniun_device` that stands in for it (a local
-cluster started by `uniun-ray up` declares one). The embedder takes a second GPU where
-there is one, otherwise `uniun_embedder`. Both use `num_cpus=0` so they never queue behind
-CPU tasks; torch's thread count is set deliberately inside (see model_actor).
+Placement (which GPU or stand-in resource each actor takes) is decided in `placement`. Both
+use `num_cpus=0` so they never queue behind CPU tasks; torch's thread count is set deliberately
+inside (see model_actor).
 """
 from __future__ import annotations
 
@@ -16,8 +14,7 @@ from .model_actor import ModelActor
 from .protocol import NAMESPACE, DeviceLost
 from .service import RuntimeConfig, SchedulerService
 
-DEVICE_RESOURCE = "uniun_device"
-EMBEDDER_RESOURCE = "uniun_embedder"
+from .placement import Seat
 
 
 class RayDevice:
@@ -64,6 +61,13 @@ class RayDevice:
     async def current_epoch(self) -> int:
         return (await self._call("state"))["epoch"]
 
+    async def describe(self) -> dict:
+        """How the device runs its model on this host (dtype, threads, prefill chunk), for status."""
+        try:
+            return (await self._call("state"))["engine"]
+        except DeviceLost as error:
+            return {"error": str(error)}
+
 
 class SchedulerActor(SchedulerService):
     """The named, detached singleton. Every method is async: a plain `def` would block the
@@ -81,27 +85,25 @@ class SchedulerActor(SchedulerService):
     async def status(self) -> dict:
         """The service's status, plus this actor's Ray worker id: the `WorkerId` label of
         its series on the metrics endpoint."""
-        return await super().status() | {"worker_id": ray.get_runtime_context().get_worker_id()}
+        return await super().status() | {"worker_id": ray.get_runtime_context().get_worker_id(),
+                                         "engine": await self._device.describe()}
 
     async def ping(self) -> str:
         return "ok"
 
+    async def chat_model(self) -> str:
+        """The active chat model: what every client means by `model_id=None`."""
+        return self.config.chat_model
 
-def cuda_devices() -> int:
-    """GPUs Ray sees in the cluster (0 on this project's CPU machines)."""
-    return int(ray.cluster_resources().get("GPU", 0))
 
-
-def model_actor_options(name: str) -> dict:
-    place = {"num_gpus": 1} if cuda_devices() >= 1 else {"resources": {DEVICE_RESOURCE: 1}}
+def model_actor_options(name: str, seat: Seat) -> dict:
     return dict(name=name, namespace=NAMESPACE, lifetime="detached", get_if_exists=True,
-                num_cpus=0, max_restarts=3, max_task_retries=0, **place)
+                num_cpus=0, max_restarts=3, max_task_retries=0, **seat.options)
 
 
-def embedder_options(name: str) -> dict:
-    place = {"num_gpus": 1} if cuda_devices() >= 2 else {"resources": {EMBEDDER_RESOURCE: 1}}
+def embedder_options(name: str, seat: Seat, concurrency: int) -> dict:
     return dict(name=name, namespace=NAMESPACE, lifetime="detached", get_if_exists=True,
-                num_cpus=0, max_restarts=3, max_task_retries=3, max_concurrency=2, **place)
+                num_cpus=0, max_restarts=3, max_task_retries=3, max_concurrency=concurrency, **seat.options)
 
 
 #: Concurrent calls the scheduler takes. Every queued job's caller holds a `grant` long-poll

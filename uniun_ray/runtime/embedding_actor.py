@@ -1,8 +1,9 @@
 """The EmbeddingActor: sentence-transformers all-MiniLM-L6-v2, beside the scheduler.
 
 It never calls the scheduler and is never blocked by it (notes §7): embeddings are short
-and run on their own device. `max_concurrency=2` (set at creation) is the notes'
-Semaphore(2): two embeds at once keep the pipeline busy without flooding the device.
+and run on their own device. Its `max_concurrency` (set at creation, `UNIUN_EMBED_CONCURRENCY`,
+default 2) is the notes' Semaphore(2): two embeds at once keep the pipeline busy without
+flooding the device.
 """
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import threading
 import time
 
 from .metrics import EmbedderMetrics
+from .placement import assigned_resources
 
 
 def default_model_path() -> str:
@@ -29,6 +31,7 @@ class EmbeddingActor:
         self._model = SentenceTransformer(model_path or default_model_path(), device=device)
         self._lock = threading.Lock()
         self._in_flight = 0
+        self._peak = 0          # the most embeds ever in flight at once: max_concurrency bounds it
         self.served = 0
         self._metrics = EmbedderMetrics()
 
@@ -42,6 +45,7 @@ class EmbeddingActor:
             raise ValueError("embed takes a list of strings; found a non-string item")
         with self._lock:
             self._in_flight += 1
+            self._peak = max(self._peak, self._in_flight)
             self._metrics.in_flight.set(self._in_flight)
         started = time.perf_counter()
         try:
@@ -57,4 +61,5 @@ class EmbeddingActor:
                 self._metrics.texts.inc(len(texts))
 
     def state(self) -> dict:
-        return {"in_flight": self._in_flight, "served": self.served, "time": time.time()}
+        return {"in_flight": self._in_flight, "peak_in_flight": self._peak, "served": self.served,
+                "device": str(self._model.device), "ray_resources": assigned_resources(), "time": time.time()}

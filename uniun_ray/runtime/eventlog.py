@@ -1,6 +1,6 @@
 """The scheduler's event log: append-only JSONL of every decision, size-bounded.
 
-One line per event in the schema of `uniun_ray.sim.events` (so the simulator's metrics
+One line per event in the schema of `uniun_ray.events.schema` (so the simulator's metrics
 and timeline read a real run's log exactly as they read a simulation's), plus the
 runtime's own `reclaim` and `drop` events. Rotation is the standard library's
 RotatingFileHandler: when the file passes `max_bytes` it is renamed `.1` (older ones

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import psutil
 
-from .actors import DEVICE_RESOURCE, EMBEDDER_RESOURCE
+from .placement import DEVICE_RESOURCE, EMBEDDER_RESOURCE
 
 STATE_ENV = "UNIUN_UP_STATE"
 STOP_GRACE_S = 5.0  # gcs_server and raylet often outlast a SIGTERM; the whole head goes anyway
@@ -87,9 +87,8 @@ class HeadState:
 
 
 def stand_in_resources(gpus: int) -> dict:
-    """The custom resources a node declares for what it lacks, mirroring the placement in
-    `actors`: the model takes a GPU, else `uniun_device`; the embedder a second GPU, else
-    `uniun_embedder`."""
+    """The custom resources a node declares for what it lacks, mirroring `placement`: the model
+    takes a GPU, else `uniun_device`; the embedder a second GPU, else `uniun_embedder`."""
     resources = {}
     if gpus < 1:
         resources[DEVICE_RESOURCE] = 1

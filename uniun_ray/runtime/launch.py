@@ -7,14 +7,18 @@ from __future__ import annotations
 
 import os
 import socket
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import ray
 
-from .actors import (DEVICE_RESOURCE, EMBEDDER_RESOURCE, RemoteEmbedder, RemoteModel, RemoteScheduler,
-                     cuda_devices, embedder_options, model_actor_options, scheduler_options)
+from . import placement
+from .actors import RemoteEmbedder, RemoteModel, RemoteScheduler, embedder_options, model_actor_options, scheduler_options
+from .placement import DEVICE_RESOURCE, EMBEDDER_RESOURCE
 from .protocol import EMBEDDER_NAME, NAMESPACE, SCHEDULER_NAME, UniunError, model_actor_name
 from .service import RuntimeConfig
+from ..models.registry import DEFAULT_CHAT_MODEL, resolve
+from ..models.settings import EngineSettings
 
 #: Resources a local cluster declares for the stand-in devices of a CPU-only machine.
 LOCAL_RESOURCES = {DEVICE_RESOURCE: 1, EMBEDDER_RESOURCE: 1}
@@ -77,8 +81,31 @@ def connect(address: str | None = None, namespace: str = NAMESPACE, **init_kwarg
     elif address is not None:
         raise UniunError(f"no Ray cluster answers at {address}")
     else:
-        ray.init(address="local", namespace=namespace, resources=LOCAL_RESOURCES,
-                 include_dashboard=False, **init_kwargs)
+        init_local(namespace, **init_kwargs)
+
+
+def init_local(namespace: str = NAMESPACE, *, dashboard: bool = False, **init_kwargs):
+    """Start a private local Ray with the stand-in device resources: never a running
+    cluster (address="local"), no dashboard unless asked (then on 127.0.0.1), the driver not
+    flooded with workers' logs. The one place a local cluster is made: `connect`, the demo,
+    the replay, the benchmarks and the tests all come here. Returns Ray's context."""
+    ensure_auth_mode()
+    init_kwargs.setdefault("log_to_driver", False)
+    if dashboard:
+        init_kwargs.setdefault("dashboard_host", "127.0.0.1")
+    return ray.init(address="local", namespace=namespace, resources=LOCAL_RESOURCES,
+                    include_dashboard=dashboard, **init_kwargs)
+
+
+@contextmanager
+def local_cluster(namespace: str = NAMESPACE, **options):
+    """`init_local` for the length of a block, then `ray.shutdown()` of that Ray only."""
+    context = init_local(namespace, **options)
+    try:
+        yield context
+    finally:
+        forget_handles()
+        ray.shutdown()
 
 
 @dataclass(frozen=True)
@@ -86,37 +113,97 @@ class Handles:
     scheduler: object
     model: object
     embedder: object
+    chat_model: str     # the scheduler's setting, asked once per session
+
+
+def chat_model_setting(config: RuntimeConfig | None) -> RuntimeConfig:
+    """The configuration a new scheduler gets: `config`, else the defaults with the chat model
+    from UNIUN_CHAT_MODEL (checked against the registry here, before any actor exists)."""
+    if config is None:
+        config = RuntimeConfig(chat_model=os.environ.get("UNIUN_CHAT_MODEL", "").strip() or DEFAULT_CHAT_MODEL)
+    resolve(config.chat_model)   # UnknownModel names the choices
+    return config
 
 
 def device_name() -> str:
-    return "gpu0" if cuda_devices() >= 1 else "cpu0"
+    return placement.device_name(ray.cluster_resources())
 
 
 def start(config: RuntimeConfig | None = None) -> Handles:
     """Get or create the scheduler, the model actor and the embedder. `config` only
-    applies when the scheduler is created here (a running one keeps its own)."""
+    applies when the scheduler is created here (a running one keeps its own). Placement
+    follows what the cluster declares (`placement`); an actor whose seat is taken is refused
+    at once, naming the resource, rather than left waiting for ever."""
+    settings = EngineSettings.from_env()   # bad UNIUN_* settings fail here, clearly, before any actor
+    config = chat_model_setting(config)
+    forced, concurrency = placement.torch_device(), placement.embed_concurrency()
     connect()
-    gpu = cuda_devices() >= 1
-    if not gpu and ray.cluster_resources().get(DEVICE_RESOURCE, 0) < 1:
-        raise UniunError(
-            f"this Ray cluster has no GPU and no {DEVICE_RESOURCE!r} resource, so the model actor "
-            f"cannot be placed. Start Ray with `uniun-ray up`, or `ray start --head "
-            f"--resources='{{\"{DEVICE_RESOURCE}\": 1, \"{EMBEDDER_RESOURCE}\": 1}}'`.")
-    model_name = model_actor_name(device_name())
-    model = RemoteModel.options(**model_actor_options(model_name)).remote(device="cuda" if gpu else "cpu")
-    # Ray shows an actor only the GPU it was given, as cuda:0
-    embedder = RemoteEmbedder.options(**embedder_options(EMBEDDER_NAME)).remote(
-        device="cuda" if cuda_devices() >= 2 else "cpu")
+    resources = ray.cluster_resources()
+    model_name = model_actor_name(placement.device_name(resources))
+    model_seat = placement.model_seat(resources, forced)
+    embedder_seat = placement.embedder_seat(resources, forced)
+    _check_seats([(model_name, model_seat), (EMBEDDER_NAME, embedder_seat)])
+    model = RemoteModel.options(**model_actor_options(model_name, model_seat)).remote(
+        device=model_seat.torch_device, settings=settings)
+    embedder = RemoteEmbedder.options(**embedder_options(EMBEDDER_NAME, embedder_seat, concurrency)).remote(
+        device=embedder_seat.torch_device)
     scheduler = RemoteScheduler.options(**scheduler_options(SCHEDULER_NAME)).remote(model_name, config)
-    ray.get(scheduler.ping.remote())
-    return Handles(scheduler, model, embedder)
+    return _remember(Handles(scheduler, model, embedder, ray.get(scheduler.chat_model.remote())))
+
+
+def _check_seats(seats: list[tuple[str, "placement.Seat"]]) -> None:
+    """Actors that do not exist yet must find their seat free: the model and the embedder
+    together, when they ask for the same resource (two GPUs, one of them taken)."""
+    available = dict(ray.available_resources())
+    for name, seat in seats:
+        try:
+            ray.get_actor(name, namespace=NAMESPACE)
+            continue            # it exists: get_if_exists takes it as it is
+        except ValueError:
+            pass
+        placement.check_free(name, seat, available)
+        for resource, amount in seat.needs.items():
+            available[resource] = available.get(resource, 0) - amount
+
+
+#: The handles this process last found or made, and the Ray session they belong to. A named
+#: lookup is a GCS round trip; every client call used to make three.
+_cached: tuple[object, Handles] | None = None
+
+
+def _session_key():
+    """What tells one Ray session from the next in this process (a shutdown and a new init):
+    its session name and the driver's core worker. Attribute reads only (well under 1 us)."""
+    worker = ray._private.worker.global_worker
+    core = getattr(worker, "core_worker", None)
+    node = getattr(worker, "node", None)
+    return None if core is None or node is None else (id(core), node.session_name)
+
+
+def _remember(h: Handles) -> Handles:
+    global _cached
+    _cached = (_session_key(), h)
+    return h
+
+
+def forget_handles() -> None:
+    """Drop the cached handles: the next `handles()` looks the actors up by name again. The
+    client calls it when an actor died for good (killed, then created again under its name)."""
+    global _cached
+    _cached = None
 
 
 def handles() -> Handles:
-    """The running actors, created on first use."""
+    """The running actors, created on first use; cached per Ray session (a detached actor's
+    handle stays valid across its restarts)."""
+    cached = _cached
+    if cached is not None and cached[0] is not None and cached[0] == _session_key():
+        return cached[1]
     connect()
     try:
         get = lambda name: ray.get_actor(name, namespace=NAMESPACE)  # noqa: E731
-        return Handles(get(SCHEDULER_NAME), get(model_actor_name(device_name())), get(EMBEDDER_NAME))
+        scheduler = get(SCHEDULER_NAME)
+        return _remember(Handles(scheduler, get(model_actor_name(device_name())), get(EMBEDDER_NAME),
+                                 ray.get(scheduler.chat_model.remote())))
     except ValueError:
         return start()

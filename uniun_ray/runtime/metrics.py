@@ -31,15 +31,6 @@ KINDS = tuple(k.value for k in Kind)
 TIERS = tuple(t.label for t in Tier)
 
 
-def revoke_cause(reason: str | None) -> str:
-    """The revoke's reason text (see `SchedulerService._apply`) as a small tag set:
-    arrival | foreground | deadline | withdrawn (cancelled, caller gone, lease reclaimed)."""
-    for cause in ("arrival", "foreground", "deadline"):
-        if (reason or "").startswith(cause):
-            return cause
-    return "withdrawn"
-
-
 class SchedulerMetrics:
     """The scheduler's sink: `write(event)` for each event it emits, `refresh(snapshot)`
     from its timer."""
@@ -95,7 +86,7 @@ class SchedulerMetrics:
         elif ev == "first_token" and job in self._submitted:
             self.ttft.observe(t - self._submitted[job], tags={"kind": event["kind"], "model": event["model"]})
         elif ev == "revoke":
-            self.revokes.inc(tags={"kind": event["kind"], "cause": revoke_cause(event.get("reason"))})
+            self.revokes.inc(tags={"kind": event["kind"], "cause": event.get("cause", "unknown")})
         elif ev == "reclaim":
             self.reclaims.inc(tags={"kind": event["kind"]})
         elif ev == "drop":
@@ -103,7 +94,7 @@ class SchedulerMetrics:
             self._forget(job)
         elif ev == "finish":
             self.finishes.inc(tags={"kind": event["kind"], "outcome": event["outcome"]})
-            if event.get("requeued") or (event["outcome"] == "revoked" and event["kind"] != Kind.CHAT.value):
+            if event.get("requeued"):  # the policy's word (its Requeued action)
                 self._queued_since[job] = t  # re-queued (R6); pruned by refresh if not
             else:
                 self._forget(job)
@@ -151,11 +142,29 @@ class SchedulerMetrics:
 
 
 class ModelMetrics:
-    """What the ModelActor times: from a revoke to the generation actually stopping."""
+    """What the ModelActor times (from a revoke to the generation actually stopping) and how its
+    prefix KV cache does (refreshed after every generation)."""
 
     def __init__(self) -> None:
         self.stop = Histogram("uniun_revoke_stop_seconds", "Revoke to the generation stopping (token boundary)",
                               STOP_BUCKETS, ("model",))
+        model = ("model",)
+        self.kv = {
+            "held_bytes": Gauge("uniun_kv_cache_held_bytes", "Bytes of KV the prefix cache holds", model),
+            "hit_rate": Gauge("uniun_kv_cache_hit_rate", "Share of generations that reused a cached prefix", model),
+            "reused_tokens": Gauge("uniun_kv_cache_reused_tokens",
+                                   "Prompt tokens taken from the prefix cache, not prefilled (since load)", model),
+            "prefilled_tokens": Gauge("uniun_kv_cache_prefilled_tokens", "Prompt tokens prefilled (since load)", model),
+            "evictions": Gauge("uniun_kv_cache_evictions",
+                               "Prefix cache entries evicted to stay within UNIUN_KV_CACHE_MB (since load)", model),
+        }
+
+    def kv_cache(self, model: str | None, described: dict) -> None:
+        tags = {"model": str(model)}
+        self.kv["held_bytes"].set(described["held_mb"] * 2**20, tags=tags)
+        self.kv["hit_rate"].set(described["hit_rate"] or 0.0, tags=tags)
+        for name in ("reused_tokens", "prefilled_tokens", "evictions"):
+            self.kv[name].set(described[name], tags=tags)
 
 
 class EmbedderMetrics:

@@ -13,30 +13,31 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
-import os
 import threading
 import time
 from dataclasses import asdict
 
 from ..models.registry import resolve
 from ..models.request import GenerateRequest
+from ..models.settings import EngineSettings
 from .metrics import ModelMetrics
+from .placement import assigned_resources
 from .protocol import LeaseRevoked
 
 _END = object()
 
 
-def default_threads() -> int:
-    """Ray sets OMP_NUM_THREADS from the actor's num_cpus (1 when unset); the model should
-    use the machine's cores, so the count is set deliberately."""
-    return max(1, int(os.environ.get("UNIUN_TORCH_THREADS", os.cpu_count() or 1)))
-
-
 class ModelActor:
-    def __init__(self, device: str = "cpu", num_threads: int | None = None) -> None:
+    """``settings`` come from the process that starts the actor (``UNIUN_DTYPE``,
+    ``UNIUN_THREADS``). Threads default to every core the actor's process may run on, not Ray's
+    OMP_NUM_THREADS=1: the model is the only work of this device."""
+
+    def __init__(self, device: str = "cpu", settings: EngineSettings | None = None) -> None:
         from ..models.engine import Engine  # torch: only in the actor's own process
 
-        self._engine = Engine(device=device, num_threads=num_threads or default_threads())
+        settings = settings or EngineSettings()
+        self._engine = Engine(device=device, dtype=settings.dtype, num_threads=settings.threads,
+                              kv_cache_mb=settings.kv_cache_mb, max_memory=settings.max_memory)
         self._device = device
         self._epoch = 0
         self._revoked = False
@@ -118,6 +119,9 @@ class ModelActor:
                 self.stop_latencies.append(result["stop_latency_s"])
                 self._metrics.stop.observe(result["stop_latency_s"], tags={"model": str(self._engine.loaded)})
             yield {"result": result}
+            described = self._engine.describe()
+            if "kv_cache" in described:
+                self._metrics.kv_cache(described["model"], described["kv_cache"])
         finally:
             flag.set()  # a consumer that went away stops the run at the next token
             await asyncio.to_thread(generation.close)
@@ -128,5 +132,6 @@ class ModelActor:
     async def state(self) -> dict:
         return {"device": self._device, "loaded": self._engine.loaded, "epoch": self._epoch,
                 "revoked": self._revoked, "generating": sorted(self._running),
-                "context_length": self._engine.context_length,
+                "context_length": self._engine.context_length, "engine": self._engine.describe(),
+                "ray_resources": assigned_resources(),
                 "stop_latency_s": list(self.stop_latencies)}

@@ -1,4 +1,4 @@
-"""What crosses actor boundaries: job specs, leases and the errors clients see.
+"""What crosses actor boundaries: jobs (the policy's `Job`), leases and the errors clients see.
 
 Plain dataclasses, validated where they are built (in the caller's process), so a bad
 argument fails before anything is queued and before any actor is called.
@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 import uuid
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 from ..policy import Job, Kind
 
@@ -64,42 +64,21 @@ class SchedulerUnavailable(UniunError):
     not queued anywhere: retry it once the runtime is up again (`uniun-ray up`)."""
 
 
-@dataclass(frozen=True)
-class JobSpec:
-    """A job as a client submits it. `deadline` is epoch seconds (time.time())."""
-
-    id: str
-    kind: str
-    model_id: str
-    producer: str | None = None
-    deadline: float | None = None
-    foreground_hint: bool = False
-    subject: str | None = None
-
-    @classmethod
-    def build(cls, kind, model_id: str, *, producer=None, deadline=None, foreground_hint=False,
-              subject=None, job_id: str | None = None) -> "JobSpec":
-        """Validate every field the way the policy will (by building its Job), so errors
-        surface in the caller with the policy's own messages."""
-        kind = Kind.parse(kind).value
-        job_id = job_id or f"{kind}-{uuid.uuid4().hex[:12]}"
-        if deadline is not None and (isinstance(deadline, bool) or not isinstance(deadline, (int, float))
-                                     or not math.isfinite(deadline)):
-            raise ValueError(f"deadline must be finite epoch seconds (time.time()), got {deadline!r}")
-        if deadline is not None and deadline < MIN_EPOCH_S:
-            raise ValueError(f"deadline must be epoch seconds (time.time() + delay), got {deadline!r}: "
-                             f"a negative or relative value is a mistake")
-        spec = cls(job_id, kind, model_id, producer, None if deadline is None else float(deadline),
-                   foreground_hint, subject)
-        spec.to_job()
-        return spec
-
-    def to_job(self) -> Job:
-        return Job(self.id, self.kind, self.model_id, self.producer, self.deadline,
-                   self.foreground_hint, self.subject)
-
-    def as_dict(self) -> dict:
-        return asdict(self)
+def new_job(kind, model_id: str, *, producer=None, deadline=None, foreground_hint=False, subject=None,
+            job_id: str | None = None) -> Job:
+    """The job a client submits: the policy's own `Job` (which validates every field, with
+    the policy's messages), given a fresh id, with the runtime's one rule on top: a deadline
+    is epoch seconds (time.time()). The `Job` is what crosses Ray to the scheduler; there is
+    no second job record."""
+    kind = Kind.parse(kind)
+    if deadline is not None and (isinstance(deadline, bool) or not isinstance(deadline, (int, float))
+                                 or not math.isfinite(deadline)):
+        raise ValueError(f"deadline must be finite epoch seconds (time.time()), got {deadline!r}")
+    if deadline is not None and deadline < MIN_EPOCH_S:
+        raise ValueError(f"deadline must be epoch seconds (time.time() + delay), got {deadline!r}: "
+                         f"a negative or relative value is a mistake")
+    return Job(job_id or f"{kind.value}-{uuid.uuid4().hex[:12]}", kind, model_id, producer,
+               None if deadline is None else float(deadline), foreground_hint, subject)
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from sortedcontainers import SortedKeyList
 
-from uniun_ray.policy import Dispatch, Foreground, Job, Kind, Revoke, tier_of
+from uniun_ray.policy import Dispatch, Foreground, Job, Kind, Requeued, Revoke, RevokeCause, tier_of
 
 
 class _Queue:
@@ -85,7 +85,7 @@ class _Baseline:
             return self._dispatch()
         if not self._revoked and self._preempts(job):
             self._revoked = True
-            return [Revoke(self._running.id)]
+            return [Revoke(self._running.id, RevokeCause.ARRIVAL)]
         return []
 
     def finish(self, job_id: str, now: float, outcome: str) -> list:
@@ -98,11 +98,11 @@ class _Baseline:
         self._running, self._revoked = None, False
         if outcome == "revoked" and job.kind is not Kind.CHAT and job_id not in self._cancelled:
             self._enqueue(job)
-        else:
-            self._forget(job_id)
+            return [Requeued(job_id), *self._dispatch()]
+        self._forget(job_id)
         return self._dispatch()
 
-    def cancel(self, job_id: str, now: float) -> list:
+    def cancel(self, job_id: str, now: float, cause: RevokeCause = RevokeCause.CANCEL) -> list:
         self._advance(now)
         job = self._jobs.get(job_id)
         if job is None:
@@ -112,7 +112,7 @@ class _Baseline:
             if self._revoked:
                 return []
             self._revoked = True
-            return [Revoke(job_id)]
+            return [Revoke(job_id, cause)]
         for queue in self._queues():
             if queue.discard(job):
                 break
@@ -158,7 +158,7 @@ class _Baseline:
         swap = job.model_id != self._loaded
         self._loaded = job.model_id
         self._running = job
-        return [Dispatch(job.id, job.model_id, swap)]
+        return [Dispatch(job.id, job.model_id, swap, tier_of(job, self._foreground, self._now))]
 
 
 class TwoLaneQueue(_Baseline):

@@ -19,10 +19,10 @@ from uniun_ray.policy import PolicyConfig, SchedulerPolicy
 from . import plots
 from .baselines import BASELINES
 from .device import PROFILES, DeviceProfile
-from .events import write_jsonl
+from ..events.schema import write_jsonl
 from .metrics import Metrics, jain_of, measure, t2_windows
 from .simulator import simulate
-from .trace import Trace
+from ..events.trace import Trace
 from .workload import Workload
 from .workloads import CHAT_MODEL, SHORT_WORKLOADS, WORKLOADS, generate
 
@@ -154,7 +154,9 @@ def goals(all_results: dict[str, dict[str, Outcome]], workloads: dict[str, Workl
     return "\n".join(["| goal (policy `uniun`) | result | measured |", "|---|---|---|", *rows])
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, real=None) -> int:
+    """`real(out, seed, device, names)` plays `--real` on the runtime; the simulator does not
+    import the runtime, so the caller above it (the CLI: `uniun_ray.replay.main`) passes it."""
     parser = argparse.ArgumentParser(prog="uniun-ray bench", description=__doc__.split("\n")[0])
     parser.add_argument("--out", default="bench-out", help="output directory (default: bench-out)")
     parser.add_argument("--seed", type=int, default=1, help="workload seed (default: 1)")
@@ -171,8 +173,9 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     device = PROFILES[args.profile]
     if args.real:
-        from .replay import main as real_vs_sim  # imports Ray and torch only when asked
-        return real_vs_sim(out, args.seed, device, args.workloads or list(SHORT_WORKLOADS))
+        if real is None:
+            parser.error("--real plays on the real runtime: run it as `uniun-ray bench --real`")
+        return real(out, args.seed, device, args.workloads or list(SHORT_WORKLOADS))
     (out / "workloads").mkdir(parents=True, exist_ok=True)
     report = [f"# uniun-ray bench (profile `{device.name}`, seed {args.seed})", ""]
     workloads: dict[str, Workload] = {}

@@ -39,8 +39,8 @@ from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from typing import Iterable, Iterator
 
-from .events import Event
-from .trace import JobRecord, Trace
+from ..events.schema import Event
+from ..events.trace import JobRecord, Trace
 
 POOL_KINDS = ("nataraj", "gana")
 

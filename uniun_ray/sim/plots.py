@@ -12,7 +12,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402  (after choosing the backend)
 
-from .trace import Run, Trace  # noqa: E402
+from ..events.trace import Run, Trace  # noqa: E402
 
 KIND_COLORS = {"chat": "#d62728", "nataraj": "#9467bd", "gana": "#1f77b4", "extract": "#2ca02c"}
 SWAP_COLOR = "#7f7f7f"

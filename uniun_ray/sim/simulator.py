@@ -2,16 +2,16 @@
 API of SPEC §1 (the real `SchedulerPolicy` or a baseline) on a virtual clock.
 
 Entry point: ``simulate(policy, workload, device) -> SimResult``; ``SimResult.events`` is
-the event log of `uniun_ray.sim.events`.
+the event log of `uniun_ray.events.schema`.
 
 The simulator plays the runtime's part of the contract, and checks the policy's: it
 submits jobs, reports foreground changes, calls `tick(now)` at `next_wakeup()`, runs each
 Dispatch (swap first when asked, then prefill, then decode, costs from the
 `DeviceProfile`), stops a revoked job at its next token boundary plus the revoke delay
-and reports ``finish(..., "revoked")``, and reports ``"done"`` otherwise. A revoked chat
-job is over (it failed); any other revoked job stays with the policy, which queues it
-again (R6) and later dispatches it to resume: it re-prefills prompt + produced tokens and
-decodes the rest. A policy that breaks the contract (a second job dispatched while one
+and reports ``finish(..., "revoked")``, and reports ``"done"`` otherwise. A revoked job
+that the policy answers with `Requeued` stays with it (R6) and is later dispatched to
+resume: it re-prefills prompt + produced tokens and decodes the rest; any other revoked
+job is over (a chat failed as preempted). A policy that breaks the contract (a second job dispatched while one
 runs, a revoke of a job that is not running, a second revoke) raises `ContractError`.
 
 Costs the simulator charges, for one run of a job that has produced k of its n tokens:
@@ -32,11 +32,11 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from uniun_ray.policy import Dispatch, Foreground, Job, Kind, Revoke, tier_of
+from uniun_ray.policy import Dispatch, Job, Kind, Requeued, Revoke
 
 from .device import DeviceProfile, PROFILES
-from .events import Event
-from .workload import Flow, JobSpec, Workload
+from ..events.schema import Event
+from .workload import Flow, SimJob, Workload
 
 #: Slack when rounding a revoke time up to the next token boundary (float noise).
 _EPS = 1e-9
@@ -56,7 +56,7 @@ class SimResult:
 
 @dataclass
 class _JobState:
-    spec: JobSpec
+    spec: SimJob
     job: Job
     flow: "_FlowState | None"
     produced: int = 0
@@ -125,7 +125,6 @@ class Simulator:
         self._outstanding: set[str] = set()
         self._running: _Run | None = None
         self._loaded: str | None = None
-        self._foreground = Foreground()
         self._last_wake: float = -math.inf
 
     # -- the loop ------------------------------------------------------------------------
@@ -163,8 +162,8 @@ class Simulator:
     def _log(self, ev: str, state: _JobState | None = None, **fields) -> None:
         event: Event = {"t": self.now, "ev": ev}
         if state is not None:
-            spec = state.spec
-            event.update(job=spec.id, kind=spec.kind, producer=spec.producer, model=spec.model)
+            job = state.job
+            event.update(job=job.id, kind=job.kind.value, producer=job.producer, model=job.model_id)
         event.update(fields)
         self.events.append(event)
 
@@ -187,22 +186,20 @@ class Simulator:
         fs, n = arg
         self._submit((fs.flow.job(n, self.now), fs))
 
-    def _submit(self, arg: tuple[JobSpec, _FlowState | None]) -> None:
+    def _submit(self, arg: tuple[SimJob, _FlowState | None]) -> None:
         spec, fs = arg
-        if spec.id in self._jobs:
-            raise ValueError(f"workload {self.workload.name!r}: job id {spec.id!r} submitted twice")
-        job = Job(spec.id, Kind.parse(spec.kind), spec.model, spec.producer, spec.deadline,
-                  spec.foreground_hint, spec.subject)
+        job = spec.job
+        if job.id in self._jobs:
+            raise ValueError(f"workload {self.workload.name!r}: job id {job.id!r} submitted twice")
         state = _JobState(spec, job, fs)
-        self._jobs[spec.id] = state
-        self._outstanding.add(spec.id)
-        self._log("submit", state, deadline=spec.deadline, foreground_hint=spec.foreground_hint,
-                  subject=spec.subject, prompt_tokens=spec.prompt_tokens, output_tokens=spec.output_tokens)
+        self._jobs[job.id] = state
+        self._outstanding.add(job.id)
+        self._log("submit", state, deadline=job.deadline, foreground_hint=job.foreground_hint,
+                  subject=job.subject, prompt_tokens=spec.prompt_tokens, output_tokens=spec.output_tokens)
         self._apply(self.policy.submit(job, self.now))
 
     def _set_foreground(self, change) -> None:
         kind = None if change.kind is None else Kind.parse(change.kind)
-        self._foreground = Foreground(kind, change.subject)
         self._log("foreground", kind=change.kind, subject=change.subject)
         self._apply(self.policy.set_foreground(kind, self.now, subject=change.subject))
 
@@ -213,19 +210,19 @@ class Simulator:
                 self._dispatch(action)
             elif isinstance(action, Revoke):
                 self._revoke(action)
-            else:
+            elif not isinstance(action, Requeued):  # `_end` reads it before applying
                 raise ContractError(f"unknown action {action!r}")
 
     def _dispatch(self, action: Dispatch) -> None:
         if self._running is not None:
             raise ContractError(f"t={self.now}: Dispatch({action.job_id!r}) while "
-                                f"{self._running.state.spec.id!r} is running")
+                                f"{self._running.state.job.id!r} is running")
         state = self._jobs.get(action.job_id)
         if state is None or action.job_id not in self._outstanding:
             raise ContractError(f"t={self.now}: Dispatch of unknown or ended job {action.job_id!r}")
-        if action.model_id != state.spec.model:
+        if action.model_id != state.job.model_id:
             raise ContractError(f"t={self.now}: Dispatch({action.job_id!r}) on {action.model_id!r}, "
-                                f"the job wants {state.spec.model!r}")
+                                f"the job wants {state.job.model_id!r}")
         if not action.swap and action.model_id != self._loaded:
             raise ContractError(f"t={self.now}: Dispatch({action.job_id!r}) without swap, "
                                 f"but {self._loaded!r} is loaded")
@@ -236,7 +233,7 @@ class Simulator:
         run = _Run(state, self.now, compute_start, compute_start + prefill, speed.decode_s,
                    speed.prefill_s(self.device.prefill_chunk))
         self._running = run
-        self._log("dispatch", state, swap=action.swap, tier=int(tier_of(state.job, self._foreground, self.now)))
+        self._log("dispatch", state, swap=action.swap, tier=int(action.tier))
         if action.swap:
             self._log("swap_start", state, **{"from": self._loaded})
             self._loaded = action.model_id
@@ -255,7 +252,7 @@ class Simulator:
 
     def _revoke(self, action: Revoke) -> None:
         run = self._running
-        if run is None or run.state.spec.id != action.job_id:
+        if run is None or run.state.job.id != action.job_id:
             raise ContractError(f"t={self.now}: Revoke({action.job_id!r}) of a job that is not running")
         if run.revoked:
             raise ContractError(f"t={self.now}: second Revoke of {action.job_id!r}")
@@ -278,12 +275,12 @@ class Simulator:
         outcome = "revoked" if stopped else "done"
         self._running = None
         self._log("finish", state, outcome=outcome, tokens=state.produced)
-        terminal = outcome == "done" or state.spec.kind == Kind.CHAT.value
-        if terminal:
-            self._outstanding.discard(state.spec.id)
+        actions = self.policy.finish(state.job.id, self.now, outcome)
+        if Requeued(state.job.id) not in actions:
+            self._outstanding.discard(state.job.id)
             if state.flow is not None:
                 self._next_step(state.flow)
-        self._apply(self.policy.finish(state.spec.id, self.now, outcome))
+        self._apply(actions)
 
 
 def simulate(policy, workload: Workload, device: DeviceProfile = PROFILES["cpu"]) -> SimResult:

@@ -18,24 +18,27 @@ import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from ..policy import Job
+
 
 @dataclass(frozen=True)
-class JobSpec:
-    id: str
-    kind: str
-    model: str
-    producer: str
+class SimJob:
+    """A job of a workload: the policy's own `Job` (the one job record; its deadline on the
+    simulation's clock) and the work it carries, which only the simulator needs."""
+
+    job: Job
     prompt_tokens: int
     output_tokens: int
-    deadline: float | None = None
-    foreground_hint: bool = False
-    subject: str | None = None
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "SimJob":
+        return cls(Job(**d["job"]), d["prompt_tokens"], d["output_tokens"])
 
 
 @dataclass(frozen=True)
 class Arrival:
     t: float
-    job: JobSpec
+    job: SimJob
 
 
 @dataclass(frozen=True)
@@ -72,11 +75,11 @@ class Flow:
     def has_step(self, n: int) -> bool:
         return self.cycle or n < len(self.steps)
 
-    def job(self, n: int, now: float) -> JobSpec:
+    def job(self, n: int, now: float) -> SimJob:
         step = self.steps[n % len(self.steps)]
         deadline = None if step.deadline_in_s is None else now + step.deadline_in_s
-        return JobSpec(f"{self.producer}#{n}", self.kind, self.model, self.producer,
-                       step.prompt_tokens, step.output_tokens, deadline, self.foreground_hint, self.subject)
+        return SimJob(Job(f"{self.producer}#{n}", self.kind, self.model, self.producer, deadline,
+                          self.foreground_hint, self.subject), step.prompt_tokens, step.output_tokens)
 
 
 @dataclass(frozen=True)
@@ -108,7 +111,7 @@ class Workload:
         d = json.loads(text)
         return cls(
             name=d["name"], seed=d["seed"], description=d["description"],
-            arrivals=tuple(Arrival(a["t"], JobSpec(**a["job"])) for a in d["arrivals"]),
+            arrivals=tuple(Arrival(a["t"], SimJob.from_dict(a["job"])) for a in d["arrivals"]),
             flows=tuple(Flow(**{**f, "steps": tuple(FlowStep(**s) for s in f["steps"])}) for f in d["flows"]),
             foreground=tuple(ForegroundChange(**c) for c in d["foreground"]),
             equal_flows=tuple(tuple(g) for g in d["equal_flows"]),

@@ -31,7 +31,8 @@ from dataclasses import dataclass
 from typing import Callable
 
 from .device import GEMMA3, SMOLLM2
-from .workload import Arrival, Flow, FlowStep, ForegroundChange, JobSpec, Workload
+from ..policy import Job
+from .workload import Arrival, Flow, FlowStep, ForegroundChange, SimJob, Workload
 
 CHAT_MODEL = SMOLLM2  # the active chat model: chat, Nataraj and extract use it (notes §6)
 
@@ -92,8 +93,8 @@ def _chat(rng: random.Random, producer: str, start: float, turns: int) -> Flow:
 
 def _note(rng: random.Random, t: float, job_id: str, producer: str, hint: bool = False,
           subject: str | None = None) -> Arrival:
-    return Arrival(t, JobSpec(job_id, "extract", CHAT_MODEL, producer,
-                              NOTE.draw(rng) + EXTRACT_INSTRUCTIONS, TRIPLES.draw(rng), None, hint, subject))
+    return Arrival(t, SimJob(Job(job_id, "extract", CHAT_MODEL, producer, None, hint, subject),
+                             NOTE.draw(rng) + EXTRACT_INSTRUCTIONS, TRIPLES.draw(rng)))
 
 
 def _cron(rng: random.Random, producer: str, model: str, period: float, start: float, end: float,
@@ -101,8 +102,8 @@ def _cron(rng: random.Random, producer: str, model: str, period: float, start: f
     """A cron Gana: each tick is submitted `lead` seconds before its fire time, which is
     its deadline (R5: it must preempt T4 work when it falls due)."""
     fires = [start + k * period for k in range(1, int((end - start) / period) + 1)]
-    return [Arrival(fire - lead, JobSpec(f"{producer}@{int(fire)}", "gana", model, producer,
-                                         GANA_PROMPT.draw(rng), GANA_OUT.draw(rng), fire))
+    return [Arrival(fire - lead, SimJob(Job(f"{producer}@{int(fire)}", "gana", model, producer, fire),
+                                        GANA_PROMPT.draw(rng), GANA_OUT.draw(rng)))
             for fire in fires]
 
 

@@ -14,7 +14,7 @@ from typing import Iterable, Iterator
 
 from uniun_ray.policy import Foreground, Job, Kind, tier_of
 
-from .events import Event
+from .schema import Event
 
 
 @dataclass

@@ -22,19 +22,22 @@ swap_start     job, kind, producer, model (being loaded), from (model unloaded, 
 swap_end       job, kind, producer, model
 first_token    job, kind, producer, model: the job's first generated token (once per job;
                a resumed job does not emit it again)
-revoke         job, kind, producer, model: the scheduler revoked the running job
+revoke         job, kind, producer, model: the scheduler revoked the running job; optional:
+               cause (the policy's RevokeCause: "arrival"|"foreground"|"deadline"|
+               "affinity"|"cancel"|"reclaim")
 finish         job, kind, producer, model, outcome ("done"|"failed"|"revoked"),
-               tokens (int, tokens produced so far, optional). After "revoked" a chat
-               job is over (it failed as preempted); any other kind is queued again and
-               is dispatched later (R6).
+               tokens (int, tokens produced so far, optional), requeued (bool, optional:
+               the policy put the job back in its queue, R6; it is dispatched later).
+               Without ``requeued``, after "revoked" a chat job is over (it failed as
+               preempted) and any other kind is queued again.
 reclaim        job, kind, producer, model, reason: the runtime took a lease back from a
                holder that stopped renewing it (it died); a finish "revoked" follows
 drop           job, kind, producer, model, reason: a queued job ended without running
                (its caller cancelled it or stopped polling for its grant)
 =============  ==========================================================================
 
-``revoke`` may carry ``reason`` (what made the scheduler revoke: an arrival, a foreground
-change, a deadline, a cancel, a reclaim); the runtime writes it, the simulator does not.
+``revoke`` may carry ``reason``, the runtime's words for its ``cause`` ("arrival of chat job
+c-1"); the runtime writes both, the simulator neither.
 
 A job holds the device from its ``dispatch`` to its ``finish`` (swap included), which is
 the time R7 charges to its flow.

@@ -25,16 +25,15 @@ import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from uniun_ray.policy import SchedulerPolicy
-
-from . import plots
-from .device import DeviceProfile, ModelSpeed
-from .events import Event, validate, write_jsonl
-from .metrics import measure, percentile
-from .simulator import simulate
-from .trace import Trace
-from .workload import Arrival, Flow, FlowStep, JobSpec, Workload
-from .workloads import generate
+from .events.schema import Event, validate, write_jsonl
+from .events.trace import Trace
+from .policy import SchedulerPolicy
+from .sim import plots
+from .sim.device import DeviceProfile, ModelSpeed
+from .sim.metrics import measure, percentile
+from .sim.simulator import simulate
+from .sim.workload import Arrival, Flow, FlowStep, SimJob, Workload
+from .sim.workloads import generate
 
 #: Prompt text, repeated to the length a job asks for; a story so the models keep writing.
 _STORY = ("The lighthouse keeper kept a log of every night on the island: the wind and the tide, "
@@ -94,22 +93,22 @@ async def play(workload: Workload, timeout_s: float | None = None) -> Played:
     from uniun_ray.client import GenerationStream, aset_foreground, astatus
     from uniun_ray.models import GenerateRequest
     from uniun_ray.runtime.launch import handles
-    from uniun_ray.runtime.protocol import JobSpec as RealSpec
+    from uniun_ray.runtime.protocol import new_job
 
     status = await astatus()
     if status["loaded_model"] is not None or status["running"] is not None or status["queued"]:
         raise ValueError("play needs a fresh runtime: one that has loaded, run and queued nothing")
     model = handles().model
-    for model_id in sorted({a.job.model for a in workload.arrivals} | {f.model for f in workload.flows}):
+    for model_id in sorted({a.job.job.model_id for a in workload.arrivals} | {f.model for f in workload.flows}):
         await model.load.remote(model_id)
     await model.unload.remote()
     for a in workload.arrivals:  # prompts are built before the clock starts
-        prompt_for(a.job.model, a.job.prompt_tokens, a.job.output_tokens)
+        prompt_for(a.job.job.model_id, a.job.prompt_tokens, a.job.output_tokens)
     for f in workload.flows:
         for step in f.steps:
             prompt_for(f.model, step.prompt_tokens, step.output_tokens)
 
-    sizes: dict[str, JobSpec] = {}
+    sizes: dict[str, SimJob] = {}
     errors: list[str] = []
     load_start = os.getloadavg()[0]
     t0 = time.time()
@@ -120,19 +119,20 @@ async def play(workload: Workload, timeout_s: float | None = None) -> Played:
     async def until(t: float) -> None:
         await asyncio.sleep(max(0.0, t - now()))
 
-    async def run_job(spec: JobSpec) -> None:
-        text, context = prompt_for(spec.model, spec.prompt_tokens, spec.output_tokens)
-        real = RealSpec.build(spec.kind, spec.model, producer=spec.producer, job_id=spec.id,
-                              deadline=None if spec.deadline is None else t0 + spec.deadline,
-                              foreground_hint=spec.foreground_hint, subject=spec.subject)
+    async def run_job(spec: SimJob) -> None:
+        job = spec.job
+        text, context = prompt_for(job.model_id, spec.prompt_tokens, spec.output_tokens)
+        real = new_job(job.kind, job.model_id, producer=job.producer, job_id=job.id,
+                       deadline=None if job.deadline is None else t0 + job.deadline,
+                       foreground_hint=job.foreground_hint, subject=job.subject)
         stream = GenerationStream(real, GenerateRequest(prompt=text, max_new_tokens=spec.output_tokens))
         try:
             async for _ in stream:
                 pass
         except Exception as error:  # recorded, and the play goes on as the producer's would
-            errors.append(f"{spec.id}: {type(error).__name__}: {error}")
+            errors.append(f"{job.id}: {type(error).__name__}: {error}")
             return
-        sizes[spec.id] = replace(spec, prompt_tokens=context, output_tokens=max(1, stream.completion.tokens))
+        sizes[job.id] = replace(spec, prompt_tokens=context, output_tokens=max(1, stream.completion.tokens))
 
     async def arrival(a: Arrival) -> None:
         await until(a.t)
@@ -173,7 +173,7 @@ async def play(workload: Workload, timeout_s: float | None = None) -> Played:
     return Played(events, realized(workload, sizes), errors, wall, (load_start, os.getloadavg()[0]))
 
 
-def realized(workload: Workload, sizes: dict[str, JobSpec]) -> Workload:
+def realized(workload: Workload, sizes: dict[str, SimJob]) -> Workload:
     """`workload` with the sizes of the jobs that ran; a flow keeps only the steps it
     played (so the simulation submits no more), with their think times and deadlines."""
     def step(f: Flow, n: int) -> FlowStep:
@@ -186,7 +186,7 @@ def realized(workload: Workload, sizes: dict[str, JobSpec]) -> Workload:
 
     flows = tuple(replace(f, steps=tuple(step(f, n) for n in range(played(f))), cycle=False)
                   for f in workload.flows)
-    arrivals = tuple(replace(a, job=sizes.get(a.job.id, a.job)) for a in workload.arrivals)
+    arrivals = tuple(replace(a, job=sizes.get(a.job.job.id, a.job)) for a in workload.arrivals)
     return replace(workload, name=workload.name + ":realized", flows=flows, arrivals=arrivals)
 
 
@@ -196,7 +196,7 @@ def speeds(trace: Trace, workload: Workload) -> dict[str, dict[str, float]]:
     (from the end of the swap to the first token, so the real figure includes the lease
     hand-off) of jobs that ran once to the end, and swap seconds. Computed the same way
     for a real and a simulated log, so the two columns compare like with like."""
-    size = {a.job.id: a.job for a in workload.arrivals}
+    size = {a.job.job.id: a.job for a in workload.arrivals}
     size |= {f"{f.producer}#{n}": f.job(n, 0.0) for f in workload.flows for n in range(len(f.steps))}
     out: dict[str, dict[str, list[float]]] = {}
     for rec in trace.jobs.values():
@@ -285,10 +285,7 @@ def compare(played: Played, device: DeviceProfile) -> tuple[str, list[Event]]:
 
 def main(out: Path, seed: int, device: DeviceProfile, names: list[str]) -> int:
     """`uniun-ray bench --real`: each workload on its own private local Ray, fresh actors."""
-    import ray
-
-    from uniun_ray.runtime.launch import LOCAL_RESOURCES, ensure_auth_mode, start
-    from uniun_ray.runtime.protocol import NAMESPACE
+    from uniun_ray.runtime.launch import local_cluster, start
     from uniun_ray.runtime.service import RuntimeConfig
 
     out.mkdir(parents=True, exist_ok=True)
@@ -298,14 +295,9 @@ def main(out: Path, seed: int, device: DeviceProfile, names: list[str]) -> int:
         log = out / f"events-{name}.jsonl"
         log.unlink(missing_ok=True)
         span = max([f.stop or f.start for f in workload.flows] + [a.t for a in workload.arrivals])
-        ensure_auth_mode()
-        ray.init(address="local", namespace=NAMESPACE, resources=LOCAL_RESOURCES, include_dashboard=False,
-                 log_to_driver=False)
-        try:
+        with local_cluster():
             start(RuntimeConfig(event_log=str(log)))
             played = asyncio.run(play(workload, timeout_s=3 * span + 120))
-        finally:
-            ray.shutdown()
         text, predicted = compare(played, device)
         write_jsonl(played.events, out / f"real-{name}.jsonl")
         write_jsonl(predicted, out / f"sim-{name}.jsonl")

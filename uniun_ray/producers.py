@@ -27,9 +27,9 @@ from collections import deque
 
 import ray
 
-from ..client import Completion, agenerate, aset_foreground, astatus
-from ..policy import Kind
-from .protocol import NAMESPACE
+from .client import Completion, agenerate, aset_foreground, astatus
+from .policy import Kind
+from .runtime.protocol import NAMESPACE
 
 #: Seconds a background loop waits after a failed job before it submits again, so a broken
 #: runtime (model missing, scheduler restarting) is not hammered.

@@ -1,0 +1,86 @@
+"""Placement that never hangs (issue 13): a plain `ray start --head` works as is, GPUs are used
+as SPEC §2 says, and a seat that is taken is refused at once, naming the resource. GPUs are
+declared Ray-side (torch stays on the CPU: UNIUN_TORCH_DEVICE=cpu), so every GPU placement path
+runs on this CPU machine."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from uniun_ray.runtime import placement
+from uniun_ray.runtime.placement import DEVICE_RESOURCE, EMBEDDER_RESOURCE, Seat
+from uniun_ray.runtime.protocol import UniunError
+
+SCENARIO = Path(__file__).parent / "placement_scenario.py"
+
+
+def test_seats_follow_what_the_cluster_declares():
+    plain, stand_ins = {"CPU": 2}, {"CPU": 2, DEVICE_RESOURCE: 1, EMBEDDER_RESOURCE: 1}
+    one_gpu, two_gpus = {"CPU": 2, "GPU": 1}, {"CPU": 2, "GPU": 2}
+    assert placement.model_seat(plain) == Seat({}, "cpu") == placement.embedder_seat(plain)
+    assert placement.model_seat(stand_ins) == Seat({"resources": {DEVICE_RESOURCE: 1}}, "cpu")
+    assert placement.embedder_seat(stand_ins) == Seat({"resources": {EMBEDDER_RESOURCE: 1}}, "cpu")
+    assert placement.model_seat(one_gpu) == Seat({"num_gpus": 1}, "cuda")
+    assert placement.embedder_seat(one_gpu) == Seat({}, "cpu")          # the "separate device": the CPU
+    assert placement.embedder_seat(two_gpus) == Seat({"num_gpus": 1}, "cuda")
+    assert placement.model_seat(two_gpus, forced="cpu").torch_device == "cpu"
+    assert placement.device_name(one_gpu) == "gpu0" and placement.device_name(stand_ins) == "cpu0"
+
+
+def test_a_taken_seat_is_refused_with_the_resource_and_the_command_that_adds_one():
+    with pytest.raises(UniunError, match=r"needs 1 'GPU'.*`ray start --num-gpus=1`"):
+        placement.check_free("model:gpu0", Seat({"num_gpus": 1}, "cuda"), {"GPU": 0.0, "CPU": 2})
+    with pytest.raises(UniunError, match=r"needs 1 'uniun_device'.*--resources='\{\"uniun_device\": 1\}'"):
+        placement.check_free("model:cpu0", Seat({"resources": {DEVICE_RESOURCE: 1}}, "cpu"), {})
+    placement.check_free("embedder", Seat({}, "cpu"), {})                # a CPU seat is always free
+
+
+def test_settings_are_checked():
+    assert placement.torch_device({}) is None and placement.torch_device({"UNIUN_TORCH_DEVICE": "cpu"}) == "cpu"
+    with pytest.raises(ValueError, match="UNIUN_TORCH_DEVICE='tpu': use 'cpu' or 'cuda'"):
+        placement.torch_device({"UNIUN_TORCH_DEVICE": "tpu"})
+    assert placement.embed_concurrency({}) == 2 and placement.embed_concurrency({"UNIUN_EMBED_CONCURRENCY": "3"}) == 3
+    with pytest.raises(ValueError, match="UNIUN_EMBED_CONCURRENCY='0' is not a concurrency"):
+        placement.embed_concurrency({"UNIUN_EMBED_CONCURRENCY": "0"})
+
+
+def scenario(num_gpus: int = 0, resources: dict | None = None, then_hold_gpus: int = 0, **env) -> dict:
+    environ = os.environ | {"UNIUN_TORCH_DEVICE": "cpu", "RAY_AUTH_MODE": "disabled"} | env
+    environ.pop("RAY_ADDRESS", None)
+    done = subprocess.run([sys.executable, str(SCENARIO), json.dumps(
+        {"num_gpus": num_gpus, "resources": resources or {}, "then_hold_gpus": then_hold_gpus})],
+        capture_output=True, text=True, timeout=600, env=environ, cwd=Path(__file__).parent.parent)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_a_plain_ray_start_places_everything_on_the_cpu_and_the_embedder_concurrency_is_a_setting():
+    placed = scenario(UNIUN_EMBED_CONCURRENCY="3")
+    assert placed["model"] == {"device": "cpu", "resources": {}}
+    assert placed["embedder"]["device"] == "cpu" and placed["embedder"]["resources"] == {}
+    assert placed["embedder"]["peak_in_flight"] == 3              # 12 callers, at most 3 at once
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_one_gpu_takes_the_model_the_embedder_stays_on_the_cpu_and_a_taken_gpu_fails_fast():
+    placed = scenario(num_gpus=1, then_hold_gpus=1)
+    assert placed["model"]["resources"] == {"GPU": 1.0} and placed["model"]["device"] == "cpu"  # forced
+    assert placed["embedder"]["resources"] == {} and placed["embedder"]["peak_in_flight"] == 2  # the default
+    # then another job holds the GPU: start() refuses at once, naming it, instead of waiting for ever
+    assert "needs 1 'GPU'" in placed["error"] and "ray start --num-gpus=1" in placed["error"]
+    assert placed["after_s"] < 5
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_two_gpus_give_the_embedder_one_of_its_own():
+    placed = scenario(num_gpus=2)
+    assert placed["model"]["resources"] == {"GPU": 1.0} and placed["embedder"]["resources"] == {"GPU": 1.0}

@@ -1,0 +1,170 @@
+"""Never prefill the same tokens twice: the KV of recent runs, kept for the next request.
+
+Two costs dominate prefill here. A chat turn resends the whole conversation, and a revoked job
+(SPEC R6) resumes from prompt + what it produced. Both start with tokens whose keys and values
+were already computed. ``PrefixCache`` keeps each finished or revoked run's transformers
+``DynamicCache`` with the token ids it covers; a new run takes the longest cached prefix of its
+context and prefills only the rest (vLLM's automatic prefix caching and SGLang's radix cache do
+this per block; one engine here runs one sequence, so whole sequences are the unit).
+
+* Sharing is free: an entry is never changed in place. ``DynamicCache`` grows by concatenation
+  (new tensors) and ``crop`` re-slices, so a run works on a *fork* (new layer objects over the
+  same tensors) and the entry stays valid for the next hit.
+* Memory is bounded (``UNIUN_KV_CACHE_MB``): least recently used entries go first, and a
+  revoked job's entry only after every other one, since its resume is the one hit that is
+  certain. A hit on a revoked job's entry (its resume) takes it out of the cache: the run stores
+  its own entry when it ends.
+* A cache that cannot be cropped back to a prefix (sliding-window layers that already dropped
+  their oldest tokens) is reused only whole.
+* The cache belongs to the loaded model: a swap drops it (``Engine`` makes a new one), rather
+  than holding another model's KV in memory it needs for the new model's weights.
+"""
+from __future__ import annotations
+
+import copy
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any
+
+
+def fork(cache: Any) -> Any:
+    """A cache object of its own over the same tensors: cropping or extending it leaves
+    ``cache`` as it was (DynamicCache layers concatenate and re-slice; they never write in place)."""
+    twin = copy.copy(cache)
+    twin.layers = [copy.copy(layer) for layer in cache.layers]
+    return twin
+
+
+def cache_bytes(cache: Any) -> int:
+    """Bytes of the tensors a cache holds (their storage: a cropped view still holds all of it)."""
+    seen, total = set(), 0
+    for layer in cache.layers:
+        for tensor in (getattr(layer, "keys", None), getattr(layer, "values", None)):
+            if tensor is None or not hasattr(tensor, "untyped_storage"):
+                continue
+            storage = tensor.untyped_storage()
+            if storage.data_ptr() not in seen:
+                seen.add(storage.data_ptr())
+                total += storage.nbytes()
+    return total
+
+
+@dataclass
+class _Entry:
+    tokens: tuple[int, ...]
+    cache: Any
+    nbytes: int
+    preempted: bool
+
+
+@dataclass(frozen=True)
+class Hit:
+    """What a run starts from: a cache holding the KV of ``context[:tokens]`` (None: nothing)."""
+
+    cache: Any
+    tokens: int
+
+
+class PrefixCache:
+    """The KV of recent sequences of one loaded model, within ``budget_bytes`` (0: off)."""
+
+    def __init__(self, budget_bytes: int) -> None:
+        self.budget_bytes = budget_bytes
+        self._entries: OrderedDict[tuple[int, ...], _Entry] = OrderedDict()  # least recent first
+        self._lock = threading.Lock()
+        self.held_bytes = 0
+        self.hits = self.misses = self.evictions = 0
+        self.reused_tokens = self.prefilled_tokens = 0
+
+    def take(self, context: list[int]) -> Hit:
+        """The longest cached prefix of ``context``, leaving at least its last token to prefill
+        (the run needs the logits after it)."""
+        with self._lock:
+            best, length = None, 0
+            for entry in self._entries.values():
+                common = _common_prefix(entry.tokens, context)
+                if common > length:
+                    best, length = entry, common
+            length = min(length, len(context) - 1)
+            hit = self._reuse(best, length) if best is not None and length > 0 else None
+            if hit is None:
+                self.misses += 1
+                self.prefilled_tokens += len(context)
+                return Hit(None, 0)
+            self.hits += 1
+            self.reused_tokens += length
+            self.prefilled_tokens += len(context) - length
+            return hit
+
+    def _reuse(self, entry: _Entry, length: int) -> Hit | None:
+        surplus = len(entry.tokens) - length
+        if surplus and not entry.cache.is_croppable:
+            return None
+        if entry.preempted:          # the revoked job's resume: it takes the entry over
+            self._drop(entry)
+            cache = entry.cache
+        else:
+            self._entries.move_to_end(entry.tokens)
+            cache = fork(entry.cache)
+        if surplus:
+            cache.crop(-surplus)
+        return Hit(cache, length)
+
+    def put(self, tokens: list[int], cache: Any, preempted: bool) -> None:
+        """Keep ``cache``, which holds the KV of exactly ``tokens``; ``preempted``: its run was
+        revoked and will resume. An entry that does not fit the budget is not kept."""
+        if not tokens or cache is None or self.budget_bytes <= 0:
+            return
+        key = tuple(tokens)
+        nbytes = cache_bytes(cache)
+        with self._lock:
+            if key in self._entries:
+                self._drop(self._entries[key])
+            if nbytes > self.budget_bytes:
+                self.evictions += 1
+                return
+            self._entries[key] = _Entry(key, cache, nbytes, preempted)
+            self.held_bytes += nbytes
+            self._evict()
+
+    def clear(self) -> None:
+        with self._lock:
+            self._entries.clear()
+            self.held_bytes = 0
+
+    def _evict(self) -> None:
+        while self.held_bytes > self.budget_bytes:
+            victim = next((e for e in self._entries.values() if not e.preempted), None) \
+                or next(iter(self._entries.values()))
+            self._drop(victim)
+            self.evictions += 1
+
+    def _drop(self, entry: _Entry) -> None:
+        del self._entries[entry.tokens]
+        self.held_bytes -= entry.nbytes
+
+    def describe(self) -> dict:
+        with self._lock:
+            lookups = self.hits + self.misses
+            return {"budget_mb": round(self.budget_bytes / 2**20, 1), "held_mb": round(self.held_bytes / 2**20, 2),
+                    "entries": len(self._entries),
+                    "preempted_entries": sum(e.preempted for e in self._entries.values()),
+                    "hits": self.hits, "misses": self.misses,
+                    "hit_rate": round(self.hits / lookups, 3) if lookups else None,
+                    "reused_tokens": self.reused_tokens, "prefilled_tokens": self.prefilled_tokens,
+                    "evictions": self.evictions}
+
+
+def _common_prefix(a: tuple[int, ...], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    if a[:n] == tuple(b[:n]):
+        return n
+    low, high = 0, n   # binary search on "the first `mid` tokens agree"
+    while low < high:
+        mid = (low + high + 1) // 2
+        if a[:mid] == tuple(b[:mid]):
+            low = mid
+        else:
+            high = mid - 1
+    return low

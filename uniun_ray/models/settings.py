@@ -1,0 +1,97 @@
+"""How a user sets the engine's host choices: ``UNIUN_DTYPE``, ``UNIUN_THREADS``,
+``UNIUN_KV_CACHE_MB`` and ``UNIUN_MAX_MEMORY``.
+
+Parsed without torch, in the process that starts the ModelActor (so a bad value is refused with
+a clear message before any actor exists) and handed to the actor as plain data: an environment
+variable set in a driver does not reach an actor's worker process on its own.
+"""
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass, field
+from typing import Mapping
+
+DTYPE_ENV = "UNIUN_DTYPE"
+THREADS_ENV = "UNIUN_THREADS"
+KV_CACHE_ENV = "UNIUN_KV_CACHE_MB"
+MAX_MEMORY_ENV = "UNIUN_MAX_MEMORY"
+
+_SIZE = re.compile(r"^\d+(\.\d+)?\s*(B|KB|MB|GB|TB|KiB|MiB|GiB|TiB)$")
+
+#: "auto" measures, per host and model, which precision runs fastest on a CPU (see ``tuning``);
+#: on a GPU it means bfloat16, or float16 where bf16 is not supported.
+DTYPES = ("auto", "bfloat16", "float16", "float32")
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    """``dtype``: one of ``DTYPES``. ``threads``: torch's intra-op threads, or None for every
+    core this process may run on (its CPU affinity), never Ray's OMP_NUM_THREADS=1 default.
+    ``kv_cache_mb``: the prefix cache's memory budget (0: off; None: the device's default).
+    ``max_memory``: per device ("cpu", or a GPU index as a string) the most memory the weights
+    may take, as accelerate reads it ("6GiB"); what does not fit is offloaded (``device_map="auto"``),
+    so a model larger than the device still runs, slower. None: the whole model on the device."""
+
+    dtype: str = "auto"
+    threads: int | None = None
+    kv_cache_mb: int | None = None
+    max_memory: dict[str, str] | None = field(default=None, hash=False)
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}; got {self.dtype!r}")
+        if self.threads is not None and (
+            isinstance(self.threads, bool) or not isinstance(self.threads, int) or self.threads < 1
+        ):
+            raise ValueError(f"threads must be an int >= 1 or None, got {self.threads!r}")
+        if self.kv_cache_mb is not None and (
+            isinstance(self.kv_cache_mb, bool) or not isinstance(self.kv_cache_mb, int) or self.kv_cache_mb < 0
+        ):
+            raise ValueError(f"kv_cache_mb must be an int >= 0 or None, got {self.kv_cache_mb!r}")
+        if self.max_memory is not None:
+            check_max_memory(self.max_memory)
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] = os.environ) -> "EngineSettings":
+        dtype = environ.get(DTYPE_ENV, "").strip() or "auto"
+        if dtype not in DTYPES:
+            raise ValueError(f"{DTYPE_ENV}={dtype!r} is not a dtype; use one of {', '.join(DTYPES)}")
+        threads = _count(environ, THREADS_ENV, "a thread count; use an integer >= 1", minimum=1)
+        kv_cache_mb = _count(environ, KV_CACHE_ENV, "a size in MB; use an integer >= 0 (0 turns the cache off)",
+                             minimum=0)
+        raw = environ.get(MAX_MEMORY_ENV, "").strip()
+        max_memory = None
+        if raw:
+            pairs = [part.split("=", 1) for part in raw.split(",")]
+            if any(len(pair) != 2 for pair in pairs):
+                raise ValueError(f"{MAX_MEMORY_ENV}={raw!r}: write DEVICE=SIZE pairs, e.g. 'cpu=2GiB' or '0=6GiB,cpu=20GiB'")
+            max_memory = {device.strip(): size.strip() for device, size in pairs}
+            try:
+                check_max_memory(max_memory)
+            except ValueError as error:
+                raise ValueError(f"{MAX_MEMORY_ENV}={raw!r}: {error}") from None
+        return cls(dtype, threads, kv_cache_mb, max_memory)
+
+    def resolved_threads(self) -> int:
+        """The thread count to give torch in this process."""
+        return self.threads or len(os.sched_getaffinity(0)) or 1
+
+
+def _count(environ: Mapping[str, str], name: str, what: str, minimum: int) -> int | None:
+    raw = environ.get(name, "").strip()
+    if not raw:
+        return None
+    if not raw.isdigit() or int(raw) < minimum:
+        raise ValueError(f"{name}={raw!r} is not {what}")
+    return int(raw)
+
+
+def check_max_memory(max_memory: Mapping[str, str]) -> None:
+    if not isinstance(max_memory, Mapping) or not max_memory:
+        raise ValueError(f"max_memory must map devices to sizes, got {max_memory!r}")
+    for device, size in max_memory.items():
+        if not (device == "cpu" or (isinstance(device, str) and device.isdigit())):
+            raise ValueError(f"max_memory: device {device!r} is neither 'cpu' nor a GPU index")
+        if not isinstance(size, str) or not _SIZE.match(size):
+            raise ValueError(f"max_memory: size {size!r} of {device!r} is not a size like '512MB' or '6GiB'")

@@ -1,0 +1,161 @@
+"""What runs fastest on this host: the dtype of a model on CPU, and how long a prefill chunk is.
+
+Hosts differ more than a default can cover. On an AVX-512 machine bfloat16 decoded SmolLM2
+1.6x faster than float32; on an AVX2-only one bf16 took ~500 ms for a 33-token prompt against
+~180 ms in float32. So on CPU the engine measures both once per host and model (a short prefill
+and a few decode steps; cached in ``tuning.json`` beside the converted models) and keeps the
+faster. Mixed precision (bf16 decode, fp32 prefill) would need two copies of the weights and is
+not offered.
+
+A revoke is honoured before the next forward pass, so a prefill chunk bounds how long it waits.
+A fixed token count is wrong on every host but the one it was tuned on (256 tokens: 0.35 s
+there, 3.4 s of bf16 here); ``StepClock`` sizes chunks by the time they take, as measured while
+the engine runs.
+"""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import threading
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+#: Forward over token ids, extending a cache: (logits, cache). What the probe times.
+Step = Callable[[list[int], Any], tuple[Any, Any]]
+
+PROBE_PROMPT_TOKENS = 64
+PROBE_DECODE_STEPS = 6
+#: A chat turn's shape, for weighing prefill against decode when they disagree.
+TYPICAL_PROMPT_TOKENS = 256
+TYPICAL_NEW_TOKENS = 32
+
+MIN_CHUNK, MAX_CHUNK = 8, 2048
+#: A prefill chunk takes about this many decode steps: one decode step's worth of fixed cost
+#: (reading the weights) and one of tokens.
+CHUNK_DECODE_STEPS = 2.0
+_SMOOTHING = 0.2            # weight of the newest decode step in the running estimate
+_SMOOTHING_EXPONENT = 0.5   # how far one chunk's time moves the next chunk's size
+_MAX_STEP = 2.0             # nor more than halved or doubled by one chunk
+
+
+@dataclass(frozen=True)
+class Speed:
+    """Measured speed of one model in one dtype on this host."""
+
+    dtype: str
+    prefill_s_per_token: float
+    decode_s: float
+
+    @property
+    def score(self) -> float:
+        """Seconds for a typical chat turn: TTFT plus a short answer."""
+        return TYPICAL_PROMPT_TOKENS * self.prefill_s_per_token + TYPICAL_NEW_TOKENS * self.decode_s
+
+
+def measure(step: Step, vocab_size: int, dtype: str) -> Speed:
+    """Time a prefill of ``PROBE_PROMPT_TOKENS`` and ``PROBE_DECODE_STEPS`` decode steps (after one
+    warm-up pass). Token ids are a fixed spread over the vocabulary: speed does not depend on them."""
+    ids = [(7919 * i) % vocab_size for i in range(1, PROBE_PROMPT_TOKENS + 1)]
+    step(ids[:8], None)  # warm-up: first-call allocations and kernel selection
+    started = time.perf_counter()
+    _, cache = step(ids, None)
+    prefill = (time.perf_counter() - started) / len(ids)
+    steps = []
+    for token in ids[:PROBE_DECODE_STEPS]:
+        started = time.perf_counter()
+        _, cache = step([token], cache)
+        steps.append(time.perf_counter() - started)
+    return Speed(dtype, prefill, statistics.median(steps))
+
+
+def fastest(speeds: list[Speed]) -> Speed:
+    return min(speeds, key=lambda speed: speed.score)
+
+
+def host_signature(threads: int) -> str:
+    """What the measurements depend on: CPU model, torch's vector ISA, torch version, threads."""
+    import torch
+
+    return "|".join([platform.machine(), cpu_model(), torch.backends.cpu.get_cpu_capability(),
+                     torch.__version__, f"{threads} threads"])
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown cpu"
+
+
+class ProbeCache:
+    """Measured speeds per (host signature, model), as JSON; a corrupt file is measured anew."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def get(self, key: str) -> list[Speed] | None:
+        entry = self._read().get(key)
+        try:
+            return [Speed(**speed) for speed in entry] if entry else None
+        except TypeError:
+            return None
+
+    def put(self, key: str, speeds: list[Speed]) -> None:
+        data = self._read() | {key: [asdict(speed) for speed in speeds]}
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        staging = self.path.with_suffix(f".{os.getpid()}.{threading.get_ident()}.tmp")
+        staging.write_text(json.dumps(data, indent=1, sort_keys=True))
+        staging.replace(self.path)  # atomic: a concurrent reader sees the old or the new file
+
+    def _read(self) -> dict:
+        try:
+            data = json.loads(self.path.read_text())
+        except (OSError, ValueError):
+            return {}
+        return data if isinstance(data, dict) else {}
+
+
+class StepClock:
+    """Running estimates of one model's step times on this host, and the prefill chunk they imply.
+
+    A chunk is sized to take ``CHUNK_DECODE_STEPS`` decode steps, so a revoke that arrives during
+    a prefill waits about one decode step on average, as one during decoding does. The size is a
+    feedback loop, not a cost model: each full chunk's measured time scales the next one (a
+    forward pass on a CPU costs neither a fixed nor a per-token amount alone), so a busier host,
+    or a longer context, gets shorter chunks. Seeded from the probe's 64-token prefill.
+    """
+
+    def __init__(self, speed: Speed) -> None:
+        self.decode_s = speed.decode_s
+        probe_s = speed.prefill_s_per_token * PROBE_PROMPT_TOKENS
+        self._chunk = self._clamp(PROBE_PROMPT_TOKENS * self.target_s / probe_s if probe_s > 0 else MAX_CHUNK)
+
+    @property
+    def target_s(self) -> float:
+        return CHUNK_DECODE_STEPS * self.decode_s
+
+    @property
+    def chunk(self) -> int:
+        return int(self._chunk)
+
+    def observe(self, tokens: int, seconds: float) -> None:
+        if tokens == 1:
+            self.decode_s += _SMOOTHING * (seconds - self.decode_s)
+        elif tokens >= self.chunk and seconds > 0:  # a full chunk; a short tail says little
+            ratio = min(_MAX_STEP, max(1 / _MAX_STEP, self.target_s / seconds))
+            self._chunk = self._clamp(self._chunk * ratio ** _SMOOTHING_EXPONENT)
+
+    @staticmethod
+    def _clamp(chunk: float) -> float:
+        return max(MIN_CHUNK, min(MAX_CHUNK, chunk))
+
+    def describe(self) -> dict:
+        return {"decode_ms": round(self.decode_s * 1e3, 2), "prefill_chunk": self.chunk,
+                "prefill_chunk_target_ms": round(self.target_s * 1e3, 2)}

@@ -1,0 +1,132 @@
+"""The lease table: every job the scheduler holds from its submit to its end, what state its
+lease is in, and the sessions whose heartbeats prove waiting callers alive.
+
+Plain bookkeeping, no policy and no device: `SchedulerService` decides, this remembers.
+A job is `queued` (its caller long-polls `grant`), `loading` (dispatched, the device is
+being prepared) or `granted` (a holder has the lease and renews it). When a job ends for
+good its id is remembered for a while with the reason, so a late call is told why.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import Counter, OrderedDict
+from dataclasses import dataclass
+from typing import Iterator
+
+from ..policy import Job, Kind
+from .protocol import JobDropped, Lease, QueueFull, UnknownJob
+
+_ENDED_MEMORY = 10_000
+
+
+@dataclass(eq=False)
+class Tracked:
+    job: Job
+    grant: asyncio.Future
+    last_seen: float
+    state: str = "queued"            # queued | loading | granted
+    lease: Lease | None = None
+    revoke_requested: bool = False
+    cancelled: bool = False
+    drop_reason: str | None = None   # why the scheduler itself withdrew the job
+    granted_at: float = 0.0
+    first_token_seen: bool = False
+    device_faults: int = 0
+    session: str | None = None       # the caller's session: its heartbeats keep the job alive
+
+
+def _future() -> asyncio.Future:
+    future = asyncio.get_running_loop().create_future()
+    future.add_done_callback(lambda f: f.cancelled() or f.exception())  # never "unretrieved"
+    return future
+
+
+class LeaseTable:
+    def __init__(self, max_queued: int) -> None:
+        self.max_queued = max_queued
+        self.jobs: dict[str, Tracked] = {}
+        self.per_kind: Counter = Counter()
+        self.sessions: dict[str, float] = {}   # session -> last heartbeat (monotonic)
+        self._ended: OrderedDict[str, str] = OrderedDict()
+
+    # -- a job's life -----------------------------------------------------------------------
+    def check_room(self, kind: Kind) -> None:
+        if self.per_kind[kind] >= self.max_queued:
+            raise QueueFull(f"the {kind.value} queue is full: {self.per_kind[kind]} jobs queued or "
+                            f"running, limit max_queued={self.max_queued}; nothing was queued")
+
+    def add(self, job: Job) -> Tracked:
+        tracked = self.jobs[job.id] = Tracked(job, _future(), time.monotonic())
+        self.per_kind[job.kind] += 1
+        return tracked
+
+    def requeue(self, tracked: Tracked) -> None:
+        """Back to queued (a revoked run, or one the device lost): a fresh grant to wait for."""
+        tracked.state, tracked.lease, tracked.revoke_requested = "queued", None, False
+        if tracked.grant.done():  # a waiter still on the unresolved one keeps it
+            tracked.grant = _future()
+        tracked.last_seen = time.monotonic()
+
+    def hand_out(self, tracked: Tracked, lease: Lease) -> None:
+        tracked.lease, tracked.state = lease, "granted"
+        tracked.last_seen = tracked.granted_at = time.monotonic()
+        tracked.grant.set_result(lease)
+
+    def end(self, tracked: Tracked, reason: str, error: BaseException | None = None) -> None:
+        """The job will never run (again): forget it, and wake its waiter with `error`."""
+        if self.jobs.pop(tracked.job.id, None) is not None:
+            self.per_kind[tracked.job.kind] -= 1
+        self._ended[tracked.job.id] = reason
+        if len(self._ended) > _ENDED_MEMORY:
+            self._ended.popitem(last=False)
+        if error is not None and not tracked.grant.done():
+            tracked.grant.set_exception(error)
+
+    # -- lookups ----------------------------------------------------------------------------
+    def get(self, job_id: str) -> Tracked:
+        tracked = self.jobs.get(job_id)
+        if tracked is None:
+            reason = self._ended.get(job_id)
+            if reason:
+                raise JobDropped(f"job {job_id} ended: {reason}")
+            raise UnknownJob(f"unknown job {job_id!r}: this scheduler has no record of it (it restarted and "
+                             f"lost its queue, or the id was never submitted); resubmit it")
+        return tracked
+
+    def holder(self, job_id: str, epoch: int) -> Tracked:
+        tracked = self.get(job_id)
+        if tracked.lease is None or tracked.lease.epoch != epoch:
+            raise JobDropped(f"lease {epoch} of job {job_id} is no longer held (stale or already released)")
+        return tracked
+
+    # -- liveness ---------------------------------------------------------------------------
+    def seen(self, tracked: Tracked, session: str | None) -> None:
+        tracked.last_seen = time.monotonic()
+        if session is not None:
+            tracked.session = session
+            self.sessions[session] = tracked.last_seen
+
+    def heartbeat(self, session: str) -> None:
+        self.sessions[session] = time.monotonic()
+
+    def idle(self, mono: float, waiter_timeout_s: float, lease_timeout_s: float) -> Iterator[tuple[Tracked, float]]:
+        """Jobs whose caller went quiet: a queued one past `waiter_timeout_s` (its session's
+        heartbeat counts as a poll), a granted one past `lease_timeout_s` without a renew."""
+        for session, seen in list(self.sessions.items()):
+            if mono - seen > 10 * waiter_timeout_s:
+                del self.sessions[session]
+        for tracked in list(self.jobs.values()):
+            seen = tracked.last_seen
+            if tracked.state == "queued" and tracked.session is not None:
+                seen = max(seen, self.sessions.get(tracked.session, seen))
+            idle = mono - seen
+            if (tracked.state == "queued" and idle > waiter_timeout_s) or \
+                    (tracked.state == "granted" and idle > lease_timeout_s):
+                yield tracked, idle
+
+    def snapshot(self) -> dict:
+        mono = time.monotonic()
+        return {j.job.id: {"state": j.state, "epoch": j.lease.epoch if j.lease else None,
+                           "held_s": mono - j.granted_at if j.lease else 0.0, "idle_s": mono - j.last_seen}
+                for j in self.jobs.values() if j.state != "queued"}
