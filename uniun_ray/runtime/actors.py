@@ -86,7 +86,7 @@ class SchedulerActor(SchedulerService):
         """The service's status, plus this actor's Ray worker id: the `WorkerId` label of
         its series on the metrics endpoint."""
         return await super().status() | {"worker_id": ray.get_runtime_context().get_worker_id(),
-                                         "engine": await self._device.describe()}
+                                         "engine": await self.driver.device.describe()}
 
     async def ping(self) -> str:
         return "ok"
