@@ -143,9 +143,8 @@ def sse_events(response: requests.Response) -> list:
 # -- the openai SDK ------------------------------------------------------------------------
 def test_openai_sdk_chat_completion_and_stream_on_the_chat_model(server):
     client = server.openai()
-    answer = client.chat.completions.create(
-        model=CHAT_MODEL, messages=[{"role": "system", "content": "You are brief."},
-                                    {"role": "user", "content": "Say hello."}], max_tokens=8)
+    messages = [{"role": "system", "content": "You are brief."}, {"role": "user", "content": "Say hello."}]
+    answer = client.chat.completions.create(model=CHAT_MODEL, messages=messages, max_tokens=8, temperature=0)
     assert answer.id.startswith("chat-") and answer.object == "chat.completion" and answer.model == CHAT_MODEL
     assert answer.choices[0].message.role == "assistant" and answer.choices[0].message.content.strip()
     assert answer.choices[0].finish_reason in ("stop", "length")
@@ -155,7 +154,7 @@ def test_openai_sdk_chat_completion_and_stream_on_the_chat_model(server):
     assert uniun["revokes"] == 0 and uniun["ttft_s"] > 0
 
     chunks = list(client.chat.completions.create(
-        model="default", messages=[{"role": "user", "content": "Say hello."}], max_completion_tokens=8,
+        model="default", messages=messages, max_completion_tokens=8, temperature=0,
         stream=True, stream_options={"include_usage": True}))
     assert chunks[0].choices[0].delta.role == "assistant"
     assert len({c.id for c in chunks}) == 1 and chunks[0].id.startswith("chat-")

@@ -230,7 +230,8 @@ _LOG_PATH: list[Path] = []
 async def _event_log() -> Path | None:
     if not _LOG_PATH:
         try:
-            _LOG_PATH.append(Path((await uniun_ray.astatus())["event_log"]))
+            from .app import runtime_call
+            _LOG_PATH.append(Path((await runtime_call(uniun_ray.astatus))["event_log"]))
         except Exception:
             return None
     return _LOG_PATH[0]
