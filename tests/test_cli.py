@@ -15,6 +15,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -143,15 +144,20 @@ def test_up_then_down_stops_exactly_that_head(tmp_path):
     state = tmp_path / "up.json"
     env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_AUTH_MODE")}
     env["UNIUN_UP_STATE"] = str(state)
-    port, dashboard = free_port(), free_port()
+    port, dashboard, http = free_port(), free_port(), free_port()
     try:
         up = run_cli("up", "--port", str(port), "--dashboard-port", str(dashboard), "--temp-dir", temp_dir,
+                     "--http-port", str(http),
                      "--", f"--ray-client-server-port={free_port()}",
                      f"--dashboard-agent-listen-port={free_port()}", env=env)
         assert up.returncode == 0, up.stdout + up.stderr
         assert f"dashboard: http://127.0.0.1:{dashboard}" in up.stdout
         assert re.search(r"actors: scheduler, model:(cpu|gpu)0, embedder", up.stdout), up.stdout  # any host
         assert f"event log: {os.environ['UNIUN_STATE_DIR']}/events.jsonl" in up.stdout  # the scheduler's own
+        assert f"http: http://127.0.0.1:{http}/v1 (OpenAI-compatible; no API key)" in up.stdout
+        assert f"live page: http://127.0.0.1:{http}/" in up.stdout
+        models = json.loads(urllib.request.urlopen(f"http://127.0.0.1:{http}/v1/models", timeout=30).read())
+        assert "tiny" in [m["id"] for m in models["data"]]   # SPEC §4 served by `up`
         head = HeadState.load(state)
         assert head.auth_mode == "disabled" and head.session_dir.startswith(temp_dir)
         assert head.alive() and head.address.endswith(f":{port}")

@@ -1,6 +1,7 @@
 """`uniun-ray`: start and stop a local head, look at the scheduler, and poke it.
 
-    uniun-ray up [--port 6379] [--auth disabled|token] [-- more `ray start` args]
+    uniun-ray up [--port 6379] [--auth disabled|token] [--no-http | --http-host H --http-port P]
+                 [-- more `ray start` args]
     uniun-ray down
     uniun-ray status [--json | --watch [--interval S]]
     uniun-ray explain JOB_ID [--log PATH]
@@ -166,6 +167,7 @@ def _up(args) -> int:
         event_log = ray.get(handles.scheduler.status.remote())["event_log"]
         print(f"active chat model: {handles.chat_model}")
         state.actors = _actor_names()
+        http_url = None if args.no_http else _deploy_http(args.http_host, args.http_port)
     except Exception as error:
         raise HeadError(f"the head is up, but its actors could not be created ({error_text(error)}); "
                         f"stop it with `uniun-ray down`") from error
@@ -176,10 +178,24 @@ def _up(args) -> int:
     print(f"dashboard: {state.dashboard_url or 'not running'}")
     print(f"actors: {', '.join(state.actors)}")
     print(f"event log: {event_log} (`uniun-ray status --watch`, `uniun-ray explain JOB_ID`)")
+    if http_url:
+        key = "bearer UNIUN_API_KEY required" if os.environ.get("UNIUN_API_KEY") else "no API key"
+        print(f"http: {http_url}/v1 (OpenAI-compatible; {key})")
+        print(f"live page: {http_url}/")
     if state.dashboard_url:
         print(f"jobs: ray job submit --address {state.dashboard_url} --working-dir . -- python jobs/chat.py")
     print(f"state: {state_path()}; stop with `uniun-ray down`")
     return 0
+
+
+def _deploy_http(host: str, port: int) -> str:
+    """The OpenAI-compatible endpoint (SPEC §4) on Ray Serve, keyed by $UNIUN_API_KEY."""
+    from .http import deploy
+
+    if host not in ("127.0.0.1", "localhost", "::1") and not os.environ.get("UNIUN_API_KEY"):
+        print(f"warning: HTTP bound to {host} without UNIUN_API_KEY: anyone who reaches it can submit "
+              f"work and read the scheduler's state", file=sys.stderr)
+    return deploy(host, port)
 
 
 def _actor_names() -> list[str]:
@@ -251,6 +267,10 @@ def _parser() -> argparse.ArgumentParser:
     up.add_argument("--temp-dir", help="Ray temp dir (default Ray's, /tmp/ray)")
     up.add_argument("--chat-model", help="the active chat model every client's model_id=None means "
                     "(default: UNIUN_CHAT_MODEL, else smollm2-135m-instruct)")
+    up.add_argument("--no-http", action="store_true", help="do not deploy the OpenAI-compatible HTTP endpoint")
+    up.add_argument("--http-host", default="127.0.0.1",
+                    help="HTTP bind address (default 127.0.0.1; set UNIUN_API_KEY before binding wider)")
+    up.add_argument("--http-port", type=int, default=8000, help="HTTP port (default 8000)")
     up.add_argument("ray_args", nargs="*", metavar="-- RAY_START_ARG", help="more `ray start` arguments, after --")
     up.set_defaults(run=_up)
 

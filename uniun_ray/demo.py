@@ -31,7 +31,7 @@ def prompts(turns: int) -> list[str]:
     return [PROMPT.format(topic=TOPICS[i % len(TOPICS)]) for i in range(turns)]
 
 
-async def measure(turns: int, deck: int, card_tokens: int, chat_tokens: int) -> dict:
+async def measure(turns: int, deck: int, card_tokens: int, chat_tokens: int, http_url: str | None = None) -> dict:
     await agenerate("chat", "warm up", max_new_tokens=2)   # the first load is not what we measure
     idle = [(await agenerate("chat", prompt, max_new_tokens=chat_tokens)).ttft_s for prompt in prompts(turns)]
     producer = spawn_producer("nataraj", "demo", deck_size=deck, max_new_tokens=card_tokens)
@@ -42,11 +42,16 @@ async def measure(turns: int, deck: int, card_tokens: int, chat_tokens: int) -> 
             if not await await_generating("nataraj"):
                 break
             busy.append((await agenerate("chat", prompt, max_new_tokens=chat_tokens)).ttft_s)
+        http = None   # one chat over the OpenAI-compatible endpoint, as any HTTP client sends it
+        if http_url and await await_generating("nataraj"):
+            from .http.measure import stream_ttft
+            http = (await asyncio.to_thread(stream_ttft, http_url, {
+                "messages": [{"role": "user", "content": prompts(1)[0]}], "max_tokens": chat_tokens}))[0]
         card = await producer.take_card.remote() if await producer.wait_deck.remote(1, timeout_s=300) else None
         state = await producer.state.remote()
     finally:
         await producer.stop.remote()
-    return {"idle": idle, "busy": busy, "nataraj": state, "card": card}
+    return {"idle": idle, "busy": busy, "nataraj": state, "card": card, "http": http}
 
 
 def bare_engine(turns: int, chat_tokens: int) -> dict:
@@ -113,8 +118,12 @@ def main(argv: list[str] | None = None) -> None:
         events = ray.get(start().scheduler.status.remote())["event_log"]
         print(f"watch it: uniun-ray status --watch --address {context.address_info['gcs_address']}\n"
               f"event log: {events}  (uniun-ray explain JOB_ID)")
+        from .http import deploy
+        from .http.measure import free_port
+        http_url = deploy(port=free_port())
+        print(f"OpenAI-compatible endpoint and live page: {http_url}/v1, {http_url}/")
         print("Loading the chat model into the ModelActor...", flush=True)
-        r = asyncio.run(measure(args.turns, args.deck, args.card_tokens, args.chat_tokens))
+        r = asyncio.run(measure(args.turns, args.deck, args.card_tokens, args.chat_tokens, http_url))
         sim = simulated_two_lane()
 
     def show(values):
@@ -127,6 +136,9 @@ def main(argv: list[str] | None = None) -> None:
         extra = statistics.median(r["busy"]) - statistics.median(r["idle"])
         print(f"chat TTFT, while Nataraj fills:       {show(r['busy'])}   +{extra * 1000:.0f} ms over idle "
               f"(goal <= one decode step {host['decode_ms']:.0f} ms + 50 ms)")
+    if r["http"] is not None:
+        print(f"chat TTFT over HTTP, while Nataraj fills: {r['http']:6.2f} s   (POST /v1/chat/completions, "
+              f"streamed, as the HTTP client sees it)")
     card = r["card"]
     if card:
         print(f"Nataraj's first card: {len(card['text'])} characters, revoked {card['revokes']}× by those chats "

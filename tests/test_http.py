@@ -1,0 +1,484 @@
+"""SPEC §4, the OpenAI-compatible endpoint, with real clients against a real Ray Serve app.
+
+One Serve application (bearer key required) and one runtime serve the whole module; the
+runtime's per-kind queue bound is small (`MAX_QUEUED`) so a full queue is easy to reach.
+Most requests use `tiny` (a 1M-parameter real model, ~800 tok/s); the chat tests use the
+real chat model, where the chat template matters.
+"""
+from __future__ import annotations
+
+import asyncio
+import base64
+import http.client
+import json
+import os
+import socket
+import struct
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import ray
+import requests
+
+pytestmark = pytest.mark.ray
+
+KEY = "sk-uniun-test"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+MAX_QUEUED = 40
+CHAT_MODEL = "smollm2-135m-instruct"
+LONG = 1800   # tokens of tiny (context 2048): seconds of work
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Server:
+    url: str
+    port: int
+
+    def post(self, path: str, body=None, headers=AUTH, **kwargs) -> requests.Response:
+        return requests.post(self.url + path, json=body, headers=headers, timeout=120, **kwargs)
+
+    def get(self, path: str, headers=AUTH) -> requests.Response:
+        return requests.get(self.url + path, headers=headers, timeout=60)
+
+    def status(self) -> dict:
+        response = self.get("/v1/status")
+        assert response.status_code == 200, response.text
+        return response.json()
+
+    def openai(self):
+        from openai import OpenAI
+        return OpenAI(base_url=self.url + "/v1", api_key=KEY, max_retries=0, timeout=120)
+
+
+def runtime_config():
+    from uniun_ray.policy import PolicyConfig
+    from uniun_ray.runtime.service import RuntimeConfig
+    return RuntimeConfig(PolicyConfig(), lease_timeout_s=3.0, waiter_timeout_s=3.0, reap_period_s=0.2,
+                         max_queued=MAX_QUEUED)
+
+
+@pytest.fixture(scope="module")
+def server(ray_cluster):
+    from conftest import kill_uniun_actors
+    from ray import serve
+
+    from uniun_ray.http import deploy
+    from uniun_ray.runtime.launch import start
+
+    kill_uniun_actors(ray_cluster)
+    start(runtime_config())
+    port = free_port()
+    url = deploy(port=port, api_key=KEY)
+    assert url == f"http://127.0.0.1:{port}"
+    yield Server(url, port)
+    serve.shutdown()
+    kill_uniun_actors(ray_cluster)
+
+
+def error_of(response: requests.Response, status: int, code: str | None = None, param: str | None = None) -> dict:
+    """The response is `status` with an OpenAI-shaped error body."""
+    assert response.status_code == status, (response.status_code, response.text)
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    if code is not None:
+        assert error["code"] == code, error
+    if param is not None:
+        assert error["param"] == param, error
+    return error
+
+
+def events_of(server: Server) -> list[dict]:
+    from uniun_ray.runtime.eventlog import read
+    return read(server.status()["event_log"])
+
+
+def wait_running(server: Server, kind: str, timeout: float = 60) -> dict:
+    """Until a job of `kind` holds a granted lease and has generated a while."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        status = server.status()
+        running = status["running"]
+        if running and running["kind"] == kind and status["leases"].get(running["id"], {}).get("held_s", 0) > 0.3:
+            return running
+        time.sleep(0.05)
+    raise AssertionError(f"no {kind} job started")
+
+
+def wait_device_free(server: Server, timeout: float = 10.0) -> float:
+    """Seconds until the scheduler runs nothing, holds no lease, and the model actor
+    generates nothing."""
+    from uniun_ray.runtime.launch import handles
+    model = handles().model
+    started = time.monotonic()
+    while time.monotonic() - started < timeout:
+        status = server.status()
+        if status["running"] is None and not status["leases"] and not ray.get(model.state.remote())["generating"]:
+            return time.monotonic() - started
+        time.sleep(0.02)
+    status = server.status()
+    raise AssertionError(f"the device is still busy after {timeout} s: running {status['running']}, "
+                         f"leases {status['leases']}, model {ray.get(model.state.remote())}")
+
+
+def sse_events(response: requests.Response) -> list:
+    """`data:` payloads of an SSE response, parsed; the final "[DONE]" kept as a string."""
+    out = []
+    for line in response.iter_lines(decode_unicode=True):
+        if line.startswith("data: "):
+            data = line[len("data: "):]
+            out.append(data if data == "[DONE]" else json.loads(data))
+    return out
+
+
+# -- the openai SDK ------------------------------------------------------------------------
+def test_openai_sdk_chat_completion_and_stream_on_the_chat_model(server):
+    client = server.openai()
+    messages = [{"role": "system", "content": "You are brief."}, {"role": "user", "content": "Say hello."}]
+    answer = client.chat.completions.create(model=CHAT_MODEL, messages=messages, max_tokens=8, temperature=0)
+    assert answer.id.startswith("chat-") and answer.object == "chat.completion" and answer.model == CHAT_MODEL
+    assert answer.choices[0].message.role == "assistant" and answer.choices[0].message.content.strip()
+    assert answer.choices[0].finish_reason in ("stop", "length")
+    assert answer.usage.prompt_tokens > 10 and 1 <= answer.usage.completion_tokens <= 8   # template applied
+    uniun = answer.model_extra["uniun"]
+    assert uniun["job_id"] == answer.id and uniun["kind"] == "chat" and uniun["tier_at_dispatch"] == 0
+    assert uniun["revokes"] == 0 and uniun["ttft_s"] > 0
+
+    chunks = list(client.chat.completions.create(
+        model="default", messages=messages, max_completion_tokens=8, temperature=0,
+        stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert len({c.id for c in chunks}) == 1 and chunks[0].id.startswith("chat-")
+    assert {c.object for c in chunks} == {"chat.completion.chunk"} and chunks[0].model == CHAT_MODEL
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text.strip() and text == answer.choices[0].message.content   # greedy: the same answer
+    finish = [c for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert len(finish) == 1 and finish[0].model_extra["uniun"]["job_id"] == chunks[0].id
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == answer.usage.completion_tokens
+
+
+def test_openai_sdk_completions_with_a_kind_in_extra_body(server):
+    client = server.openai()
+    done = client.completions.create(model="tiny", prompt="Once upon a time", max_tokens=6,
+                                     extra_body={"kind": "nataraj", "producer": "nataraj:http-test"})
+    assert done.id.startswith("nataraj-") and done.object == "text_completion"
+    assert done.choices[0].text and done.choices[0].finish_reason == "length"
+    assert done.usage.completion_tokens == 6 and done.usage.prompt_tokens >= 1
+    assert done.model_extra["uniun"]["kind"] == "nataraj" and done.model_extra["uniun"]["tier_at_dispatch"] == 4
+
+    pieces = list(client.completions.create(model="tiny", prompt="Once upon a time", max_tokens=6, stream=True,
+                                            user="alice", extra_body={"kind": "gana"}))
+    assert pieces[0].id.startswith("gana-")
+    assert "".join(p.choices[0].text for p in pieces) == done.choices[0].text   # same greedy text
+    assert pieces[-1].choices[0].finish_reason == "length"
+    assert pieces[-1].model_extra["uniun"]["tier_at_dispatch"] == 4
+
+    producers = server.status()["vruntime"]["producers"]
+    assert "nataraj:http-test" in producers["nataraj"] and "gana:alice" in producers["gana"]  # `user` is a flow
+
+
+def test_openai_sdk_embeddings_and_models(server):
+    client = server.openai()
+    vectors = client.embeddings.create(model="all-MiniLM-L6-v2", input=["a red fox", "a blue whale"])
+    assert [d.index for d in vectors.data] == [0, 1] and len(vectors.data[0].embedding) == 384
+    assert abs(sum(x * x for x in vectors.data[0].embedding) - 1) < 1e-3   # normalized
+    assert vectors.usage.prompt_tokens >= 6
+    floats = server.post("/v1/embeddings", {"input": "a red fox", "encoding_format": "float"}).json()
+    packed = server.post("/v1/embeddings", {"input": "a red fox", "encoding_format": "base64"}).json()
+    raw = base64.b64decode(packed["data"][0]["embedding"])
+    unpacked = struct.unpack(f"<{len(raw) // 4}f", raw)
+    assert max(abs(a - b) for a, b in zip(unpacked, floats["data"][0]["embedding"])) < 1e-6
+
+    ids = [m.id for m in client.models.list()]
+    assert {"tiny", CHAT_MODEL, "all-MiniLM-L6-v2"} <= set(ids)
+
+
+def test_sampling_fields_are_validated_and_passed_or_reported(server):
+    import inspect
+
+    import uniun_ray
+
+    accepted = inspect.signature(uniun_ray.astream).parameters
+    body = {"model": "tiny", "prompt": "x", "max_tokens": 2, "temperature": 0.7, "top_p": 0.9, "stop": ["\n"],
+            "seed": 7, "top_k": 40, "repetition_penalty": 1.1}
+    answer = server.post("/v1/completions", body)
+    assert answer.status_code == 200, answer.text
+    ignored = answer.json()["uniun"].get("ignored", [])
+    assert ignored == [name for name in ("temperature", "top_p", "stop", "seed", "top_k", "repetition_penalty")
+                       if name not in accepted]
+    error_of(server.post("/v1/completions", body | {"temperature": 3}), 400, param="temperature")
+    error_of(server.post("/v1/completions", body | {"top_p": 0}), 400, param="top_p")
+    error_of(server.post("/v1/completions", body | {"stop": ["a", "b", "c", "d", "e"]}), 400, param="stop")
+    error_of(server.post("/v1/completions", body | {"top_k": -1}), 400, param="top_k")
+
+
+# -- errors, raw HTTP ------------------------------------------------------------------------
+CHAT = {"model": "tiny", "prompt": "hello", "max_tokens": 2}
+MESSAGES = {"model": CHAT_MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+
+
+@pytest.mark.parametrize("path, body, status, code, param", [
+    ("/v1/completions", CHAT | {"kind": "urgent"}, 400, None, "kind"),                    # unknown kind
+    ("/v1/completions", CHAT | {"max_tokens": "ten"}, 400, None, "max_tokens"),          # wrong type
+    ("/v1/completions", CHAT | {"max_tokens": 0}, 400, None, "max_tokens"),
+    ("/v1/completions", CHAT | {"deadline": "soon"}, 400, None, "deadline"),
+    ("/v1/completions", CHAT | {"deadline": 5}, 400, None, None),                         # relative, not epoch
+    ("/v1/completions", {"model": "tiny"}, 400, None, "prompt"),                           # missing prompt
+    ("/v1/completions", CHAT | {"prompt": "   "}, 400, None, None),                        # empty prompt
+    ("/v1/completions", CHAT | {"prompt": "word " * 3000}, 400, "context_length_exceeded", None),  # too long
+    ("/v1/chat/completions", MESSAGES | {"messages": []}, 400, None, "messages"),        # empty messages
+    ("/v1/chat/completions", MESSAGES | {"messages": [{"role": "user"}]}, 400, None, "messages[0].content"),
+    ("/v1/chat/completions", MESSAGES | {"messages": [{"role": "robot", "content": "x"}]}, 400, None,
+     "messages[0].role"),
+    ("/v1/chat/completions", MESSAGES | {"model": "tiny"}, 400, None, None),          # no chat template
+    ("/v1/chat/completions", MESSAGES | {"n": 2}, 400, None, "n"),
+    ("/v1/chat/completions", MESSAGES | {"model": "no-such-model"}, 404, "model_not_found", "model"),
+    ("/v1/completions", CHAT | {"model": "no-such-model", "stream": True}, 404, "model_not_found", "model"),
+    ("/v1/embeddings", {"input": "x", "model": "text-embedding-3-small"}, 404, "model_not_found", "model"),
+    ("/v1/embeddings", {"input": [1, 2]}, 400, None, None),
+    ("/v1/foreground", {"kind": "urgent"}, 400, None, "kind"),
+    ("/v1/foreground", {"kind": None, "subject": "note-1"}, 400, None, "subject"),
+])
+def test_bad_requests_are_openai_errors_never_500(server, path, body, status, code, param):
+    error_of(server.post(path, body), status, code, param)
+
+
+def test_bad_json_and_non_object_bodies_are_400(server):
+    for data in (b"{not json", b"[1, 2]", b""):
+        error_of(requests.post(server.url + "/v1/chat/completions", data=data, timeout=30,
+                               headers=AUTH | {"Content-Type": "application/json"}), 400)
+
+
+def test_every_route_needs_the_key(server):
+    for method, path in (("GET", "/v1/models"), ("GET", "/v1/status"), ("POST", "/v1/completions"),
+                         ("POST", "/v1/chat/completions"), ("POST", "/v1/embeddings"), ("POST", "/v1/foreground"),
+                         ("GET", "/v1/events"), ("GET", "/v1/explain/chat-000000000000")):
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}):
+            response = requests.request(method, server.url + path, json=CHAT, headers=headers, timeout=30)
+            error_of(response, 401, code="invalid_api_key")
+            assert response.headers["WWW-Authenticate"] == "Bearer"
+    assert server.get("/v1/models").status_code == 200
+
+
+def test_full_queue_is_429_with_retry_after(server):
+    """The device is held (a chat `run`), MAX_QUEUED + 5 natarajs arrive at once: the queue
+    takes MAX_QUEUED, the rest are refused 429 with Retry-After, and nothing is queued for them."""
+    import uniun_ray
+
+    gate, holding = threading.Event(), threading.Event()
+
+    def hold(lease):
+        holding.set()
+        gate.wait(60)
+    holder = threading.Thread(target=uniun_ray.run, args=("chat", "tiny", hold), daemon=True)
+    holder.start()
+    assert holding.wait(60)
+    body = {"model": "tiny", "prompt": "card", "max_tokens": 1, "kind": "nataraj"}
+    with ThreadPoolExecutor(MAX_QUEUED + 5) as pool:
+        futures = [pool.submit(server.post, "/v1/completions", body) for _ in range(MAX_QUEUED + 5)]
+        deadline = time.monotonic() + 60
+        while sum(f.done() for f in futures) < 5 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert server.status()["queued"] == MAX_QUEUED
+        gate.set()
+        responses = [f.result() for f in futures]
+    holder.join(30)
+    refused = [r for r in responses if r.status_code == 429]
+    assert len(refused) == 5 and sum(r.status_code == 200 for r in responses) == MAX_QUEUED
+    for response in refused:
+        error_of(response, 429, code="queue_full")
+        assert response.headers["Retry-After"] == "1"
+
+
+# -- a client that goes away ------------------------------------------------------------------
+def test_streaming_client_that_disconnects_frees_the_device_within_1s(server):
+    response = server.post("/v1/completions", {"model": "tiny", "prompt": "a card", "max_tokens": LONG,
+                                               "kind": "nataraj", "stream": True}, stream=True)
+    assert response.status_code == 200
+    lines = response.iter_lines()
+    first = json.loads(next(line for line in lines if line)[len(b"data: "):])
+    job = first["id"]
+    assert wait_running(server, "nataraj")["id"] == job
+    response.close()
+    assert wait_device_free(server) < 1.0
+    status = server.status()
+    assert job not in json.dumps(status["tiers"]) and status["queued"] == 0
+    mine = [e for e in events_of(server) if e.get("job") == job]
+    assert [e["ev"] for e in mine][-2:] == ["revoke", "finish"] and mine[-1]["outcome"] == "revoked"
+    assert mine[-2]["reason"] == "cancelled by its caller"
+
+
+def test_non_streaming_client_that_disconnects_frees_the_device_within_1s(server):
+    connection = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
+    connection.request("POST", "/v1/completions", json.dumps({"model": "tiny", "prompt": "plan", "kind": "gana",
+                                                              "max_tokens": LONG}),
+                       headers=AUTH | {"Content-Type": "application/json"})
+    job = wait_running(server, "gana")["id"]
+    connection.sock.shutdown(socket.SHUT_RDWR)
+    connection.close()
+    assert wait_device_free(server) < 1.0
+    mine = [e for e in events_of(server) if e.get("job") == job]
+    assert mine[-1]["ev"] == "finish" and mine[-1]["outcome"] == "revoked"
+
+
+# -- a burst ----------------------------------------------------------------------------------
+def test_burst_of_200_mixed_requests_each_completes_or_is_refused(server):
+    """200 concurrent requests of four kinds, streaming and not: each is answered 200 (its
+    job done) or 429 (never queued), and the event log ends every job exactly once."""
+    import aiohttp
+
+    kinds = ("chat", "nataraj", "gana", "extract")
+
+    async def one(session, i):
+        body = {"model": "tiny", "prompt": f"note {i}", "max_tokens": 3, "kind": kinds[i % 4],
+                "stream": i % 2 == 0}
+        async with session.post(server.url + "/v1/completions", json=body, headers=AUTH) as response:
+            if response.status != 200:
+                return response.status, None, await response.json()
+            if body["stream"]:
+                data = [line[6:] for line in (await response.text()).splitlines() if line.startswith("data: ")]
+                assert data[-1] == "[DONE]"
+                return 200, json.loads(data[0])["id"], json.loads(data[-2])
+            answer = await response.json()
+            return 200, answer["id"], answer
+
+    async def burst():
+        connector = aiohttp.TCPConnector(limit=0)
+        async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=300)) as session:
+            return await asyncio.gather(*(one(session, i) for i in range(200)))
+
+    started = time.time()
+    results = asyncio.run(burst())
+    assert {status for status, _, _ in results} <= {200, 429}, [r for r in results if r[0] not in (200, 429)]
+    for status, _, body in results:
+        if status == 429:
+            assert body["error"]["code"] == "queue_full"
+    done = {job for status, job, _ in results if status == 200}
+    assert len(done) == sum(status == 200 for status, _, _ in results) >= 4 * MAX_QUEUED
+
+    events = [e for e in events_of(server) if e["t"] >= started and e.get("job")]
+    submitted = {e["job"] for e in events if e["ev"] == "submit"}
+    assert submitted == done   # a refused request queued nothing
+    for job in done:
+        mine = [e for e in events if e["job"] == job]
+        ends = [e for e in mine if e["ev"] == "drop" or (e["ev"] == "finish" and e["outcome"] != "revoked")]
+        assert [e["outcome"] for e in ends] == ["done"], mine
+        assert mine[-1] is ends[0]   # nothing happens to a job after its end
+    assert server.status()["queued"] == 0
+
+
+# -- scheduler routes ---------------------------------------------------------------------------
+def test_foreground_and_status_routes(server):
+    answer = server.post("/v1/foreground", {"kind": "nataraj", "subject": "note-7"})
+    assert answer.status_code == 200 and answer.json() == {"kind": "nataraj", "subject": "note-7"}
+    assert server.status()["foreground"] == {"kind": "nataraj", "subject": "note-7"}
+    assert server.post("/v1/foreground", {"kind": None}).status_code == 200
+    assert server.status()["foreground"] == {"kind": None, "subject": None}
+
+
+# -- the live page (issue 15) -------------------------------------------------------------------
+DOCS = Path(__file__).resolve().parent.parent / "docs"
+
+
+def kill_scheduler() -> None:
+    from uniun_ray.runtime.protocol import NAMESPACE, SCHEDULER_NAME
+
+    ray.kill(ray.get_actor(SCHEDULER_NAME, namespace=NAMESPACE), no_restart=True)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            ray.get_actor(SCHEDULER_NAME, namespace=NAMESPACE)
+            time.sleep(0.05)
+        except ValueError:
+            return
+
+
+def test_live_page_in_headless_chromium(server):
+    """The page of issue 15 in a real browser: it shows the running nataraj, its timeline
+    grows, the revoke appears when a chat arrives (screenshot of that moment saved to docs/),
+    a click tells the job's story, and it says when the scheduler is unreachable and recovers."""
+    from browser import Chromium, find_chromium
+
+    from uniun_ray.runtime.launch import start
+
+    page = requests.get(server.url + "/", timeout=30)
+    assert page.status_code == 200 and "uniun-ray" in page.text and "//" not in page.text.split("<script")[1][:40]
+    assert requests.get(server.url + "/static/page.js", timeout=30).status_code == 200   # served by the app
+    error_of(requests.get(server.url + "/v1/events", timeout=30), 401)                      # the data needs the key
+    binary = find_chromium()
+    if binary is None:
+        if os.environ.get("UNIUN_REQUIRE_BROWSER"):
+            pytest.fail("no chromium binary: `apt-get install -y chromium` (.ci/run does it)")
+        pytest.skip("no chromium binary: `apt-get install -y chromium` (.ci/run does it)")
+
+    browser = Chromium(binary)
+    nataraj = gana = None
+    try:
+        browser.goto(f"{server.url}/#key={KEY}")
+        browser.wait_for("document.querySelector('#conn.live')", what="live")
+        nataraj = server.post("/v1/completions", {"model": CHAT_MODEL, "prompt": "Write a long story about the sea.",
+                                                  "max_tokens": 1500, "kind": "nataraj", "producer": "nataraj:deck",
+                                                  "stream": True}, stream=True)
+        lines = nataraj.iter_lines()
+        job = json.loads(next(line for line in lines if line)[len(b"data: "):])["id"]
+        browser.wait_for(f"document.querySelector('.holder [data-job=\"{job}\"]')", what="the running nataraj")
+        gana = ThreadPoolExecutor(1).submit(server.post, "/v1/completions", {
+            "model": CHAT_MODEL, "prompt": "Plan the week:", "max_tokens": 4, "kind": "gana", "producer": "gana:42",
+            "deadline": time.time() + 600})
+        browser.wait_for("document.querySelector('#queues').textContent.includes('gana:42')", what="the queued gana")
+
+        run = f"document.querySelector('rect.run[data-job=\"{job}\"]')"
+        first = browser.wait_for(f"{run} && {run}.width.baseVal.value", what="the nataraj's run")
+        browser.wait_for(f"{run}.width.baseVal.value > {first} + 2", what="the timeline growing")
+
+        chat = server.post("/v1/chat/completions", MESSAGES | {"model": CHAT_MODEL, "max_tokens": 4})
+        assert chat.status_code == 200, chat.text
+        revoke = f"document.querySelector('#decisions li.revoke[data-job=\"{job}\"]')"
+        text = browser.wait_for(f"{revoke} && {revoke}.textContent", what="the revoke")
+        assert "arrival of chat job" in text
+        browser.wait_for(f"document.querySelector('.revoke-mark[data-job=\"{job}\"]')", what="the revoke on the timeline")
+        browser.wait_for(f"document.querySelector('.holder [data-job=\"{job}\"]')", what="the nataraj resumed")
+        DOCS.mkdir(exist_ok=True)
+        browser.screenshot(DOCS / "live-page.png")
+
+        browser.js(f"{revoke}.querySelector('.job').click()")
+        story = browser.wait_for("!document.querySelector('#story').classList.contains('hidden') && "
+                                 "document.querySelector('#story-text').textContent.includes('revoked') && "
+                                 "document.querySelector('#story-text').textContent", what="the job's story")
+        assert job in story and "arrival of chat job" in story
+        nataraj.close()
+        gana.result(120)
+
+        kill_scheduler()
+        banner = browser.wait_for("!document.querySelector('#banner').classList.contains('hidden') && "
+                                  "document.querySelector('#banner').textContent", what="the unreachable banner")
+        assert "Scheduler unreachable" in banner and "not running" in banner
+        start(runtime_config())
+        browser.wait_for("document.querySelector('#conn.live') && "
+                         "document.querySelector('#banner').classList.contains('hidden')", what="the recovery")
+    finally:
+        if nataraj is not None:
+            nataraj.close()
+        browser.close()
+
+
+def test_scheduler_gone_is_503_and_back_when_it_returns(server, ray_cluster):
+    """Runs last: it kills the scheduler, then starts it again."""
+    from uniun_ray.runtime.launch import start
+
+    kill_scheduler()
+    for path, body in (("/v1/completions", CHAT), ("/v1/chat/completions", MESSAGES | {"stream": True}),
+                       ("/v1/foreground", {"kind": None})):
+        error_of(server.post(path, body), 503, code="scheduler_unavailable")
+    error_of(server.get("/v1/status"), 503, code="scheduler_unavailable")
+    start(runtime_config())
+    assert server.post("/v1/completions", CHAT).status_code == 200

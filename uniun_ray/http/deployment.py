@@ -1,0 +1,77 @@
+"""The OpenAI-compatible app (SPEC §4) as a Ray Serve application.
+
+Deployed by `uniun-ray up` (see `deploy`), or by Serve's own CLI on a running cluster:
+
+    serve run uniun_ray.http:app                 # 127.0.0.1:8000, the key from $UNIUN_API_KEY
+
+(`serve start --http-host H --http-port P` first to bind elsewhere.) One replica is plenty:
+it only awaits the scheduler, and the device, not the replica, is what is scarce. It
+takes no CPU slot (`num_cpus=0`) so it never waits behind CPU tasks for placement, and
+admits up to MAX_ONGOING requests at once so that every request reaches the scheduler,
+which decides the order (Serve's default of 5 would queue the rest in front of the policy).
+"""
+from __future__ import annotations
+
+import os
+
+from ray import serve
+from ray.serve import Application
+
+from .app import create_app
+
+APP_NAME = "uniun-http"
+DEFAULT_HOST = "127.0.0.1"
+DEFAULT_PORT = 8000
+#: Requests one replica holds at once; beyond it Serve queues them at the proxy.
+MAX_ONGOING = 4096
+API_KEY_ENV = "UNIUN_API_KEY"
+
+
+@serve.deployment(name="openai", num_replicas=1, max_ongoing_requests=MAX_ONGOING,
+                  ray_actor_options={"num_cpus": 0})
+@serve.ingress()
+class OpenAIServer:
+    """A Serve replica holding the FastAPI app; every request is a client-API call."""
+
+    def __init__(self, api_key: str | None = None) -> None:
+        self._api_key = api_key or None
+
+    def __serve_build_asgi_app__(self):
+        return create_app(self._api_key)
+
+
+def build(api_key: str | None = None) -> Application:
+    """The application; `api_key` defaults to $UNIUN_API_KEY of the process that builds it
+    (the key travels inside the deployment's arguments, never on a command line)."""
+    if api_key is None:
+        api_key = os.environ.get(API_KEY_ENV) or None
+    return OpenAIServer.bind(api_key)
+
+
+def deploy(host: str = DEFAULT_HOST, port: int = DEFAULT_PORT, api_key: str | None = None) -> str:
+    """Start Serve's proxy on host:port (head node only) and run the app at "/"; returns the
+    base URL. Ray must be connected. Serve keeps running after this process exits.
+    OSError when the port is taken (Serve's proxy would retry binding it for ever)."""
+    _check_free(host, port)
+    serve.start(proxy_location="HeadOnly", http_options={"host": host, "port": port})
+    serve.run(build(api_key), name=APP_NAME, route_prefix="/", blocking=False)
+    shown = f"[{host}]" if ":" in host else host
+    return f"http://{shown}:{port}"
+
+
+def _check_free(host: str, port: int) -> None:
+    import socket
+
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((host, port))
+        except OSError as error:
+            raise OSError(f"cannot serve HTTP on {host}:{port}: {error.strerror or error} "
+                          f"(pass another --http-port, or --no-http)") from None
+
+
+def undeploy() -> None:
+    """Remove the app (Serve itself stays up for other applications)."""
+    serve.delete(APP_NAME)
