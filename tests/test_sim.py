@@ -11,7 +11,6 @@ from uniun_ray.events.schema import read_jsonl, validate, write_jsonl
 from uniun_ray.sim.metrics import T2Window, jain_of, measure, t2_windows
 from uniun_ray.sim.simulator import ContractError, simulate
 from uniun_ray.events.trace import Trace
-from uniun_ray.policy import Job
 from uniun_ray.sim.workload import Arrival, Flow, FlowStep, SimJob, Workload
 from uniun_ray.sim.workloads import WORKLOADS, generate
 

@@ -66,6 +66,9 @@ class Completion:
     revokes: int
     job_id: str
     model_id: str
+    prompt_tokens: int | None = None      # the prompt (templated), as the model read it
+    tier_at_dispatch: int | None = None   # the tier of the job's first dispatch (the policy's)
+    finish_reason: str | None = None      # the last run's: "eos", "length", "stop", or "cancel"
 
 
 def _job(kind, model_id, producer, deadline, foreground_hint, subject) -> Job:
@@ -422,6 +425,7 @@ class GenerationStream:
         lossy = False                    # a run died with the device: resume from the text instead
         count = 0                        # tokens produced (pieces, for a run the device lost)
         text, ttft = [], None
+        prompt_tokens = tier = finish_reason = None
         loop = LeaseLoop(self.job)
         turns = loop.turns()
         try:
@@ -430,6 +434,7 @@ class GenerationStream:
                 request = replace(self.request, max_new_tokens=limit - count, **resume)
                 result, pieces = None, 0
                 async with turn:
+                    tier = turn.lease.tier if tier is None else tier
                     async for item in _generation(turn.model, turn.lease.epoch, request):
                         if "piece" in item:
                             text.append(item["piece"])
@@ -443,6 +448,9 @@ class GenerationStream:
                 if result is not None:
                     produced += tuple(result["token_ids"])
                     count += len(result["token_ids"])
+                    finish_reason = result["finish_reason"]
+                    if prompt_tokens is None:
+                        prompt_tokens = result["prompt_tokens"]
                 elif pieces:
                     lossy, count = True, count + pieces
                 if count >= limit:
@@ -454,7 +462,8 @@ class GenerationStream:
         finally:
             await turns.aclose()
         self.completion = Completion("".join(text), count, ttft, time.perf_counter() - started,
-                                     loop.revokes, self.job.id, self.job.model_id)
+                                     loop.revokes, self.job.id, self.job.model_id, prompt_tokens, tier,
+                                     finish_reason)
 
     @staticmethod
     async def _first_token(loop: LeaseLoop, lease: Lease) -> None:

@@ -228,7 +228,8 @@ class SchedulerService:
             self._finish(tracked, Outcome.REVOKED)
             return
         self.leases.hand_out(tracked, Lease(tracked.job.id, epoch, dispatch.model_id, tracked.job.kind.value,
-                                            swap_s, renew_every_s=self.config.lease_timeout_s / 3))
+                                            swap_s, renew_every_s=self.config.lease_timeout_s / 3,
+                                            tier=int(dispatch.tier)))
 
     def _lose_device(self, tracked: Tracked, reason: str) -> bool:
         """The device died under the dispatched job: forget the loaded model and run the job
