@@ -1,6 +1,8 @@
 """The simulator, baselines, workloads, metrics, pictures and bench (issue 4). Fast, no Ray."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from uniun_ray.policy import Dispatch, Job, Kind, Requeued, Revoke, RevokeCause, SchedulerPolicy, Tier
@@ -119,27 +121,33 @@ def test_fifo_charges_swap_prefill_and_decode():
     (2.5, 3.05, 1),    # during the prefill: it ends with the first token
     (3.25, 3.35, 4),   # while decoding: the next boundary is token 4 at 3.3
 ])
-def test_revoke_stops_at_next_token_boundary_plus_delay_and_resumes(chat_at, stop, tokens):
+@pytest.mark.parametrize("kv_cache", [False, True])
+def test_revoke_stops_at_next_token_boundary_plus_delay_and_resumes(chat_at, stop, tokens, kv_cache):
     w = Workload("tiny", 0, "", arrivals=(Arrival(0.0, spec("N", "nataraj", "m1", 100, 20)),
                                           Arrival(chat_at, spec("C", "chat", "m1", 10, 2))))
-    events = simulate(StrictPriority(), w, DEVICE).events
+    device = replace(DEVICE, kv_cache_tokens=20_000 if kv_cache else 0)
+    events = simulate(StrictPriority(), w, device).events
     finishes = [e for e in events if e["ev"] == "finish" and e["job"] == "N"]
     assert [(f["t"], f["outcome"], f["tokens"]) for f in finishes[:1]] == [(pytest.approx(stop), "revoked", tokens)]
     assert times(events, "dispatch", "C") == [pytest.approx(stop)]
     resume = stop + 0.2  # chat: 10-token prefill, one decode step
-    # R6 recompute: re-prefill prompt + produced tokens, then decode the rest.
-    end = resume + (100 + tokens) * 0.01 + (20 - tokens - 1) * 0.1
+    # R6: without a cache, re-prefill prompt + produced tokens (recompute); with one, the KV read
+    # before the revoke is kept and only the last produced token is read. Then decode the rest.
+    prefilled = 1 if kv_cache and tokens else 100 + tokens
+    end = resume + prefilled * 0.01 + (20 - tokens - 1) * 0.1
     assert (finishes[1]["t"], finishes[1]["outcome"], finishes[1]["tokens"]) == (pytest.approx(end), "done", 20)
     assert len(times(events, "first_token", "N")) == 1
 
 
-@pytest.mark.parametrize("chat_at, stop, tokens", [
-    (2.1, 2.45, 0),   # in the first 40-token chunk (2.0-2.4): stops at its end, nothing produced
-    (2.5, 2.85, 0),   # in the second (2.4-2.8): the prefill done so far is lost
-    (2.9, 3.05, 1),   # in the last (2.8-3.0): it ends with the first token
+@pytest.mark.parametrize("chat_at, stop, tokens, read", [
+    (2.1, 2.45, 0, 40),    # in the first 40-token chunk (2.0-2.4): stops at its end, nothing produced
+    (2.5, 2.85, 0, 80),    # in the second (2.4-2.8): without a KV cache the prefill done so far is lost
+    (2.9, 3.05, 1, 100),   # in the last (2.8-3.0): it ends with the first token
 ])
-def test_a_revoke_in_prefill_stops_at_the_next_chunk_end(chat_at, stop, tokens):
-    device = DeviceProfile("chunked", DEVICE.models, revoke_delay_s=0.05, prefill_chunk=40)
+@pytest.mark.parametrize("kv_cache", [False, True])
+def test_a_revoke_in_prefill_stops_at_the_next_chunk_end(chat_at, stop, tokens, read, kv_cache):
+    device = DeviceProfile("chunked", DEVICE.models, revoke_delay_s=0.05, prefill_chunk=40,
+                           kv_cache_tokens=20_000 if kv_cache else 0)
     w = Workload("tiny", 0, "", arrivals=(Arrival(0.0, spec("N", "nataraj", "m1", 100, 20)),
                                           Arrival(chat_at, spec("C", "chat", "m1", 10, 2))))
     events = simulate(StrictPriority(), w, device).events
@@ -148,8 +156,10 @@ def test_a_revoke_in_prefill_stops_at_the_next_chunk_end(chat_at, stop, tokens):
     first = times(events, "first_token", "N")
     assert len(first) == 1 and (first[0] < stop) == (tokens == 1)  # no token before the last chunk ends
     resume = stop + 0.2  # chat: 10-token prefill, one decode step
-    # The resumed run reads the whole context again, in chunks, then decodes the rest.
-    assert finishes[1] == (pytest.approx(resume + (100 + tokens) * 0.01 + (20 - tokens - 1) * 0.1), "done", 20)
+    # The resumed run reads the context again, in chunks (without a cache, all of it; with one,
+    # what the revoked run had not read), then decodes the rest.
+    prefilled = 100 + tokens - (read if kv_cache else 0)
+    assert finishes[1] == (pytest.approx(resume + prefilled * 0.01 + (20 - tokens - 1) * 0.1), "done", 20)
 
 
 def test_a_flow_keeps_its_depth_and_thinks_before_the_next_step():
@@ -281,3 +291,15 @@ def test_bench_devices_writes_the_pool_table_and_goals(tmp_path, capsys):
     assert "background throughput >= 1.8x at 2 devices" in text and "swaps per device-hour" in text
     with pytest.raises(SystemExit):
         bench.main(["--devices", "0,x"])
+
+
+def test_a_conversation_turn_prefills_only_its_new_message_and_a_swap_empties_the_cache():
+    steps = (FlowStep(50, 10), FlowStep(80, 10, think_s=1.0))   # turn 2 = turn 1 (60) + a 20-token message
+    talk = Flow("chat:u", "chat", "m1", 0.0, steps, conversation=True)
+    swapper = Arrival(3.0, spec("G", "gana", "m2", 10, 2))       # between the turns: a swap to m2 and back
+    for arrivals, expected in (((), [50, 80 - 60]), ((swapper,), [50, 80])):
+        events = simulate(Fifo(), Workload("talk", 0, "", arrivals=arrivals, flows=(talk,)), DEVICE).events
+        prefills = [e["prefill_tokens"] for e in events if e["ev"] == "dispatch" and e["kind"] == "chat"]
+        assert prefills == expected
+    no_cache = simulate(Fifo(), Workload("talk", 0, "", flows=(talk,)), replace(DEVICE, kv_cache_tokens=0)).events
+    assert [e["prefill_tokens"] for e in no_cache if e["ev"] == "dispatch"] == [50, 80]

@@ -66,6 +66,9 @@ class DeviceProfile:
     models: dict[str, ModelSpeed] = field(default_factory=dict)
     revoke_delay_s: float = 0.01
     prefill_chunk: int = PREFILL_CHUNK  # tokens per prefill pass: a revoke waits for one
+    #: The prefix KV cache per device, in tokens (0: none). The runtime's default budget
+    #: (UNIUN_KV_CACHE_MB=1024) holds about 22k tokens of SmolLM2 in float32.
+    kv_cache_tokens: int = 20_000
 
     def speed(self, model_id: str) -> ModelSpeed:
         try:

@@ -37,6 +37,7 @@ from typing import Any, Callable
 
 from uniun_ray.policy import Dispatch, Job, Kind, Requeued, Revoke
 
+from .kvcache import KvCache
 from .device import DeviceProfile, PROFILES
 from ..events.schema import Event
 from .workload import Flow, SimJob, Workload
@@ -77,6 +78,7 @@ class _Run:
     first_boundary: float  # end of prefill: produced + 1 tokens exist
     decode_s: float
     chunk_s: float         # one full prefill chunk
+    cached: int = 0        # context tokens taken from the KV cache (not prefilled)
     revoked: bool = False
     stop_boundary: float = math.inf  # the boundary a revoke stops at
     end_version: int = 0             # bumped when the end is rescheduled
@@ -87,6 +89,15 @@ class _Run:
             return self.state.produced
         steps = round((boundary - self.first_boundary) / self.decode_s)
         return self.state.produced + 1 + steps
+
+    def tokens_read(self, boundary: float, chunk: int) -> int:
+        """Tokens whose KV exists at a boundary: the prefill chunks read, or the whole context
+        and what was produced after it."""
+        context = self.state.spec.prompt_tokens + self.state.produced
+        if boundary < self.first_boundary:
+            chunks = round((boundary - self.compute_start) / self.chunk_s) if self.chunk_s > 0 else 0
+            return min(context, self.cached + max(0, chunks) * chunk)
+        return context + round((boundary - self.first_boundary) / self.decode_s)
 
     def last_boundary(self) -> float:
         remaining = self.state.spec.output_tokens - self.state.produced
@@ -130,6 +141,7 @@ class Simulator:
         self._outstanding: set[str] = set()
         self._running: dict[str, _Run] = {}  # job id -> its run
         self._loaded: dict[str, str | None] = dict.fromkeys(devices)  # device -> its model
+        self._kv = {device: KvCache(self.device.kv_cache_tokens) for device in devices}
         self._last_wake: float = -math.inf
 
     # -- the loop ------------------------------------------------------------------------
@@ -179,6 +191,12 @@ class Simulator:
     def _start_flow(self, fs: _FlowState) -> None:
         for _ in range(fs.flow.depth):
             self._next_step(fs)
+
+    @staticmethod
+    def _conversation(state: _JobState) -> str | None:
+        """The key of the conversation a job is a turn of (its flow's producer), if it is one."""
+        flow = state.flow.flow if state.flow is not None else None
+        return flow.producer if flow is not None and flow.conversation else None
 
     def _next_step(self, fs: _FlowState) -> None:
         flow, n = fs.flow, fs.next_step
@@ -241,11 +259,16 @@ class Simulator:
         speed = self.device.speed(action.model_id)
         swap_s = speed.swap_s if action.swap else 0.0
         compute_start = self.now + swap_s
-        prefill = speed.prefill_s(state.spec.prompt_tokens + state.produced)
+        if action.swap:
+            self._kv[where].clear()
+        context = state.spec.prompt_tokens + state.produced
+        cached = self._kv[where].take(state.job.id, self._conversation(state), context)
+        prefill = speed.prefill_s(context - cached)
         run = _Run(state, where, self.now, compute_start, compute_start + prefill, speed.decode_s,
-                   speed.prefill_s(self.device.prefill_chunk))
+                   speed.prefill_s(self.device.prefill_chunk), cached)
         self._running[action.job_id] = run
-        self._log("dispatch", state, swap=action.swap, tier=int(action.tier))
+        self._log("dispatch", state, swap=action.swap, tier=int(action.tier), cached_tokens=cached,
+                  prefill_tokens=context - cached, prefill_s=prefill)
         if action.swap:
             self._log("swap_start", state, **{"from": self._loaded[where]})
             self._loaded[where] = action.model_id
@@ -283,6 +306,11 @@ class Simulator:
             return
         state = run.state
         stopped = run.stop_boundary < math.inf
+        kv = self._kv[run.device]
+        if stopped:          # kept for the resume: what the run had read by its stop
+            kv.put(state.job.id, run.tokens_read(run.stop_boundary, self.device.prefill_chunk))
+        elif self._conversation(state) is not None:   # the next turn's prompt starts with it
+            kv.put(self._conversation(state), state.spec.prompt_tokens + state.spec.output_tokens)
         state.produced = run.tokens_at(run.stop_boundary) if stopped else state.spec.output_tokens
         outcome = "revoked" if stopped else "done"
         self._log("finish", state, outcome=outcome, tokens=state.produced)

@@ -67,6 +67,7 @@ class Flow:
     foreground_hint: bool = False
     subject: str | None = None
     cycle: bool = False  # after the last step, start again from the first
+    conversation: bool = False  # each step's prompt starts with the previous step's prompt + output
 
     def __post_init__(self) -> None:
         if self.cycle and self.stop is None:

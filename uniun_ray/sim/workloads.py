@@ -92,7 +92,7 @@ def _chat(rng: random.Random, producer: str, start: float, turns: int) -> Flow:
         reply = CHAT_REPLY.draw(rng)
         steps.append(FlowStep(context, reply, 0.0 if i == 0 else rng.uniform(8.0, 40.0)))
         context += reply
-    return Flow(producer, "chat", CHAT_MODEL, start, tuple(steps))
+    return Flow(producer, "chat", CHAT_MODEL, start, tuple(steps), conversation=True)
 
 
 def _note(rng: random.Random, t: float, job_id: str, producer: str, hint: bool = False,
