@@ -89,7 +89,7 @@ def test_tiers_are_derived_from_the_log():
 
 # -- the simulator's costs ------------------------------------------------------------------
 DEVICE = DeviceProfile("test", {"m1": ModelSpeed(0.1, 0.01, 2.0), "m2": ModelSpeed(0.1, 0.01, 3.0)},
-                       revoke_delay_s=0.05)
+                       revoke_delay_s=0.05, prefill_chunk=256)
 
 
 def spec(job_id, kind, model, prompt, out):
@@ -303,3 +303,13 @@ def test_a_conversation_turn_prefills_only_its_new_message_and_a_swap_empties_th
         assert prefills == expected
     no_cache = simulate(Fifo(), Workload("talk", 0, "", flows=(talk,)), replace(DEVICE, kv_cache_tokens=0)).events
     assert [e["prefill_tokens"] for e in no_cache if e["ev"] == "dispatch"] == [50, 80]
+
+
+def test_prefill_chunks_are_sized_by_time_unless_fixed():
+    assert DeviceProfile("t", DEVICE.models).chunk_tokens(ModelSpeed(0.1, 0.01, 2.0)) == 20   # two decode steps
+    assert DEVICE.chunk_tokens(ModelSpeed(0.1, 0.01, 2.0)) == 256
+    timed = DeviceProfile("timed", DEVICE.models, revoke_delay_s=0.05)
+    w = Workload("tiny", 0, "", arrivals=(Arrival(0.0, spec("N", "nataraj", "m1", 100, 20)),
+                                          Arrival(2.25, spec("C", "chat", "m1", 10, 2))))
+    finish = next(e for e in simulate(StrictPriority(), w, timed).events if e["ev"] == "finish")
+    assert finish["t"] == pytest.approx(2.4 + 0.05)   # the 20-token chunk under way (2.2-2.4) ends first

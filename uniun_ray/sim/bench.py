@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import argparse
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from uniun_ray.policy import PolicyConfig, SchedulerPolicy
@@ -41,6 +41,7 @@ class Outcome:
     trace: Trace
     metrics: Metrics
     wall_s: float
+    prefill_s: float = 0.0   # device seconds spent prefilling (what the prefix cache saves)
 
 
 def _fmt(value, digits: int = 2) -> str:
@@ -66,6 +67,7 @@ COLUMNS = (
     ("T2 max, T3/T4 backlogged", lambda o: o.metrics.t2_share_max_t34_backlogged),
     ("T3 late max s", lambda o: o.metrics.t3_late_max),
     ("idle while waiting s", lambda o: o.metrics.idle_while_waiting_s),
+    ("prefill s", lambda o: o.prefill_s),
     ("longest wait s (flow)", lambda o: _longest(o.metrics)),
     ("sim wall s", lambda o: o.wall_s),
 )
@@ -91,7 +93,21 @@ def run_one(policy_name: str, workload: Workload, device: DeviceProfile, out: Pa
     if logs:
         write_jsonl(result.events, out / f"log-{workload.name}-{policy_name}.jsonl")
     trace = Trace(result.events)
-    return Outcome(trace, measure(trace), result.wall_s)
+    prefill = sum(e.get("prefill_s", 0.0) for e in result.events if e["ev"] == "dispatch")
+    return Outcome(trace, measure(trace), result.wall_s, prefill)
+
+
+def cache_table(workloads: dict[str, Workload], results: dict[str, dict[str, Outcome]],
+                device: DeviceProfile, out: Path) -> str:
+    """What the prefix KV cache buys the real policy on each workload: the same run without it."""
+    lines = ["| workload | chat TTFT p99 s, with / without | prefill s, with / without | saved |", "|---|---|---|---|"]
+    for name, workload in workloads.items():
+        cached = results[name][REAL]
+        bare = run_one(REAL, workload, replace(device, kv_cache_tokens=0), out, logs=False)
+        saved = 1 - cached.prefill_s / bare.prefill_s if bare.prefill_s else 0.0
+        lines.append(f"| {name} | {_fmt(cached.metrics.ttft_p99)} / {_fmt(bare.metrics.ttft_p99)} | "
+                     f"{cached.prefill_s:.0f} / {bare.prefill_s:.0f} | {saved:.0%} |")
+    return "\n".join(lines)
 
 
 def draw(workload: Workload, results: dict[str, Outcome], out: Path) -> None:
@@ -199,6 +215,8 @@ def main(argv: list[str] | None = None, real=None) -> int:
             draw(workload, results, out)
         report += [f"## {name}: {workload.description}", "", table(results), ""]
     report += ["## Goals", "", goals(all_results, workloads, device), ""]
+    report += [f"## The prefix KV cache ({device.kv_cache_tokens} tokens per device)", "",
+               cache_table(workloads, all_results, device, out), ""]
     text = "\n".join(report)
     (out / "bench.md").write_text(text)
     print(text)

@@ -1,14 +1,16 @@
 """How long the one accelerator takes to do things, per model: the simulator's cost model.
 
 A run of a job on the device is: an optional swap (unload + load of the wanted model),
-a prefill over the context (the prompt plus, for a resumed job, the tokens it already
-produced: R6 is recompute-style) in chunks of `prefill_chunk` tokens, whose last chunk
-yields the first new token, then one decode step per further token. A revoke takes
-effect at the next boundary — the end of the swap, of a prefill chunk, or of a decode
-step, because the engine reads the cancel flag before every forward pass — plus
-`revoke_delay_s` (the stopped generation reaches its holder, which releases the lease,
-and the next job is granted). A revoke inside a chunk that is not the last one stops
-with no new token: that prefill is lost and the resumed run reads the context again.
+a prefill over the part of the context (the prompt plus, for a resumed job, the tokens it
+already produced, R6) that the prefix KV cache does not hold (`kvcache`), in chunks that
+take `CHUNK_DECODE_STEPS` decode steps each as the engine sizes them (or of `prefill_chunk`
+tokens when a profile fixes it), whose last chunk yields the first new token, then one decode
+step per further token. A revoke takes effect at the next boundary — the end of the swap, of a
+prefill chunk, or of a decode step, because the engine reads the cancel flag before every
+forward pass — plus `revoke_delay_s` (the stopped generation reaches its holder, which
+releases the lease, and the next job is granted). A revoke inside a chunk that is not the
+last one stops with no new token; the chunks read stay in the KV cache for the resume (with
+no cache, the resumed run reads the context again).
 
 Where the numbers come from
 ---------------------------
@@ -44,8 +46,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-#: Tokens per prefill forward pass, as `uniun_ray.models.engine.DEFAULT_PREFILL_CHUNK`.
-PREFILL_CHUNK = 256
+#: A prefill chunk takes this many decode steps, as the engine sizes them
+#: (`uniun_ray.models.tuning.CHUNK_DECODE_STEPS`; the simulator does not import the models).
+CHUNK_DECODE_STEPS = 2.0
 
 
 @dataclass(frozen=True)
@@ -65,10 +68,16 @@ class DeviceProfile:
     name: str
     models: dict[str, ModelSpeed] = field(default_factory=dict)
     revoke_delay_s: float = 0.01
-    prefill_chunk: int = PREFILL_CHUNK  # tokens per prefill pass: a revoke waits for one
+    prefill_chunk: int | None = None  # tokens per prefill pass, fixed; None: sized by time
     #: The prefix KV cache per device, in tokens (0: none). The runtime's default budget
     #: (UNIUN_KV_CACHE_MB=1024) holds about 22k tokens of SmolLM2 in float32.
     kv_cache_tokens: int = 20_000
+
+    def chunk_tokens(self, speed: ModelSpeed) -> int:
+        """Tokens per prefill pass: fixed, or as many as fit in CHUNK_DECODE_STEPS decode steps."""
+        if self.prefill_chunk is not None:
+            return self.prefill_chunk
+        return max(1, int(CHUNK_DECODE_STEPS * speed.decode_s / speed.prefill_s_per_token))
 
     def speed(self, model_id: str) -> ModelSpeed:
         try:

@@ -18,11 +18,12 @@ dispatched to a busy or unknown device, a revoke of a job that is not running, a
 revoke) raises `ContractError`.
 
 Costs the simulator charges, for one run of a job that has produced k of its n tokens:
-``swap_s`` (when the Dispatch says swap), ``prefill_s(prompt + k)`` after which the next
-token exists, then ``decode_s`` per further token. Boundaries, where a revoke takes
-effect, are the end of the swap (no token yet: a revoked load stops there), the end of
-every prefill chunk of the profile's ``prefill_chunk`` tokens (no new token before the
-last one: that prefill is lost), and every decode step. A revoke whose next boundary is
+``swap_s`` (when the Dispatch says swap), ``prefill_s`` of the context (prompt + k) less what
+the device's prefix KV cache holds, after which the next token exists, then ``decode_s`` per
+further token. Boundaries, where a revoke takes effect, are the end of the swap (no token
+yet: a revoked load stops there), the end of every prefill chunk (`DeviceProfile.chunk_tokens`;
+no new token before the last one: the chunks read stay cached for the resume), and every
+decode step. A revoke whose next boundary is
 the job's last token lets the job finish "done".
 A swap is charged whenever the Dispatch asks for one; a Dispatch without swap for a model
 that is not loaded on its device is a contract error. Every device starts empty.
@@ -265,7 +266,7 @@ class Simulator:
         cached = self._kv[where].take(state.job.id, self._conversation(state), context)
         prefill = speed.prefill_s(context - cached)
         run = _Run(state, where, self.now, compute_start, compute_start + prefill, speed.decode_s,
-                   speed.prefill_s(self.device.prefill_chunk), cached)
+                   speed.prefill_s(self.device.chunk_tokens(speed)), cached)
         self._running[action.job_id] = run
         self._log("dispatch", state, swap=action.swap, tier=int(action.tier), cached_tokens=cached,
                   prefill_tokens=context - cached, prefill_s=prefill)
@@ -308,7 +309,8 @@ class Simulator:
         stopped = run.stop_boundary < math.inf
         kv = self._kv[run.device]
         if stopped:          # kept for the resume: what the run had read by its stop
-            kv.put(state.job.id, run.tokens_read(run.stop_boundary, self.device.prefill_chunk))
+            kv.put(state.job.id, run.tokens_read(run.stop_boundary,
+                                                 self.device.chunk_tokens(self.device.speed(state.job.model_id))))
         elif self._conversation(state) is not None:   # the next turn's prompt starts with it
             kv.put(self._conversation(state), state.spec.prompt_tokens + state.spec.output_tokens)
         state.produced = run.tokens_at(run.stop_boundary) if stopped else state.spec.output_tokens
