@@ -7,7 +7,7 @@ PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.installed
 export RAY_AUTH_MODE ?= disabled
 
-.PHONY: demo test test-stress bench install clean
+.PHONY: demo test test-stress gpu-check bench install clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -31,6 +31,10 @@ test-stress: $(STAMP)
 
 demo: $(STAMP)
 	$(PY) -m uniun_ray.demo
+
+# On a GPU machine: the GPU-relevant tests and the engine and runtime benchmarks, into gpu-check.md.
+gpu-check: $(STAMP)
+	PYTHON=$(PY) benchmarks/gpu_check.sh
 
 bench: $(STAMP)
 	$(VENV)/bin/uniun-ray bench

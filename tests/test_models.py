@@ -35,6 +35,8 @@ from uniun_ray.models import registry
 from uniun_ray.models.registry import CACHE_ENV
 from uniun_ray.models.tuning import Speed, fastest
 
+#: `make gpu-check` runs this module on a GPU (UNIUN_TEST_DEVICE=cuda); CPU otherwise.
+DEVICE = os.environ.get("UNIUN_TEST_DEVICE", "cpu")
 USER_CACHE = os.environ.get(CACHE_ENV)  # read at import, before the fixtures below redirect it
 
 PROMPT = "def fibonacci(n):"
@@ -63,7 +65,7 @@ def tiny_cache(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def loaded_engine(tiny_cache):
-    engine = Engine(dtype="float32")
+    engine = Engine(device=DEVICE, dtype="float32")
     engine.load("tiny")
     return engine
 
@@ -137,7 +139,7 @@ def test_local_folder_id_loads_and_generates_like_its_source(engine, tiny_cache)
     assert spec.origin is Origin.LOCAL and materialize(spec) == tiny_cache["tiny"]
     request = GenerateRequest(prompt=PROMPT, max_new_tokens=12)
     _, expected = run(engine, request)
-    local = Engine(dtype="float32")
+    local = Engine(device=DEVICE, dtype="float32")
     local.load(spec.id)
     assert local.loaded == spec.id
     assert run(local, request)[1].token_ids == expected.token_ids
@@ -158,7 +160,7 @@ def test_hugging_face_id_resolves_only_from_the_local_cache(engine, tiny_cache, 
     assert spec.origin is Origin.HUB and materialize(spec) == snapshot
     with pytest.raises(UnknownModel, match="Hugging Face cache"):
         resolve("uniun-test/absent")
-    hub = Engine(dtype="float32")
+    hub = Engine(device=DEVICE, dtype="float32")
     hub.load("uniun-test/tiny")
     request = GenerateRequest(prompt=PROMPT, max_new_tokens=12)
     assert run(hub, request)[1].token_ids == run(engine, request)[1].token_ids
@@ -179,7 +181,7 @@ def test_conversion_is_cached_as_safetensors(tiny_cache, monkeypatch):
 
     monkeypatch.setattr(registry, "_convert_gguf", must_not_convert)
     assert materialize(resolve("tiny")) == folder
-    fresh = Engine(dtype="float32")
+    fresh = Engine(device=DEVICE, dtype="float32")
     load_s = fresh.load("tiny")
     assert load_s < 3.0, f"load from the cache took {load_s:.2f} s (conversion took {tiny_cache['conversion_s']:.1f} s)"
 
@@ -239,7 +241,7 @@ def test_stale_conversion_is_rebuilt(fake_conversion):
 
 
 def test_load_unload_report_state(tiny_cache):
-    engine = Engine(dtype="float32")
+    engine = Engine(device=DEVICE, dtype="float32")
     assert engine.loaded is None and engine.context_length is None and engine.chat is None
     assert engine.load("tiny") > 0
     assert engine.load("tiny") == 0.0
@@ -280,7 +282,7 @@ def test_streams_pieces_and_reports_the_run(engine):
 def test_greedy_matches_transformers_generate_with_chunked_prefill(engine, monkeypatch):
     monkeypatch.setattr(engine, "prefill_chunk", 16)
     model, tokenizer = engine._loaded.model, engine._loaded.vocabulary.tokenizer
-    inputs = tokenizer(LONG_PROMPT, return_tensors="pt")
+    inputs = tokenizer(LONG_PROMPT, return_tensors="pt").to(model.device)
     assert inputs.input_ids.shape[1] > 10 * 16
     with torch.inference_mode():
         output = model.generate(**inputs, max_new_tokens=30, do_sample=False)
@@ -369,7 +371,7 @@ SAMPLING = dict(temperature=0.8, top_k=40, top_p=0.9, repetition_penalty=1.3)
 def test_seeded_sampling_draws_what_transformers_generate_draws(engine):
     """The processors are transformers' own, built from generation_config + the request."""
     model, tokenizer = engine._loaded.model, engine._loaded.vocabulary.tokenizer
-    inputs = tokenizer(PROMPT, return_tensors="pt")
+    inputs = tokenizer(PROMPT, return_tensors="pt").to(model.device)
     torch.manual_seed(11)
     with torch.inference_mode():
         output = model.generate(**inputs, max_new_tokens=24, do_sample=True, **SAMPLING)
@@ -382,7 +384,7 @@ def test_seeded_sampling_draws_what_transformers_generate_draws(engine):
 
 def test_greedy_with_a_repetition_penalty_matches_transformers_generate(engine):
     model, tokenizer = engine._loaded.model, engine._loaded.vocabulary.tokenizer
-    inputs = tokenizer(PROMPT, return_tensors="pt")
+    inputs = tokenizer(PROMPT, return_tensors="pt").to(model.device)
     with torch.inference_mode():
         output = model.generate(**inputs, max_new_tokens=30, do_sample=False, repetition_penalty=1.5)
     _, result = run(engine, GenerateRequest(prompt=PROMPT, max_new_tokens=30, repetition_penalty=1.5))
@@ -514,11 +516,12 @@ def test_default_chat_model_applies_its_template(monkeypatch):
         monkeypatch.delenv(CACHE_ENV, raising=False)
     else:
         monkeypatch.setenv(CACHE_ENV, USER_CACHE)
-    engine = Engine()
+    engine = Engine(device=DEVICE)
     engine.load(DEFAULT_CHAT_MODEL)
     assert engine.chat and engine.dtype in (torch.bfloat16, torch.float32)
     described = engine.describe()   # the dtype kept is the faster of the two measured on this host
-    assert {m["dtype"] for m in described["measured"]} == {"bfloat16", "float32"}
+    if DEVICE == "cpu":             # on a GPU: bf16 (fp16 where bf16 is missing), measured only for chunks
+        assert {m["dtype"] for m in described["measured"]} == {"bfloat16", "float32"}
     assert described["dtype"] == fastest([Speed(**m) for m in described["measured"]]).dtype
     question = "What is the capital of France?"
     messages = [{"role": "user", "content": question}]
@@ -534,7 +537,7 @@ def test_default_chat_model_applies_its_template(monkeypatch):
 
 @pytest.fixture
 def uncached(tiny_cache):
-    engine = Engine(dtype="float32", kv_cache_mb=0)
+    engine = Engine(device=DEVICE, dtype="float32", kv_cache_mb=0)
     engine.load("tiny")
     return engine
 

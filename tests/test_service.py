@@ -223,3 +223,18 @@ def test_event_log_rotates_and_reads_back_in_order(tmp_path):
     log.close()
     assert len(list(tmp_path.glob("ev.jsonl.*"))) > 3
     assert [e["t"] for e in read(tmp_path / "ev.jsonl")] == [float(i) for i in range(300)]
+
+
+def test_a_cancel_that_overtakes_its_submit_refuses_the_submit():
+    """The client's first call (`acquire`) both submits and waits; a caller interrupted
+    meanwhile cancels, and that cancel may reach the scheduler first: the submit is then
+    refused, so nothing is left queued for a caller that is gone."""
+    async def go():
+        s = SchedulerService(FakeDevice(), FAST)
+        await s.cancel("n")
+        with pytest.raises(JobDropped, match="before its submit arrived"):
+            await s.acquire(spec("n", "nataraj"), 0.1, "session")
+        assert (await s.status())["queued"] == 0
+        lease = await s.acquire(spec("m", "nataraj"), 1.0, "session")   # one call: queued and granted
+        assert lease.job_id == "m"
+    run(go())

@@ -11,7 +11,6 @@ from uniun_ray.events.schema import read_jsonl, validate, write_jsonl
 from uniun_ray.sim.metrics import T2Window, jain_of, measure, t2_windows
 from uniun_ray.sim.simulator import ContractError, simulate
 from uniun_ray.events.trace import Trace
-from uniun_ray.policy import Job
 from uniun_ray.sim.workload import Arrival, Flow, FlowStep, SimJob, Workload
 from uniun_ray.sim.workloads import WORKLOADS, generate
 
@@ -252,3 +251,33 @@ def test_bench_writes_tables_and_goals(tmp_path, capsys):
     assert "## issue118" in text and "## Goals" in text and "| two-lane |" in text
     assert (tmp_path / "bench.md").read_text().strip() == text.strip()
     assert (tmp_path / "workloads" / "ganas.json").exists()
+
+
+# -- a pool of devices (SPEC §5) ------------------------------------------------------------
+def test_a_pool_runs_jobs_on_different_models_at_once_and_names_the_device():
+    w = Workload("tiny", 0, "", arrivals=(Arrival(0.0, spec("A", "nataraj", "m1", 10, 50)),
+                                          Arrival(0.0, spec("B", "gana", "m2", 10, 5)),
+                                          Arrival(1.0, spec("C", "chat", "m2", 10, 2))))
+    devices = ("d0", "d1")
+    events = simulate(SchedulerPolicy(devices=devices), w, DEVICE, devices).events
+    validate(events)
+    runs: dict = {}
+    for e in events:
+        if e["ev"] == "dispatch":
+            runs.setdefault(e["job"], e)  # each job's first run
+    assert (runs["A"]["device"], runs["B"]["device"]) == ("d0", "d1") and runs["A"]["t"] == runs["B"]["t"] == 0.0
+    # the chat on m2 revokes the runner that holds m2 (R18), then runs there without a swap
+    assert [(e["job"], e["device"]) for e in events if e["ev"] == "revoke"] == [("B", "d1")]
+    assert runs["C"]["device"] == "d1" and runs["C"]["swap"] is False
+    assert all("device" in e for e in events if e["ev"] in ("dispatch", "swap_start", "swap_end", "first_token",
+                                                             "revoke", "finish"))
+    assert Trace(events).devices == {"d0": None, "d1": None} and measure(events).idle_while_waiting_s == 0.0
+
+
+def test_bench_devices_writes_the_pool_table_and_goals(tmp_path, capsys):
+    assert bench.main(["--devices", "1,2", "--out", str(tmp_path)]) == 0
+    text = (tmp_path / "pool.md").read_text()
+    assert "| devices | background tok/h |" in text and "| 2 |" in text
+    assert "background throughput >= 1.8x at 2 devices" in text and "swaps per device-hour" in text
+    with pytest.raises(SystemExit):
+        bench.main(["--devices", "0,x"])

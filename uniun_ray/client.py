@@ -45,6 +45,7 @@ from .runtime.protocol import (DeviceLost, JobDropped, Lease, LeaseRevoked, Pree
 GRANT_POLL_S = 60.0     # a grant long-poll's wait; the scheduler caps it (SESSION_POLL_S)
 RECONNECT_S = 30.0      # how long a job waits for a restarted scheduler before SchedulerUnavailable
 MAX_RESUBMITS = 5       # scheduler restarts one job survives
+FIRST_HEARTBEAT_S = 0.5  # a session's first heartbeat, after its first grant poll (well inside waiter_timeout_s / 3)
 #: The longest prompt (or messages' total content) accepted, in characters: far beyond any
 #: context window here (128k tokens ~ 512k characters), so only a mistake is refused.
 MAX_PROMPT_CHARS = 1_000_000
@@ -65,6 +66,9 @@ class Completion:
     revokes: int
     job_id: str
     model_id: str
+    prompt_tokens: int | None = None      # the prompt (templated), as the model read it
+    tier_at_dispatch: int | None = None   # the tier of the job's first dispatch (the policy's)
+    finish_reason: str | None = None      # the last run's: "eos", "length", "stop", or "cancel"
 
 
 def _job(kind, model_id, producer, deadline, foreground_hint, subject) -> Job:
@@ -150,6 +154,9 @@ class _Session:
                 self._task = None
 
     async def _beat(self, scheduler) -> None:
+        # a grant poll proves the session alive too: the first heartbeat can wait a little,
+        # and a job that is served at once costs none
+        await asyncio.sleep(FIRST_HEARTBEAT_S)
         while True:
             try:
                 interval = await scheduler.heartbeat.remote(self.id)
@@ -264,18 +271,20 @@ class LeaseLoop:
 
     async def turns(self) -> AsyncIterator[Turn]:
         async with self.session.using(self.scheduler):
+            lease = None
             try:
-                await self.scheduler.submit.remote(self.job)
-            except Exception as error:
-                await self.recover(error)
-            try:
+                try:  # one round trip submits and waits for the first lease
+                    lease = await self.scheduler.acquire.remote(self.job, GRANT_POLL_S, self.session.id)
+                except Exception as error:
+                    await self.recover(error)
                 while True:
-                    lease = await self._grant()
+                    lease = lease or await self._grant()
                     turn = Turn(self, lease, self.model)
                     async with self._renewing(lease):
                         yield turn
                     if turn.outcome is None:
                         raise RuntimeError("a turn ended without an outcome: use `async with turn:`")
+                    lease = None
                     if await self._settle(turn):
                         return
             except BaseException:  # interrupted, or failed: withdraw the job (idempotent)
@@ -416,6 +425,7 @@ class GenerationStream:
         lossy = False                    # a run died with the device: resume from the text instead
         count = 0                        # tokens produced (pieces, for a run the device lost)
         text, ttft = [], None
+        prompt_tokens = tier = finish_reason = None
         loop = LeaseLoop(self.job)
         turns = loop.turns()
         try:
@@ -424,6 +434,7 @@ class GenerationStream:
                 request = replace(self.request, max_new_tokens=limit - count, **resume)
                 result, pieces = None, 0
                 async with turn:
+                    tier = turn.lease.tier if tier is None else tier
                     async for item in _generation(turn.model, turn.lease.epoch, request):
                         if "piece" in item:
                             text.append(item["piece"])
@@ -437,6 +448,9 @@ class GenerationStream:
                 if result is not None:
                     produced += tuple(result["token_ids"])
                     count += len(result["token_ids"])
+                    finish_reason = result["finish_reason"]
+                    if prompt_tokens is None:
+                        prompt_tokens = result["prompt_tokens"]
                 elif pieces:
                     lossy, count = True, count + pieces
                 if count >= limit:
@@ -448,7 +462,8 @@ class GenerationStream:
         finally:
             await turns.aclose()
         self.completion = Completion("".join(text), count, ttft, time.perf_counter() - started,
-                                     loop.revokes, self.job.id, self.job.model_id)
+                                     loop.revokes, self.job.id, self.job.model_id, prompt_tokens, tier,
+                                     finish_reason)
 
     @staticmethod
     async def _first_token(loop: LeaseLoop, lease: Lease) -> None:

@@ -7,7 +7,9 @@ a JSON object; events are in time order (ties keep the order they happened in).
 Every event has ``t`` (seconds, float, any origin but one clock for the whole log) and
 ``ev`` (its type). Job events also carry ``job`` (the id), and repeat the job's
 ``kind``, ``producer`` and ``model`` so that a line reads on its own; readers take those
-from the job's ``submit``.
+from the job's ``submit``. The events of a run (dispatch, swap_start, swap_end,
+first_token, revoke, finish) carry ``device``, the device it runs on (SPEC §5); a log
+whose runs carry none is of one device, which readers call "dev0".
 
 =============  ==========================================================================
 ``ev``         further fields

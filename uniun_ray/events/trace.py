@@ -27,6 +27,7 @@ class Run:
     model: str
     start: float
     tier: int
+    device: str = "dev0"
     swap_s: float = 0.0
     end: float | None = None
     outcome: str | None = None
@@ -70,6 +71,7 @@ class Trace:
         self.swaps: list[Swap] = []
         self.revokes: list[tuple[float, str]] = []
         self.foreground: list[tuple[float, Foreground]] = []  # (time, what is in front from then on)
+        self.devices: dict[str, None] = {}  # the devices runs went to, in order of first use
         self._fg_times: list[float] = []
         self.start = self.end = None
         swap_started: dict[str, float] = {}
@@ -89,7 +91,8 @@ class Trace:
                 rec = self.jobs[ev["job"]]
                 tier = ev.get("tier")
                 tier = int(tier_of(rec.job, self.foreground_at(t), t)) if tier is None else tier
-                run = Run(rec.job.id, rec.kind, rec.producer, ev["model"], t, tier)
+                run = Run(rec.job.id, rec.kind, rec.producer, ev["model"], t, tier, ev.get("device", "dev0"))
+                self.devices.setdefault(run.device, None)
                 rec.runs.append(run)
                 self.runs.append(run)
             elif kind == "swap_start":

@@ -1,21 +1,10 @@
 """The one place the HTTP app meets the client API (SPEC §2): it opens a generation as a
 job with `uniun_ray.astream`, and gathers the facts an OpenAI answer reports about it.
 
-The client API does not (yet) report everything §4's answer carries, so three facts are
-found here, each with the client's own value preferred the day it has one:
-
-* the job id before the first token (a streaming answer's chunks carry it):
-  `GenerationStream.job_id`, else its `job.id`;
-* `usage.prompt_tokens`: `Completion.prompt_tokens`, else the model's tokenizer here;
-* `uniun.tier_at_dispatch`: `Completion.tier_at_dispatch`, else the scheduler's event
-  log (its `dispatch` events carry the tier), read where the log is on this node;
-* `finish_reason`: `Completion.finish_reason`, else "length" when the job produced all the
-  tokens it asked for, "stop" otherwise.
-
-Sampling fields (`temperature`, `top_p`, `stop`, `seed`, and vLLM's `top_k`,
-`repetition_penalty`) go to the client through
-`sampling_kwargs`, which passes exactly those the client's `astream` accepts and names the
-rest in the answer's `uniun.ignored` (never silently).
+Every fact an OpenAI answer reports comes from the client's `Completion`: the job id, the
+prompt's token count as the model read it, the tier of the job's first dispatch (the policy's
+`Dispatch.tier`, carried by the lease), the finish reason. Sampling fields (`temperature`,
+`top_p`, `stop`, `seed`, and vLLM's `top_k`, `repetition_penalty`) are the client's own.
 
 Cancellation. When an HTTP client goes away, Serve cancels the request's Ray task, and Ray
 cancels every Ray call made in that task's context with it (recursive cancellation, ray
@@ -31,12 +20,8 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
-import functools
-import inspect
-import os
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import uniun_ray
 
@@ -44,30 +29,13 @@ from .schemas import JobFields
 
 #: max_tokens when the request gives none (the client API's default).
 DEFAULT_MAX_TOKENS = 128
-#: OpenAI's sampling fields, in the order they are passed on.
+#: OpenAI's sampling fields (and vLLM's top_k, repetition_penalty): the client API's own.
 SAMPLING_FIELDS = ("temperature", "top_p", "stop", "seed", "top_k", "repetition_penalty")
-#: How far back in the event log a job's dispatch is looked for.
-LOG_SCAN_BYTES = 4 * 1024 * 1024
 
 
-@functools.lru_cache(maxsize=1)
-def _client_parameters() -> frozenset[str]:
-    return frozenset(inspect.signature(uniun_ray.astream).parameters)
-
-
-def sampling_kwargs(body: JobFields) -> tuple[dict, list[str]]:
-    """The single place sampling fields cross into the client API: those its `astream`
-    accepts are passed on; the rest are returned by name, to be reported as ignored."""
-    accepted, ignored = {}, []
-    for name in SAMPLING_FIELDS:
-        value = getattr(body, name, None)
-        if value is None:
-            continue
-        if name in _client_parameters():
-            accepted[name] = value
-        else:
-            ignored.append(name)
-    return accepted, ignored
+def sampling_kwargs(body: JobFields) -> dict:
+    """The sampling fields the request gave, as the client API takes them."""
+    return {name: getattr(body, name) for name in SAMPLING_FIELDS if getattr(body, name, None) is not None}
 
 
 def producer_of(body: JobFields) -> str | None:
@@ -130,7 +98,6 @@ class Job:
     body: JobFields
     stream: object                      # the client's GenerationStream
     max_tokens: int
-    ignored: list[str]
     prompt: str | None = None
     messages: list[dict] | None = None
     created: int = field(default_factory=lambda: int(time.time()))
@@ -148,14 +115,8 @@ class Job:
             pass
 
     @property
-    def _record(self):
-        """The client's record of the job (`job`; `spec` before issue 12)."""
-        return getattr(self.stream, "job", None) or getattr(self.stream, "spec", None)
-
-    @property
     def id(self) -> str:
-        job_id = getattr(self.stream, "job_id", None)
-        return job_id if job_id is not None else self._record.id
+        return self.stream.job.id
 
     @property
     def completion(self):
@@ -166,121 +127,31 @@ class Job:
         done = self.completion
         if done is not None:
             return done.model_id
-        return getattr(self._record, "model_id", None) or self.body.model_id() or "default"
+        return self.stream.job.model_id
 
     def finish_reason(self) -> str:
-        done = self.completion
-        reason = getattr(done, "finish_reason", None)
-        if reason is not None:
-            return {"eos": "stop", "stop": "stop", "length": "length"}.get(reason, reason)
-        return "length" if done.tokens >= self.max_tokens else "stop"
+        """OpenAI's words: "stop" for the end of the answer or a stop string, "length"."""
+        reason = self.completion.finish_reason
+        return {"eos": "stop", "stop": "stop", "length": "length"}.get(reason, reason or "stop")
 
     async def usage(self) -> dict:
         done = self.completion
-        prompt = getattr(done, "prompt_tokens", None)
-        if prompt is None:
-            prompt = await count_prompt_tokens(done.model_id, self.prompt, self.messages)
-        return {"prompt_tokens": prompt, "completion_tokens": done.tokens,
-                "total_tokens": (prompt or 0) + done.tokens}
+        return {"prompt_tokens": done.prompt_tokens, "completion_tokens": done.tokens,
+                "total_tokens": (done.prompt_tokens or 0) + done.tokens}
 
     async def uniun(self) -> dict:
         done = self.completion
-        tier = getattr(done, "tier_at_dispatch", None)
-        if tier is None:
-            tier = await tier_at_dispatch(self.id)
-        facts = {"job_id": self.id, "kind": self.body.kind, "tier_at_dispatch": tier,
-                 "ttft_s": done.ttft_s, "revokes": done.revokes}
-        if self.ignored:
-            facts["ignored"] = list(self.ignored)
-        return facts
+        return {"job_id": self.id, "kind": self.body.kind, "tier_at_dispatch": done.tier_at_dispatch,
+                "ttft_s": done.ttft_s, "revokes": done.revokes}
 
 
 def open_job(body: JobFields, *, prompt: str | None = None, messages: list[dict] | None = None) -> Job:
     """Validate and open the job (nothing is queued until it is iterated). ValueError and
     the client's other errors propagate to the caller, which maps them to OpenAI errors."""
-    sampling, ignored = sampling_kwargs(body)
+    sampling = sampling_kwargs(body)
     max_tokens = body.new_tokens() or DEFAULT_MAX_TOKENS
     stream = uniun_ray.astream(body.kind, prompt, messages=messages, model_id=body.model_id(),
                                producer=producer_of(body), deadline=body.deadline,
                                foreground_hint=body.foreground_hint, subject=body.subject,
                                max_new_tokens=max_tokens, **sampling)
-    return Job(body, stream, max_tokens, ignored, prompt=prompt, messages=messages)
-
-
-# -- facts the client API does not report (yet) ----------------------------------------------
-async def count_prompt_tokens(model_id: str, prompt: str | None, messages: list[dict] | None) -> int | None:
-    """The prompt's token count as the model sees it (chat template applied), from its
-    tokenizer in this process; None if that cannot be done here."""
-    def count() -> int:
-        from ..models.engine import inspect_request
-        from ..models.registry import resolve
-        from ..models.request import GenerateRequest
-
-        return inspect_request(resolve(model_id), GenerateRequest(prompt=prompt, messages=messages,
-                                                                  max_new_tokens=1))
-    try:
-        return await asyncio.to_thread(count)
-    except Exception:  # e.g. a prompt that fills the whole context: + 1 token is too long
-        return None
-
-
-_LOG_PATH: list[Path] = []
-
-
-async def _event_log() -> Path | None:
-    if not _LOG_PATH:
-        try:
-            from .app import runtime_call
-            _LOG_PATH.append(Path((await runtime_call(uniun_ray.astatus))["event_log"]))
-        except Exception:
-            return None
-    return _LOG_PATH[0]
-
-
-def _lines_backwards(path: Path, limit: int, chunk: int = 64 * 1024):
-    """The complete lines of a file, newest first, reading at most `limit` bytes from its end."""
-    try:
-        f = open(path, "rb")
-    except FileNotFoundError:
-        return
-    with f:
-        position = f.seek(0, os.SEEK_END)
-        tail = b""
-        while position > 0 and limit > 0:
-            step = min(chunk, position, limit)
-            position -= step
-            limit -= step
-            f.seek(position)
-            lines = (f.read(step) + tail).split(b"\n")
-            tail = lines[0]   # may be cut: completed by the next chunk back
-            yield from reversed(lines[1:])
-        if position == 0:
-            yield tail
-
-
-def _first_dispatch_tier(path: Path, job_id: str) -> int | None:
-    """The tier of the job's first dispatch, reading the log (and its newest backup) back
-    from the end until the job's submit, at most LOG_SCAN_BYTES; bytes are matched before
-    any line is parsed, so a busy log costs little."""
-    import json
-
-    needle, tier = f'"job":"{job_id}"'.encode(), None
-    for file in (path, path.with_name(path.name + ".1")):
-        for line in _lines_backwards(file, LOG_SCAN_BYTES):
-            if needle not in line:
-                continue
-            if b'"ev":"dispatch"' in line:
-                try:
-                    tier = json.loads(line).get("tier", tier)
-                except ValueError:
-                    continue
-            elif b'"ev":"submit"' in line:
-                return tier
-    return tier
-
-
-async def tier_at_dispatch(job_id: str) -> int | None:
-    path = await _event_log()
-    if path is None:
-        return None
-    return await asyncio.to_thread(_first_dispatch_tier, path, job_id)
+    return Job(body, stream, max_tokens, prompt=prompt, messages=messages)

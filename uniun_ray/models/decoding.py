@@ -52,7 +52,8 @@ class Decoding:
     cancel: CancelCriteria
 
     def next_token(self, sequence: torch.LongTensor, logits: torch.Tensor) -> int:
-        """Choose the token after ``sequence`` ([1, length]) from the model's last ``logits``."""
+        """Choose the token after ``sequence`` ([1, length], on the CPU) from the model's last
+        ``logits``, brought to the CPU in float32 as ``generate`` does before its processors."""
         scores = self.processors(sequence, logits.to(dtype=torch.float32, device=sequence.device)[None])
         if not self.do_sample:
             return int(torch.argmax(scores, dim=-1).item())
@@ -79,8 +80,8 @@ def decoding(model: Any, tokenizer: Any, request: GenerateRequest, prompt_tokens
     if request.stop:
         stopping.append(StopStringCriteria(tokenizer, list(request.stop)))
     generator = None
-    if config.do_sample and request.seed is not None:
-        generator = torch.Generator(device).manual_seed(request.seed)
+    if config.do_sample and request.seed is not None:   # sampling runs on the CPU (see next_token)
+        generator = torch.Generator().manual_seed(request.seed)
     return Decoding(processors(config), bool(config.do_sample), generator, stopping, cancel)
 
 

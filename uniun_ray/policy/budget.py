@@ -1,13 +1,29 @@
-"""The T2 budget (R11): a sliding window of held time.
+"""The T2 budget (R11, R19): a sliding window of held device-seconds.
 
-Runs are recorded as closed intervals in dispatch order; they never overlap (one job at
-a time), so only the oldest kept interval can straddle the window's start. Keeping running
-sums makes the share O(1) amortised instead of a scan of the window.
+Runs are recorded as closed intervals, per device in the order they end; the runs of one
+device never overlap (one job at a time), so only each device's oldest kept interval can
+straddle the window's start. Keeping running sums makes the share O(devices) instead of a
+scan of the window. Over a pool, T2 counts its device-seconds against `t2_share` of all
+the device-seconds held in the window; with one device that is R11's held time.
+
+The sums are kept exactly, in integer nanoseconds: float sums that are added to and
+subtracted from drift (issue 10: a share of 1.0000000000000007 with `t2_share` 1.0, and
+3.6e-15 s of T2 time in a window that held none), and a budget decision must never turn
+on that noise. With integers a share of 1.0 is never exceeded and a window without T2
+time is never over budget, whatever the history.
 """
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
+from typing import Iterable
+
+_NS = 1_000_000_000
+
+
+def ns(seconds: float) -> int:
+    """A time on the integer clock. Monotone, so the order of times is kept."""
+    return round(seconds * _NS)
 
 
 @dataclass(frozen=True, slots=True)
@@ -19,44 +35,49 @@ class Run:
 
 class T2Window:
     def __init__(self, window_s: float, share: float) -> None:
-        self._window_s = window_s
+        self._window = ns(window_s)
         self._share = share
-        self._runs: deque[Run] = deque()
-        self._held = 0.0
-        self._held_t2 = 0.0
+        self._runs: dict[str, deque[tuple[int, int, bool]]] = {}  # device -> (start, end, T2)
+        self._held = 0
+        self._held_t2 = 0
 
-    def record(self, run: Run) -> None:
-        self._runs.append(run)
-        self._held += run.end - run.start
-        self._held_t2 += (run.end - run.start) * run.counts_as_t2
+    def record(self, device: str, run: Run) -> None:
+        start, end = ns(run.start), ns(run.end)
+        self._runs.setdefault(device, deque()).append((start, end, run.counts_as_t2))
+        self._held += end - start
+        self._held_t2 += (end - start) * run.counts_as_t2
 
-    def _trim(self, cutoff: float) -> None:
-        while self._runs and self._runs[0].end <= cutoff:
-            run = self._runs.popleft()
-            self._held -= run.end - run.start
-            self._held_t2 -= (run.end - run.start) * run.counts_as_t2
-        if not self._runs:
-            self._held = self._held_t2 = 0.0  # no float drift once the window empties
+    def _trim(self, cutoff: int) -> None:
+        for device, runs in list(self._runs.items()):
+            while runs and runs[0][1] <= cutoff:
+                start, end, t2 = runs.popleft()
+                self._held -= end - start
+                self._held_t2 -= (end - start) * t2
+            if not runs:
+                del self._runs[device]  # a device removed long ago leaves nothing behind
 
-    def usage(self, now: float, running: Run | None) -> tuple[float, float]:
-        """(T2 held seconds, all held seconds) inside [now - window, now]; `running` is the
-        job holding the device right now, as a run ending at `now`."""
-        cutoff = now - self._window_s
+    def _usage_ns(self, now: float, running: Iterable[Run]) -> tuple[int, int]:
+        at = ns(now)
+        cutoff = at - self._window
         self._trim(cutoff)
         held, held_t2 = self._held, self._held_t2
-        if self._runs and self._runs[0].start < cutoff:
-            clipped = cutoff - self._runs[0].start
-            held -= clipped
-            held_t2 -= clipped * self._runs[0].counts_as_t2
-        if running is not None:
-            part = now - max(running.start, cutoff)
+        for runs in self._runs.values():
+            start, _, t2 = runs[0]
+            if start < cutoff:
+                held -= cutoff - start
+                held_t2 -= (cutoff - start) * t2
+        for run in running:
+            part = at - max(ns(run.start), cutoff)
             held += part
-            held_t2 += part * running.counts_as_t2
-        return max(held_t2, 0.0), max(held, 0.0)
+            held_t2 += part * run.counts_as_t2
+        return held_t2, held
 
-    def share(self, now: float, running: Run | None) -> float:
-        used, held = self.usage(now, running)
-        return used / held if held > 0 else 0.0
+    def usage(self, now: float, running: Iterable[Run]) -> tuple[float, float]:
+        """(T2 held seconds, all held seconds) inside [now - window, now]; `running` are the
+        jobs holding devices right now, as runs ending at `now`."""
+        used, held = self._usage_ns(now, running)
+        return used / _NS, held / _NS
 
-    def over(self, now: float, running: Run | None) -> bool:
-        return self.share(now, running) > self._share
+    def over(self, now: float, running: Iterable[Run]) -> bool:
+        used, held = self._usage_ns(now, running)
+        return used > self._share * held

@@ -64,6 +64,10 @@ class VruntimeLedger:
     def producer_vruntime(self, flow: ProducerFlow) -> float:
         return self._producers.vruntime.get(flow, 0.0)
 
+    def weight(self, name: str) -> float:
+        """A kind's value or a producer id's weight: held time is divided by it (R8)."""
+        return self._config.weight(name)
+
     def snapshot(self) -> dict:
         producers: dict[str, dict[str, float]] = {}
         for (kind, producer), value in sorted(self._producers.vruntime.items(), key=lambda kv: (kv[0][0].value, kv[0][1])):
@@ -93,9 +97,8 @@ class VruntimeLedger:
         kind, producer = flow
         if kind not in POOL_KINDS:
             return
-        weight = self._config.weight
-        self._kinds.vruntime[kind] = self.kind_vruntime(kind) + held_s / weight(kind.value)
-        self._producers.vruntime[flow] = self.producer_vruntime(flow) + held_s / weight(producer)
+        self._kinds.vruntime[kind] = self.kind_vruntime(kind) + held_s / self.weight(kind.value)
+        self._producers.vruntime[flow] = self.producer_vruntime(flow) + held_s / self.weight(producer)
 
     def decay(self, now: float) -> bool:
         """R10: halve every vruntime once per `decay_period_s` since the first call, applying

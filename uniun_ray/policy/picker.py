@@ -1,18 +1,25 @@
-"""Choosing a job (R2, R3, R11, R12) and deciding whether it preempts (R4).
+"""Choosing a job (R2, R3, R11, R12, R16, R17) and deciding whether it preempts (R4, R18).
 
-Two questions, two functions: `pick` answers "the device is free: what runs next?";
-`preemptor` answers "something changed: does a queued job outrank the running one?" with
-the same rules, the running job counted as a candidate. The T2 budget and the affinity
+`place` answers "devices are free: what runs next, and where?"; `preemptor` answers "an
+event happened: does a queued job outrank the job running on this device?" with the same
+rules, the running job counted as a candidate; `victim` chooses, across the pool, the one
+running job to revoke; `affinity_wakeup` answers "when does the affinity wait that holds
+such a job back end?". With one device these are exactly the single-device rules: a
+device is a model (its `loaded`) and the pool's ties never arise. The T2 budget and the affinity
 wait are pick-time rules: they are consulted, so an over-budget T2 or a job on another
 model still inside its affinity wait never revokes (a revoke would only hand the device
-straight back: thrash), but they are not events, so they never revoke on their own.
+straight back: thrash). The budget is never an event; the end of an outranking job's
+affinity wait is one (R4, clarified), so that whether it revokes does not depend on an
+unrelated call happening to come along.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Callable
 
+from .pool import Device, device_for, swap_target
 from .queues import Entry, Queues
 from .tiers import Foreground, Tier
 
@@ -24,9 +31,9 @@ class PickContext:
     queues: Queues
     foreground: Foreground
     now: float
-    loaded_model: str | None
     budget_check: Callable[[], bool]
     max_affinity_wait_s: float
+    tier: Callable[[Entry], Tier]
 
     @cached_property
     def t2_over_budget(self) -> bool:
@@ -40,48 +47,115 @@ class PickContext:
                 return entry
         return None
 
-    def fair_tiers(self, lower_work: bool) -> tuple[Tier, ...]:
-        """R11: over budget, T2 is skipped only if T3/T4 work exists (work-conserving)."""
-        if lower_work and self.queues.head(Tier.EXTRACT, self.foreground, self.now) and self.t2_over_budget:
-            return _FAIR_TIERS[1:]
-        return _FAIR_TIERS
+    def fair_tiers(self, lower_work: bool, below: Tier | None = None) -> tuple[Tier, ...]:
+        """T2–T4 (those numbered below `below`, when given). R11: over budget, T2 is skipped
+        only if T3/T4 work exists (work-conserving)."""
+        tiers = _FAIR_TIERS if below is None else tuple(t for t in _FAIR_TIERS if t < below)
+        if (tiers[:1] == (Tier.EXTRACT,) and lower_work
+                and self.queues.head(Tier.EXTRACT, self.foreground, self.now) and self.t2_over_budget):
+            return tiers[1:]
+        return tiers
 
 
-def pick(ctx: PickContext) -> Entry | None:
+def affinity_end(submitted: float, max_wait_s: float) -> float:
+    """The first instant at which a job submitted at `submitted` has waited longer than
+    `max_wait_s` (R12), with the comparison `waited_past` makes, float for float: the
+    runtime's tick at this time finds the wait over, not a hair short of it."""
+    end = submitted + max_wait_s
+    while end - submitted <= max_wait_s:
+        end = math.nextafter(end, math.inf)
+    while (earlier := math.nextafter(end, -math.inf)) - submitted > max_wait_s:
+        end = earlier
+    return end
+
+
+def waited_past(entry: Entry, ctx: PickContext) -> bool:
+    return ctx.now - entry.submitted > ctx.max_affinity_wait_s
+
+
+def place(ctx: PickContext, free: list[Device]) -> tuple[Entry, Device] | None:
+    """The next job and the free device it runs on (R16: while any job waits, a free device
+    gets one), or None when nothing waits. Called once per free device, in a loop."""
     urgent = ctx.first((Tier.CHAT, Tier.FOREGROUND))
     if urgent is not None:
-        return urgent  # T0/T1 swap at once (R12, R13)
+        return urgent, device_for(urgent, free, ctx.queues.count_on)  # T0/T1 swap at once (R12, R13)
     tiers = ctx.fair_tiers(lower_work=len(ctx.queues.pool) > 0)
     best = ctx.first(tiers)
-    if best is None or ctx.loaded_model is None or best.job.model_id == ctx.loaded_model:
-        return best
-    # R12: fall through T2–T4 to the best job on the loaded model, unless the best job
-    # has waited past the affinity bound; after a swap this favours the new model.
-    same = ctx.first(tiers, ctx.loaded_model)
-    if same is not None and ctx.now - best.submitted <= ctx.max_affinity_wait_s:
-        return same
-    return best
+    if best is None:
+        return None
+    holder = next((d for d in free if d.loaded == best.job.model_id), None)
+    if holder is not None:
+        return best, holder
+    if waited_past(best, ctx) or any(d.loaded is None for d in free):
+        return best, swap_target(free, ctx.queues.count_on)
+    # R12: each free device falls through T2–T4 to the best job on its model while the
+    # best job is inside its affinity wait; after a swap this favours the new model.
+    for device in free:
+        same = ctx.first(tiers, device.loaded)
+        if same is not None:
+            return same, device
+    return best, swap_target(free, ctx.queues.count_on)
 
 
-def preemptor(ctx: PickContext, running_tier: Tier) -> Entry | None:
-    """The queued job that should revoke a running job of `running_tier`, if any: the job
-    `pick` would choose, with the runner counted as a candidate, when it is of a lower tier.
+def _outranking_fair_tiers(ctx: PickContext, running_tier: Tier) -> list[Tier]:
+    lower_work = len(ctx.queues.pool) > 0 or running_tier >= Tier.DEADLINE
+    return ctx.fair_tiers(lower_work, below=running_tier)
+
+
+def preemptor(ctx: PickContext, loaded: str | None, running_tier: Tier) -> Entry | None:
+    """The queued job that should revoke a running job of `running_tier` on a device holding
+    `loaded`, if any: the job `place` would choose for that device, with the runner counted
+    as a candidate, when it is of a lower tier.
 
     The runner is on the loaded model, so for T2–T4 it is always a same-model candidate: a
-    job on another model preempts only once its affinity wait is over (at an event: this
-    is never a timer of its own), and an over-budget T2 never does while the runner is
-    T3/T4 work."""
+    job on another model preempts only once its affinity wait is over (the end of that
+    wait is an event: `affinity_wakeup`), and an over-budget T2 never does while the
+    runner is T3/T4 work."""
     if running_tier is Tier.CHAT:
         return None  # chat only loses to itself (R4)
     urgent = ctx.first(t for t in (Tier.CHAT, Tier.FOREGROUND) if t < running_tier)
     if urgent is not None:
         return urgent
-    lower_work = len(ctx.queues.pool) > 0 or running_tier >= Tier.DEADLINE
-    tiers = [t for t in ctx.fair_tiers(lower_work) if t < running_tier]
-    same = ctx.first(tiers, ctx.loaded_model)
+    tiers = _outranking_fair_tiers(ctx, running_tier)
+    same = ctx.first(tiers, loaded)
     if same is not None:
         return same
     best = ctx.first(tiers)
-    if best is not None and ctx.now - best.submitted > ctx.max_affinity_wait_s:
+    if best is not None and waited_past(best, ctx):
         return best
     return None
+
+
+def victim(ctx: PickContext, busy: list[Device]) -> tuple[Device, Entry] | None:
+    """R18: at an event with no device free, the one running job to revoke and the queued
+    job it makes way for: the lowest-ranked running job (the highest tier) that a queued
+    job outranks; ties: the one holding that job's model (no swap), then the most recently
+    dispatched (the least work lost). A revoked job is already making way; chat never is."""
+    candidates = [(ctx.tier(d.running), d) for d in busy if not d.running.revoke_sent]
+    worst = max((tier for tier, _ in candidates), default=Tier.CHAT)
+    chosen = None
+    for tier, device in candidates:
+        if tier != worst:
+            continue
+        entry = preemptor(ctx, device.loaded, tier)
+        key = (entry is not None and entry.job.model_id == device.loaded, device.dispatch_no)
+        if entry is not None and (chosen is None or key > chosen[0]):
+            chosen = (key, device, entry)
+    return chosen[1:] if chosen else None
+
+
+def affinity_wakeup(ctx: PickContext, loaded: str | None, running_tier: Tier) -> float | None:
+    """When the affinity wait of the job that would preempt a runner of `running_tier`
+    ends (R4, R5), or None when no outranking job on another model is inside its wait.
+
+    Only the best outranking job's wait matters: `preemptor` looks at no other job on
+    another model, so the end of any other job's wait would be an event that changes
+    nothing."""
+    if running_tier is Tier.CHAT:
+        return None
+    tiers = _outranking_fair_tiers(ctx, running_tier)
+    best = ctx.first(tiers)
+    if best is None or best.job.model_id == loaded or ctx.first(tiers, loaded):
+        return None
+    end = affinity_end(best.submitted, ctx.max_affinity_wait_s)
+    return end if end > ctx.now else None

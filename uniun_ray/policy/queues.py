@@ -9,7 +9,7 @@ that scope is past no deadline).
 """
 from __future__ import annotations
 
-from collections import defaultdict
+from collections import Counter, defaultdict
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
@@ -104,6 +104,30 @@ class Buckets:
         bucket = self._buckets.get(key)
         return bucket[0] if bucket else None
 
+    def count(self, key: object) -> int:
+        bucket = self._buckets.get(key)
+        return len(bucket) if bucket else 0
+
+
+class Tally:
+    """How many entries share a fixed attribute, where only the count is ever asked."""
+
+    def __init__(self, key_of: Callable[[Entry], object]) -> None:
+        self._key_of = key_of
+        self._counts: Counter = Counter()
+
+    def add(self, entry: Entry) -> None:
+        self._counts[self._key_of(entry)] += 1
+
+    def remove(self, entry: Entry) -> None:
+        key = self._key_of(entry)
+        self._counts[key] -= 1
+        if not self._counts[key]:
+            del self._counts[key]
+
+    def count(self, key: object) -> int:
+        return self._counts.get(key, 0)
+
 
 class FairPool:
     """T4 (R8): the kind with the lowest vruntime, then its producer with the lowest
@@ -113,12 +137,20 @@ class FairPool:
 
     Producers are kept in a sorted list per (kind, scope), scope being all jobs or the jobs
     on one model, keyed by (vruntime, oldest seq, name); a key changes only when the
-    producer is charged, decayed or its oldest job changes, and is then re-inserted."""
+    producer is charged, decayed or its oldest job changes, and is then re-inserted.
+
+    On a pool of devices (R19) the flows' running jobs count before they finish: `inflight`
+    gives, per kind and per (kind, producer), the time they have held devices so far and
+    how many run, and a flow's rank is its vruntime plus that time (divided by its weight),
+    then the fewer running jobs, so that free devices are not all handed to the one flow
+    that is first at the instant they free. With one device nothing runs while the pool is
+    asked, and the rank is the stored one."""
 
     _GLOBAL = None
 
-    def __init__(self, ledger: VruntimeLedger) -> None:
+    def __init__(self, ledger: VruntimeLedger, inflight: Callable[[], dict]) -> None:
         self._ledger = ledger
+        self._inflight = inflight
         self._jobs: dict[tuple[ProducerFlow, str | None], SortedKeyList] = defaultdict(_fifo)
         self._kind_jobs: dict[tuple[Kind, str | None], SortedKeyList] = defaultdict(_fifo)
         self._producers: dict[tuple[Kind, str | None], SortedList] = defaultdict(SortedList)
@@ -181,30 +213,48 @@ class FairPool:
             del self._producers[(flow[0], scope)]
 
     def head(self, model: str | None = None) -> Entry | None:
-        ledger = self._ledger
+        running = self._inflight()
         kinds = [
-            (ledger.kind_vruntime(kind), self._kind_jobs[(kind, self._GLOBAL)][0].seq, kind)
+            (self._rank(kind, self._ledger.kind_vruntime(kind), kind.value, running),
+             self._kind_jobs[(kind, self._GLOBAL)][0].seq, kind)
             for kind in POOL_KINDS
             if (kind, model) in self._kind_jobs
         ]
         if not kinds:
             return None
         kind = min(kinds)[2]
-        producer = self._producers[(kind, model)][0][2]
-        return self._jobs[((kind, producer), model)][0]
+        return self._jobs[((kind, self._fairest(kind, model, running)), model)][0]
+
+    def _rank(self, flow: object, vruntime: float, name: str, running: dict) -> tuple[float, int]:
+        held, count = running.get(flow, (0.0, 0))
+        return (vruntime + held / self._ledger.weight(name), count) if count else (vruntime, 0)
+
+    def _fairest(self, kind: Kind, model: str | None, running: dict) -> str:
+        """The producer of `kind` to serve. The stored ranking leaves out running time, which
+        only raises a rank, so the scan stops at the first producer with nothing running:
+        it looks at most at one producer per device, and one more."""
+        best = None
+        for vruntime, oldest, producer in self._producers[(kind, model)]:
+            key = (self._rank((kind, producer), vruntime, producer, running), oldest, producer)
+            best = key if best is None or key < best else best
+            if (kind, producer) not in running:
+                break
+        return best[2]
 
 
 class Queues:
     """All queued jobs, indexed for the picker."""
 
-    def __init__(self, ledger: VruntimeLedger) -> None:
+    def __init__(self, ledger: VruntimeLedger, inflight: Callable[[], dict]) -> None:
         self._entries: dict[str, Entry] = {}
         self._chat = Ordered(_by_seq)
         self._extract = Ordered(_by_seq)
         self._deadlines = Ordered(_by_deadline)
         self._by_kind = Buckets(lambda e: e.job.kind)
         self._by_subject = Buckets(lambda e: e.job.subject)
-        self.pool = FairPool(ledger)
+        self._by_kind_subject = Tally(lambda e: (e.job.kind, e.job.subject))
+        self._by_model = Tally(lambda e: e.job.model_id)
+        self.pool = FairPool(ledger, inflight)
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -215,10 +265,11 @@ class Queues:
     def get(self, job_id: str) -> Entry | None:
         return self._entries.get(job_id)
 
-    def _indexes(self, entry: Entry) -> Iterator[Ordered | Buckets | FairPool]:
+    def _indexes(self, entry: Entry) -> Iterator[Ordered | Buckets | Tally | FairPool]:
         """Every index this entry belongs to. Only hinted extracts are filed under their
         kind: a foreground extract page hoists those alone (R1)."""
         job = entry.job
+        yield self._by_model
         if job.kind is Kind.CHAT:
             yield self._chat
             return
@@ -227,9 +278,9 @@ class Queues:
         if job.kind is Kind.EXTRACT:
             yield self._extract
             if job.foreground_hint:
-                yield self._by_kind
+                yield from self._kind_indexes(job)
             return
-        yield self._by_kind
+        yield from self._kind_indexes(job)
         yield self.pool
         if job.deadline is not None:
             yield self._deadlines
@@ -243,6 +294,39 @@ class Queues:
         del self._entries[entry.job.id]
         for index in self._indexes(entry):
             index.remove(entry)
+
+    def count_on(self, model: str) -> int:
+        """Queued jobs that want `model` (R17: how much a swap away from it would cost)."""
+        return self._by_model.count(model)
+
+    def _kind_indexes(self, job: Job) -> Iterator[Buckets | Tally]:
+        yield self._by_kind
+        if job.subject is not None:
+            yield self._by_kind_subject
+
+    def _hoisted_count(self, foreground: Foreground) -> int:
+        if foreground.kind is None:
+            return 0
+        if foreground.subject is not None:
+            return self._by_subject.count(foreground.subject)
+        return self._by_kind.count(foreground.kind)
+
+    def _hoisted_by_both(self, a: Foreground, b: Foreground) -> int:
+        if a.kind is None or b.kind is None:
+            return 0
+        if a.subject is not None and b.subject is not None:  # by subject: the same set or disjoint
+            return self._by_subject.count(a.subject) if a.subject == b.subject else 0
+        if a.subject is None and b.subject is None:  # by kind: the same set or disjoint
+            return self._by_kind.count(a.kind) if a.kind is b.kind else 0
+        kind_only, subject = (a, b.subject) if a.subject is None else (b, a.subject)
+        return self._by_kind_subject.count((kind_only.kind, subject))
+
+    def moved_by(self, before: Foreground, after: Foreground) -> bool:
+        """Whether changing the foreground from `before` to `after` moves some queued job in
+        or out of T1 (R4: a change that alters no tier is no event). From counts, O(1):
+        the two hoisted sets differ exactly when they are not both their intersection."""
+        both = self._hoisted_by_both(before, after)
+        return self._hoisted_count(before) != both or self._hoisted_count(after) != both
 
     def hoisted_head(self, foreground: Foreground) -> Entry | None:
         if foreground.kind is None:

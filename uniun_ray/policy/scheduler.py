@@ -1,7 +1,8 @@
-"""`SchedulerPolicy`: the state machine of SPEC §1, with explicit time.
+"""`SchedulerPolicy`: the state machine of SPEC §1 and §5, with explicit time.
 
-It holds the queues, the running job, the foreground, the loaded model, the vruntime
-ledger and the T2 window, and turns each event into actions (Dispatch, Revoke, Requeued).
+It holds the queues, the pool of devices (each with its loaded model and running job),
+the foreground, the vruntime ledger and the T2 window, and turns each event into actions
+(Dispatch, Revoke, Requeued). With one device it is exactly the single-device policy.
 It never sleeps or reads a clock: the SchedulerActor feeds it real time, the simulator
 virtual time.
 
@@ -14,27 +15,31 @@ from collections import OrderedDict
 
 from .budget import Run, T2Window
 from .fairness import VruntimeLedger
-from .picker import PickContext, pick, preemptor
+from .picker import PickContext, affinity_wakeup, place, victim
+from .pool import Device, Pool
 from .queues import Entry, Queues
 from .tiers import Foreground, Tier, tier_of
-from .types import (WITHDRAWALS, Action, Dispatch, Job, Kind, Outcome, PolicyConfig, Requeued, Revoke,
-                    RevokeCause, check_time)
+from .types import (POOL_KINDS, WITHDRAWALS, Action, Dispatch, Job, Kind, Outcome, PolicyConfig, Requeued,
+                    Revoke, RevokeCause, check_time)
 
 #: How many ended job ids are remembered, only to tell "finished twice" from "unknown".
 _ENDED_MEMORY = 10_000
 
 
 class SchedulerPolicy:
-    def __init__(self, config: PolicyConfig | None = None) -> None:
+    def __init__(self, config: PolicyConfig | None = None, devices: tuple[str, ...] | list[str] = ("dev0",)) -> None:
+        if isinstance(devices, str):
+            raise ValueError(f"devices is a sequence of device names, got the string {devices!r}")
         self.config = config or PolicyConfig()
+        self._pool = Pool(devices)
         self._ledger = VruntimeLedger(self.config)
-        self._queues = Queues(self._ledger)
+        self._queues = Queues(self._ledger, self._inflight)
         self._window = T2Window(self.config.window_s, self.config.t2_share)
         self._foreground = Foreground()
-        self._loaded: str | None = None
-        self._running: Entry | None = None
         self._now: float | None = None
         self._seq = 0
+        self._dispatches = 0
+        self._affinity_at: float | None = None  # R5's wait end, as of the last call (`_settle`)
         self._ended: OrderedDict[str, Outcome] = OrderedDict()
 
     # -- public API ----------------------------------------------------------------------
@@ -42,37 +47,26 @@ class SchedulerPolicy:
         now = self._check_now(now)
         if not isinstance(job, Job):
             raise ValueError(f"submit takes a Job, got {type(job).__name__}")
-        if self._queues.get(job.id) is not None or self._is_running(job.id):
+        if self.job_state(job.id) is not None:
             raise ValueError(f"duplicate job id {job.id!r}: a job with this id is already queued or running")
         passed = self._advance(now)
         entry = Entry(job, self._seq, now)
         self._seq += 1
         self._ledger.arrive(entry.flow, now)
         self._queues.add(entry)
-        # only the new job became eligible, so only a job outranking the runner can preempt
-        outranks = self._running is not None and self.tier(job) < self.tier(self._running.job)
-        return self._react(now, RevokeCause.ARRIVAL if outranks else passed)
+        # an arrival is an event (R4); named for a deadline or wait it did not outrank
+        outranks = any(self.tier(job) < self.tier(d.running.job) for d in self._pool.busy())
+        return self._react(now, passed if passed is not None and not outranks else RevokeCause.ARRIVAL)
 
     def finish(self, job_id: str, now: float, outcome: Outcome | str) -> list[Action]:
         now = self._check_now(now)
         outcome = Outcome.parse(outcome)
-        entry = self._require_running(job_id, "finish")
-        if outcome is Outcome.REVOKED and not entry.revoke_sent:
+        device = self._require_running(job_id, "finish")
+        if outcome is Outcome.REVOKED and not device.running.revoke_sent:
             raise ValueError(f"finish({job_id!r}, 'revoked'): the policy never revoked this job")
         self._advance(now)
-        self._running = None
-        held = now - entry.dispatched_at
-        self._window.record(Run(entry.dispatched_at, now, entry.dispatch_tier is Tier.EXTRACT))
-        self._ledger.charge(entry.flow, held)
-        self._queues.pool.reprice(entry.flow)
-        requeue = outcome is Outcome.REVOKED and not entry.cancelled and entry.job.kind is not Kind.CHAT
-        if requeue:
-            entry.dispatched_at = entry.dispatch_tier = None
-            entry.revoke_sent = False
-            self._queues.add(entry)  # same seq: its original place (R6)
-            return [Requeued(job_id), *self._react(now, None)]
-        self._end(entry, outcome, now)
-        return self._react(now, None)
+        requeue = outcome is Outcome.REVOKED and device.running.job.kind is not Kind.CHAT
+        return self._stop(device, now, outcome, requeue) + self._react(now, None)
 
     def cancel(self, job_id: str, now: float, cause: RevokeCause | str = RevokeCause.CANCEL) -> list[Action]:
         """The caller withdrew the job: CANCEL, or RECLAIM when the runtime took back the
@@ -83,13 +77,15 @@ class SchedulerPolicy:
                              f"{', '.join(c.value for c in WITHDRAWALS)}, got {cause!r}")
         cause = RevokeCause(cause)
         queued = self._queues.get(job_id)
-        running = self._running if self._is_running(job_id) else None
-        if queued is None and running is None:
+        device = self._pool.holder(job_id)
+        if queued is None and device is None:
             raise ValueError(self._unknown(job_id, "cancel"))
         passed = self._advance(now)
-        if running is not None:
-            running.cancelled = True
-            return self._revoke(running, cause)
+        if device is not None:
+            device.running.cancelled = True
+            actions = self._revoke(device.running, cause)
+            self._settle(self._context(now))
+            return actions
         self._queues.remove(queued)
         self._end(queued, Outcome.REVOKED, now)
         return self._react(now, passed)
@@ -102,52 +98,80 @@ class SchedulerPolicy:
             raise ValueError(f"foreground subject must be a non-empty string or None, got {subject!r}")
         if kind is None and subject is not None:
             raise ValueError("a foreground subject needs a foreground kind (kind None means nothing is in front)")
-        self._advance(now)
-        self._foreground = Foreground(kind, subject)
-        return self._react(now, RevokeCause.FOREGROUND)
+        passed = self._advance(now)
+        before, self._foreground = self._foreground, Foreground(kind, subject)
+        moved = self._queues.moved_by(before, self._foreground) or any(
+            before.hoists(d.running.job) != self._foreground.hoists(d.running.job) for d in self._pool.busy())
+        return self._react(now, RevokeCause.FOREGROUND if moved else passed)
 
     def tick(self, now: float) -> list[Action]:
         """R5: the runtime calls this at `next_wakeup()`; a deadline that passed since the
-        last call may promote a queued job to T3 and preempt."""
+        last call may promote a queued job to T3 and preempt, and the end of an outranking
+        job's affinity wait may let it preempt. Otherwise a tick changes nothing."""
         now = self._check_now(now)
         return self._react(now, self._advance(now))
 
-    def set_loaded_model(self, model_id: str | None, now: float) -> list[Action]:
-        """The runtime tells what the device really holds (after a failed load or a restart
-        of the model actor), so the next Dispatch asks for a swap when needed."""
+    def set_loaded_model(self, model_id: str | None, now: float, device: str | None = None) -> list[Action]:
+        """The runtime tells what a device really holds (after a failed load or a restart
+        of its model actor), so the next Dispatch there asks for a swap when needed.
+        `device` may be left out while the pool has one device."""
         now = self._check_now(now)
         if model_id is not None and (not isinstance(model_id, str) or not model_id):
             raise ValueError(f"model_id must be a non-empty string or None, got {model_id!r}")
+        if device is None and len(self._pool) != 1:
+            raise ValueError(f"set_loaded_model: name the device; the pool has {len(self._pool)}")
+        target = self._pool.get(device) if device is not None else next(iter(self._pool))
         passed = self._advance(now)
-        self._loaded = model_id
+        target.loaded = model_id
         return self._react(now, passed)
 
+    def add_device(self, device: str, now: float) -> list[Action]:
+        """A device joined the pool (R20): it starts empty, and takes waiting work (R16)."""
+        now = self._check_now(now)
+        self._pool.check_new(device)
+        passed = self._advance(now)
+        self._pool.add(device)
+        return self._react(now, passed)
+
+    def remove_device(self, device: str, now: float) -> list[Action]:
+        """A device left the pool (R20): its model is forgotten, and its running job, charged
+        for the time it held the device (R7), goes back to its original place (resumes as
+        R6: the runtime keeps its tokens) unless it was cancelled; no `finish` follows."""
+        now = self._check_now(now)
+        gone = self._pool.get(device)
+        passed = self._advance(now)
+        actions = self._stop(gone, now, Outcome.REVOKED, requeue=True) if gone.running else []
+        self._pool.remove(device)
+        return actions + self._react(now, passed)
+
     def next_wakeup(self) -> float | None:
+        """R5: the earliest queued deadline not yet passed, or the end of the affinity wait
+        of a queued job that outranks a running one, whichever comes first."""
         if self._now is None:
             return None
-        return self._queues.next_deadline_after(self._now)
+        times = (self._queues.next_deadline_after(self._now), self._affinity_at)
+        return min((t for t in times if t is not None), default=None)
 
     def snapshot(self) -> dict:
+        """JSON-ready state. `running` and `loaded_model` are the first device's (with one
+        device: the device's); `devices` lists every device."""
         now = self._now if self._now is not None else 0.0
         tiers: dict[str, list[dict]] = {t.label: [] for t in Tier}
         for entry in sorted(self._queues, key=lambda e: e.seq):
             tiers[self.tier(entry.job).label].append(self._describe(entry, now))
-        used, held = self._window.usage(now, self._running_run(now))
-        running = None
-        if self._running is not None:
-            running = self._describe(self._running, now) | {
-                "tier": self.tier(self._running.job).label,
-                "held_s": now - self._running.dispatched_at,
-                "revoked": self._running.revoke_sent,
-            }
+        used, held = self._window.usage(now, self._running_runs(now))
+        devices = [{"device": d.name, "loaded_model": d.loaded, "running": self._describe_running(d, now)}
+                   for d in self._pool]
+        first = devices[0] if devices else {"loaded_model": None, "running": None}
         return {
             "now": self._now,
-            "loaded_model": self._loaded,
+            "loaded_model": first["loaded_model"],
+            "devices": devices,
             "foreground": {
                 "kind": self._foreground.kind.value if self._foreground.kind else None,
                 "subject": self._foreground.subject,
             },
-            "running": running,
+            "running": first["running"],
             "tiers": tiers,
             "queued": len(self._queues),
             "vruntime": self._ledger.snapshot(),
@@ -163,13 +187,33 @@ class SchedulerPolicy:
 
     def job_state(self, job_id: str) -> str | None:
         """"queued", "running", or None for a job the policy does not hold."""
-        if self._is_running(job_id):
+        if self._pool.holder(job_id) is not None:
             return "running"
         return "queued" if self._queues.get(job_id) is not None else None
 
+    def device_of(self, job_id: str) -> str | None:
+        """The device running `job_id`, or None."""
+        device = self._pool.holder(job_id)
+        return device.name if device is not None else None
+
+    @property
+    def devices(self) -> tuple[str, ...]:
+        return self._pool.names
+
+    @property
+    def running_jobs(self) -> dict[str, Job]:
+        """Device name -> the job it runs, for the busy devices."""
+        return {d.name: d.running.job for d in self._pool.busy()}
+
+    @property
+    def loaded_models(self) -> dict[str, str | None]:
+        return {d.name: d.loaded for d in self._pool}
+
     @property
     def running_job(self) -> Job | None:
-        return self._running.job if self._running else None
+        """The first device's running job (with one device: the running job)."""
+        first = next(iter(self._pool), None)
+        return first.running.job if first is not None and first.running else None
 
     @property
     def queued(self) -> int:
@@ -177,7 +221,9 @@ class SchedulerPolicy:
 
     @property
     def loaded_model(self) -> str | None:
-        return self._loaded
+        """The first device's model (with one device: the loaded model)."""
+        first = next(iter(self._pool), None)
+        return first.loaded if first is not None else None
 
     # -- internals -----------------------------------------------------------------------
     def _check_now(self, now: float) -> float:
@@ -187,22 +233,46 @@ class SchedulerPolicy:
         return now
 
     def _advance(self, now: float) -> RevokeCause | None:
-        """Move the clock; DEADLINE when a queued deadline passed on the way (R4, R5)."""
-        previous, self._now = self._now, now
+        """Move the clock; name the event that happened on the way, if any (R4, R5): a
+        queued deadline passed, or an outranking job's affinity wait ended. Whatever call
+        comes first notices it, whether or not the runtime ticked at `next_wakeup`."""
+        previous, affinity = self._now, self._affinity_at  # of the state since the last call
+        self._now = now
         if self._ledger.decay(now):
             self._queues.pool.reprice_all()
         due = self._queues.next_deadline_after(previous) if previous is not None else None
-        return RevokeCause.DEADLINE if due is not None and due <= now else None
+        if due is not None and due <= now:
+            return RevokeCause.DEADLINE
+        return RevokeCause.AFFINITY if affinity is not None and affinity <= now else None
 
-    def _require_running(self, job_id: str, verb: str) -> Entry:
-        if self._is_running(job_id):
-            return self._running
+    def _inflight(self) -> dict:
+        """R19: per pool kind and per (kind, producer), the time its running jobs have held
+        their devices so far and how many run, for the fair pool to rank by."""
+        running: dict = {}
+        for device in self._pool.busy():
+            entry = device.running
+            if entry.job.kind in POOL_KINDS:
+                for flow in (entry.job.kind, entry.flow):
+                    held, count = running.get(flow, (0.0, 0))
+                    running[flow] = (held + self._now - entry.dispatched_at, count + 1)
+        return running
+
+    def _settle(self, ctx: PickContext) -> None:
+        """Note, at the end of every call that changes the state, when the affinity wait of
+        an outranking job ends (R4, R5): `next_wakeup` reports it, and the next call's
+        `_advance` finds out whether it passed. Computed once per call, with the call's
+        context (its T2 budget reading included)."""
+        times = [affinity_wakeup(ctx, d.loaded, self.tier(d.running.job))
+                 for d in self._pool.busy() if not d.running.revoke_sent]
+        self._affinity_at = min((t for t in times if t is not None), default=None)
+
+    def _require_running(self, job_id: str, verb: str) -> Device:
+        device = self._pool.holder(job_id)
+        if device is not None:
+            return device
         if self._queues.get(job_id) is not None:
             raise ValueError(f"{verb}({job_id!r}): the job is queued, not running")
         raise ValueError(self._unknown(job_id, verb))
-
-    def _is_running(self, job_id: str) -> bool:
-        return self._running is not None and self._running.job.id == job_id
 
     def _unknown(self, job_id: str, verb: str) -> str:
         if job_id in self._ended:
@@ -215,42 +285,95 @@ class SchedulerPolicy:
         if len(self._ended) > _ENDED_MEMORY:
             self._ended.popitem(last=False)
 
-    def _running_run(self, now: float) -> Run | None:
-        r = self._running
-        return Run(r.dispatched_at, now, r.dispatch_tier is Tier.EXTRACT) if r else None
+    @staticmethod
+    def _run_of(entry: Entry, now: float) -> Run:
+        return Run(entry.dispatched_at, now, entry.dispatch_tier is Tier.EXTRACT)
+
+    def _running_runs(self, now: float) -> list[Run]:
+        return [self._run_of(d.running, now) for d in self._pool.busy()]
 
     def _t2_over(self, now: float) -> bool:
-        return self._window.over(now, self._running_run(now))
+        return self._window.over(now, self._running_runs(now))
 
     def _context(self, now: float) -> PickContext:
-        return PickContext(self._queues, self._foreground, now, self._loaded,
-                           lambda: self._t2_over(now), self.config.max_affinity_wait_s)
+        return PickContext(self._queues, self._foreground, now, lambda: self._t2_over(now),
+                           self.config.max_affinity_wait_s, lambda entry: self.tier(entry.job))
 
-    def _react(self, now: float, event: RevokeCause | None) -> list[Action]:
-        """Dispatch when idle; at an event (R4), revoke a runner that a queued job outranks."""
-        if self._running is None:
-            return self._dispatch(now)
-        if event is not None and preemptor(self._context(now), self.tier(self._running.job)) is not None:
-            return self._revoke(self._running, event)
+    def _stop(self, device: Device, now: float, outcome: Outcome, requeue: bool) -> list[Action]:
+        """End the run on `device`: charge it (R7, R11) and free the device; the job goes back
+        to its original place (R6) when `requeue` and it was not cancelled, else ends. The
+        caller then reacts (the freed device may be leaving the pool)."""
+        entry = self._pool.stop(device)
+        self._window.record(device.name, self._run_of(entry, now))
+        self._ledger.charge(entry.flow, now - entry.dispatched_at)
+        self._queues.pool.reprice(entry.flow)
+        if requeue and not entry.cancelled:
+            entry.dispatched_at = entry.dispatch_tier = None
+            entry.revoke_sent = False
+            self._queues.add(entry)  # same seq: its original place (R6)
+            return [Requeued(entry.job.id)]
+        self._end(entry, outcome, now)
         return []
 
-    def _dispatch(self, now: float) -> list[Action]:
-        entry = pick(self._context(now))
-        if entry is None:
+    def _react(self, now: float, event: RevokeCause | None) -> list[Action]:
+        """Give every free device work (R16); then, at an event (R4), revoke the running jobs
+        that queued jobs outrank, one per outranking job (R18)."""
+        ctx = self._context(now)
+        actions: list[Action] = []
+        while (free := self._pool.free()) and (choice := place(ctx, free)) is not None:
+            actions.append(self._dispatch(*choice, now))
+        if event is not None:
+            actions += self._preempt(ctx, event, fresh={a.job_id for a in actions})
+        self._settle(ctx)
+        return actions
+
+    def _preempt(self, ctx: PickContext, event: RevokeCause, fresh: set[str]) -> list[Action]:
+        """Revoke one running job per queued job that outranks one, lowest-ranked first (R18).
+        The jobs that devices already revoked will take are set aside first, so that one
+        arrival never revokes twice; a job dispatched in this very call is never revoked."""
+        busy = [d for d in self._pool.busy() if d.running.job.id not in fresh]
+        if all(d.running.revoke_sent for d in busy):
             return []
+        aside = []
+        for device in busy:
+            if device.running.revoke_sent and (choice := place(ctx, [device])) is not None:
+                self._queues.remove(choice[0])
+                aside.append(choice[0])
+        actions: list[Action] = []
+        while (choice := victim(ctx, busy)) is not None:
+            device, entry = choice
+            actions += self._revoke(device.running, event)
+            self._queues.remove(entry)
+            aside.append(entry)
+        for entry in aside:
+            self._queues.add(entry)
+        return actions
+
+    def _dispatch(self, entry: Entry, device: Device, now: float) -> Dispatch:
         self._queues.remove(entry)
         entry.dispatched_at = now
         entry.dispatch_tier = self.tier(entry.job)
-        swap = entry.job.model_id != self._loaded
-        self._loaded = entry.job.model_id
-        self._running = entry
-        return [Dispatch(entry.job.id, entry.job.model_id, swap, entry.dispatch_tier)]
+        swap = entry.job.model_id != device.loaded
+        self._pool.start(device, entry, self._dispatches)
+        self._dispatches += 1
+        return Dispatch(entry.job.id, entry.job.model_id, swap, entry.dispatch_tier, device.name)
 
     def _revoke(self, entry: Entry, cause: RevokeCause) -> list[Action]:
         if entry.revoke_sent:
             return []  # a running job gets at most one Revoke
         entry.revoke_sent = True
         return [Revoke(entry.job.id, cause)]
+
+    def _describe_running(self, device: Device, now: float) -> dict | None:
+        entry = device.running
+        if entry is None:
+            return None
+        return self._describe(entry, now) | {
+            "tier": self.tier(entry.job).label,
+            "held_s": now - entry.dispatched_at,
+            "revoked": entry.revoke_sent,
+            "device": device.name,
+        }
 
     def _describe(self, entry: Entry, now: float) -> dict:
         job = entry.job

@@ -167,13 +167,15 @@ WITHDRAWALS = (RevokeCause.CANCEL, RevokeCause.RECLAIM)
 
 @dataclass(frozen=True)
 class Dispatch:
-    """Run `job_id` now on `model_id`; when `swap` is true, load that model first. `tier` is
-    the job's tier at this dispatch: what the T2 budget counts it as (R11)."""
+    """Run `job_id` now on `device`, with `model_id`; when `swap` is true, load that model
+    there first. `tier` is the job's tier at this dispatch: what the T2 budget counts it as
+    (R11). `device` defaults to the name of a one-device pool's device."""
 
     job_id: str
     model_id: str
     swap: bool
     tier: Tier
+    device: str = "dev0"
 
 
 @dataclass(frozen=True)

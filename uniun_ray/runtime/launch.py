@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import socket
+import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -151,19 +152,29 @@ def start(config: RuntimeConfig | None = None) -> Handles:
     return _remember(Handles(scheduler, model, embedder, ray.get(scheduler.chat_model.remote())))
 
 
-def _check_seats(seats: list[tuple[str, "placement.Seat"]]) -> None:
+def _check_seats(seats: list[tuple[str, "placement.Seat"]], grace_s: float = 5.0) -> None:
     """Actors that do not exist yet must find their seat free: the model and the embedder
-    together, when they ask for the same resource (two GPUs, one of them taken)."""
-    available = dict(ray.available_resources())
+    together, when they ask for the same resource (two GPUs, one of them taken). A seat freed a
+    moment ago (an actor just killed) shows as free within a second or two: wait that long."""
+    missing = []
     for name, seat in seats:
         try:
-            ray.get_actor(name, namespace=NAMESPACE)
-            continue            # it exists: get_if_exists takes it as it is
+            ray.get_actor(name, namespace=NAMESPACE)   # it exists: get_if_exists takes it as it is
         except ValueError:
-            pass
-        placement.check_free(name, seat, available)
-        for resource, amount in seat.needs.items():
-            available[resource] = available.get(resource, 0) - amount
+            missing.append((name, seat))
+    deadline = time.monotonic() + grace_s
+    while True:
+        available = dict(ray.available_resources())
+        try:
+            for name, seat in missing:
+                placement.check_free(name, seat, available)
+                for resource, amount in seat.needs.items():
+                    available[resource] = available.get(resource, 0) - amount
+            return
+        except UniunError:
+            if time.monotonic() >= deadline:
+                raise
+            time.sleep(0.1)
 
 
 #: The handles this process last found or made, and the Ray session they belong to. A named

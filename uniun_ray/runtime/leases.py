@@ -14,10 +14,11 @@ from collections import Counter, OrderedDict
 from dataclasses import dataclass
 from typing import Iterator
 
-from ..policy import Job, Kind
+from ..policy import Job
 from .protocol import JobDropped, Lease, QueueFull, UnknownJob
 
 _ENDED_MEMORY = 10_000
+_CANCELLED_EARLY = "cancelled by its caller before its submit arrived"
 
 
 @dataclass(eq=False)
@@ -51,7 +52,12 @@ class LeaseTable:
         self._ended: OrderedDict[str, str] = OrderedDict()
 
     # -- a job's life -----------------------------------------------------------------------
-    def check_room(self, kind: Kind) -> None:
+    def check_room(self, job: Job) -> None:
+        """Refuse a job its caller already withdrew (a cancel that overtook its submit), or
+        one beyond the per-kind bound."""
+        if self._ended.get(job.id) == _CANCELLED_EARLY:
+            raise JobDropped(f"job {job.id} ended: {_CANCELLED_EARLY}")
+        kind = job.kind
         if self.per_kind[kind] >= self.max_queued:
             raise QueueFull(f"the {kind.value} queue is full: {self.per_kind[kind]} jobs queued or "
                             f"running, limit max_queued={self.max_queued}; nothing was queued")
@@ -82,6 +88,14 @@ class LeaseTable:
             self._ended.popitem(last=False)
         if error is not None and not tracked.grant.done():
             tracked.grant.set_exception(error)
+
+    def cancelled_early(self, job_id: str) -> None:
+        """A cancel for a job this table does not hold: remember it, unless the job ended
+        already, so that a submit of it still on its way is refused."""
+        if job_id not in self._ended:
+            self._ended[job_id] = _CANCELLED_EARLY
+            if len(self._ended) > _ENDED_MEMORY:
+                self._ended.popitem(last=False)
 
     # -- lookups ----------------------------------------------------------------------------
     def get(self, job_id: str) -> Tracked:

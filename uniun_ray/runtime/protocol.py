@@ -92,3 +92,4 @@ class Lease:
     kind: str
     swap_s: float = 0.0
     renew_every_s: float = 10.0
+    tier: int | None = None         # the tier the policy dispatched the job at (Dispatch.tier)

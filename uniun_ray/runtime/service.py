@@ -98,7 +98,7 @@ class SchedulerService:
         self.reaper.ensure_running()
         if not isinstance(job, Job):
             raise ValueError(f"submit takes a Job (uniun_ray.policy.Job), got {type(job).__name__}")
-        self.leases.check_room(job.kind)
+        self.leases.check_room(job)
         actions = self.policy.submit(job, self._now())  # raises on a duplicate id
         self.leases.add(job)
         self._emit("submit", job, deadline=job.deadline, foreground_hint=job.foreground_hint, subject=job.subject)
@@ -120,6 +120,12 @@ class SchedulerService:
             return await asyncio.wait_for(asyncio.shield(tracked.grant), max(0.0, min(wait_s, cap)))
         except asyncio.TimeoutError:
             return None
+
+    async def acquire(self, job: Job, wait_s: float = 5.0, session: str | None = None) -> Lease | None:
+        """`submit` then `grant` in one call: a client's first round trip both queues its job
+        and waits for its lease (None: queued, poll `grant`)."""
+        await self.submit(job)
+        return await self.grant(job.id, wait_s, session)
 
     async def heartbeat(self, session: str) -> float:
         """A client process is alive, and with it every job it waits for under `session`.
@@ -161,8 +167,9 @@ class SchedulerService:
     async def cancel(self, job_id: str) -> None:
         """The caller withdraws its job, queued or running."""
         tracked = self.leases.jobs.get(job_id)
-        if tracked is None:
-            return  # already ended: cancelling is idempotent
+        if tracked is None:  # already ended (idempotent), or its submit is still on the way:
+            self.leases.cancelled_early(job_id)  # then that submit is refused
+            return
         self._withdraw(tracked, "cancelled by its caller", RevokeCause.CANCEL)
 
     async def set_foreground(self, kind: str | None, subject: str | None = None) -> None:
@@ -221,7 +228,8 @@ class SchedulerService:
             self._finish(tracked, Outcome.REVOKED)
             return
         self.leases.hand_out(tracked, Lease(tracked.job.id, epoch, dispatch.model_id, tracked.job.kind.value,
-                                            swap_s, renew_every_s=self.config.lease_timeout_s / 3))
+                                            swap_s, renew_every_s=self.config.lease_timeout_s / 3,
+                                            tier=int(dispatch.tier)))
 
     def _lose_device(self, tracked: Tracked, reason: str) -> bool:
         """The device died under the dispatched job: forget the loaded model and run the job

@@ -5,7 +5,8 @@ as JSON (``workloads/``), a markdown report (``bench.md``, also printed) with on
 per workload and the goals checked for the real policy, and PNGs: a device timeline and a
 cumulative-service plot per workload and policy, and a chat TTFT CDF per workload.
 With ``--logs`` it also keeps each run's event log as JSONL. With ``--real`` it plays the
-short workloads on the real runtime instead, beside their simulation (`replay`).
+short workloads on the real runtime instead, beside their simulation (`replay`). With
+``--devices 1,2,4`` it runs the pool benchmark instead (`poolbench`, ``pool.md``).
 """
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from pathlib import Path
 
 from uniun_ray.policy import PolicyConfig, SchedulerPolicy
 
-from . import plots
+from . import plots, poolbench
 from .baselines import BASELINES
 from .device import PROFILES, DeviceProfile
 from ..events.schema import write_jsonl
@@ -24,7 +25,7 @@ from .metrics import Metrics, jain_of, measure, t2_windows
 from .simulator import simulate
 from ..events.trace import Trace
 from .workload import Workload
-from .workloads import CHAT_MODEL, SHORT_WORKLOADS, WORKLOADS, generate
+from .workloads import CHAT_MODEL, POOL_WORKLOADS, SHORT_WORKLOADS, WORKLOADS, generate
 
 REAL = "uniun"
 T2_SHARE = PolicyConfig().t2_share  # R11's limit, the goal's 60 %
@@ -168,10 +169,20 @@ def main(argv: list[str] | None = None, real=None) -> int:
     parser.add_argument("--real", action="store_true",
                         help="instead, play the workloads on the real runtime (a private local Ray, minutes "
                              "each) beside their simulation: real-vs-sim.md, event logs, timelines")
+    parser.add_argument("--devices", type=_counts, metavar="N,N,...",
+                        help="instead, the pool benchmark: the saturating `pool` workload on each number of "
+                             "devices, the goals checked against the first (e.g. 1,2,4): pool.md")
     args = parser.parse_args(argv)
 
     out = Path(args.out)
     device = PROFILES[args.profile]
+    if args.devices:
+        out.mkdir(parents=True, exist_ok=True)
+        text = "\n\n".join(poolbench.report(generate(name, args.seed), device, args.devices)
+                            for name in POOL_WORKLOADS)
+        (out / "pool.md").write_text(text + "\n")
+        print(text)
+        return 0
     if args.real:
         if real is None:
             parser.error("--real plays on the real runtime: run it as `uniun-ray bench --real`")
@@ -192,6 +203,16 @@ def main(argv: list[str] | None = None, real=None) -> int:
     (out / "bench.md").write_text(text)
     print(text)
     return 0
+
+
+def _counts(text: str) -> list[int]:
+    try:
+        counts = [int(part) for part in text.split(",")]
+    except ValueError:
+        counts = []
+    if not counts or min(counts) < 1:
+        raise argparse.ArgumentTypeError(f"expected device counts like 1,2,4, got {text!r}")
+    return counts
 
 
 if __name__ == "__main__":

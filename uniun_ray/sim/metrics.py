@@ -28,7 +28,8 @@ Definitions (times in seconds; tiers are R1's, at dispatch for a run, see `trace
   give or take the job that was running when the budget ran out.
 * T3 lateness: for each job with a deadline, its first dispatch minus its deadline
   (negative: started early; never dispatched: the log's end counts as its start).
-* Idle while waiting: time with no job holding the device while some job was queued.
+* Idle while waiting: time with a device holding no job while some job was queued (the
+  devices are those the log's runs went to).
 * Longest wait of a flow: the longest stretch one of its jobs stayed queued, from submit
   or from a revoked run's end to its next dispatch.
 """
@@ -160,7 +161,7 @@ def idle_while_waiting(trace: Trace) -> float:
     for a, b, batch in _sweep(points):
         for what, delta in batch:
             count[what] += delta
-        if count["wait"] > 0 and count["busy"] == 0:
+        if count["wait"] > 0 and count["busy"] < max(len(trace.devices), 1):
             idle += b - a
     return idle
 

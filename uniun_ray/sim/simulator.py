@@ -1,8 +1,10 @@
-"""A discrete-event simulation of the one accelerator, driving any object with the policy
-API of SPEC §1 (the real `SchedulerPolicy` or a baseline) on a virtual clock.
+"""A discrete-event simulation of a pool of accelerators (one by default), driving any
+object with the policy API of SPEC §1 and §5 (the real `SchedulerPolicy` or a baseline) on
+a virtual clock. Every device has the same `DeviceProfile`.
 
-Entry point: ``simulate(policy, workload, device) -> SimResult``; ``SimResult.events`` is
-the event log of `uniun_ray.events.schema`.
+Entry point: ``simulate(policy, workload, device, devices=("dev0",)) -> SimResult``, the
+policy built with the same `devices`; ``SimResult.events`` is the event log of
+`uniun_ray.events.schema`, every job event on a device naming it.
 
 The simulator plays the runtime's part of the contract, and checks the policy's: it
 submits jobs, reports foreground changes, calls `tick(now)` at `next_wakeup()`, runs each
@@ -11,8 +13,9 @@ Dispatch (swap first when asked, then prefill, then decode, costs from the
 and reports ``finish(..., "revoked")``, and reports ``"done"`` otherwise. A revoked job
 that the policy answers with `Requeued` stays with it (R6) and is later dispatched to
 resume: it re-prefills prompt + produced tokens and decodes the rest; any other revoked
-job is over (a chat failed as preempted). A policy that breaks the contract (a second job dispatched while one
-runs, a revoke of a job that is not running, a second revoke) raises `ContractError`.
+job is over (a chat failed as preempted). A policy that breaks the contract (a job
+dispatched to a busy or unknown device, a revoke of a job that is not running, a second
+revoke) raises `ContractError`.
 
 Costs the simulator charges, for one run of a job that has produced k of its n tokens:
 ``swap_s`` (when the Dispatch says swap), ``prefill_s(prompt + k)`` after which the next
@@ -22,7 +25,7 @@ every prefill chunk of the profile's ``prefill_chunk`` tokens (no new token befo
 last one: that prefill is lost), and every decode step. A revoke whose next boundary is
 the job's last token lets the job finish "done".
 A swap is charged whenever the Dispatch asks for one; a Dispatch without swap for a model
-that is not loaded is a contract error. The device starts empty.
+that is not loaded on its device is a contract error. Every device starts empty.
 """
 from __future__ import annotations
 
@@ -68,6 +71,7 @@ class _Run:
     """One dispatch of a job: the device is held from `start` to its finish."""
 
     state: _JobState
+    device: str
     start: float
     compute_start: float   # after the swap
     first_boundary: float  # end of prefill: produced + 1 tokens exist
@@ -113,7 +117,8 @@ class _Pending:
 
 
 class Simulator:
-    def __init__(self, policy, workload: Workload, device: DeviceProfile = PROFILES["cpu"]) -> None:
+    def __init__(self, policy, workload: Workload, device: DeviceProfile = PROFILES["cpu"],
+                 devices: tuple[str, ...] = ("dev0",)) -> None:
         self.policy = policy
         self.workload = workload
         self.device = device
@@ -123,8 +128,8 @@ class Simulator:
         self._seq = 0
         self._jobs: dict[str, _JobState] = {}
         self._outstanding: set[str] = set()
-        self._running: _Run | None = None
-        self._loaded: str | None = None
+        self._running: dict[str, _Run] = {}  # job id -> its run
+        self._loaded: dict[str, str | None] = dict.fromkeys(devices)  # device -> its model
         self._last_wake: float = -math.inf
 
     # -- the loop ------------------------------------------------------------------------
@@ -164,6 +169,9 @@ class Simulator:
         if state is not None:
             job = state.job
             event.update(job=job.id, kind=job.kind.value, producer=job.producer, model=job.model_id)
+            run = self._running.get(job.id)
+            if run is not None:
+                event["device"] = run.device
         event.update(fields)
         self.events.append(event)
 
@@ -214,29 +222,33 @@ class Simulator:
                 raise ContractError(f"unknown action {action!r}")
 
     def _dispatch(self, action: Dispatch) -> None:
-        if self._running is not None:
-            raise ContractError(f"t={self.now}: Dispatch({action.job_id!r}) while "
-                                f"{self._running.state.job.id!r} is running")
+        where = action.device
+        if where not in self._loaded:
+            raise ContractError(f"t={self.now}: Dispatch({action.job_id!r}) to unknown device {where!r}")
+        busy = next((r for r in self._running.values() if r.device == where), None)
+        if busy is not None:
+            raise ContractError(f"t={self.now}: Dispatch({action.job_id!r}) to {where} while "
+                                f"{busy.state.job.id!r} is running")
         state = self._jobs.get(action.job_id)
-        if state is None or action.job_id not in self._outstanding:
-            raise ContractError(f"t={self.now}: Dispatch of unknown or ended job {action.job_id!r}")
+        if state is None or action.job_id not in self._outstanding or action.job_id in self._running:
+            raise ContractError(f"t={self.now}: Dispatch of unknown, running or ended job {action.job_id!r}")
         if action.model_id != state.job.model_id:
             raise ContractError(f"t={self.now}: Dispatch({action.job_id!r}) on {action.model_id!r}, "
                                 f"the job wants {state.job.model_id!r}")
-        if not action.swap and action.model_id != self._loaded:
+        if not action.swap and action.model_id != self._loaded[where]:
             raise ContractError(f"t={self.now}: Dispatch({action.job_id!r}) without swap, "
-                                f"but {self._loaded!r} is loaded")
+                                f"but {self._loaded[where]!r} is loaded on {where}")
         speed = self.device.speed(action.model_id)
         swap_s = speed.swap_s if action.swap else 0.0
         compute_start = self.now + swap_s
         prefill = speed.prefill_s(state.spec.prompt_tokens + state.produced)
-        run = _Run(state, self.now, compute_start, compute_start + prefill, speed.decode_s,
+        run = _Run(state, where, self.now, compute_start, compute_start + prefill, speed.decode_s,
                    speed.prefill_s(self.device.prefill_chunk))
-        self._running = run
+        self._running[action.job_id] = run
         self._log("dispatch", state, swap=action.swap, tier=int(action.tier))
         if action.swap:
-            self._log("swap_start", state, **{"from": self._loaded})
-            self._loaded = action.model_id
+            self._log("swap_start", state, **{"from": self._loaded[where]})
+            self._loaded[where] = action.model_id
             self._at(compute_start, self._swap_end, run)
         if not state.first_token_done:
             self._at(run.first_boundary, self._first_token, run)
@@ -251,8 +263,8 @@ class Simulator:
             self._log("first_token", run.state)
 
     def _revoke(self, action: Revoke) -> None:
-        run = self._running
-        if run is None or run.state.job.id != action.job_id:
+        run = self._running.get(action.job_id)
+        if run is None:
             raise ContractError(f"t={self.now}: Revoke({action.job_id!r}) of a job that is not running")
         if run.revoked:
             raise ContractError(f"t={self.now}: second Revoke of {action.job_id!r}")
@@ -273,8 +285,8 @@ class Simulator:
         stopped = run.stop_boundary < math.inf
         state.produced = run.tokens_at(run.stop_boundary) if stopped else state.spec.output_tokens
         outcome = "revoked" if stopped else "done"
-        self._running = None
         self._log("finish", state, outcome=outcome, tokens=state.produced)
+        del self._running[state.job.id]
         actions = self.policy.finish(state.job.id, self.now, outcome)
         if Requeued(state.job.id) not in actions:
             self._outstanding.discard(state.job.id)
@@ -283,6 +295,7 @@ class Simulator:
         self._apply(actions)
 
 
-def simulate(policy, workload: Workload, device: DeviceProfile = PROFILES["cpu"]) -> SimResult:
-    """Run `workload` to completion under `policy` on `device`."""
-    return Simulator(policy, workload, device).run()
+def simulate(policy, workload: Workload, device: DeviceProfile = PROFILES["cpu"],
+             devices: tuple[str, ...] = ("dev0",)) -> SimResult:
+    """Run `workload` to completion under `policy` on `devices`, each a `device`."""
+    return Simulator(policy, workload, device, devices).run()

@@ -13,6 +13,10 @@
 * ``mixed_day``: 24 h on two models: Nataraj always refilling, Gana sessions and crons,
   relay extracts plus a night backfill, and a dozen user sessions in waking hours.
 
+``POOL_WORKLOADS`` saturate a pool of devices (`uniun-ray bench --devices 1,2,4`):
+``pool``: three Nataraj producers on the chat model and three Gana loops on the other,
+each keeping two jobs queued for 30 min, while five chat conversations come and go.
+
 ``SHORT_WORKLOADS`` are minutes long, to be played on the real runtime (`replay`):
 ``issue118_short`` (issue118 in 2.5 min) and ``swaps_short`` (a Gana on the other model).
 
@@ -229,6 +233,17 @@ def mixed_day(seed: int) -> Workload:
                     foreground=tuple(sorted(foreground, key=lambda c: c.t)))
 
 
+def pool(seed: int) -> Workload:
+    rng = random.Random(seed)
+    end = 1800.0
+    flows = [_backlog(rng, f"nataraj:{i}", "nataraj", CHAT_MODEL, 0.0, end, 2, CARD_PROMPT, CARD) for i in range(3)]
+    flows += [_backlog(rng, f"gana:{i}", "gana", GEMMA3, 0.0, end, 2, GANA_PROMPT, GANA_OUT) for i in range(3)]
+    starts = sorted(rng.uniform(60.0, end - 300.0) for _ in range(5))
+    flows += [_chat(rng, f"chat:{i}", start, rng.randint(2, 4)) for i, start in enumerate(starts)]
+    return Workload("pool", seed, "saturating: 3 Nataraj and 3 Gana producers on two models, 2 jobs queued "
+                    "each, for 30 min; five chats", flows=tuple(flows))
+
+
 # -- short ones, to play on the real runtime beside their simulation (`replay`) ----------
 def issue118_short(seed: int) -> Workload:
     flows, foreground = _deck_and_chats(random.Random(seed), 150.0, 3, (15.0, 80.0), 5.0, (3, 3), 60.0)
@@ -258,10 +273,13 @@ WORKLOADS: dict[str, Callable[[int], Workload]] = {
 }
 #: Minutes long, for the real runtime (`uniun-ray bench --real`); not in the simulated bench.
 SHORT_WORKLOADS: dict[str, Callable[[int], Workload]] = {"issue118_short": issue118_short, "swaps_short": swaps_short}
+#: For a pool of devices (`uniun-ray bench --devices`); not in the one-device bench.
+POOL_WORKLOADS: dict[str, Callable[[int], Workload]] = {"pool": pool}
 
 
 def generate(name: str, seed: int = 1) -> Workload:
+    known = {**WORKLOADS, **SHORT_WORKLOADS, **POOL_WORKLOADS}
     try:
-        return {**WORKLOADS, **SHORT_WORKLOADS}[name](seed)
+        return known[name](seed)
     except KeyError:
-        raise ValueError(f"unknown workload {name!r}; known: {', '.join([*WORKLOADS, *SHORT_WORKLOADS])}") from None
+        raise ValueError(f"unknown workload {name!r}; known: {', '.join(known)}") from None

@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# `make gpu-check`: everything in this project that a CUDA GPU changes, in one run, ready for the
+# day a GPU is lent (nothing else in the suite needs CUDA). Writes every table to one file
+# (GPU_CHECK_OUT, default gpu-check.md): the engine tests on the GPU, the runtime tests with the
+# ModelActor placed on the GPU, and the engine, prefix-cache and runtime benchmarks.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+python=${PYTHON:-.venv/bin/python}
+out=${GPU_CHECK_OUT:-gpu-check.md}
+if ! "$python" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)'; then
+  echo "gpu-check: torch sees no CUDA GPU here; run it on a GPU machine (make install picks a CUDA torch there)" >&2
+  exit 2
+fi
+export RAY_AUTH_MODE=${RAY_AUTH_MODE:-disabled}
+status=0
+step() {  # step TITLE COMMAND...: run it, its output into the file under a heading
+  echo "== $1"
+  { echo; echo "## $1"; echo; echo '```'; echo "\$ ${*:2}"; } >> "$out"
+  "${@:2}" 2>&1 | grep -v -E "^Loading weights|it/s\]$" | tee -a "$out" || status=1
+  echo '```' >> "$out"
+}
+{ echo "# gpu-check, $(date -u +%Y-%m-%dT%H:%MZ)"; echo; nvidia-smi -L; "$python" -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda)'; } > "$out"
+step "engine tests on cuda" env UNIUN_TEST_DEVICE=cuda "$python" -m pytest -q -p no:cacheprovider tests/test_models.py
+step "runtime tests, the ModelActor on the GPU" "$python" -m pytest -q -p no:cacheprovider tests/test_runtime.py
+step "engine benchmark" "$python" benchmarks/engine_bench.py --device cuda --trials 5
+step "prefix cache benchmark" "$python" benchmarks/kv_cache_bench.py --turns 5
+step "runtime benchmark" "$python" benchmarks/runtime_bench.py --repeat 3
+echo "gpu-check: tables in $out (exit $status)"
+exit $status

@@ -1,0 +1,92 @@
+"""The user's flow end to end (issue 13): a plain `ray start --head` on private ports, then every
+script in `jobs/` through `ray job submit --working-dir .`, each to exit 0 with its output
+checked. The head runs with `--block` in its own process group; the test ends that group (never
+`ray stop`, which would stop every Ray of this user)."""
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).parent.parent
+BIN = Path(sys.executable).parent   # the venv's: `ray`, and the `python` a job's entrypoint runs
+
+#: script, arguments (the fast `tiny` model), what its output must show
+JOBS = [
+    ("chat.py", ["--turns", "2", "--max-new-tokens", "8"], r"chat: 2 turns, TTFT"),
+    ("nataraj_fill.py", ["--deck", "2", "--take", "1", "--max-new-tokens", "16", "--timeout", "300"],
+     r"refilled to 2/2"),
+    ("extract_backfill.py", ["--notes", "4", "--rate", "8", "--open-after", "0.3", "--max-new-tokens", "8"],
+     r"opened a note with \d+ jobs queued: its extraction \(T1\)"),
+    ("gana_cron.py", ["--runs", "2", "--every", "1", "--model", "tiny", "--max-new-tokens", "8"],
+     r"cron run due at \+[\d.]+s on tiny"),
+    ("embed_flood.py", ["--texts", "32", "--batch", "8", "--concurrency", "4"], r"embedded 32 texts in 4 calls"),
+    ("issue_118.py", ["--turns", "2", "--deck", "2", "--card-tokens", "400", "--chat-tokens", "4"],
+     r"chat TTFT, while Nataraj fills: median [\d.]+s"),
+]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def head(tmp_path_factory):
+    """`ray start --head --block` as a user would type it, on free ports, no custom resources."""
+    port, dashboard = free_port(), free_port()
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env |= {"RAY_AUTH_MODE": "disabled", "PATH": f"{BIN}:{env['PATH']}"}
+    temp_dir = tempfile.mkdtemp(prefix="uniun-jobs-", dir="/tmp")   # short: Ray's socket paths
+    log = open(tmp_path_factory.mktemp("head") / "ray-start.log", "w")
+    process = subprocess.Popen(
+        [str(BIN / "ray"), "start", "--head", "--block", f"--port={port}", "--dashboard-host=127.0.0.1",
+         f"--dashboard-port={dashboard}", f"--temp-dir={temp_dir}", f"--ray-client-server-port={free_port()}",
+         f"--dashboard-agent-listen-port={free_port()}", "--object-store-memory=100000000"],
+        env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{dashboard}"
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            assert process.poll() is None, f"ray start exited: {Path(log.name).read_text()[-3000:]}"
+            try:
+                urllib.request.urlopen(f"{url}/api/version", timeout=2)
+                break
+            except OSError:
+                assert time.monotonic() < deadline, "the head's dashboard never answered"
+                time.sleep(0.5)
+        yield url, env
+    finally:
+        os.killpg(process.pid, signal.SIGTERM)
+        try:
+            process.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+        log.close()
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+@pytest.mark.parametrize("script, arguments, expected", JOBS, ids=[job[0] for job in JOBS])
+def test_each_job_script_succeeds_under_ray_job_submit(head, script, arguments, expected):
+    url, env = head
+    runtime_env = ('{"env_vars": {"UNIUN_CHAT_MODEL": "tiny", "UNIUN_STATE_DIR": "%s"}}'
+                   % os.environ["UNIUN_STATE_DIR"])
+    done = subprocess.run(
+        [str(BIN / "ray"), "job", "submit", "--address", url, "--working-dir", str(ROOT),
+         "--runtime-env-json", runtime_env, "--", "python", f"jobs/{script}", *arguments],
+        env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output[-4000:]
+    assert re.search(r"Job '\S+' succeeded", output), output[-4000:]
+    assert re.search(expected, output), output[-4000:]

@@ -1,0 +1,82 @@
+"""The pool benchmark (issue 16): one saturating workload on 1, 2, 4, ... devices of the
+same profile, under the real policy, scored from the event logs.
+
+Background throughput is the output tokens of the non-chat jobs that completed before the
+producers stopped, per hour: with every producer backlogged it measures how much work the
+pool does, not how much was asked. The goals of issue 16 are checked against the first
+device count given (1 by default), not tuned for.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from uniun_ray.policy import SchedulerPolicy
+
+from .device import DeviceProfile
+from .metrics import measure
+from .simulator import simulate
+from ..events.trace import Trace
+from .workload import Workload
+
+#: Goals of issue 16, as (device count, minimum background throughput against the base).
+SPEEDUP_GOALS = {2: 1.8, 4: 3.5}
+
+
+@dataclass(frozen=True)
+class PoolOutcome:
+    devices: int
+    background_tok_h: float
+    chat_ttft_p99: float | None
+    swaps: int
+    swaps_per_device_h: float
+    revokes: int
+    idle_while_waiting_s: float
+    wall_s: float
+
+
+def run(workload: Workload, profile: DeviceProfile, n: int) -> PoolOutcome:
+    names = tuple(f"dev{i}" for i in range(n))
+    result = simulate(SchedulerPolicy(devices=names), workload, profile, names)
+    trace = Trace(result.events)
+    m = measure(trace)
+    horizon = max(f.stop for f in workload.flows if f.stop is not None)
+    tokens = sum(ev["tokens"] for ev in result.events
+                 if ev["ev"] == "finish" and ev["outcome"] == "done" and ev["kind"] != "chat" and ev["t"] <= horizon)
+    device_h = n * (trace.end - trace.start) / 3600.0
+    return PoolOutcome(n, tokens / (horizon / 3600.0), m.ttft_p99, m.swaps, m.swaps / device_h, m.revokes,
+                       m.idle_while_waiting_s, result.wall_s)
+
+
+def report(workload: Workload, profile: DeviceProfile, counts: list[int]) -> str:
+    outcomes = [run(workload, profile, n) for n in counts]
+    base = outcomes[0]
+    lines = [f"## {workload.name} on a pool (profile `{profile.name}`, seed {workload.seed}): {workload.description}",
+             "", "| devices | background tok/h | vs first | chat TTFT p99 s | swaps | swaps per device-hour | "
+             "revokes | idle while waiting s | sim wall s |", "|---" * 9 + "|"]
+    for o in outcomes:
+        lines.append(f"| {o.devices} | {o.background_tok_h:.0f} | {o.background_tok_h / base.background_tok_h:.2f}x | "
+                     f"{_s(o.chat_ttft_p99)} | {o.swaps} | {o.swaps_per_device_h:.2f} | {o.revokes} | "
+                     f"{o.idle_while_waiting_s:.3f} | {o.wall_s:.2f} |")
+    lines += ["", "| goal (against the first row) | result | measured |", "|---|---|---|"]
+    for o in outcomes[1:]:
+        ratio = o.background_tok_h / base.background_tok_h
+        goal = SPEEDUP_GOALS.get(o.devices)
+        if goal is not None:
+            lines.append(f"| background throughput >= {goal}x at {o.devices} devices | "
+                         f"{_verdict(ratio >= goal)} | {ratio:.2f}x |")
+        if o.chat_ttft_p99 is not None and base.chat_ttft_p99 is not None:
+            lines.append(f"| chat TTFT p99 at {o.devices} devices no worse | "
+                         f"{_verdict(o.chat_ttft_p99 <= base.chat_ttft_p99)} | "
+                         f"{o.chat_ttft_p99:.3f} s vs {base.chat_ttft_p99:.3f} s |")
+        lines.append(f"| swaps per device-hour at {o.devices} devices no more | "
+                     f"{_verdict(o.swaps_per_device_h <= base.swaps_per_device_h)} | "
+                     f"{o.swaps_per_device_h:.2f} vs {base.swaps_per_device_h:.2f} |")
+    return "\n".join(lines)
+
+
+def _s(value: float | None) -> str:
+    return "–" if value is None else f"{value:.3f}"
+
+
+def _verdict(ok: bool) -> str:
+    return "PASS" if ok else "FAIL"
