@@ -12,6 +12,7 @@ import base64
 import http.client
 import json
 import os
+import re
 import socket
 import struct
 import threading
@@ -409,7 +410,9 @@ def test_live_page_in_headless_chromium(server):
 
     page = requests.get(server.url + "/", timeout=30)
     assert page.status_code == 200 and "uniun-ray" in page.text and "//" not in page.text.split("<script")[1][:40]
-    assert requests.get(server.url + "/static/page.js", timeout=30).status_code == 200   # served by the app
+    script = requests.get(server.url + "/static/page.js", timeout=30)
+    assert script.status_code == 200                                   # served by the app itself ...
+    assert not re.search(r"(src|href)=\"(https?:)?//", page.text) and "https://" not in script.text  # ... no CDN
     error_of(requests.get(server.url + "/v1/events", timeout=30), 401)                      # the data needs the key
     binary = find_chromium()
     if binary is None:

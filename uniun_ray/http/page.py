@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import time
 from pathlib import Path
 
@@ -34,14 +35,49 @@ MAX_EVENTS = 5000
 EXPLAIN_SCAN_BYTES = 8 * 1024 * 1024
 
 
+_LOG_PATH: list[Path] = []
+
+
+async def event_log() -> Path | None:
+    """The scheduler's event log (its `status()` names it; read on this node), found once."""
+    if not _LOG_PATH:
+        import uniun_ray
+
+        from .app import runtime_call
+        try:
+            _LOG_PATH.append(Path((await runtime_call(uniun_ray.astatus))["event_log"]))
+        except Exception:
+            return None
+    return _LOG_PATH[0]
+
+
+def lines_backwards(path: Path, limit: int, chunk: int = 64 * 1024):
+    """The complete lines of a file, newest first, reading at most `limit` bytes from its end."""
+    try:
+        f = open(path, "rb")
+    except FileNotFoundError:
+        return
+    with f:
+        position = f.seek(0, os.SEEK_END)
+        tail = b""
+        while position > 0 and limit > 0:
+            step = min(chunk, position, limit)
+            position -= step
+            limit -= step
+            f.seek(position)
+            lines = (f.read(step) + tail).split(b"\n")
+            tail = lines[0]   # may be cut: completed by the next chunk back
+            yield from reversed(lines[1:])
+        if position == 0:
+            yield tail
+
+
 def events_since(path: Path, since: float, limit: int = MAX_EVENTS) -> list[dict]:
     """Events with t > since, oldest first, read back from the log's end (and its newest
     backup) until an older one: the cost follows the new events, not the log's size."""
-    from .jobs import _lines_backwards
-
     out: list[dict] = []
     for file in (path, path.with_name(path.name + ".1")):
-        for line in _lines_backwards(file, 64 * 1024 * 1024):
+        for line in lines_backwards(file, 64 * 1024 * 1024):
             if not line.strip():
                 continue
             try:
@@ -58,10 +94,9 @@ def events_since(path: Path, since: float, limit: int = MAX_EVENTS) -> list[dict
 
 def story(path: Path, job_id: str) -> list[str]:
     from ..observe.explain import explain
-    from .jobs import _lines_backwards
 
     events = []
-    for line in _lines_backwards(path, EXPLAIN_SCAN_BYTES):
+    for line in lines_backwards(path, EXPLAIN_SCAN_BYTES):
         if line.strip():
             try:
                 events.append(json.loads(line))
@@ -74,8 +109,6 @@ def story(path: Path, job_id: str) -> list[str]:
 def install(app: FastAPI, require_scheduler) -> None:
     """Add the page and its data routes to `app` (the API's auth applies to the routes;
     the page and assets are public: they hold no data)."""
-    from .jobs import _event_log
-
     public = APIRouter()
 
     @public.get("/", include_in_schema=False)
@@ -88,7 +121,7 @@ def install(app: FastAPI, require_scheduler) -> None:
     @app.get("/v1/events")
     async def events(since: float = Query(default=0.0, ge=0)):
         require_scheduler()
-        path = await _event_log()
+        path = await event_log()
         if path is None:
             raise from_client(RuntimeError("the scheduler did not say where its event log is"))
         now = time.time()
@@ -97,7 +130,7 @@ def install(app: FastAPI, require_scheduler) -> None:
 
     @app.get("/v1/explain/{job_id}")
     async def explain(job_id: str):
-        path = await _event_log()
+        path = await event_log()
         if path is None:
             raise APIError(404, "no event log on this node", code="not_found")
         try:

@@ -72,7 +72,7 @@ function pastOf(t) {
   const open = {}, runs = [], swaps = [], marks = [];
   let swap = null;
   for (const e of events) {
-    const device = e.device || "device";
+    const device = e.device;
     if (e.ev === "dispatch") {
       open[e.job] = { job: e.job, kind: e.kind, producer: e.producer, model: e.model, tier: e.tier, start: e.t, device };
     } else if (e.ev === "finish" && open[e.job]) {
@@ -92,14 +92,17 @@ function pastOf(t) {
 }
 
 function devices() {
-  if (status && Array.isArray(status.devices)) return status.devices;   // a pool (SPEC §5)
+  const leaseOf = (running) => (running && status.leases ? status.leases[running.id] : null);
+  if (status && Array.isArray(status.devices) && status.devices.length) {   // the pool (SPEC §5)
+    return status.devices.map((d) => ({ name: d.device ?? d.name ?? "device", loaded_model: d.loaded_model,
+                                        running: d.running, lease: leaseOf(d.running) }));
+  }
   const running = status && status.running;
-  return [{ name: "device", loaded_model: status && status.loaded_model, running,
-            lease: running && status.leases ? status.leases[running.id] : null }];
+  return [{ name: "device", loaded_model: status && status.loaded_model, running, lease: leaseOf(running) }];
 }
 
 // -- drawing ----------------------------------------------------------------------------
-function timeline(device, past, t, width) {
+function timeline(device, first, past, t, width) {
   const h = 64, top = 12, bar = 30, x = (v) => ((v - (t - WINDOW_S)) / WINDOW_S) * width;
   const parts = [];
   for (let m = 0; m <= 5; m++) {
@@ -107,7 +110,8 @@ function timeline(device, past, t, width) {
     parts.push(`<line x1="${xx}" x2="${xx}" y1="${top}" y2="${top + bar}" stroke="#2a2f3a"/>`);
     parts.push(`<text class="axis" x="${Math.min(width - 2, Math.max(0, xx))}" y="${h - 4}" text-anchor="${m === 0 ? "end" : m === 5 ? "start" : "middle"}">${m ? `−${m} min` : "now"}</text>`);
   }
-  const mine = (item) => (item.device || "device") === device;
+  // events name their device in a pool; a log without device names belongs to the first one
+  const mine = (item) => (item.device ? item.device === device : device === first);
   for (const r of past.runs.filter(mine)) {
     if (r.end < t - WINDOW_S) continue;
     const a = Math.max(0, x(r.start)), b = Math.max(a + 1.5, x(r.end));
@@ -131,14 +135,15 @@ function timeline(device, past, t, width) {
 function renderDevices(t) {
   const past = pastOf(t);
   const width = Math.max(300, $("devices").clientWidth - 28);
-  $("devices").innerHTML = devices().map((d) => {
+  const all = devices();
+  $("devices").innerHTML = all.map((d) => {
     const r = d.running;
     const held = r ? (d.lease && d.lease.held_s != null ? d.lease.held_s : r.held_s) : null;
     const holder = r
       ? `<span class="holder" data-job="${esc(r.id)}">${kindBadge(r.kind)} ${jobLink(r.id)} · producer <b>${esc(r.producer)}</b> · <span class="tier">${esc(r.tier)}</span> · held ${secs(held)}${r.revoked ? " · <b>revoked, stopping</b>" : ""}</span>`
       : `<span class="holder idle">idle: no job holds the device</span>`;
     return `<div class="device" data-device="${esc(d.name)}"><div class="device-head"><b>${esc(d.name)}</b>
-      <span>model <b>${esc(d.loaded_model || "none loaded")}</b></span>${holder}</div>${timeline(d.name, past, t, width)}</div>`;
+      <span>model <b>${esc(d.loaded_model || "none loaded")}</b></span>${holder}</div>${timeline(d.name, all[0].name, past, t, width)}</div>`;
   }).join("");
 }
 
