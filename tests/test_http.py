@@ -15,6 +15,7 @@ import os
 import re
 import socket
 import struct
+import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -384,7 +385,10 @@ def test_foreground_and_status_routes(server):
 
 
 # -- the live page (issue 15) -------------------------------------------------------------------
-DOCS = Path(__file__).resolve().parent.parent / "docs"
+#: The moment's screenshot goes to docs/ (the README's picture) only when asked
+#: (UNIUN_UPDATE_DOCS=1): a test run must not leave the checkout modified.
+DOCS = Path(__file__).resolve().parent.parent / "docs" if os.environ.get("UNIUN_UPDATE_DOCS") \
+    else Path(tempfile.mkdtemp(prefix="uniun-page-"))
 
 
 def kill_scheduler() -> None:
