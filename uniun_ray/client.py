@@ -539,18 +539,31 @@ async def arun(kind, model_id: str | None, work: Callable[[LeaseHandle], Awaitab
     return loop.value
 
 
+async def _on_actors(call: Callable[[Any], Awaitable[Any]]) -> Any:
+    """`call(handles())`, once more after looking the actors up again when the one it reached
+    is gone: a scheduler or embedder killed and created again under its name leaves this
+    process's cached handle pointing at the dead one (the lease loop re-resolves by itself)."""
+    from ray.exceptions import RayActorError
+
+    try:
+        return await call(handles())
+    except RayActorError:
+        forget_handles()
+        return await call(handles())
+
+
 async def aembed(texts: list[str]) -> list[list[float]]:
-    return await handles().embedder.embed.remote(texts)
+    return await _on_actors(lambda h: h.embedder.embed.remote(texts))
 
 
 async def aset_foreground(kind: Kind | str | None, subject: str | None = None) -> None:
     if kind is not None:
         kind = Kind.parse(kind).value
-    await handles().scheduler.set_foreground.remote(kind, subject)
+    await _on_actors(lambda h: h.scheduler.set_foreground.remote(kind, subject))
 
 
 async def astatus() -> dict:
-    return await handles().scheduler.status.remote()
+    return await _on_actors(lambda h: h.scheduler.status.remote())
 
 
 async def await_generating(kind: Kind | str, timeout_s: float = 120.0, min_held_s: float = 0.5) -> dict | None:

@@ -78,24 +78,6 @@ def require_embedder() -> None:
     _require(EMBEDDER_NAME, "embedder")
 
 
-async def runtime_call(call):
-    """`await call()`, once more after forgetting the client's cached actor handles when the
-    actor it reached is gone: a scheduler killed and created again under its name (`uniun-ray
-    up` after a crash, or a test) leaves the client's per-session handle pointing at the dead
-    one, and only the lease loop re-resolves it by itself."""
-    from ray.exceptions import RayActorError
-
-    try:
-        return await call()
-    except RayActorError:
-        from ..runtime import launch
-        forget = getattr(launch, "forget_handles", None)
-        if forget is None:
-            raise
-        forget()
-        return await call()
-
-
 # -- generation -----------------------------------------------------------------------------
 def _open(body, **prompt) -> Job:
     require_scheduler()
@@ -230,7 +212,7 @@ def create_app(api_key: str | None = None) -> FastAPI:
         require_embedder()
         texts = body.texts()
         try:
-            vectors = await runtime_call(lambda: uniun_ray.aembed(texts))
+            vectors = await uniun_ray.aembed(texts)
         except Exception as error:
             raise from_client(error) from error
         tokens = await _count_embedding_tokens(texts)
@@ -257,7 +239,7 @@ def create_app(api_key: str | None = None) -> FastAPI:
             raise bad_request("a subject needs a kind (kind null clears both)", param="subject")
         require_scheduler()
         try:
-            await runtime_call(lambda: uniun_ray.aset_foreground(body.kind, body.subject))
+            await uniun_ray.aset_foreground(body.kind, body.subject)
         except Exception as error:
             raise from_client(error) from error
         return {"kind": body.kind, "subject": body.subject}
@@ -266,7 +248,7 @@ def create_app(api_key: str | None = None) -> FastAPI:
     async def status():
         require_scheduler()
         try:
-            snapshot = await runtime_call(uniun_ray.astatus)
+            snapshot = await uniun_ray.astatus()
         except Exception as error:
             raise from_client(error) from error
         return JSONResponse(jsonable_encoder(snapshot, custom_encoder={float: _finite}))

@@ -43,9 +43,8 @@ async def event_log() -> Path | None:
     if not _LOG_PATH:
         import uniun_ray
 
-        from .app import runtime_call
         try:
-            _LOG_PATH.append(Path((await runtime_call(uniun_ray.astatus))["event_log"]))
+            _LOG_PATH.append(Path((await uniun_ray.astatus())["event_log"]))
         except Exception:
             return None
     return _LOG_PATH[0]
