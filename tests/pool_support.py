@@ -89,10 +89,11 @@ class PoolDriver:
         runners = [r["running"] for r in before["devices"] if r["running"]]
         revocable = [r for r in runners if not r["revoked"] and r["kind"] != "chat"]
         assert len(revokes) <= 1, f"t={self.now}: one arrival revoked {revokes}"
-        if revokes and arriving["tier"] in ("T0", "T1"):  # no affinity wait: the lowest-ranked goes
+        # every device busy and none making way already: the arriving job needs a revoke
+        all_busy = len(runners) == len(self.names) and not any(r["revoked"] for r in runners)
+        if revokes and all_busy and arriving["tier"] in ("T0", "T1"):  # no affinity wait: the lowest-ranked goes
             victim = next(r for r in revocable if r["id"] == revokes[0].job_id)
             assert victim["tier"] == max(r["tier"] for r in revocable), (victim, revocable)
-        all_busy = len(runners) == len(self.names) and not any(r["revoked"] for r in runners)
         if arriving["kind"] == "chat" and all_busy and revocable:
             assert len(revokes) == 1, f"t={self.now}: a chat found every device busy, revoked {revokes}"
 
