@@ -7,22 +7,8 @@ shares no code with the indexed placement it checks.
 from __future__ import annotations
 
 import heapq
-from dataclasses import dataclass
-
-from policy_support import Arrival, _fair_ranked, _ordered, t2_over_budget
+from policy_support import Arrival, Run, _fair_ranked, _ordered, t2_over_budget
 from uniun_ray.policy import Dispatch, PolicyConfig, Requeued, Revoke, SchedulerPolicy
-
-
-@dataclass
-class PoolRun:
-    job_id: str
-    kind: str
-    producer: str
-    tier: str
-    device: str
-    start: float
-    end: float | None = None
-    revoked: bool = False
 
 
 def _swap_target(free: list[str], loaded: dict, queued: list[dict]) -> str:
@@ -69,9 +55,9 @@ class PoolDriver:
         self.revoke_delay = revoke_delay
         self.now = 0.0
         self.durations: dict[str, float] = {}
-        self.on: dict[str, tuple[PoolRun, float]] = {}  # device -> its run, when it ends
+        self.on: dict[str, tuple[Run, float]] = {}  # device -> its run, when it ends
         self.loaded: dict[str, str | None] = dict.fromkeys(self.names)
-        self.runs: list[PoolRun] = []
+        self.runs: list[Run] = []
         self.ended: dict[str, int] = {}
         self.samples: list[tuple[float, dict]] = []
 
@@ -103,11 +89,11 @@ class PoolDriver:
         runners = [r["running"] for r in before["devices"] if r["running"]]
         revocable = [r for r in runners if not r["revoked"] and r["kind"] != "chat"]
         assert len(revokes) <= 1, f"t={self.now}: one arrival revoked {revokes}"
-        if revokes:
-            worst = max(r["tier"] for r in revocable)
-            victim = next(r for r in revocable if r["id"] == revokes[0].job_id)
-            assert victim["tier"] == worst, (victim, worst)
+        # every device busy and none making way already: the arriving job needs a revoke
         all_busy = len(runners) == len(self.names) and not any(r["revoked"] for r in runners)
+        if revokes and all_busy and arriving["tier"] in ("T0", "T1"):  # no affinity wait: the lowest-ranked goes
+            victim = next(r for r in revocable if r["id"] == revokes[0].job_id)
+            assert victim["tier"] == max(r["tier"] for r in revocable), (victim, revocable)
         if arriving["kind"] == "chat" and all_busy and revocable:
             assert len(revokes) == 1, f"t={self.now}: a chat found every device busy, revoked {revokes}"
 
@@ -119,7 +105,8 @@ class PoolDriver:
         revokes = [a for a in actions if isinstance(a, Revoke)]
         dispatches = [a for a in actions if isinstance(a, Dispatch)]
         if method == "submit":
-            self._check_arrival(before, revokes, {"kind": args[0].kind.value}, wake)
+            self._check_arrival(before, revokes, {"kind": args[0].kind.value,
+                                                  "tier": self.policy.tier(args[0]).label}, wake)
         if method == "finish":
             assert not revokes, "a finish never revokes"
         self._check_placements(dispatches)
@@ -130,7 +117,7 @@ class PoolDriver:
             self.on[device] = (run, min(end, self.now + self.revoke_delay))
         for d in dispatches:
             running = next(r["running"] for r in self.policy.snapshot()["devices"] if r["device"] == d.device)
-            run = PoolRun(d.job_id, running["kind"], running["producer"], d.tier.label, d.device, self.now)
+            run = Run(d.job_id, running["kind"], running["producer"], d.tier.label, self.now, device=d.device)
             self.runs.append(run)
             self.on[d.device] = (run, self.now + self.durations[d.job_id])
             self.loaded[d.device] = d.model_id

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from policy_support import Arrival, calls_per_cycle, job
 from pool_support import PoolDriver
-from test_policy_properties import configs, workloads
+from test_policy_properties import held_in, check_t2_share, configs, workloads
 from uniun_ray.policy import (Dispatch, PolicyConfig, Requeued, Revoke, RevokeCause, SchedulerPolicy,
                               Tier)
 from uniun_ray.policy.pool import Device, swap_target
@@ -199,24 +199,7 @@ def test_prop_pool_t2_holds_its_share_of_device_seconds_plus_one_job_per_device(
     arrivals, foreground = workload
     d = PoolDriver(config, devices)
     d.run(arrivals, foreground)
-    t2_runs = [r for r in d.runs if r.tier == "T2"]
-    if not t2_runs:
-        return
-    longest = max(r.end - r.start for r in t2_runs)
-    waited = [(t, bool(s["tiers"]["T3"] or s["tiers"]["T4"])) for t, s in d.samples]
-    for i, (t, _) in enumerate(waited):
-        lo = t - config.window_s
-        start = max((j for j, (u, _) in enumerate(waited) if u <= lo), default=None)
-        if start is None or not all(w for _, w in waited[start:i]):
-            continue
-        t2 = _held(d.runs, lo, t, only_t2=True)
-        held = _held(d.runs, lo, t, only_t2=False)
-        assert t2 <= config.t2_share * held + devices * longest + 1e-6, (t, t2, held, longest)
-
-
-def _held(runs, lo, hi, only_t2):
-    return sum(max(0.0, min(hi if r.end is None else r.end, hi) - max(r.start, lo))
-               for r in runs if not only_t2 or r.tier == "T2")
+    check_t2_share(d.runs, d.samples, config, jobs_over=devices)
 
 
 @POOL_PROPS
@@ -237,5 +220,5 @@ def test_prop_pool_two_equal_backlogged_t4_flows_within_twice_the_largest_job(de
                 for p in ("gana:A", "gana:B")}
         if not all(left.values()):
             break
-        service = {p: _held([r for r in d.runs if r.producer == p], 0.0, t, only_t2=False) for p in left}
+        service = {p: held_in([r for r in d.runs if r.producer == p], 0.0, t, t, only_t2=False) for p in left}
         assert abs(service["gana:A"] - service["gana:B"]) <= 2 * largest, (t, service, largest)

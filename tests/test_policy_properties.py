@@ -72,7 +72,7 @@ def test_prop_never_idle_revokes_only_at_events_and_every_dispatch_is_the_rules_
     assert p.queued == 0 and p.running_job is None and p.next_wakeup() is None
 
 
-def _held_in(runs, lo, hi, now, only_t2):
+def held_in(runs, lo, hi, now, only_t2):
     total = 0.0
     for r in runs:
         if only_t2 and r.tier != "T2":
@@ -88,23 +88,28 @@ def test_prop_t2_holds_at_most_its_share_plus_one_job_where_lower_tiers_waited(w
     arrivals, foreground = workload
     d = Driver(SchedulerPolicy(config), check_oracle=False, sample=True)
     d.run(arrivals, foreground)
-    t2_runs = [r for r in d.runs if r.tier == "T2"]
+    check_t2_share(d.runs, d.waiting_samples, config, jobs_over=1)
+
+
+def check_t2_share(runs, samples: list[tuple[float, dict]], config: PolicyConfig, jobs_over: int) -> None:
+    """R11 (R19 on a pool): wherever T3/T4 work waited throughout [t - window, t], T2 held at
+    most its share of the held (device-)seconds there, plus `jobs_over` of its longest runs
+    (the runs under way when the budget ran out: one per device)."""
+    t2_runs = [r for r in runs if r.tier == "T2"]
     if not t2_runs:
         return
     longest = max(r.end - r.start for r in t2_runs)
-    w = config.window_s
-    samples = d.waiting_samples
     lower_waited = [(t, bool(s["tiers"]["T3"] or s["tiers"]["T4"])) for t, s in samples]
     for i, (t, _) in enumerate(lower_waited):
-        lo = t - w
+        lo = t - config.window_s
         # the state between events is the state after the last event: T3/T4 waited
         # throughout [lo, t] if they waited after every event from the one before lo on
         start = max((j for j, (u, _) in enumerate(lower_waited) if u <= lo), default=None)
         if start is None or not all(waited for _, waited in lower_waited[start:i]):
             continue
-        t2 = _held_in(d.runs, lo, t, t, only_t2=True)
-        held = _held_in(d.runs, lo, t, t, only_t2=False)
-        assert t2 <= config.t2_share * held + longest + 1e-6, (t, t2, held, longest)
+        t2 = held_in(runs, lo, t, t, only_t2=True)
+        held = held_in(runs, lo, t, t, only_t2=False)
+        assert t2 <= config.t2_share * held + jobs_over * longest + 1e-6, (t, t2, held, longest)
 
 
 @PROPS

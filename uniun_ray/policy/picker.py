@@ -129,18 +129,19 @@ def preemptor(ctx: PickContext, loaded: str | None, running_tier: Tier) -> Entry
 def victim(ctx: PickContext, busy: list[Device]) -> tuple[Device, Entry] | None:
     """R18: at an event with no device free, the one running job to revoke and the queued
     job it makes way for: the lowest-ranked running job (the highest tier) that a queued
-    job outranks; ties: the one holding that job's model (no swap), then the most recently
-    dispatched (the least work lost). A revoked job is already making way; chat never is."""
-    candidates = [(ctx.tier(d.running), d) for d in busy if not d.running.revoke_sent]
-    worst = max((tier for tier, _ in candidates), default=Tier.CHAT)
+    job outranks and may displace (a job on another model inside its affinity wait
+    displaces only a runner on its model); ties: the one holding that job's model (no
+    swap), then the most recently dispatched (the least work lost). A revoked job is
+    already making way; chat never is."""
     chosen = None
-    for tier, device in candidates:
-        if tier != worst:
+    for device in busy:
+        if device.running.revoke_sent:
             continue
+        tier = ctx.tier(device.running)
         entry = preemptor(ctx, device.loaded, tier)
-        key = (entry is not None and entry.job.model_id == device.loaded, device.dispatch_no)
-        if entry is not None and (chosen is None or key > chosen[0]):
-            chosen = (key, device, entry)
+        if entry is not None:
+            key = (tier, entry.job.model_id == device.loaded, device.dispatch_no)
+            chosen = (key, device, entry) if chosen is None or key > chosen[0] else chosen
     return chosen[1:] if chosen else None
 
 

@@ -254,7 +254,7 @@ class SchedulerPolicy:
             if entry.job.kind in POOL_KINDS:
                 for flow in (entry.job.kind, entry.flow):
                     held, count = running.get(flow, (0.0, 0))
-                    running[flow] = (held + self._now - entry.dispatched_at, count + 1)
+                    running[flow] = (held + (self._now - entry.dispatched_at), count + 1)
         return running
 
     def _settle(self, ctx: PickContext) -> None:
@@ -328,9 +328,10 @@ class SchedulerPolicy:
         return actions
 
     def _preempt(self, ctx: PickContext, event: RevokeCause, fresh: set[str]) -> list[Action]:
-        """Revoke one running job per queued job that outranks one, lowest-ranked first (R18).
-        The jobs that devices already revoked will take are set aside first, so that one
-        arrival never revokes twice; a job dispatched in this very call is never revoked."""
+        """Revoke one running job per queued job that outranks one, lowest-ranked first (R18);
+        an arrival revokes one at most. The jobs that devices already revoked will take are
+        set aside first, so that one outranking job never revokes twice; a job dispatched in
+        this very call is never revoked."""
         busy = [d for d in self._pool.busy() if d.running.job.id not in fresh]
         if all(d.running.revoke_sent for d in busy):
             return []
@@ -340,7 +341,8 @@ class SchedulerPolicy:
                 self._queues.remove(choice[0])
                 aside.append(choice[0])
         actions: list[Action] = []
-        while (choice := victim(ctx, busy)) is not None:
+        limit = 1 if event is RevokeCause.ARRIVAL else len(busy)
+        while len(actions) < limit and (choice := victim(ctx, busy)) is not None:
             device, entry = choice
             actions += self._revoke(device.running, event)
             self._queues.remove(entry)

@@ -6,6 +6,9 @@ inside (see model_actor).
 """
 from __future__ import annotations
 
+import asyncio
+import time
+
 import ray
 
 from .embedding_actor import EmbeddingActor
@@ -15,6 +18,10 @@ from .protocol import NAMESPACE, DeviceLost
 from .service import RuntimeConfig, SchedulerService
 
 from .placement import Seat
+
+
+#: How long the scheduler waits for a dying ModelActor that Ray restarts (max_restarts).
+RESTART_WAIT_S = 60.0
 
 
 class RayDevice:
@@ -42,7 +49,23 @@ class RayDevice:
             return await getattr(handle, method).remote(*args)
         except ray.exceptions.RayActorError as error:
             self._cached = None
+            await self._restarted()
             raise DeviceLost(f"{self._name} died or is restarting ({type(error).__name__})") from error
+
+    async def _restarted(self, timeout_s: float = RESTART_WAIT_S) -> None:
+        """Wait until a restarting ModelActor answers again (or is gone for good), so that the
+        job re-queued after this loss is not dispatched into the restart, failing at once
+        until its device faults run out."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            try:
+                await self._handle().state.remote()
+                return
+            except ValueError:       # killed for good: nothing will come back under this name
+                return
+            except ray.exceptions.RayActorError:
+                self._cached = None
+                await asyncio.sleep(0.2)
 
     async def load(self, model_id: str) -> float:
         self._model = None
