@@ -76,7 +76,7 @@ def test_one_gpu_takes_the_model_the_embedder_stays_on_the_cpu_and_a_taken_gpu_f
     assert placed["embedder"]["resources"] == {} and placed["embedder"]["peak_in_flight"] == 2  # the default
     # then another job holds the GPU: start() refuses at once, naming it, instead of waiting for ever
     assert "needs 1 'GPU'" in placed["error"] and "ray start --num-gpus=1" in placed["error"]
-    assert placed["after_s"] < 5
+    assert placed["after_s"] < 8      # the grace for a seat freed a moment ago (3 s), then the refusal
 
 
 @pytest.mark.ray

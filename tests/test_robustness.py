@@ -466,10 +466,11 @@ def test_a_newer_grant_stops_a_generation_still_running_under_an_older_lease():
     """The ModelActor's fence, without Ray: a grant of a newer epoch stops the older run at
     its next token, and the older epoch is refused from then on."""
     from uniun_ray.models import GenerateRequest
+    from uniun_ray.models.settings import EngineSettings
     from uniun_ray.runtime.model_actor import ModelActor
 
     async def go():
-        model = ModelActor("cpu", num_threads=1)
+        model = ModelActor("cpu", EngineSettings(threads=1))
         await model.load("tiny")
         await model.grant(1)
         items = []

@@ -152,7 +152,7 @@ def start(config: RuntimeConfig | None = None) -> Handles:
     return _remember(Handles(scheduler, model, embedder, ray.get(scheduler.chat_model.remote())))
 
 
-def _check_seats(seats: list[tuple[str, "placement.Seat"]], grace_s: float = 5.0) -> None:
+def _check_seats(seats: list[tuple[str, "placement.Seat"]], grace_s: float = 3.0) -> None:
     """Actors that do not exist yet must find their seat free: the model and the embedder
     together, when they ask for the same resource (two GPUs, one of them taken). A seat freed a
     moment ago (an actor just killed) shows as free within a second or two: wait that long."""
