@@ -527,7 +527,9 @@ def test_cancel_of_a_queued_and_a_running_job_frees_everything(live_runtime):
 @pytest.mark.ray
 def test_foreground_flapping_100_per_second_on_real_actors(live_runtime):
     async def go():
-        jobs = [agenerate(kind, "x", model_id="tiny", producer=f"{kind}:{i}", max_new_tokens=600)
+        # 4 x 1500 tokens of tiny: seconds of work on any host, so the flips below (1.5 s or
+        # more) always meet a running job with an outranking one queued
+        jobs = [agenerate(kind, "x", model_id="tiny", producer=f"{kind}:{i}", max_new_tokens=1500)
                 for i in range(2) for kind in ("nataraj", "gana")]
         work = asyncio.ensure_future(asyncio.gather(*jobs))
         await started("nataraj")
@@ -540,7 +542,7 @@ def test_foreground_flapping_100_per_second_on_real_actors(live_runtime):
         done = await asyncio.wait_for(work, 120)
         return flips, done, await idle_status()
     flips, done, status = asyncio.run(go())
-    assert [c.tokens for c in done] == [600] * 4     # resumed, never restarted
+    assert [c.tokens for c in done] == [1500] * 4    # resumed, never restarted
     assert sum(c.revokes for c in done) > 0
     events = events_of(status)
     assert all(final_outcomes(events)[c.job_id] == ["done"] for c in done)
