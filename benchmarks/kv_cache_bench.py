@@ -22,13 +22,9 @@ import statistics
 
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
-import ray  # noqa: E402
-
-from uniun_ray.client import agenerate, astatus  # noqa: E402
-from uniun_ray.demo import nataraj_generating  # noqa: E402
+from uniun_ray.client import agenerate, astatus, await_generating  # noqa: E402
 from uniun_ray.models.tuning import cpu_model  # noqa: E402
-from uniun_ray.runtime.launch import LOCAL_RESOURCES, start  # noqa: E402
-from uniun_ray.runtime.protocol import NAMESPACE  # noqa: E402
+from uniun_ray.runtime.launch import local_cluster, start  # noqa: E402
 
 #: A user message of about 230 tokens: five turns of it and the replies pass 1,000 tokens.
 PARAGRAPH = ("The lighthouse keeper wrote in the log every evening: the wind, the state of the sea, "
@@ -60,7 +56,7 @@ async def conversation(turns: int) -> dict:
 async def resume() -> dict:
     card = asyncio.ensure_future(agenerate("nataraj", PARAGRAPH + " Write a long card about it.",
                                            max_new_tokens=160))
-    assert await nataraj_generating(), "no nataraj job got the device"
+    assert await await_generating("nataraj"), "no nataraj job got the device"
     await agenerate("chat", "Say hello.", max_new_tokens=4)        # revokes the card
     before = await kv_stats()
     done = await card                                                # its resume runs to the end
@@ -74,15 +70,11 @@ def run(turns: int, kv_cache_mb: str | None) -> dict:
         os.environ.pop("UNIUN_KV_CACHE_MB", None)
     else:
         os.environ["UNIUN_KV_CACHE_MB"] = kv_cache_mb
-    ray.init(address="local", namespace=NAMESPACE, include_dashboard=False, log_to_driver=False,
-             resources=LOCAL_RESOURCES)
-    try:
+    with local_cluster():
         start()
         talk = asyncio.run(conversation(turns))
         card = asyncio.run(resume())
         engine = asyncio.run(astatus())["engine"]
-    finally:
-        ray.shutdown()
     return {"talk": talk, "card": card, "engine": engine}
 
 
