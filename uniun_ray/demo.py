@@ -13,6 +13,7 @@ import argparse
 import asyncio
 import platform
 import statistics
+import threading
 
 import ray
 
@@ -67,7 +68,7 @@ def bare_engine(turns: int, chat_tokens: int) -> dict:
     engine.load(DEFAULT_CHAT_MODEL)
     ttfts = []
     for prompt in ["warm up"] + prompts(turns):
-        generation = engine.generate(GenerateRequest(prompt=prompt, max_new_tokens=chat_tokens), cancel=_Never())
+        generation = engine.generate(GenerateRequest(prompt=prompt, max_new_tokens=chat_tokens), cancel=threading.Event())
         for _piece in generation:
             pass
         ttfts.append(generation.result.ttft_s)
@@ -76,12 +77,6 @@ def bare_engine(turns: int, chat_tokens: int) -> dict:
     del engine
     gc.collect()
     return {"ttft": ttfts[1:], "engine": described}
-
-
-class _Never:
-    @staticmethod
-    def is_set() -> bool:
-        return False
 
 
 def simulated_two_lane() -> dict[str, float]:
