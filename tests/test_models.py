@@ -580,6 +580,10 @@ def test_a_revoked_run_keeps_its_kv_and_its_resume_prefills_one_token(engine, un
     finally:
         engine.prefill_chunk = monkey_chunk
     assert first.stopped_by_cancel and kv(engine)["preempted_entries"] == 1
+    # What revoked it runs first and shares its first tokens (as a chat shares the template's):
+    # it forks the revoked run's entry and leaves it for the resume.
+    chat = run(engine, GenerateRequest(prompt=LONG_PROMPT[:60] + " hello", max_new_tokens=3))[1]
+    assert chat.cached_tokens > 0 and kv(engine)["preempted_entries"] == 1
     before = kv(engine)
     rest = run(engine, GenerateRequest(prompt=LONG_PROMPT, max_new_tokens=30 - first.tokens,
                                        resume_tokens=first.token_ids))[1]

@@ -558,7 +558,8 @@ class Generation(Iterator[str]):
             raise
         finally:
             if reason != "error" and fed:  # keep the KV for the next turn, or for the resume
-                loaded.prefix.put(sequence[0, :fed].tolist(), cache, preempted=reason == "cancel")
+                loaded.prefix.put(sequence[0, :fed].tolist(), cache, preempted=reason == "cancel",
+                                  prompt=len(context))
             engine._end()
             self.result = GenerationResult(
                 text="".join(pieces),

@@ -12,8 +12,9 @@ this per block; one engine here runs one sequence, so whole sequences are the un
   same tensors) and the entry stays valid for the next hit.
 * Memory is bounded (``UNIUN_KV_CACHE_MB``): least recently used entries go first, and a
   revoked job's entry only after every other one, since its resume is the one hit that is
-  certain. A hit on a revoked job's entry (its resume) takes it out of the cache: the run stores
-  its own entry when it ends.
+  certain. Its resume (a hit that covers the revoked run's whole prompt) takes it out of the
+  cache: the run stores its own entry when it ends. Any other hit on it, such as the chat that
+  revoked it sharing the chat template's first tokens, forks it and leaves it for the resume.
 * Two tiers where the device is not the CPU (``UNIUN_KV_OFFLOAD_MB``): an entry pushed out of
   device memory moves to CPU memory (transformers' own ``offload``/``prefetch`` of each cache
   layer) instead of being dropped, and moves back on a hit: copying KV over PCIe costs far
@@ -78,6 +79,7 @@ class _Entry:
     cache: Any
     nbytes: int
     preempted: bool
+    prompt: int                 # of ``tokens``, the run's prompt: a hit that covers it is a resume
     offloaded: bool = False
 
 
@@ -129,7 +131,7 @@ class PrefixCache:
             return None
         if entry.offloaded:
             self._restore(entry)
-        if entry.preempted:          # the revoked job's resume: it takes the entry over
+        if entry.preempted and length >= entry.prompt:   # the revoked job's resume takes it over
             self._drop(entry)
             cache = entry.cache
         else:
@@ -140,9 +142,10 @@ class PrefixCache:
             cache.crop(-surplus)
         return Hit(cache, length)
 
-    def put(self, tokens: list[int], cache: Any, preempted: bool) -> None:
+    def put(self, tokens: list[int], cache: Any, preempted: bool, prompt: int | None = None) -> None:
         """Keep ``cache``, which holds the KV of exactly ``tokens``; ``preempted``: its run was
-        revoked and will resume. An entry larger than the device budget is not kept."""
+        revoked and will resume from ``prompt`` tokens (None: all of ``tokens``) and what it
+        produced. An entry larger than the device budget is not kept."""
         if not tokens or cache is None or self.budget_bytes <= 0:
             return
         key = tuple(tokens)
@@ -153,7 +156,7 @@ class PrefixCache:
             if nbytes > self.budget_bytes:
                 self.evictions += 1
                 return
-            self._entries[key] = _Entry(key, cache, nbytes, preempted)
+            self._entries[key] = _Entry(key, cache, nbytes, preempted, min(len(key), prompt or len(key)))
             self.held_bytes += nbytes
             self._fit()
 
