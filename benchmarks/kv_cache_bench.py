@@ -14,7 +14,8 @@ and once without (UNIUN_KV_CACHE_MB=0; ``--quick`` skips it):
   (``--quick`` skips it);
 - **a Nataraj card revoked by a chat mid-decode** (after its first piece), then resumed: the
   tokens its resume prefilled and their time, against one decode step (goal: <= one decode
-  step); and the same revoked mid-prefill, whose resume reads only what it had not.
+  step); and one with a long prompt revoked 0.5 s in (mid-prefill, on a CPU), whose resume
+  reads only what it had not.
 
 Every turn reports its prompt tokens, how many of them were prefilled (the rest came from the
 cache) and the engine's time for that, from the runs' own results (``Completion.prefills``);
@@ -71,8 +72,9 @@ async def conversation(user_turns: list[str], answer_tokens: int) -> list[dict]:
 
 async def revoked_card(mid: str) -> dict:
     """A Nataraj card revoked by a chat mid-``decode`` (after its first piece) or mid-``prefill``
-    (0.5 s into its long prompt), run to its end: what its resume prefilled."""
-    prompt = PARAGRAPH + " Write a long card about it." if mid == "prefill" else "Write a card about the sea."
+    (0.5 s into its ~920-token prompt), run to its end: what its resume prefilled, and where the
+    revoke landed (a run revoked before the end of its prefill has no prefill time)."""
+    prompt = PARAGRAPH * 4 + " Write a long card about it." if mid == "prefill" else "Write a card about the sea."
     card = astream("nataraj", prompt, max_new_tokens=96)
     pieces = card.__aiter__()
     if mid == "decode":
@@ -89,7 +91,9 @@ async def revoked_card(mid: str) -> dict:
     done = card.completion
     assert done.revokes >= 1 and len(done.prefills) >= 2, f"the card was not revoked: {done}"
     prompt_tokens, prefilled, seconds = prefill(done, -1)
-    return {"revokes": done.revokes, "prompt": prompt_tokens, "prefilled": prefilled, "prefill_s": seconds}
+    landed = "mid-decode" if done.prefills[0]["prefill_s"] is not None else "mid-prefill"
+    return {"revokes": done.revokes, "prompt": prompt_tokens, "prefilled": prefilled, "prefill_s": seconds,
+            "landed": landed}
 
 
 async def measure(quick: bool) -> dict:
@@ -133,7 +137,8 @@ def card_row(name: str, key: str, runs: list[dict]) -> str:
         card, step_ms = r[key], r["engine"]["decode_ms"]
         seconds = "" if card["prefill_s"] is None else f", {card['prefill_s'] * 1000:.0f} ms = " \
                                                         f"{card['prefill_s'] * 1000 / step_ms:.1f} decode steps"
-        cells.append(f"{card['prefilled']} of {card['prompt']} tokens{seconds} ({card['revokes']} revoke)")
+        cells.append(f"{card['prefilled']} of {card['prompt']} tokens{seconds} ({card['revokes']} revoke, "
+                     f"{card['landed']})")
     return f"| {name} | " + " | ".join(cells) + " |"
 
 
@@ -155,7 +160,7 @@ def main() -> None:
         print(row)
     print(card_row("Nataraj card revoked by a chat mid-decode, its resume prefilled "
                    "(goal: <= one decode step)", "decode", runs))
-    print(card_row("the same revoked mid-prefill, its resume prefilled", "prefill", runs))
+    print(card_row("a card with a ~920-token prompt revoked 0.5 s in, its resume prefilled", "prefill", runs))
 
 
 if __name__ == "__main__":
