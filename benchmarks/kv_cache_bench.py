@@ -72,7 +72,7 @@ async def conversation(user_turns: list[str], answer_tokens: int) -> list[dict]:
 
 async def revoked_card(mid: str) -> dict:
     """A Nataraj card revoked by a chat mid-``decode`` (after its first piece) or mid-``prefill``
-    (0.5 s into its ~920-token prompt), run to its end: what its resume prefilled, and where the
+    (0.5 s into its ~750-token prompt), run to its end: what its resume prefilled, and where the
     revoke landed (a run revoked before the end of its prefill has no prefill time)."""
     prompt = PARAGRAPH * 4 + " Write a long card about it." if mid == "prefill" else "Write a card about the sea."
     card = astream("nataraj", prompt, max_new_tokens=96)
@@ -160,7 +160,7 @@ def main() -> None:
         print(row)
     print(card_row("Nataraj card revoked by a chat mid-decode, its resume prefilled "
                    "(goal: <= one decode step)", "decode", runs))
-    print(card_row("a card with a ~920-token prompt revoked 0.5 s in, its resume prefilled", "prefill", runs))
+    print(card_row("a card with a ~750-token prompt revoked 0.5 s in, its resume prefilled", "prefill", runs))
 
 
 if __name__ == "__main__":
