@@ -714,7 +714,8 @@ def test_a_conversation_whose_history_went_to_cpu_memory_and_back_decodes_as_wit
     assert again.token_ids == run(uncached, second)[1].token_ids
 
 
-def test_a_cpu_device_has_one_kv_tier_and_a_gpu_two(engine):
+def test_a_cpu_device_has_one_kv_tier_and_a_gpu_two(engine, uncached):
+    assert kv(uncached)["tiers"].startswith("none: UNIUN_KV_CACHE_MB=0")
     described = kv(engine)
     if DEVICE == "cpu":
         assert described["offload_budget_mb"] == 0 and described["tiers"].startswith("one: the device is the CPU")

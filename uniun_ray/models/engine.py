@@ -126,9 +126,10 @@ class Engine:
     each chunk to take about one decode step on this host, bounding how long a cancel waits.
     ``kv_cache_mb`` bounds the prefix cache of the loaded model (``kvcache``; 0: off; None: the
     device's default); ``kv_offload_mb`` the CPU memory its entries move to when a GPU's budget is
-    full (None: the default; a CPU device has one tier and ignores it). ``max_memory`` ({"cpu": "2GiB"} or {"0": "6GiB", "cpu": "20GiB"}) lets
-    accelerate place the weights (``device_map="auto"``) and offload what does not fit, to CPU
-    memory or to disk under the cache folder: a model larger than the device runs, slower.
+    full (None: the default; a CPU device has one tier and ignores it). ``max_memory``
+    ({"cpu": "2GiB"} or {"0": "6GiB", "cpu": "20GiB"}) lets accelerate place the weights
+    (``device_map="auto"``) and offload what does not fit, to CPU memory or to disk under the
+    cache folder: a model larger than the device runs, slower.
 
     Thread safety: ``generate`` may be iterated in a worker thread. ``load`` and ``unload`` refuse
     (RuntimeError) while a run is in progress: revoke it and let its iterator finish first.
@@ -202,6 +203,10 @@ class Engine:
             | {"kv_cache": loaded.prefix.describe() | {"tiers": self._kv_tiers()}}
 
     def _kv_tiers(self) -> str:
+        """Where the prefix cache keeps KV, in words for ``status``: the same settings mean one
+        tier or two depending on the device."""
+        if self.kv_cache_mb == 0:
+            return "none: UNIUN_KV_CACHE_MB=0 turns the cache off"
         if self.device.type == "cpu":
             return "one: the device is the CPU (UNIUN_KV_OFFLOAD_MB unused)"
         if self.kv_offload_mb == 0:
