@@ -720,7 +720,7 @@ def test_a_cpu_device_has_one_kv_tier_and_a_gpu_two(engine, uncached):
     if DEVICE == "cpu":
         assert described["offload_budget_mb"] == 0 and described["tiers"].startswith("one: the device is the CPU")
     else:
-        assert described["offload_budget_mb"] == 8192 and described["tiers"].startswith("two:")
+        assert described["offload_budget_mb"] == 4096 and described["tiers"].startswith("two:")
 
 
 def test_a_model_larger_than_its_memory_budget_is_offloaded_by_accelerate_with_the_same_output(engine, tiny_cache):

@@ -356,8 +356,8 @@ class Engine:
             self._running -= 1
 
 
-#: CPU memory for the KV a GPU's cache pushes out: host memory is usually the larger.
-DEFAULT_KV_OFFLOAD_MB = 8192
+#: CPU memory for the KV a GPU's cache pushes out, per GPU: a node with eight takes 32 GiB.
+DEFAULT_KV_OFFLOAD_MB = 4096
 
 
 def default_kv_cache_mb(device: torch.device) -> int:
