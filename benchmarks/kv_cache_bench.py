@@ -1,17 +1,21 @@
 """What the prefix KV cache buys on the real runtime (issue 11):
 
     .venv/bin/python benchmarks/kv_cache_bench.py            # the figures, on a quiet machine
-    .venv/bin/python benchmarks/kv_cache_bench.py --quick    # proves the script runs (~3 min)
+    .venv/bin/python benchmarks/kv_cache_bench.py --quick    # proves the script runs (~2.5 min)
 
 Runs on a local Ray, with SmolLM2 as the chat model, once with the cache (the default budget)
 and once without (UNIUN_KV_CACHE_MB=0; ``--quick`` skips it):
 
-- **one-line turns** (the issue's goal): a first message of ~1,150 tokens, then four one-line
+- **one-line turns** (the issue's goal): a first message of ~950 tokens, then four one-line
   messages, so the 5th turn's history passes 1,000 tokens while only its new line and the chat
   template's tokens are new: its TTFT against a one-message chat's, measured in the same run
   (goal: <= 1.2x);
-- **long turns**: each turn a new ~230-token message, so each turn prefills at least that much
+- **long turns**: each turn a new ~200-token message, so each turn prefills at least that much
   (``--quick`` skips it);
+- **two conversations taking turns** (a third local Ray, run by ``--quick`` too) with a device
+  budget of ~1.5 histories (sized from the first run's): each turn finds its history pushed out by the other's. On a GPU it moved to
+  CPU memory and comes back (a copy, no prefill); on a CPU, the one tier, it was dropped and is
+  prefilled again;
 - **a Nataraj card revoked by a chat mid-decode** (after its first piece), then resumed: the
   tokens its resume prefilled and their time, against one decode step (goal: <= one decode
   step); and one with a long prompt revoked 0.5 s in (mid-prefill, on a CPU), whose resume
@@ -19,13 +23,14 @@ and once without (UNIUN_KV_CACHE_MB=0; ``--quick`` skips it):
 
 Every turn reports its prompt tokens, how many of them were prefilled (the rest came from the
 cache) and the engine's time for that, from the runs' own results (``Completion.prefills``);
-TTFT is the client's, submit to first piece. Prints a markdown table, with
-the host (CPU model, torch capability, threads, dtype).
+TTFT is the client's, submit to first piece. Prints markdown tables, with the host (CPU
+model, torch capability, threads, dtype, KV tiers).
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
+import math
 import os
 import platform
 import statistics
@@ -36,14 +41,16 @@ from uniun_ray.client import Completion, agenerate, astatus, astream, await_gene
 from uniun_ray.models.tuning import cpu_model  # noqa: E402
 from uniun_ray.runtime.launch import local_cluster, start  # noqa: E402
 
-#: A user message of about 230 tokens: five turns of it and the replies pass 1,000 tokens.
+#: A user message of about 180 tokens: five turns of it and the replies pass 1,000 tokens.
 PARAGRAPH = ("The lighthouse keeper wrote in the log every evening: the wind, the state of the sea, "
              "the ships that passed, the birds that rested on the gallery rail, the oil burned, and "
              "the small repairs of the day. ") * 4
 LONG_TURNS = [f"Turn {turn}. {PARAGRAPH} Summarise the log so far." for turn in range(1, 6)]
-#: A ~1,150-token log, then one line per turn: what "the 5th turn of a conversation" usually is.
+#: A ~950-token log, then one line per turn: what "the 5th turn of a conversation" usually is.
 ONE_LINE_TURNS = [f"Here is a week of the log. {PARAGRAPH * 5} What did the keeper write about?",
                   "Which birds?", "And the ships?", "Was anything repaired?", "Say it in one line."]
+#: The other conversation of the tiers row: another log, diverging from the first at its first words.
+OTHER_LOG = f"Another keeper kept this log. {PARAGRAPH * 5} What did the keeper write about?"
 
 
 def prefill(completion: Completion, run: int = 0) -> tuple[int, int, float | None]:
@@ -59,15 +66,31 @@ async def one_message_ttft(samples: int) -> float:
                               for topic in topics])
 
 
+async def kv_stats() -> dict:
+    return (await astatus())["engine"]["kv_cache"]
+
+
+async def turn(messages: list[dict], content: str, answer_tokens: int) -> dict:
+    """Send one user message of a conversation (``messages`` gains it and the reply)."""
+    messages.append({"role": "user", "content": content})
+    reply = await agenerate("chat", messages=list(messages), max_new_tokens=answer_tokens)
+    messages.append({"role": "assistant", "content": reply.text})
+    prompt, prefilled, seconds = prefill(reply)
+    return {"ttft": reply.ttft_s, "prompt": prompt, "prefilled": prefilled, "prefill_s": seconds}
+
+
 async def conversation(user_turns: list[str], answer_tokens: int) -> list[dict]:
-    messages, turns = [], []
-    for content in user_turns:
-        messages.append({"role": "user", "content": content})
-        reply = await agenerate("chat", messages=list(messages), max_new_tokens=answer_tokens)
-        prompt, prefilled, seconds = prefill(reply)
-        turns.append({"ttft": reply.ttft_s, "prompt": prompt, "prefilled": prefilled, "prefill_s": seconds})
-        messages.append({"role": "assistant", "content": reply.text})
-    return turns
+    messages: list[dict] = []
+    return [await turn(messages, content, answer_tokens) for content in user_turns]
+
+
+async def taking_turns(rounds: int, answer_tokens: int) -> dict:
+    """Two conversations, one turn each in turn: the tiers row."""
+    one, other = [], []
+    turns = []
+    for content, other_content in list(zip(ONE_LINE_TURNS, [OTHER_LOG] + ONE_LINE_TURNS[1:]))[:rounds]:
+        turns += [await turn(one, content, answer_tokens), await turn(other, other_content, answer_tokens)]
+    return {"turns": turns, "kv": await kv_stats()}
 
 
 async def revoked_card(mid: str) -> dict:
@@ -99,23 +122,28 @@ async def revoked_card(mid: str) -> dict:
 async def measure(quick: bool) -> dict:
     single = await one_message_ttft(1 if quick else 5)
     answer = 8 if quick else 48
-    one_line = await conversation(ONE_LINE_TURNS, answer)
+    messages: list[dict] = []
+    held_before = (await kv_stats())["held_mb"]
+    one_line = [await turn(messages, ONE_LINE_TURNS[0], answer)]
+    history_mb = (await kv_stats())["held_mb"] - held_before     # one history's KV; 0 with the cache off
+    one_line += [await turn(messages, content, answer) for content in ONE_LINE_TURNS[1:]]
     long = [] if quick else await conversation(LONG_TURNS, answer)
     decode = await revoked_card("decode")
     mid_prefill = await revoked_card("prefill")
     engine = (await astatus())["engine"]
     return {"single": single, "one_line": one_line, "long": long, "decode": decode, "prefill": mid_prefill,
-            "engine": engine}
+            "engine": engine, "history_mb": history_mb}
 
 
-def run(quick: bool, kv_cache_mb: str | None) -> dict:
+def run(kv_cache_mb: str | None, work) -> dict:
+    """``work()`` on a fresh local Ray whose ModelActor has this UNIUN_KV_CACHE_MB (None: the default)."""
     if kv_cache_mb is None:
         os.environ.pop("UNIUN_KV_CACHE_MB", None)
     else:
         os.environ["UNIUN_KV_CACHE_MB"] = kv_cache_mb
     with local_cluster():
         start()
-        return asyncio.run(measure(quick))
+        return asyncio.run(work())
 
 
 def turn_rows(name: str, key: str, runs: list[dict]) -> list[str]:
@@ -147,7 +175,9 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true",
                     help="short answers, one conversation, no uncached run: proves the script works")
     args = ap.parse_args()
-    runs = [run(args.quick, None)] + ([] if args.quick else [run(args.quick, "0")])
+    runs = [run(None, lambda: measure(args.quick))] + ([] if args.quick else [run("0", lambda: measure(args.quick))])
+    budget = str(math.ceil(1.5 * runs[0]["history_mb"]))
+    tiers = run(budget, lambda: taking_turns(2 if args.quick else 3, 8 if args.quick else 48))
     engine = runs[0]["engine"]
     print(f"{platform.machine()}, {cpu_model()}, torch CPU capability {engine['cpu_capability']}, "
           f"{engine['threads']} threads, {engine['model']} in {engine['dtype']} on {engine['device']} "
@@ -161,6 +191,15 @@ def main() -> None:
     print(card_row("Nataraj card revoked by a chat mid-decode, its resume prefilled "
                    "(goal: <= one decode step)", "decode", runs))
     print(card_row("a card with a ~750-token prompt revoked 0.5 s in, its resume prefilled", "prefill", runs))
+    kv = tiers["kv"]
+    print(f"\nTwo conversations taking turns, UNIUN_KV_CACHE_MB={budget} (~1.5 histories of "
+          f"{runs[0]['history_mb']:.0f} MB); KV tiers: {kv['tiers']}; {kv['offloads']} offloads, "
+          f"{kv['restores']} restores, {kv['evictions']} evictions\n")
+    print("| turn | TTFT | prompt tokens | prefilled |")
+    print("|---|---|---|---|")
+    for number, record in enumerate(tiers["turns"]):
+        print(f"| {'AB'[number % 2]}{number // 2 + 1} | {record['ttft']:.2f} s | {record['prompt']} | "
+              f"{record['prefilled']} in {record['prefill_s']:.2f} s |")
 
 
 if __name__ == "__main__":
