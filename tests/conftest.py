@@ -29,25 +29,59 @@ def ray_cluster():
         yield ray
 
 
-def kill_uniun_actors(ray) -> None:
-    """Kill the named actors and wait until their names are free again."""
+def _kill_and_wait(ray, name: str) -> None:
+    """Kill the named actor for good and wait until its name is free again."""
     import time
 
-    from uniun_ray.runtime.launch import device_name
-    from uniun_ray.runtime.protocol import EMBEDDER_NAME, NAMESPACE, SCHEDULER_NAME, model_actor_name
+    from uniun_ray.runtime.protocol import NAMESPACE
 
-    for name in (SCHEDULER_NAME, model_actor_name(device_name()), EMBEDDER_NAME):
+    try:
+        ray.kill(ray.get_actor(name, namespace=NAMESPACE), no_restart=True)
+    except ValueError:
+        return
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
         try:
-            ray.kill(ray.get_actor(name, namespace=NAMESPACE), no_restart=True)
+            ray.get_actor(name, namespace=NAMESPACE)
         except ValueError:
-            continue
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            try:
-                ray.get_actor(name, namespace=NAMESPACE)
-            except ValueError:
-                break
-            time.sleep(0.05)
+            return
+        time.sleep(0.05)
+
+
+def _actor_names():
+    from uniun_ray.runtime.launch import device_name
+    from uniun_ray.runtime.protocol import EMBEDDER_NAME, SCHEDULER_NAME, model_actor_name
+
+    return SCHEDULER_NAME, model_actor_name(device_name()), EMBEDDER_NAME
+
+
+def kill_uniun_actors(ray) -> None:
+    """Kill the named actors and wait until their names are free again."""
+    for name in _actor_names():
+        _kill_and_wait(ray, name)
+
+
+#: A reset that takes longer than this means a wedged device: it is killed and made anew.
+RESET_TIMEOUT_S = 30.0
+
+
+def reset_uniun_actors(ray) -> None:
+    """A fresh runtime for the next test, at the price of a new scheduler only: the scheduler
+    (whose policy state is per test) is killed; the model actor is reset to a just-started
+    device (no model, no cached KV, no stop history) and the embedder (stateless) kept. A new
+    model actor costs ~8 s here (a process importing torch, then a model load); made anew for
+    every test it was a third of the suite. One that does not reset in time, or is dead, is
+    killed and made anew by `start`."""
+    from uniun_ray.runtime.protocol import NAMESPACE
+
+    scheduler, model, _ = _actor_names()
+    _kill_and_wait(ray, scheduler)
+    try:
+        ray.get(ray.get_actor(model, namespace=NAMESPACE).reset.remote(), timeout=RESET_TIMEOUT_S)
+    except ValueError:
+        return  # none yet
+    except (ray.exceptions.GetTimeoutError, ray.exceptions.RayActorError):
+        _kill_and_wait(ray, model)
 
 
 @pytest.fixture
@@ -59,12 +93,12 @@ def make_runtime(ray_cluster):
     from uniun_ray.runtime.service import RuntimeConfig
 
     def make(policy: PolicyConfig | None = None, **runtime):
-        kill_uniun_actors(ray_cluster)
+        reset_uniun_actors(ray_cluster)
         fields = dict(lease_timeout_s=3.0, waiter_timeout_s=3.0, reap_period_s=0.2) | runtime
         return start(RuntimeConfig(policy or PolicyConfig(), **fields))
 
     yield make
-    kill_uniun_actors(ray_cluster)
+    reset_uniun_actors(ray_cluster)
 
 
 @pytest.fixture

@@ -332,6 +332,20 @@ def test_cancel_during_chunked_prefill_stops_before_prefill_ends(engine, forward
     assert result.stopped_by_cancel and result.tokens == 0 and result.ttft_s is None
 
 
+def test_a_run_only_its_own_cancel_can_stop_reads_its_prompt_in_one_pass(engine, forwards, monkeypatch):
+    monkeypatch.setattr(engine._loaded.clock, "_chunk", 16.0)    # revoke-sized chunks: 16 tokens
+    monkeypatch.setattr(engine._loaded.clock, "observe", lambda tokens, seconds: None)  # and they stay so
+    prompts = [" ".join(f"{word}{i}" for i in range(120)) for word in ("north", "south")]  # never cached
+    request = lambda prompt: GenerateRequest(prompt=prompt, max_new_tokens=1)  # noqa: E731
+    assert min(engine.check(request(p)) for p in prompts) > 10 * 16
+    engine.generate(request(prompts[0]), threading.Event(), revocable=False).close()  # never advanced
+    assert forwards.count == 0
+    list(engine.generate(request(prompts[0]), threading.Event(), revocable=False))
+    assert forwards.count == 1                                    # chat: the whole prompt at once
+    list(engine.generate(request(prompts[1]), threading.Event()))
+    assert forwards.count - 1 > 10                                # revocable: one chunk per pass
+
+
 def test_cancel_set_before_the_run_does_no_work(engine, forwards):
     cancel = threading.Event()
     cancel.set()

@@ -37,7 +37,7 @@ from typing import Any, AsyncIterator, Awaitable, Callable, Iterator
 
 from .models.registry import DEFAULT_CHAT_MODEL
 from .models.request import GenerateRequest
-from .policy import Job, Kind
+from .policy import Job, Kind, Tier
 from .runtime.launch import forget_handles, handles
 from .runtime.protocol import (DeviceLost, JobDropped, Lease, LeaseRevoked, Preempted, SchedulerUnavailable,
                                UnknownJob, new_job)
@@ -194,9 +194,12 @@ def _lookup_scheduler():
     return scheduler
 
 
-async def _generation(model, epoch: int, request: GenerateRequest) -> AsyncIterator[dict]:
-    """The ModelActor's stream for one lease: {"piece": text} items, then {"result": ...}."""
-    async for ref in model.generate.options(num_returns="streaming").remote(epoch, request):
+async def _generation(model, lease: Lease, request: GenerateRequest) -> AsyncIterator[dict]:
+    """The ModelActor's stream for one lease: {"piece": text} items, then {"result": ...}. A
+    lease dispatched at the chat tier is revoked by nothing but its own cancel (R4), so its
+    prompt is read without revoke-sized chunks."""
+    revocable = lease.tier != Tier.CHAT
+    async for ref in model.generate.options(num_returns="streaming").remote(lease.epoch, request, revocable):
         yield await ref
 
 
@@ -439,7 +442,7 @@ class GenerationStream:
                 result, pieces = None, 0
                 async with turn:
                     tier = turn.lease.tier if tier is None else tier
-                    async for item in _generation(turn.model, turn.lease.epoch, request):
+                    async for item in _generation(turn.model, turn.lease, request):
                         if "piece" in item:
                             text.append(item["piece"])
                             pieces += 1
@@ -517,7 +520,7 @@ class LeaseHandle:
         """``sampling``: temperature, top_p, top_k, repetition_penalty, stop, seed (GenerateRequest)."""
         request = GenerateRequest(prompt=prompt, messages=messages, max_new_tokens=max_new_tokens, **sampling)
         result = None
-        async for item in _generation(self._model, self.lease.epoch, request):
+        async for item in _generation(self._model, self.lease, request):
             result = item.get("result", result)
         if result["finish_reason"] == "cancel":
             raise LeaseRevoked(f"lease {self.lease.epoch} of job {self.lease.job_id} was revoked")

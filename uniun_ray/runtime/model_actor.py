@@ -66,6 +66,17 @@ class ModelActor:
             await self._drain()
             return await asyncio.to_thread(self._engine.unload)
 
+    async def reset(self) -> None:
+        """Back to a just-started device: no model, no cached KV, no stop history. The lease
+        epoch stays (it only ever grows, so that every older lease stays fenced). A new
+        scheduler on a running cluster, or a test wanting a fresh device, gets one without the
+        cost of a new actor process (torch and transformers imported again: seconds)."""
+        async with self._swap_lock:
+            await self._drain()
+            await asyncio.to_thread(self._engine.unload)
+            self._last_revoke.clear()
+            self.stop_latencies.clear()
+
     async def _drain(self) -> None:
         for flag in self._running.values():
             flag.set()
@@ -100,14 +111,15 @@ class ModelActor:
 
         return await asyncio.to_thread(inspect_request, resolve(model_id), request)
 
-    async def generate(self, epoch: int, request: GenerateRequest):
+    async def generate(self, epoch: int, request: GenerateRequest, revocable: bool = True):
         """Stream {"piece": text} items, then one {"result": ...}. Call with
-        `.options(num_returns="streaming")`."""
+        `.options(num_returns="streaming")`. `revocable=False` (a chat lease: only its own
+        cancel stops it) reads the prompt in long chunks (see `Engine.generate`)."""
         if epoch != self._epoch or self._revoked:
             raise LeaseRevoked(f"lease epoch {epoch} is not current (current {self._epoch}, "
                                f"revoked={self._revoked})")
         flag = threading.Event()
-        generation = self._engine.generate(request, flag)
+        generation = self._engine.generate(request, flag, revocable)
         self._running[epoch] = flag
         self._idle.clear()
         try:
