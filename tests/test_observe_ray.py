@@ -55,7 +55,7 @@ async def chats_during_nataraj() -> dict:
 def test_metrics_reach_the_node_metrics_endpoint_after_a_job(runtime):
     asyncio.run(chats_during_nataraj())
     uniun_ray.embed(["a note"])
-    wanted = {  # Ray exports every ~10 s
+    wanted = {  # Ray exports every 2 s here (the session cluster's metrics_report_interval_ms)
         "ray_uniun_dispatches_total": {"kind": "chat", "tier": "T0", "model": "tiny"},
         "ray_uniun_revokes_total": {"kind": "nataraj", "cause": "arrival"},
         "ray_uniun_wait_seconds_count": {"kind": "chat", "tier": "T0"},
