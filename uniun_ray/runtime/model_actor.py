@@ -6,7 +6,7 @@ lease epoch with `grant` and withdraws one with `revoke`; `generate` serves only
 current, unrevoked epoch, and a revoke sets the running generation's cancel flag, which the
 engine reads before every forward pass (so it stops within one token, or one prefill chunk).
 
-Blocking work (load, generate steps, tokenizer checks) runs in threads so the actor's
+Blocking work (load, a whole generation, tokenizer checks) runs in threads so the actor's
 event loop stays free to take a revoke while a generation is running.
 """
 from __future__ import annotations
@@ -122,9 +122,29 @@ class ModelActor:
         generation = self._engine.generate(request, flag, revocable)
         self._running[epoch] = flag
         self._idle.clear()
+        loop, pieces = asyncio.get_running_loop(), asyncio.Queue()
+
+        def pump() -> None:  # one thread runs the whole generation, handing pieces to the loop
+            try:
+                for piece in generation:
+                    loop.call_soon_threadsafe(pieces.put_nowait, piece)
+            finally:
+                loop.call_soon_threadsafe(pieces.put_nowait, _END)
+
+        pumping = asyncio.ensure_future(asyncio.to_thread(pump))
         try:
-            while (piece := await asyncio.to_thread(next, generation, _END)) is not _END:
-                yield {"piece": piece}
+            ended = False
+            while not ended:
+                # what piled up while the last item went out goes as one piece: a fast model
+                # outruns a per-token Ray stream, and the first token still goes at once
+                batch = [await pieces.get()]
+                while not pieces.empty():
+                    batch.append(pieces.get_nowait())
+                ended = batch[-1] is _END
+                text = "".join(batch[:-1] if ended else batch)
+                if text:
+                    yield {"piece": text}
+            await pumping  # the model's exception, if it raised one
             result = asdict(generation.result)
             revoked_at = self._last_revoke.pop(epoch, None)
             if revoked_at is not None:
@@ -137,6 +157,7 @@ class ModelActor:
                 self._metrics.kv_cache(described["model"], described["kv_cache"])
         finally:
             flag.set()  # a consumer that went away stops the run at the next token
+            await asyncio.wait([pumping])
             await asyncio.to_thread(generation.close)
             del self._running[epoch]
             if not self._running:
