@@ -75,7 +75,8 @@ def runtime(make_runtime):
 # -- fakes for the Ray-free protocol tests (SchedulerService with a fake device) ---------------
 class FakeDevice:
     """The device as the scheduler sees it: loads (optionally slow, or failing for the models
-    in `fail`), grants and revokes are recorded; `epoch` is what it was last granted."""
+    in `fail`), grants and revokes are recorded; `epoch` is what it was last granted. Set
+    `gone` and every call raises DeviceGone, as a ModelActor killed for good does."""
 
     def __init__(self, load_s: float = 0.0, fail: set[str] = frozenset()) -> None:
         self.load_s, self.fail = load_s, fail
@@ -83,23 +84,34 @@ class FakeDevice:
         self.granted: list[int] = []
         self.revoked: list[int] = []
         self.epoch = 0
+        self.gone = False
+
+    def _answer(self) -> None:
+        from uniun_ray.runtime.protocol import DeviceGone
+
+        if self.gone:
+            raise DeviceGone("the fake device is gone")
 
     async def load(self, model_id: str) -> float:
         await asyncio.sleep(self.load_s)
+        self._answer()
         if model_id in self.fail:
             raise RuntimeError(f"cannot load {model_id}")
         self.loads.append(model_id)
         return self.load_s
 
     async def grant(self, epoch: int) -> None:
+        self._answer()
         assert epoch > self.epoch, "epochs only grow"
         self.epoch = epoch
         self.granted.append(epoch)
 
     async def revoke(self, epoch: int) -> None:
+        self._answer()
         self.revoked.append(epoch)
 
     async def current_epoch(self) -> int:
+        self._answer()
         return self.epoch
 
 
