@@ -30,13 +30,15 @@ def ray_cluster():
 
 
 def kill_uniun_actors(ray) -> None:
-    """Kill the named actors and wait until their names are free again."""
+    """Kill the named actors, the scheduler first (it re-creates missing model actors), and
+    wait until their names are free again."""
     import time
 
-    from uniun_ray.runtime.launch import device_name
     from uniun_ray.runtime.protocol import EMBEDDER_NAME, NAMESPACE, SCHEDULER_NAME, model_actor_name
 
-    for name in (SCHEDULER_NAME, model_actor_name(device_name()), EMBEDDER_NAME):
+    models = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+              if a["namespace"] == NAMESPACE and a["name"].startswith(model_actor_name(""))]
+    for name in (SCHEDULER_NAME, *models, EMBEDDER_NAME):
         try:
             ray.kill(ray.get_actor(name, namespace=NAMESPACE), no_restart=True)
         except ValueError:

@@ -32,6 +32,29 @@ def test_seats_follow_what_the_cluster_declares():
     assert placement.device_name(one_gpu) == "gpu0" and placement.device_name(stand_ins) == "cpu0"
 
 
+def test_the_pool_is_named_after_what_the_cluster_declares():
+    assert placement.device_names({"CPU": 2}) == ["cpu0"]                                  # plain: the CPU
+    assert placement.device_names({DEVICE_RESOURCE: 3, EMBEDDER_RESOURCE: 1}) == ["cpu0", "cpu1", "cpu2"]
+    assert placement.device_names({"GPU": 1}) == ["gpu0"]
+    assert placement.device_names({"GPU": 4, DEVICE_RESOURCE: 2}, embedder_gpus=1) == ["gpu0", "gpu1", "gpu2"]
+
+
+def test_reconcile_adds_declared_capacity_and_removes_what_is_gone():
+    four = {DEVICE_RESOURCE: 4}
+    assert placement.reconcile(four, 0, ["cpu0", "cpu1"], []) == placement.PoolChange(add=("cpu2", "cpu3"))
+    assert placement.reconcile(four, 0, ["cpu0", "cpu1", "cpu2", "cpu3"], []) == placement.PoolChange()
+    # a node left with cpu1: it goes; its seat is declared no more, so nothing replaces it
+    assert placement.reconcile({DEVICE_RESOURCE: 1}, 0, ["cpu0", "cpu1"], ["cpu1"]) == \
+        placement.PoolChange(remove=("cpu1",))
+    # killed for good while its seat stays declared: replaced under the lowest free name
+    assert placement.reconcile({DEVICE_RESOURCE: 2}, 0, ["cpu0", "cpu1"], ["cpu0"]) == \
+        placement.PoolChange(add=("cpu0",), remove=("cpu0",))
+    # fewer seats than live devices: none is removed for it (which one left shows as its death)
+    assert placement.reconcile({DEVICE_RESOURCE: 1}, 0, ["cpu0", "cpu1"], []) == placement.PoolChange()
+    # a GPU node joins a cluster whose embedder took one GPU at start
+    assert placement.reconcile({"GPU": 3}, 1, ["gpu0"], []) == placement.PoolChange(add=("gpu1",))
+
+
 def test_a_taken_seat_is_refused_with_the_resource_and_the_command_that_adds_one():
     with pytest.raises(UniunError, match=r"needs 1 'GPU'.*`ray start --num-gpus=1`"):
         placement.check_free("model:gpu0", Seat({"num_gpus": 1}, "cuda"), {"GPU": 0.0, "CPU": 2})

@@ -205,7 +205,7 @@ class Turn:
     device, anything else fails the job. The loop then settles the turn."""
 
     def __init__(self, loop: "LeaseLoop", lease: Lease, model) -> None:
-        self.loop, self.lease, self.model = loop, lease, model
+        self.loop, self.lease, self.model = loop, lease, model   # the ModelActor of the lease's device
         self.outcome: str | None = None     # done | revoked | lost
         self.value: Any = None
         self.lost_reason: str | None = None
@@ -252,7 +252,7 @@ class LeaseLoop:
         loop = LeaseLoop(job)
         async for turn in loop.turns():
             async with turn:
-                ...  # call turn.model with turn.lease.epoch; turn.done(value) / turn.stopped()
+                ...  # call turn.model (the lease's device) with turn.lease.epoch; turn.done(value) / turn.stopped()
         loop.value, loop.revokes
 
     A turn that was revoked resumes (the job was re-queued) or, when the policy did not
@@ -261,8 +261,7 @@ class LeaseLoop:
     """
 
     def __init__(self, job: Job, dropped: Callable[[str], BaseException] | None = None) -> None:
-        h = handles()
-        self.job, self.scheduler, self.model = job, h.scheduler, h.model
+        self.job, self.scheduler = job, handles().scheduler
         self.dropped = dropped or (Preempted if job.kind is Kind.CHAT else JobDropped)
         self.session = _session()
         self.resubmits = 0
@@ -279,7 +278,7 @@ class LeaseLoop:
                     await self.recover(error)
                 while True:
                     lease = lease or await self._grant()
-                    turn = Turn(self, lease, self.model)
+                    turn = Turn(self, lease, handles().model_of(lease.device))
                     async with self._renewing(lease):
                         yield turn
                     if turn.outcome is None:
@@ -303,8 +302,7 @@ class LeaseLoop:
         self.revokes += 1
         if turn.outcome == "lost":
             await self.device_lost(turn.lease, turn.lost_reason)
-            forget_handles()  # the model actor may be a new one under its name by the next grant
-            self.model = handles().model
+            forget_handles()  # a model actor may be a new one under its name by the next grant
             return False
         try:
             requeued = await self.scheduler.release.remote(self.job.id, turn.lease.epoch, "revoked")
