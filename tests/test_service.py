@@ -325,6 +325,18 @@ def test_a_device_gone_for_good_leaves_the_pool_and_its_job_completes_on_another
     assert finishes == [("failed", True, "cpu0"), ("done", False, "cpu1")]
 
 
+def test_a_job_whose_device_is_gone_is_told_it_was_requeued_even_when_it_runs_again_at_once():
+    async def go():
+        devices = pool()
+        s = SchedulerService(devices, FAST)
+        await s.submit(spec("n", "nataraj"))
+        lease = await lease_of(s, "n")
+        devices[lease.device].gone = True
+        assert await s.device_lost("n", lease.epoch, "killed") is True     # and already dispatched again
+        assert (await lease_of(s, "n")).device != lease.device
+    run(go())
+
+
 def test_a_device_gone_while_loading_hands_its_job_to_another_device():
     async def go():
         devices = pool(load_s=0.1)

@@ -565,18 +565,18 @@ async def astatus() -> dict:
 
 
 async def await_generating(kind: Kind | str, timeout_s: float = 120.0, min_held_s: float = 0.5) -> dict | None:
-    """Wait until a job of `kind` is generating: it runs, its lease is granted (so its model
-    is loaded: a job still loading would end its turn unserved, not be revoked) and it has
-    held the device `min_held_s`. Returns the running job's snapshot, or None after
-    `timeout_s`. What demos, benchmarks, jobs and tests use before they preempt something."""
+    """Wait until a job of `kind` is generating on a device of the pool: it runs, its lease
+    is granted (so its model is loaded: a job still loading would end its turn unserved, not
+    be revoked) and it has held the device `min_held_s`. Returns the running job's snapshot
+    (its `device` too), or None after `timeout_s`. What demos, benchmarks, jobs and tests use
+    before they preempt something."""
     kind = Kind.parse(kind).value
     deadline = time.monotonic() + timeout_s
     while True:
         status = await astatus()
-        running = status["running"]
-        if running and running["kind"] == kind:
+        for running in (d["running"] for d in status["devices"] if d["running"]):
             lease = status["leases"].get(running["id"], {})
-            if lease.get("state") == "granted" and lease.get("held_s", 0.0) >= min_held_s:
+            if running["kind"] == kind and lease.get("state") == "granted" and lease.get("held_s", 0.0) >= min_held_s:
                 return running
         if time.monotonic() >= deadline:
             return None

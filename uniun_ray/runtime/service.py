@@ -177,8 +177,7 @@ class SchedulerService:
         gone = driver is not None and await driver.gone()
         tracked = self.leases.holder(job_id, epoch)   # still held after the probe?
         if gone:
-            self._remove_device(device, f"device lost: {reason}")
-            return tracked.state == "queued"
+            return self._remove_device(device, f"device lost: {reason}")
         return self._lose_device(tracked, device, f"device lost: {reason}")
 
     def add_device(self, name: str, device: Device) -> None:
@@ -267,19 +266,19 @@ class SchedulerService:
                                             swap_s, renew_every_s=self.config.lease_timeout_s / 3,
                                             tier=int(dispatch.tier), device=device))
 
-    def _remove_device(self, device: str, reason: str) -> None:
+    def _remove_device(self, device: str, reason: str) -> bool:
         """R20: the device is gone for good. The policy forgets it and puts its job, if any,
         back at its original place (charged for its held time, R7), unless that job was
         cancelled; a granted holder finds out at its next call (its lease is gone). Not a
-        device fault of the job's: the job did nothing wrong."""
+        device fault of the job's: the job did nothing wrong. True when a job went back."""
         if self.drivers.pop(device, None) is None:
-            return  # already removed (its job's holder and the watcher both saw it go)
+            return False  # already removed (its job's holder and the watcher both saw it go)
         job = self.policy.running_jobs.get(device)
         actions = self.policy.remove_device(device, self._now())
+        requeued = job is not None and Requeued(job.id) in actions
         self._emit("device", None, device=device, change="removed", reason=reason)
         if job is not None:
             tracked = self.leases.jobs[job.id]
-            requeued = Requeued(job.id) in actions
             self._emit_run("finish", tracked, outcome="failed", reason=reason, requeued=requeued)
             if requeued:
                 self.leases.requeue(tracked)
@@ -287,6 +286,7 @@ class SchedulerService:
                 self.leases.end(tracked, tracked.drop_reason or reason,
                                 JobDropped(f"job {job.id} ended: {tracked.drop_reason or reason}"))
         self._apply(actions, (RevokeCause.ARRIVAL, f"re-queue of a job after {reason}"))
+        return requeued
 
     def _lose_device(self, tracked: Tracked, device: str, reason: str) -> bool:
         """The device died under the dispatched job and came back (restarted): forget its
