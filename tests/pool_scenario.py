@@ -41,7 +41,10 @@ async def generating(kind: str) -> dict:
 
 
 async def scenario() -> dict:
-    out = {}
+    out, began = {"phases_s": {}}, time.monotonic()
+
+    def phase(name: str) -> None:   # for the report: where this slow test spends its time
+        out["phases_s"][name] = round(time.monotonic() - began, 1)
     release = asyncio.Event()
 
     async def hold(lease):
@@ -54,19 +57,23 @@ async def scenario() -> dict:
     card = asyncio.ensure_future(agenerate("nataraj", "a card", model_id="tiny", max_new_tokens=LONG))
     await generating("nataraj")
     out["both_busy"] = await astatus()
+    phase("both busy")
     chat = await agenerate("chat", "hello", model_id="tiny", max_new_tokens=16)
     out["chat"], out["card"] = completion(chat), completion(await card)
     release.set()
     out["gana_device"] = await gana
+    phase("chat served, card resumed and done")
 
     second = asyncio.ensure_future(agenerate("nataraj", "another card", model_id="tiny", max_new_tokens=LONG))
     victim = (await generating("nataraj"))["device"]
     ray.kill(ray.get_actor(model_actor_name(victim), namespace=NAMESPACE), no_restart=True)
     out["killed"], out["second"] = victim, completion(await asyncio.wait_for(second, 120))
+    phase("killed device's job done elsewhere")
     deadline = time.monotonic() + 30          # the freed seat gets a new ModelActor
     while len((await astatus())["devices"]) < 2 and time.monotonic() < deadline:
         await asyncio.sleep(0.5)
     out["healed"] = await astatus()
+    phase("pool healed")
     out["events"] = read(out["healed"]["event_log"])
     return out
 
@@ -75,8 +82,9 @@ def main() -> None:
     with local_cluster(devices=2, object_store_memory=80 * 1024 * 1024):
         began = time.monotonic()
         start(RuntimeConfig(lease_timeout_s=5.0, waiter_timeout_s=5.0, reap_period_s=0.2))
+        started = time.monotonic() - began
         out = asyncio.run(scenario())
-        out["wall_s"] = time.monotonic() - began
+        out["wall_s"], out["start_s"] = time.monotonic() - began, started
         out["model_actors"] = sorted(a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
                                      if a["name"].startswith(model_actor_name("")))
         print(json.dumps(out, default=str))

@@ -28,7 +28,9 @@ def pool_run(tmp_path_factory) -> dict:
     done = subprocess.run([sys.executable, str(SCENARIO)], capture_output=True, text=True, timeout=600,
                           env=environ, cwd=root)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    print(f"pool scenario: actors up in {out['start_s']:.1f}s, then {out['phases_s']}")
+    return out
 
 
 def runs(events: list[dict], job: str) -> list[tuple[float, float, str]]:

@@ -139,7 +139,7 @@ def _recent(events: list[dict], now: float) -> Table:
     table = Table("when", "event", "detail", title="recent revokes, swaps and foreground changes",
                   title_justify="left")
     for ev in reversed(events):
-        table.add_row(f"{max(0.0, now - ev['t']):.1f}s ago", ev["ev"], describe(ev))
+        table.add_row(f"{max(0.0, now - ev['t']):.1f}s ago", ev["ev"], Text(describe(ev)))  # text, not markup
     return table
 
 
