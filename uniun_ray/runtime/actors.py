@@ -69,8 +69,9 @@ class RayDevice:
     async def _restarted(self, timeout_s: float = RESTART_WAIT_S) -> bool:
         """Wait until a restarting ModelActor answers again, so that the job re-queued after
         this loss is not dispatched into the restart, failing at once until its device faults
-        run out. False when it is gone for good (its name is free: killed without restart, or
-        out of restarts)."""
+        run out. False when it is gone for good: its name is free (killed without restart, out
+        of restarts), or it did not come back within `timeout_s` (its node left and no other
+        node has a free seat for it)."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             try:
@@ -81,7 +82,7 @@ class RayDevice:
             except ray.exceptions.RayActorError:
                 self._cached = None
                 await asyncio.sleep(0.2)
-        return True  # still restarting: not known to be gone
+        return False
 
     async def load(self, model_id: str) -> float:
         self._model = None
