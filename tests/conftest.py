@@ -116,6 +116,9 @@ class FakeDevice:
         self._answer()
         return self.epoch
 
+    async def alive(self) -> bool:
+        return not self.gone
+
 
 def spec(job_id: str, kind: str, model: str = "m", **fields):
     """A job as the client submits it (the policy's `Job`, validated as the client does)."""

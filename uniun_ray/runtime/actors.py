@@ -108,13 +108,15 @@ class RayDevice:
         except (DeviceLost, asyncio.TimeoutError) as error:
             return {"error": str(error) or "no answer"}
 
-    def exists(self) -> bool:
-        """Whether an actor holds the name (a GCS lookup: call it off the event loop)."""
-        try:
-            ray.get_actor(self._name, namespace=NAMESPACE)
-            return True
-        except ValueError:
-            return False
+    async def alive(self) -> bool:
+        """False once the ModelActor is gone for good: no actor holds its name any more."""
+        def named() -> bool:   # a GCS lookup: off the event loop
+            try:
+                ray.get_actor(self._name, namespace=NAMESPACE)
+                return True
+            except ValueError:
+                return False
+        return await asyncio.to_thread(named)
 
 
 @dataclass(frozen=True)
@@ -192,9 +194,9 @@ class SchedulerActor(SchedulerService):
         as soon as its seat is free. Returns what changed."""
         resources = await asyncio.to_thread(ray.cluster_resources)
         present = list(self.drivers)
-        alive = await asyncio.gather(*(asyncio.to_thread(self.drivers[d].device.exists) for d in present))
+        gone = await asyncio.gather(*(self.drivers[d].gone() for d in present))
         change = placement.reconcile(resources, self._fleet.embedder_gpus, present,
-                                     [d for d, ok in zip(present, alive) if not ok])
+                                     [d for d, lost in zip(present, gone) if lost])
         busy = self.policy.running_jobs
         removed = [d for d in change.remove if d not in busy]
         for device in removed:

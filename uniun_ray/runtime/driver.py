@@ -12,14 +12,14 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from .protocol import DeviceGone, DeviceLost
 
 
 class Device(Protocol):
     """`load`, `grant` and `revoke` raise DeviceLost when the device died under the call
     (DeviceGone when it will not come back). Optional: `async current_epoch() -> int`, the
     newest epoch the device was granted, which a (restarted) scheduler reads once so that
-    its epochs fence every older lease; it also serves as the probe of `gone`."""
+    its epochs fence every older lease; `async alive() -> bool`, False once the device is
+    gone for good (answered at once: a restarting device is alive)."""
 
     async def load(self, model_id: str) -> float: ...
     async def grant(self, epoch: int) -> None: ...
@@ -71,19 +71,11 @@ class DeviceDriver:
         await self.device.revoke(epoch)
 
     async def gone(self) -> bool:
-        """Whether the device is gone for good (its actor killed without restart, its node
-        left), as opposed to restarted: probed with `current_epoch`, which a restarting
-        device answers once it is back."""
-        probe = getattr(self.device, "current_epoch", None)
-        if probe is None:
-            return False
-        try:
-            await probe()
-        except DeviceGone:
-            return True
-        except DeviceLost:
-            return False
-        return False
+        """Whether the device is gone for good (its actor killed without restart), as opposed
+        to restarting. Answered at once, without waiting for a restart: a holder waiting for
+        this answer does not renew its lease."""
+        alive = getattr(self.device, "alive", None)
+        return alive is not None and not await alive()
 
     def lost(self) -> None:
         """The device died or a load failed: it holds no known model."""
