@@ -173,8 +173,7 @@ class SchedulerService:
         next dispatch there reloads it. Returns True when re-queued (poll `grant` again);
         False when it failed (too many device faults)."""
         device = self.leases.holder(job_id, epoch).device
-        driver = self.drivers.get(device)
-        gone = driver is not None and await driver.gone()
+        gone = await self.drivers[device].gone()
         tracked = self.leases.holder(job_id, epoch)   # still held after the probe?
         if gone:
             return self._remove_device(device, f"device lost: {reason}")
@@ -188,7 +187,9 @@ class SchedulerService:
         self._apply(actions)
 
     def remove_device(self, name: str, reason: str) -> None:
-        """A device left the pool for good (R20); its job, if any, runs elsewhere."""
+        """A device that runs nothing left the pool for good (R20). A busy one leaves through
+        its job's own path (`device_lost`, or its load failing), which re-queues the job: its
+        holder is told so."""
         self._remove_device(name, reason)
 
     async def cancel(self, job_id: str) -> None:
@@ -232,9 +233,8 @@ class SchedulerService:
                 worded = context[1] if context is not None and context[0] is action.cause else None
                 self._emit_run("revoke", tracked, cause=action.cause.value,
                                reason=tracked.drop_reason or worded or _REASONS[action.cause])
-                driver = self.drivers.get(tracked.device)
-                if tracked.lease is not None and driver is not None:
-                    self._spawn(driver.revoke(tracked.lease.epoch))
+                if tracked.lease is not None:
+                    self._spawn(self.drivers[tracked.device].revoke(tracked.lease.epoch))
 
     async def _prepare(self, tracked: Tracked, dispatch: Dispatch) -> None:
         """Load the model if asked, fence a new epoch at the device, then hand out the lease,
@@ -269,8 +269,8 @@ class SchedulerService:
     def _remove_device(self, device: str, reason: str) -> bool:
         """R20: the device is gone for good. The policy forgets it and puts its job, if any,
         back at its original place (charged for its held time, R7), unless that job was
-        cancelled; a granted holder finds out at its next call (its lease is gone). Not a
-        device fault of the job's: the job did nothing wrong. True when a job went back."""
+        cancelled. Not a device fault of the job's: the job did nothing wrong. True when a
+        job went back."""
         if self.drivers.pop(device, None) is None:
             return False  # already removed (its job's holder and the watcher both saw it go)
         job = self.policy.running_jobs.get(device)
