@@ -100,21 +100,24 @@ async def _check(model_id: str, request: GenerateRequest) -> int:
     """The ModelActor's request check (tokenizer and config only, cached there per model):
     a prompt too long, messages to a model without a chat template... Returns the prompt's
     token count. It waits out a restart of the actor (its calls fail with
-    ActorUnavailableError meanwhile).
+    ActorUnavailableError meanwhile), and looks the actor up again when it died for good
+    (the scheduler makes a new one under its name while its seat is declared).
 
     Why a round trip and not the tokenizer here: a local check imports torch and
     transformers into every client process (seconds for a one-shot `uniun-ray chat`,
     hundreds of MB per producer actor) and, for an embedded GGUF model, converts it on the
     client's node; the round trip costs about a bare actor call (BENCHMARKS.md, "Control
     plane"), also while the actor generates, since the check runs beside the decode thread."""
-    from ray.exceptions import ActorUnavailableError
+    from ray.exceptions import ActorUnavailableError, RayActorError
     deadline = time.monotonic() + RECONNECT_S
     while True:
         try:
             return await handles().model.check.remote(model_id, request)
-        except ActorUnavailableError:
+        except RayActorError as error:
             if time.monotonic() > deadline:
                 raise
+            if not isinstance(error, ActorUnavailableError):
+                forget_handles()
             await asyncio.sleep(0.2)
 
 
