@@ -28,6 +28,7 @@ def test_seats_follow_what_the_cluster_declares():
     assert placement.model_seat(one_gpu) == Seat({"num_gpus": 1}, "cuda")
     assert placement.embedder_seat(one_gpu) == Seat({}, "cpu")          # the "separate device": the CPU
     assert placement.embedder_seat(two_gpus) == Seat({"num_gpus": 1}, "cuda")
+    assert placement.embedder_seat(two_gpus, on_cpu=True) == Seat({}, "cpu")   # every GPU serves models
     assert placement.model_seat(two_gpus, forced="cpu").torch_device == "cpu"
     assert placement.device_name(one_gpu) == "gpu0" and placement.device_name(stand_ins) == "cpu0"
 
@@ -67,6 +68,9 @@ def test_settings_are_checked():
     assert placement.torch_device({}) is None and placement.torch_device({"UNIUN_TORCH_DEVICE": "cpu"}) == "cpu"
     with pytest.raises(ValueError, match="UNIUN_TORCH_DEVICE='tpu': use 'cpu' or 'cuda'"):
         placement.torch_device({"UNIUN_TORCH_DEVICE": "tpu"})
+    assert placement.embedder_on_cpu({}) is False and placement.embedder_on_cpu({"UNIUN_EMBEDDER_DEVICE": "cpu"})
+    with pytest.raises(ValueError, match="UNIUN_EMBEDDER_DEVICE='tpu': use 'cpu' or 'gpu'"):
+        placement.embedder_on_cpu({"UNIUN_EMBEDDER_DEVICE": "tpu"})
     assert placement.embed_concurrency({}) == 2 and placement.embed_concurrency({"UNIUN_EMBED_CONCURRENCY": "3"}) == 3
     with pytest.raises(ValueError, match="UNIUN_EMBED_CONCURRENCY='0' is not a concurrency"):
         placement.embed_concurrency({"UNIUN_EMBED_CONCURRENCY": "0"})

@@ -148,10 +148,11 @@ def start(config: RuntimeConfig | None = None) -> Handles:
     waiting for ever."""
     settings = EngineSettings.from_env()   # bad UNIUN_* settings fail here, clearly, before any actor
     config = chat_model_setting(config)
-    forced, concurrency = placement.torch_device(), placement.embed_concurrency()
+    forced, concurrency, embedder_on_cpu = placement.torch_device(), placement.embed_concurrency(), \
+        placement.embedder_on_cpu()
     connect()
     resources = ray.cluster_resources()
-    embedder_seat = placement.embedder_seat(resources, forced)
+    embedder_seat = placement.embedder_seat(resources, forced, embedder_on_cpu)
     fleet = ModelFleet(settings, forced, int(embedder_seat.needs.get("GPU", 0)))
     devices = placement.device_names(resources, fleet.embedder_gpus)
     _check_seats([(model_actor_name(d), fleet.seat(resources)) for d in devices] + [(EMBEDDER_NAME, embedder_seat)])

@@ -17,7 +17,8 @@ every few seconds. Device names count GPUs (or stand-ins) cluster-wide, not per 
 A resource the cluster has but that is all taken (another job holds the GPU) is refused at once
 with its name and the command that adds one, instead of an actor that waits for ever.
 
-`UNIUN_TORCH_DEVICE=cpu` keeps torch on the CPU inside actors Ray gave a GPU: GPUs declared
+`UNIUN_EMBEDDER_DEVICE=cpu` keeps the embedder on the CPU with two or more GPUs, so that every
+GPU serves models (SPEC §5). `UNIUN_TORCH_DEVICE=cpu` keeps torch on the CPU inside actors Ray gave a GPU: GPUs declared
 Ray-side (`ray start --num-gpus=1` on a CPU machine) exercise every GPU placement path in CI.
 """
 from __future__ import annotations
@@ -33,6 +34,7 @@ DEVICE_RESOURCE = "uniun_device"
 EMBEDDER_RESOURCE = "uniun_embedder"
 TORCH_DEVICE_ENV = "UNIUN_TORCH_DEVICE"
 EMBED_CONCURRENCY_ENV = "UNIUN_EMBED_CONCURRENCY"
+EMBEDDER_DEVICE_ENV = "UNIUN_EMBEDDER_DEVICE"
 #: The notes' Semaphore(2): two embeds at once keep the pipeline busy without flooding the device.
 DEFAULT_EMBED_CONCURRENCY = 2
 
@@ -60,6 +62,15 @@ def torch_device(environ: Mapping[str, str] = os.environ) -> str | None:
     return forced or None
 
 
+def embedder_on_cpu(environ: Mapping[str, str] = os.environ) -> bool:
+    """Whether the embedder is kept off the GPUs ("cpu"), rather than taking one of its own
+    where there are two or more ("gpu", the default)."""
+    chosen = environ.get(EMBEDDER_DEVICE_ENV, "").strip() or "gpu"
+    if chosen not in ("cpu", "gpu"):
+        raise ValueError(f"{EMBEDDER_DEVICE_ENV}={chosen!r}: use 'cpu' or 'gpu' (or leave it unset)")
+    return chosen == "cpu"
+
+
 def embed_concurrency(environ: Mapping[str, str] = os.environ) -> int:
     raw = environ.get(EMBED_CONCURRENCY_ENV, "").strip()
     if not raw:
@@ -77,9 +88,9 @@ def model_seat(resources: Mapping[str, float], forced: str | None = None) -> Sea
     return Seat({}, "cpu")
 
 
-def embedder_seat(resources: Mapping[str, float], forced: str | None = None) -> Seat:
-    """Ray shows an actor only the GPU it was given, as cuda:0."""
-    if resources.get("GPU", 0) >= 2:
+def embedder_seat(resources: Mapping[str, float], forced: str | None = None, on_cpu: bool = False) -> Seat:
+    """Ray shows an actor only the GPU it was given, as cuda:0. `on_cpu`: never a GPU."""
+    if resources.get("GPU", 0) >= 2 and not on_cpu:
         return Seat({"num_gpus": 1}, forced or "cuda")
     if resources.get(EMBEDDER_RESOURCE, 0) >= 1:
         return Seat({"resources": {EMBEDDER_RESOURCE: 1}}, "cpu")
