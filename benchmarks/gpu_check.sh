@@ -23,7 +23,7 @@ step() {  # step TITLE COMMAND...: run it, its output into the file under a head
 step "engine tests on cuda" env UNIUN_TEST_DEVICE=cuda "$python" -m pytest -q -p no:cacheprovider tests/test_models.py
 step "runtime tests, the ModelActor on the GPU" "$python" -m pytest -q -p no:cacheprovider tests/test_runtime.py
 step "engine benchmark" "$python" benchmarks/engine_bench.py --device cuda --trials 5
-step "prefix cache benchmark" "$python" benchmarks/kv_cache_bench.py --turns 5
+step "prefix cache benchmark (two KV tiers on the GPU)" "$python" benchmarks/kv_cache_bench.py
 step "runtime benchmark" "$python" benchmarks/runtime_bench.py --repeat 3
 echo "gpu-check: tables in $out (exit $status)"
 exit $status

@@ -83,10 +83,14 @@ class PoolDriver:
             free.remove(d.device)
             loaded[d.device] = d.model_id
 
-    def _check_arrival(self, before: dict, revokes: list[Revoke], arriving: dict, wake: float | None) -> None:
+    def _check_arrival(self, before: dict, before_jobs: dict, revokes: list[Revoke], arriving: dict, wake: float | None) -> None:
         if wake is not None and wake <= self.now:
             return  # a deadline or an affinity wait ended too: not a pure arrival
-        runners = [r["running"] for r in before["devices"] if r["running"]]
+        # tiers at the arrival's time: `before` was described at the policy's previous call,
+        # and a deadline that passed since then has moved its job up (R5)
+        jobs = {job.id: job for job in before_jobs.values()}
+        runners = [r["running"] | {"tier": self.policy.tier(jobs[r["running"]["id"]]).label}
+                   for r in before["devices"] if r["running"]]
         revocable = [r for r in runners if not r["revoked"] and r["kind"] != "chat"]
         assert len(revokes) <= 1, f"t={self.now}: one arrival revoked {revokes}"
         # every device busy and none making way already: the arriving job needs a revoke
@@ -100,12 +104,12 @@ class PoolDriver:
     # -- driving -------------------------------------------------------------------------
     def call(self, method: str, *args) -> list:
         """Call the policy, check what it did, and apply its actions."""
-        before, wake = self.policy.snapshot(), self.policy.next_wakeup()
+        before, before_jobs, wake = self.policy.snapshot(), self.policy.running_jobs, self.policy.next_wakeup()
         actions = getattr(self.policy, method)(*args)
         revokes = [a for a in actions if isinstance(a, Revoke)]
         dispatches = [a for a in actions if isinstance(a, Dispatch)]
         if method == "submit":
-            self._check_arrival(before, revokes, {"kind": args[0].kind.value,
+            self._check_arrival(before, before_jobs, revokes, {"kind": args[0].kind.value,
                                                   "tier": self.policy.tier(args[0]).label}, wake)
         if method == "finish":
             assert not revokes, "a finish never revokes"

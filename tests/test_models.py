@@ -530,6 +530,12 @@ def test_default_chat_model_applies_its_template(monkeypatch):
     assert "<|im_end|>" not in result.text and len(pieces) > 1
     # A plain prompt to a chat model is sent as a single user turn.
     assert run(engine, GenerateRequest(prompt=question, max_new_tokens=24))[1].text == result.text
+    # The next turn resends the reply as text: the template re-tokenizes it into the ids it was
+    # generated as, so the whole history is a cache hit and only the new line is prefilled.
+    messages += [{"role": "assistant", "content": result.text}, {"role": "user", "content": "And of Italy?"}]
+    second = run(engine, GenerateRequest(messages=messages, max_new_tokens=24))[1]
+    assert second.cached_tokens == result.prompt_tokens + result.tokens
+    assert second.prompt_tokens - second.cached_tokens <= 16
 
 
 # -- the prefix cache (issue 11) ----------------------------------------------------------------
@@ -574,12 +580,17 @@ def test_a_revoked_run_keeps_its_kv_and_its_resume_prefills_one_token(engine, un
     finally:
         engine.prefill_chunk = monkey_chunk
     assert first.stopped_by_cancel and kv(engine)["preempted_entries"] == 1
+    # What revoked it runs first and shares its first tokens (as a chat shares the template's):
+    # it forks the revoked run's entry and leaves it for the resume.
+    chat = run(engine, GenerateRequest(prompt=LONG_PROMPT[:60] + " hello", max_new_tokens=3))[1]
+    assert chat.cached_tokens > 0 and kv(engine)["preempted_entries"] == 1
     before = kv(engine)
     rest = run(engine, GenerateRequest(prompt=LONG_PROMPT, max_new_tokens=30 - first.tokens,
                                        resume_tokens=first.token_ids))[1]
     after = kv(engine)
     assert first.token_ids + rest.token_ids == whole.token_ids
     assert after["prefilled_tokens"] - before["prefilled_tokens"] <= 2   # nothing but the uncached tail
+    assert rest.prompt_tokens - rest.cached_tokens <= 2 and rest.prefill_s is not None
     assert after["preempted_entries"] == 0                               # the resume took it over
 
 
@@ -629,6 +640,87 @@ def test_a_swap_drops_the_cache_and_a_bad_budget_is_refused(engine):
     assert kv(engine)["entries"] == 0 and kv(engine)["budget_mb"] == 1024
     with pytest.raises(ValueError, match="kv_cache_mb must be an int >= 0"):
         Engine(kv_cache_mb=-1)
+    with pytest.raises(ValueError, match="kv_offload_mb must be an int >= 0"):
+        Engine(kv_offload_mb="8GB")
+
+
+def equal_entries(engine, count: int) -> list:
+    """``count`` entries of the same size, from the model: equal-length prompts of 2 new tokens."""
+    for i in range(count):
+        run(engine, GenerateRequest(prompt=f"{i}: " + PROMPT * 3, max_new_tokens=2))
+    entries = list(engine._loaded.prefix._entries.values())[-count:]
+    assert len({e.nbytes for e in entries}) == 1
+    return entries
+
+
+def on_cpu(entry) -> bool:
+    return all(layer.keys.device.type == "cpu" for layer in entry.cache.layers)
+
+
+def test_a_full_device_tier_moves_its_least_recent_entries_to_cpu_memory_and_a_hit_brings_one_back(engine):
+    """The tiers' bookkeeping on real caches: the device tier's victims (least recent, a revoked
+    job's last) move to the CPU tier while it has room; the CPU tier's own victims are dropped."""
+    from uniun_ray.models.kvcache import PrefixCache
+
+    e = equal_entries(engine, 4)
+    size = e[0].nbytes
+    store = PrefixCache(budget_bytes=int(2.5 * size), offload_bytes=int(1.5 * size))
+    tokens = [list(entry.tokens) for entry in e]
+    store.put(tokens[0], e[0].cache, preempted=True)
+    store.put(tokens[1], e[1].cache, preempted=False)
+    store.put(tokens[2], e[2].cache, preempted=False)          # device over budget: e1 moves out
+
+    def tiers():
+        entries = store._entries.values()
+        return ({x.tokens for x in entries if not x.offloaded}, {x.tokens for x in entries if x.offloaded})
+
+    assert tiers() == ({e[0].tokens, e[2].tokens}, {e[1].tokens})
+    assert (store.offloads, store.evictions, store.held_bytes, store.offloaded_bytes) == (1, 0, 2 * size, size)
+    store.put(tokens[3], e[3].cache, preempted=False)           # e2 moves out; the CPU tier drops e1
+    assert tiers() == ({e[0].tokens, e[3].tokens}, {e[2].tokens})
+    assert (store.offloads, store.evictions, store.held_bytes, store.offloaded_bytes) == (2, 1, 2 * size, size)
+    hit = store.take(tokens[2] + [7, 8])                        # e2 comes back, e3 goes out
+    assert hit.tokens == len(tokens[2]) and store.restores == 1
+    assert tiers() == ({e[0].tokens, e[2].tokens}, {e[3].tokens})
+    assert (store.held_bytes, store.offloaded_bytes) == (2 * size, size)
+    for entry in store._entries.values():                        # where the tensors are (moved on a GPU)
+        assert on_cpu(entry) == (entry.offloaded or DEVICE == "cpu")
+    assert store.describe().items() >= {"entries": 3, "offloaded_entries": 1, "preempted_entries": 1,
+                                        "offloads": 3, "restores": 1, "evictions": 1}.items()
+    one_tier = PrefixCache(budget_bytes=int(1.5 * size))        # no CPU tier: a victim is dropped
+    one_tier.put(tokens[0], e[0].cache, preempted=False)
+    one_tier.put(tokens[1], e[1].cache, preempted=False)
+    assert (one_tier.offloads, one_tier.evictions, one_tier.describe()["entries"]) == (0, 1, 1)
+
+
+def test_a_conversation_whose_history_went_to_cpu_memory_and_back_decodes_as_without_a_cache(
+        engine, uncached, monkeypatch):
+    """Greedy output after an offload round trip is token-identical to an uncached run."""
+    from uniun_ray.models.kvcache import PrefixCache
+
+    first = GenerateRequest(prompt=PROMPT, max_new_tokens=40)
+    other = GenerateRequest(prompt="x = [1, 2, 3]" * 4, max_new_tokens=40)
+    reply = run(engine, first)[1]
+    run(engine, other)
+    small, large = sorted(entry.nbytes for entry in engine._loaded.prefix._entries.values())
+    store = PrefixCache(budget_bytes=large + small // 2, offload_bytes=8 * large)   # room for one of them
+    monkeypatch.setattr(engine._loaded, "prefix", store)
+    assert run(engine, first)[1].token_ids == reply.token_ids                 # the conversation's entry
+    run(engine, other)                                                        # pushes it to CPU memory
+    assert store.offloads == 1 and store.describe()["offloaded_entries"] == 1
+    second = GenerateRequest(prompt=PROMPT + reply.text + "\n# and now in a loop:", max_new_tokens=40)
+    again = run(engine, second)[1]
+    assert store.restores == 1 and again.cached_tokens >= engine.check(first)
+    assert again.token_ids == run(uncached, second)[1].token_ids
+
+
+def test_a_cpu_device_has_one_kv_tier_and_a_gpu_two(engine, uncached):
+    assert kv(uncached)["tiers"].startswith("none: UNIUN_KV_CACHE_MB=0")
+    described = kv(engine)
+    if DEVICE == "cpu":
+        assert described["offload_budget_mb"] == 0 and described["tiers"].startswith("one: the device is the CPU")
+    else:
+        assert described["offload_budget_mb"] == 4096 and described["tiers"].startswith("two:")
 
 
 def test_a_model_larger_than_its_memory_budget_is_offloaded_by_accelerate_with_the_same_output(engine, tiny_cache):

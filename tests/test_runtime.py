@@ -41,6 +41,8 @@ def test_scenario_1_chat_preempts_nataraj_within_one_token(runtime):
     chat, card = asyncio.run(go())
     stops = ray.get(runtime.model.state.remote())["stop_latency_s"]
     assert card.revokes == 1 and card.tokens == LONG       # resumed, not restarted
+    resumed = card.prefills[-1]                            # from its KV, kept through the chat's run
+    assert len(card.prefills) == 2 and resumed["prompt_tokens"] - resumed["cached_tokens"] <= 2
     assert chat.revokes == 0 and chat.tokens == 16
     assert len(stops) == 1 and stops[0] < 0.5              # stopped within a token boundary
 

@@ -14,9 +14,13 @@ def test_settings_come_from_the_environment_with_clear_errors():
     assert EngineSettings.from_env({}) == EngineSettings("auto", None, None)
     assert EngineSettings.from_env({"UNIUN_DTYPE": "float32", "UNIUN_THREADS": "3", "UNIUN_KV_CACHE_MB": "0"}) \
         == EngineSettings("float32", 3, 0)
-    for bad in ("-1", "1e3", "lots"):
-        with pytest.raises(ValueError, match=rf"UNIUN_KV_CACHE_MB='{bad}' is not a size in MB"):
-            EngineSettings.from_env({"UNIUN_KV_CACHE_MB": bad})
+    assert EngineSettings.from_env({"UNIUN_KV_OFFLOAD_MB": "0"}).kv_offload_mb == 0
+    for name in ("UNIUN_KV_CACHE_MB", "UNIUN_KV_OFFLOAD_MB"):
+        for bad in ("-1", "1e3", "lots"):
+            with pytest.raises(ValueError, match=rf"{name}='{bad}' is not a size in MB"):
+                EngineSettings.from_env({name: bad})
+    with pytest.raises(ValueError, match="kv_offload_mb must be an int >= 0"):
+        EngineSettings(kv_offload_mb=-5)
     with pytest.raises(ValueError, match=r"UNIUN_DTYPE='fp8' is not a dtype; use one of auto, bfloat16"):
         EngineSettings.from_env({"UNIUN_DTYPE": "fp8"})
     for bad in ("0", "-2", "two", "1.5"):

@@ -69,6 +69,9 @@ class Completion:
     prompt_tokens: int | None = None      # the prompt (templated), as the model read it
     tier_at_dispatch: int | None = None   # the tier of the job's first dispatch (the policy's)
     finish_reason: str | None = None      # the last run's: "eos", "length", "stop", or "cancel"
+    #: per run (one more per resume after a revoke): {"prompt_tokens", "cached_tokens" (of those,
+    #: taken from the prefix cache), "prefill_s" (reading the rest; None: revoked before the end)}
+    prefills: tuple[dict, ...] = ()
 
 
 def _job(kind, model_id, producer, deadline, foreground_hint, subject) -> Job:
@@ -427,6 +430,7 @@ class GenerationStream:
         count = 0                        # tokens produced (pieces, for a run the device lost)
         text, ttft = [], None
         prompt_tokens = tier = finish_reason = None
+        prefills: list[dict] = []
         loop = LeaseLoop(self.job)
         turns = loop.turns()
         try:
@@ -450,6 +454,7 @@ class GenerationStream:
                     produced += tuple(result["token_ids"])
                     count += len(result["token_ids"])
                     finish_reason = result["finish_reason"]
+                    prefills.append({key: result[key] for key in ("prompt_tokens", "cached_tokens", "prefill_s")})
                     if prompt_tokens is None:
                         prompt_tokens = result["prompt_tokens"]
                 elif pieces:
@@ -464,7 +469,7 @@ class GenerationStream:
             await turns.aclose()
         self.completion = Completion("".join(text), count, ttft, time.perf_counter() - started,
                                      loop.revokes, self.job.id, self.job.model_id, prompt_tokens, tier,
-                                     finish_reason)
+                                     finish_reason, tuple(prefills))
 
     @staticmethod
     async def _first_token(loop: LeaseLoop, lease: Lease) -> None:

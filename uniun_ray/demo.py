@@ -64,7 +64,8 @@ def bare_engine(turns: int, chat_tokens: int) -> dict:
     from .models.settings import EngineSettings
 
     settings = EngineSettings.from_env()
-    engine = Engine(dtype=settings.dtype, num_threads=settings.threads, kv_cache_mb=settings.kv_cache_mb)
+    engine = Engine(dtype=settings.dtype, num_threads=settings.threads, kv_cache_mb=settings.kv_cache_mb,
+                    kv_offload_mb=settings.kv_offload_mb)
     engine.load(DEFAULT_CHAT_MODEL)
     ttfts = []
     for prompt in ["warm up"] + prompts(turns):

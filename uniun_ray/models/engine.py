@@ -33,7 +33,7 @@ from .decoding import StopText, decoding
 from .kvcache import Hit, PrefixCache
 from .registry import ModelSpec, cache_dir, materialize, resolve
 from .request import GenerateRequest, _is_int
-from .settings import DTYPES, EngineSettings, check_max_memory
+from .settings import DTYPES, EngineSettings, check_max_memory, check_megabytes
 from .tuning import ProbeCache, Speed, StepClock, fastest, host_signature, measure
 
 
@@ -68,6 +68,8 @@ class GenerationResult:
     consumer closed the iterator) or "error" (the model raised; the exception reached the
     consumer). ``ttft_s`` is the time from
     the start of the run (its first ``next``) to the first sampled token, None if none was.
+    ``cached_tokens`` of the ``prompt_tokens`` came from the prefix cache; the rest were
+    prefilled, in ``prefill_s`` (the cache lookup included; None: cancelled before the end).
     """
 
     text: str
@@ -76,6 +78,8 @@ class GenerationResult:
     finish_reason: str
     ttft_s: float | None
     total_s: float
+    cached_tokens: int = 0
+    prefill_s: float | None = None
 
     @property
     def tokens(self) -> int:
@@ -121,9 +125,11 @@ class Engine:
     ``prefill_chunk`` fixes the prompt tokens per prefill forward pass; None (the default) sizes
     each chunk to take about one decode step on this host, bounding how long a cancel waits.
     ``kv_cache_mb`` bounds the prefix cache of the loaded model (``kvcache``; 0: off; None: the
-    device's default). ``max_memory`` ({"cpu": "2GiB"} or {"0": "6GiB", "cpu": "20GiB"}) lets
-    accelerate place the weights (``device_map="auto"``) and offload what does not fit, to CPU
-    memory or to disk under the cache folder: a model larger than the device runs, slower.
+    device's default); ``kv_offload_mb`` the CPU memory its entries move to when a GPU's budget is
+    full (None: the default; a CPU device has one tier and ignores it). ``max_memory``
+    ({"cpu": "2GiB"} or {"0": "6GiB", "cpu": "20GiB"}) lets accelerate place the weights
+    (``device_map="auto"``) and offload what does not fit, to CPU memory or to disk under the
+    cache folder: a model larger than the device runs, slower.
 
     Thread safety: ``generate`` may be iterated in a worker thread. ``load`` and ``unload`` refuse
     (RuntimeError) while a run is in progress: revoke it and let its iterator finish first.
@@ -136,6 +142,7 @@ class Engine:
         num_threads: int | None = None,
         prefill_chunk: int | None = None,
         kv_cache_mb: int | None = None,
+        kv_offload_mb: int | None = None,
         max_memory: dict[str, str] | None = None,
     ) -> None:
         self.device = torch.device(device)
@@ -149,9 +156,11 @@ class Engine:
         if prefill_chunk is not None and (not _is_int(prefill_chunk) or prefill_chunk < 1):
             raise ValueError(f"prefill_chunk must be an int >= 1 or None, got {prefill_chunk!r}")
         self.prefill_chunk = prefill_chunk
-        if kv_cache_mb is not None and (not _is_int(kv_cache_mb) or kv_cache_mb < 0):
-            raise ValueError(f"kv_cache_mb must be an int >= 0 or None, got {kv_cache_mb!r}")
+        check_megabytes("kv_cache_mb", kv_cache_mb)
+        check_megabytes("kv_offload_mb", kv_offload_mb)
         self.kv_cache_mb = default_kv_cache_mb(self.device) if kv_cache_mb is None else kv_cache_mb
+        self.kv_offload_mb = (0 if self.device.type == "cpu" else
+                              DEFAULT_KV_OFFLOAD_MB if kv_offload_mb is None else kv_offload_mb)
         if max_memory is not None:
             check_max_memory(max_memory)
         self.max_memory = max_memory
@@ -191,7 +200,18 @@ class Engine:
         return described | {"model": loaded.vocabulary.model_id, "dtype": loaded.dtype, "placement": placement,
                             "measured": [dataclasses.asdict(speed) for speed in loaded.speeds]} \
             | loaded.clock.describe() | ({"prefill_chunk": self.prefill_chunk} if self.prefill_chunk else {}) \
-            | {"kv_cache": loaded.prefix.describe()}
+            | {"kv_cache": loaded.prefix.describe() | {"tiers": self._kv_tiers()}}
+
+    def _kv_tiers(self) -> str:
+        """Where the prefix cache keeps KV, in words for ``status``: the same settings mean one
+        tier or two depending on the device."""
+        if self.kv_cache_mb == 0:
+            return "none: UNIUN_KV_CACHE_MB=0 turns the cache off"
+        if self.device.type == "cpu":
+            return "one: the device is the CPU (UNIUN_KV_OFFLOAD_MB unused)"
+        if self.kv_offload_mb == 0:
+            return "one: device memory (UNIUN_KV_OFFLOAD_MB=0, what it pushes out is dropped)"
+        return "two: device memory, then CPU memory"
 
     @property
     def chat(self) -> bool | None:
@@ -275,7 +295,7 @@ class Engine:
             # otherwise cost a quarter GB of logits per 256-token chunk.
             forward_kwargs={"logits_to_keep": 1} if model._supports_logits_to_keep() else {},
             dtype=str(dtype).removeprefix("torch."),
-            prefix=PrefixCache(self.kv_cache_mb * 2**20),
+            prefix=PrefixCache(self.kv_cache_mb * 2**20, self.kv_offload_mb * 2**20),
         )
         self._tune(loaded, folder)
         return loaded
@@ -334,6 +354,10 @@ class Engine:
     def _end(self) -> None:
         with self._lock:
             self._running -= 1
+
+
+#: CPU memory for the KV a GPU's cache pushes out, per GPU: a node with eight takes 32 GiB.
+DEFAULT_KV_OFFLOAD_MB = 4096
 
 
 def default_kv_cache_mb(device: torch.device) -> int:
@@ -491,9 +515,9 @@ class Generation(Iterator[str]):
         detokenizer = _Detokenizer(loaded.vocabulary.tokenizer, context)
         stop_text = StopText(request.stop)
         pieces: list[str] = []
-        first_token_at: float | None = None
+        first_token_at = prefilled_at = None
         reason = "error"  # what an exception from the model leaves
-        cache, fed = None, 0
+        cache, fed, hit = None, 0, Hit(None, 0)
         try:
             run = decoding(loaded.model, loaded.vocabulary.tokenizer, request, len(context),
                            loaded.eos_ids, cancel, engine.device)
@@ -502,6 +526,8 @@ class Generation(Iterator[str]):
             length = len(context)
             hit = loaded.prefix.take(context)
             logits, cache, fed = _prefill(loaded, context, hit, engine.prefill_chunk, engine.device, run.cancel)
+            if logits is not None:
+                prefilled_at = time.perf_counter()
             while logits is not None:
                 token = run.next_token(sequence[:, :length], logits)
                 if first_token_at is None:
@@ -537,7 +563,8 @@ class Generation(Iterator[str]):
             raise
         finally:
             if reason != "error" and fed:  # keep the KV for the next turn, or for the resume
-                loaded.prefix.put(sequence[0, :fed].tolist(), cache, preempted=reason == "cancel")
+                loaded.prefix.put(sequence[0, :fed].tolist(), cache, preempted=reason == "cancel",
+                                  prompt=len(context))
             engine._end()
             self.result = GenerationResult(
                 text="".join(pieces),
@@ -546,6 +573,8 @@ class Generation(Iterator[str]):
                 finish_reason=reason,
                 ttft_s=None if first_token_at is None else first_token_at - started,
                 total_s=time.perf_counter() - started,
+                cached_tokens=hit.tokens,
+                prefill_s=None if prefilled_at is None else prefilled_at - started,
             )
 
 

@@ -12,8 +12,14 @@ this per block; one engine here runs one sequence, so whole sequences are the un
   same tensors) and the entry stays valid for the next hit.
 * Memory is bounded (``UNIUN_KV_CACHE_MB``): least recently used entries go first, and a
   revoked job's entry only after every other one, since its resume is the one hit that is
-  certain. A hit on a revoked job's entry (its resume) takes it out of the cache: the run stores
-  its own entry when it ends.
+  certain. Its resume (a hit that covers the revoked run's whole prompt) takes it out of the
+  cache: the run stores its own entry when it ends. Any other hit on it, such as the chat that
+  revoked it sharing the chat template's first tokens, forks it and leaves it for the resume.
+* Two tiers where the device is not the CPU (``UNIUN_KV_OFFLOAD_MB``): an entry pushed out of
+  device memory moves to CPU memory (transformers' own ``offload``/``prefetch`` of each cache
+  layer) instead of being dropped, and moves back on a hit: copying KV over PCIe costs far
+  less than prefilling it again. The CPU tier has its own budget, evicted in the same order.
+  On a CPU device there is one tier: offloading would copy host memory to host memory.
 * A cache that cannot be cropped back to a prefix (sliding-window layers that already dropped
   their oldest tokens) is reused only whole.
 * The cache belongs to the loaded model: a swap drops it (``Engine`` makes a new one), rather
@@ -50,12 +56,31 @@ def cache_bytes(cache: Any) -> int:
     return total
 
 
+def offloaded(cache: Any) -> Any:
+    """A fork of ``cache`` whose tensors are in CPU memory; ``cache`` keeps its own."""
+    twin = fork(cache)
+    for layer in twin.layers:
+        layer.offload()
+    return twin
+
+
+def restored(cache: Any) -> Any:
+    """A fork of an offloaded ``cache`` with every layer back on the device it was computed on
+    (each layer remembers its own: accelerate may have spread the model over several)."""
+    twin = fork(cache)
+    for layer in twin.layers:
+        layer.prefetch()
+    return twin
+
+
 @dataclass
 class _Entry:
     tokens: tuple[int, ...]
     cache: Any
     nbytes: int
     preempted: bool
+    prompt: int                 # of ``tokens``, the run's prompt: a hit that covers it is a resume
+    offloaded: bool = False
 
 
 @dataclass(frozen=True)
@@ -67,14 +92,17 @@ class Hit:
 
 
 class PrefixCache:
-    """The KV of recent sequences of one loaded model, within ``budget_bytes`` (0: off)."""
+    """The KV of recent sequences of one loaded model: ``budget_bytes`` where the model computes
+    it (0: off) and ``offload_bytes`` of CPU memory for what the device tier pushes out (0: one
+    tier, what is pushed out is dropped)."""
 
-    def __init__(self, budget_bytes: int) -> None:
+    def __init__(self, budget_bytes: int, offload_bytes: int = 0) -> None:
         self.budget_bytes = budget_bytes
+        self.offload_bytes = offload_bytes if budget_bytes > 0 else 0
         self._entries: OrderedDict[tuple[int, ...], _Entry] = OrderedDict()  # least recent first
         self._lock = threading.Lock()
-        self.held_bytes = 0
-        self.hits = self.misses = self.evictions = 0
+        self.held_bytes = self.offloaded_bytes = 0      # per tier: device, CPU memory
+        self.hits = self.misses = self.evictions = self.offloads = self.restores = 0
         self.reused_tokens = self.prefilled_tokens = 0
 
     def take(self, context: list[int]) -> Hit:
@@ -101,19 +129,23 @@ class PrefixCache:
         surplus = len(entry.tokens) - length
         if surplus and not entry.cache.is_croppable:
             return None
-        if entry.preempted:          # the revoked job's resume: it takes the entry over
+        if entry.offloaded:
+            self._restore(entry)
+        if entry.preempted and length >= entry.prompt:   # the revoked job's resume takes it over
             self._drop(entry)
             cache = entry.cache
         else:
             self._entries.move_to_end(entry.tokens)
             cache = fork(entry.cache)
+            self._fit()
         if surplus:
             cache.crop(-surplus)
         return Hit(cache, length)
 
-    def put(self, tokens: list[int], cache: Any, preempted: bool) -> None:
+    def put(self, tokens: list[int], cache: Any, preempted: bool, prompt: int | None = None) -> None:
         """Keep ``cache``, which holds the KV of exactly ``tokens``; ``preempted``: its run was
-        revoked and will resume. An entry that does not fit the budget is not kept."""
+        revoked and will resume from ``prompt`` tokens (None: all of ``tokens``) and what it
+        produced. An entry larger than the device budget is not kept."""
         if not tokens or cache is None or self.budget_bytes <= 0:
             return
         key = tuple(tokens)
@@ -124,36 +156,71 @@ class PrefixCache:
             if nbytes > self.budget_bytes:
                 self.evictions += 1
                 return
-            self._entries[key] = _Entry(key, cache, nbytes, preempted)
+            self._entries[key] = _Entry(key, cache, nbytes, preempted, min(len(key), prompt or len(key)))
             self.held_bytes += nbytes
-            self._evict()
+            self._fit()
 
     def clear(self) -> None:
         with self._lock:
             self._entries.clear()
-            self.held_bytes = 0
+            self.held_bytes = self.offloaded_bytes = 0
 
-    def _evict(self) -> None:
+    def _fit(self) -> None:
+        """Bring each tier within its budget: the device tier's victims move to CPU memory
+        while they fit there, and the CPU tier's are dropped."""
         while self.held_bytes > self.budget_bytes:
-            victim = next((e for e in self._entries.values() if not e.preempted), None) \
-                or next(iter(self._entries.values()))
-            self._drop(victim)
+            victim = self._victim(offloaded=False)
+            if victim.nbytes <= self.offload_bytes:
+                self._offload(victim)
+            else:
+                self._drop(victim)
+                self.evictions += 1
+        while self.offloaded_bytes > self.offload_bytes:
+            self._drop(self._victim(offloaded=True))
             self.evictions += 1
+
+    def _victim(self, offloaded: bool) -> _Entry:
+        """The tier's least recently used entry, a revoked job's only when no other is left."""
+        tier = [e for e in self._entries.values() if e.offloaded == offloaded]
+        return next((e for e in tier if not e.preempted), tier[0])
+
+    def _offload(self, entry: _Entry) -> None:
+        self.held_bytes -= entry.nbytes
+        entry.cache, entry.offloaded = offloaded(entry.cache), True
+        entry.nbytes = cache_bytes(entry.cache)    # a cropped view's copy holds only the view
+        self.offloaded_bytes += entry.nbytes
+        self.offloads += 1
+
+    def _restore(self, entry: _Entry) -> None:
+        self.offloaded_bytes -= entry.nbytes
+        entry.cache, entry.offloaded = restored(entry.cache), False
+        entry.nbytes = cache_bytes(entry.cache)
+        self.held_bytes += entry.nbytes
+        self.restores += 1
 
     def _drop(self, entry: _Entry) -> None:
         del self._entries[entry.tokens]
-        self.held_bytes -= entry.nbytes
+        if entry.offloaded:
+            self.offloaded_bytes -= entry.nbytes
+        else:
+            self.held_bytes -= entry.nbytes
 
     def describe(self) -> dict:
         with self._lock:
             lookups = self.hits + self.misses
-            return {"budget_mb": round(self.budget_bytes / 2**20, 1), "held_mb": round(self.held_bytes / 2**20, 2),
+            return {"budget_mb": _mb(self.budget_bytes), "held_mb": _mb(self.held_bytes, 2),
+                    "offload_budget_mb": _mb(self.offload_bytes), "offloaded_mb": _mb(self.offloaded_bytes, 2),
                     "entries": len(self._entries),
+                    "offloaded_entries": sum(e.offloaded for e in self._entries.values()),
                     "preempted_entries": sum(e.preempted for e in self._entries.values()),
                     "hits": self.hits, "misses": self.misses,
                     "hit_rate": round(self.hits / lookups, 3) if lookups else None,
                     "reused_tokens": self.reused_tokens, "prefilled_tokens": self.prefilled_tokens,
-                    "evictions": self.evictions}
+                    "offloads": self.offloads, "restores": self.restores, "evictions": self.evictions}
+
+
+def _mb(nbytes: int, digits: int = 1) -> float:
+    return round(nbytes / 2**20, digits)
 
 
 def _common_prefix(a: tuple[int, ...], b: list[int]) -> int:

@@ -1,5 +1,5 @@
 """How a user sets the engine's host choices: ``UNIUN_DTYPE``, ``UNIUN_THREADS``,
-``UNIUN_KV_CACHE_MB`` and ``UNIUN_MAX_MEMORY``.
+``UNIUN_KV_CACHE_MB``, ``UNIUN_KV_OFFLOAD_MB`` and ``UNIUN_MAX_MEMORY``.
 
 Parsed without torch, in the process that starts the ModelActor (so a bad value is refused with
 a clear message before any actor exists) and handed to the actor as plain data: an environment
@@ -15,6 +15,7 @@ from typing import Mapping
 DTYPE_ENV = "UNIUN_DTYPE"
 THREADS_ENV = "UNIUN_THREADS"
 KV_CACHE_ENV = "UNIUN_KV_CACHE_MB"
+KV_OFFLOAD_ENV = "UNIUN_KV_OFFLOAD_MB"
 MAX_MEMORY_ENV = "UNIUN_MAX_MEMORY"
 
 _SIZE = re.compile(r"^\d+(\.\d+)?\s*(B|KB|MB|GB|TB|KiB|MiB|GiB|TiB)$")
@@ -28,7 +29,9 @@ DTYPES = ("auto", "bfloat16", "float16", "float32")
 class EngineSettings:
     """``dtype``: one of ``DTYPES``. ``threads``: torch's intra-op threads, or None for every
     core this process may run on (its CPU affinity), never Ray's OMP_NUM_THREADS=1 default.
-    ``kv_cache_mb``: the prefix cache's memory budget (0: off; None: the device's default).
+    ``kv_cache_mb``: the prefix cache's memory budget on the device (0: off; None: the device's
+    default). ``kv_offload_mb``: CPU memory for the cache entries pushed out of a GPU's budget
+    (0: they are dropped; None: the default); unused on a CPU device, whose one tier is host memory.
     ``max_memory``: per device ("cpu", or a GPU index as a string) the most memory the weights
     may take, as accelerate reads it ("6GiB"); what does not fit is offloaded (``device_map="auto"``),
     so a model larger than the device still runs, slower. None: the whole model on the device."""
@@ -36,6 +39,7 @@ class EngineSettings:
     dtype: str = "auto"
     threads: int | None = None
     kv_cache_mb: int | None = None
+    kv_offload_mb: int | None = None
     max_memory: dict[str, str] | None = field(default=None, hash=False)
 
     def __post_init__(self) -> None:
@@ -45,10 +49,8 @@ class EngineSettings:
             isinstance(self.threads, bool) or not isinstance(self.threads, int) or self.threads < 1
         ):
             raise ValueError(f"threads must be an int >= 1 or None, got {self.threads!r}")
-        if self.kv_cache_mb is not None and (
-            isinstance(self.kv_cache_mb, bool) or not isinstance(self.kv_cache_mb, int) or self.kv_cache_mb < 0
-        ):
-            raise ValueError(f"kv_cache_mb must be an int >= 0 or None, got {self.kv_cache_mb!r}")
+        for name in ("kv_cache_mb", "kv_offload_mb"):
+            check_megabytes(name, getattr(self, name))
         if self.max_memory is not None:
             check_max_memory(self.max_memory)
 
@@ -60,6 +62,9 @@ class EngineSettings:
         threads = _count(environ, THREADS_ENV, "a thread count; use an integer >= 1", minimum=1)
         kv_cache_mb = _count(environ, KV_CACHE_ENV, "a size in MB; use an integer >= 0 (0 turns the cache off)",
                              minimum=0)
+        kv_offload_mb = _count(environ, KV_OFFLOAD_ENV,
+                               "a size in MB; use an integer >= 0 (0 drops what the device's cache pushes out)",
+                               minimum=0)
         raw = environ.get(MAX_MEMORY_ENV, "").strip()
         max_memory = None
         if raw:
@@ -71,7 +76,7 @@ class EngineSettings:
                 check_max_memory(max_memory)
             except ValueError as error:
                 raise ValueError(f"{MAX_MEMORY_ENV}={raw!r}: {error}") from None
-        return cls(dtype, threads, kv_cache_mb, max_memory)
+        return cls(dtype, threads, kv_cache_mb, kv_offload_mb, max_memory)
 
     def resolved_threads(self) -> int:
         """The thread count to give torch in this process."""
@@ -85,6 +90,12 @@ def _count(environ: Mapping[str, str], name: str, what: str, minimum: int) -> in
     if not raw.isdigit() or int(raw) < minimum:
         raise ValueError(f"{name}={raw!r} is not {what}")
     return int(raw)
+
+
+def check_megabytes(name: str, value: object) -> None:
+    """A budget in MB: an int >= 0, or None for the default."""
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+        raise ValueError(f"{name} must be an int >= 0 or None, got {value!r}")
 
 
 def check_max_memory(max_memory: Mapping[str, str]) -> None:

@@ -165,20 +165,28 @@ class ModelMetrics:
                               STOP_BUCKETS, ("model",))
         model = ("model",)
         self.kv = {
-            "held_bytes": Gauge("uniun_kv_cache_held_bytes", "Bytes of KV the prefix cache holds", model),
+            "held_bytes": Gauge("uniun_kv_cache_held_bytes", "Bytes of KV the prefix cache holds in device memory",
+                                model),
+            "offloaded_bytes": Gauge("uniun_kv_cache_offloaded_bytes",
+                                     "Bytes of KV the prefix cache moved to CPU memory (0 on a CPU device)", model),
             "hit_rate": Gauge("uniun_kv_cache_hit_rate", "Share of generations that reused a cached prefix", model),
             "reused_tokens": Gauge("uniun_kv_cache_reused_tokens",
                                    "Prompt tokens taken from the prefix cache, not prefilled (since load)", model),
             "prefilled_tokens": Gauge("uniun_kv_cache_prefilled_tokens", "Prompt tokens prefilled (since load)", model),
-            "evictions": Gauge("uniun_kv_cache_evictions",
-                               "Prefix cache entries evicted to stay within UNIUN_KV_CACHE_MB (since load)", model),
+            "offloads": Gauge("uniun_kv_cache_offloads",
+                              "Entries moved to CPU memory to stay within UNIUN_KV_CACHE_MB (since load)", model),
+            "restores": Gauge("uniun_kv_cache_restores",
+                              "Hits on entries in CPU memory, moved back to the device (since load)", model),
+            "evictions": Gauge("uniun_kv_cache_evictions", "Prefix cache entries dropped to stay within "
+                               "UNIUN_KV_CACHE_MB and UNIUN_KV_OFFLOAD_MB (since load)", model),
         }
 
     def kv_cache(self, model: str | None, described: dict) -> None:
         tags = {"model": str(model)}
         self.kv["held_bytes"].set(described["held_mb"] * 2**20, tags=tags)
+        self.kv["offloaded_bytes"].set(described["offloaded_mb"] * 2**20, tags=tags)
         self.kv["hit_rate"].set(described["hit_rate"] or 0.0, tags=tags)
-        for name in ("reused_tokens", "prefilled_tokens", "evictions"):
+        for name in ("reused_tokens", "prefilled_tokens", "offloads", "restores", "evictions"):
             self.kv[name].set(described[name], tags=tags)
 
 

@@ -37,7 +37,8 @@ class ModelActor:
 
         settings = settings or EngineSettings()
         self._engine = Engine(device=device, dtype=settings.dtype, num_threads=settings.threads,
-                              kv_cache_mb=settings.kv_cache_mb, max_memory=settings.max_memory)
+                              kv_cache_mb=settings.kv_cache_mb, kv_offload_mb=settings.kv_offload_mb,
+                              max_memory=settings.max_memory)
         self._device = device
         self._epoch = 0
         self._revoked = False
