@@ -111,3 +111,38 @@ def test_one_gpu_takes_the_model_the_embedder_stays_on_the_cpu_and_a_taken_gpu_f
 def test_two_gpus_give_the_embedder_one_of_its_own():
     placed = scenario(num_gpus=2)
     assert placed["model"]["resources"] == {"GPU": 1.0} and placed["embedder"]["resources"] == {"GPU": 1.0}
+
+
+def test_the_scheduler_applies_reconcile_gone_idle_devices_leave_free_seats_get_actors(monkeypatch, tmp_path):
+    """The thin shell over `reconcile` (SchedulerActor.watch_pool), with fake devices and a
+    cluster that declares three stand-in seats of which one is free."""
+    import asyncio
+
+    import ray
+
+    from conftest import FakeDevice, lease_of, spec
+    from uniun_ray.models.settings import EngineSettings
+    from uniun_ray.runtime import actors
+    from uniun_ray.runtime.service import RuntimeConfig
+
+    made = []
+    monkeypatch.setattr(actors, "RayDevice", lambda name: FakeDevice())
+    monkeypatch.setattr(actors.ModelFleet, "create", lambda self, device, resources: made.append(device))
+    monkeypatch.setattr(ray, "cluster_resources", lambda: {DEVICE_RESOURCE: 3})
+    monkeypatch.setattr(ray, "available_resources", lambda: {DEVICE_RESOURCE: 1})
+
+    async def go():
+        s = actors.SchedulerActor(["cpu0", "cpu1"], actors.ModelFleet(EngineSettings()),
+                                  RuntimeConfig(event_log=str(tmp_path / "ev.jsonl")))
+        await s.submit(spec("n", "nataraj"))
+        lease = await lease_of(s, "n")
+        s.drivers["cpu1"].device.gone = True                 # idle, killed for good
+        first = await s.watch_pool()
+        s.drivers[lease.device].device.gone = True           # busy: it leaves through its job's path
+        second = await s.watch_pool()
+        return lease.device, first, second, s.policy.devices
+    device, first, second, pool = asyncio.run(asyncio.wait_for(go(), 10))
+    assert device == "cpu0"
+    assert first == {"removed": ["cpu1"], "added": ["cpu1"]}   # its seat is free again: a new actor
+    assert second == {"removed": [], "added": ["cpu2"]} and pool == ("cpu0", "cpu1", "cpu2")
+    assert made == ["cpu1", "cpu2"]
