@@ -114,8 +114,8 @@ def test_two_gpus_give_the_embedder_one_of_its_own():
 
 
 def test_the_scheduler_applies_reconcile_gone_idle_devices_leave_free_seats_get_actors(monkeypatch, tmp_path):
-    """The thin shell over `reconcile` (SchedulerActor.watch_pool), with fake devices and a
-    cluster that declares three stand-in seats of which one is free."""
+    """The thin shell over `reconcile` (SchedulerActor.watch_pool), with fake model actors
+    (alive while their name is held) and a cluster that declares stand-in seats."""
     import asyncio
 
     import ray
@@ -125,24 +125,42 @@ def test_the_scheduler_applies_reconcile_gone_idle_devices_leave_free_seats_get_
     from uniun_ray.runtime import actors
     from uniun_ray.runtime.service import RuntimeConfig
 
-    made = []
-    monkeypatch.setattr(actors, "RayDevice", lambda name: FakeDevice())
-    monkeypatch.setattr(actors.ModelFleet, "create", lambda self, device, resources: made.append(device))
-    monkeypatch.setattr(ray, "cluster_resources", lambda: {DEVICE_RESOURCE: 3})
-    monkeypatch.setattr(ray, "available_resources", lambda: {DEVICE_RESOURCE: 1})
+    named, made = {"model:cpu0", "model:cpu1"}, []
+    cluster = {"declared": {DEVICE_RESOURCE: 3}, "free": {DEVICE_RESOURCE: 1}}
+
+    class NamedActor(FakeDevice):
+        def __init__(self, name: str) -> None:
+            super().__init__()
+            self.name = name
+
+        async def alive(self) -> bool:
+            return self.name in named
+
+    def create(fleet, device, resources):
+        named.add(f"model:{device}")
+        made.append(device)
+
+    monkeypatch.setattr(actors, "RayDevice", NamedActor)
+    monkeypatch.setattr(actors.ModelFleet, "create", create)
+    monkeypatch.setattr(ray, "cluster_resources", lambda: cluster["declared"])
+    monkeypatch.setattr(ray, "available_resources", lambda: cluster["free"])
 
     async def go():
         s = actors.SchedulerActor(["cpu0", "cpu1"], actors.ModelFleet(EngineSettings()),
                                   RuntimeConfig(event_log=str(tmp_path / "ev.jsonl")))
         await s.submit(spec("n", "nataraj"))
-        lease = await lease_of(s, "n")
-        s.drivers["cpu1"].device.gone = True                 # idle, killed for good
+        assert (await lease_of(s, "n")).device == "cpu0"
+        named.discard("model:cpu1")                       # idle, killed for good
         first = await s.watch_pool()
-        s.drivers[lease.device].device.gone = True           # busy: it leaves through its job's path
+        named.discard("model:cpu0")                       # busy: it leaves through its job's path
         second = await s.watch_pool()
-        return lease.device, first, second, s.policy.devices
-    device, first, second, pool = asyncio.run(asyncio.wait_for(go(), 10))
-    assert device == "cpu0"
-    assert first == {"removed": ["cpu1"], "added": ["cpu1"]}   # its seat is free again: a new actor
-    assert second == {"removed": [], "added": ["cpu2"]} and pool == ("cpu0", "cpu1", "cpu2")
+        # a scheduler restarted with its first pool: an actor made since is found, not made
+        cluster.update(declared={DEVICE_RESOURCE: 4}, free={})
+        named.add("model:cpu3")
+        third = await s.watch_pool()
+        return first, second, third, s.policy.devices
+    first, second, third, pool = asyncio.run(asyncio.wait_for(go(), 10))
+    assert first == {"removed": ["cpu1"], "added": ["cpu1"]}     # its seat is free again: a new actor
+    assert second == {"removed": [], "added": ["cpu2"]}
+    assert third == {"removed": [], "added": ["cpu3"]} and pool == ("cpu0", "cpu1", "cpu2", "cpu3")
     assert made == ["cpu1", "cpu2"]

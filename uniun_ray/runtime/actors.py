@@ -191,7 +191,8 @@ class SchedulerActor(SchedulerService):
         """One look at the cluster (`placement.reconcile`): a device whose actor is gone for
         good and that runs nothing leaves the pool (a busy one leaves through its job's fault
         path, which re-queues the job); declared capacity without a device gets a ModelActor
-        as soon as its seat is free. Returns what changed."""
+        as soon as its seat is free, or the one that already holds the name (made before this
+        scheduler restarted). Returns what changed."""
         resources = await asyncio.to_thread(ray.cluster_resources)
         present = list(self.drivers)
         gone = await asyncio.gather(*(self.drivers[d].gone() for d in present))
@@ -206,14 +207,16 @@ class SchedulerActor(SchedulerService):
             available = dict(await asyncio.to_thread(ray.available_resources))
             seat = self._fleet.seat(resources)
             for device in (d for d in change.add if d not in self.drivers):  # a busy gone one stays, for now
-                try:
-                    placement.check_free(model_actor_name(device), seat, available)
-                except UniunError:  # its seat is not free (yet): look again next period
-                    break
-                for resource, amount in seat.needs.items():
-                    available[resource] -= amount
-                self._fleet.create(device, resources)
-                self.add_device(device, RayDevice(model_actor_name(device)))
+                model = RayDevice(model_actor_name(device))
+                if not await model.alive():
+                    try:
+                        placement.check_free(model_actor_name(device), seat, available)
+                    except UniunError:  # its seat is not free (yet): look again next period
+                        continue
+                    for resource, amount in seat.needs.items():
+                        available[resource] -= amount
+                    self._fleet.create(device, resources)
+                self.add_device(device, model)
                 added.append(device)
         return {"added": added, "removed": removed}
 
