@@ -50,16 +50,19 @@ def _kill_and_wait(ray, name: str) -> None:
         time.sleep(0.05)
 
 
-def _actor_names():
-    from uniun_ray.runtime.launch import device_name
-    from uniun_ray.runtime.protocol import EMBEDDER_NAME, SCHEDULER_NAME, model_actor_name
+def _model_actor_names(ray) -> list[str]:
+    from uniun_ray.runtime.protocol import NAMESPACE, model_actor_name
 
-    return SCHEDULER_NAME, model_actor_name(device_name()), EMBEDDER_NAME
+    return [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+            if a["namespace"] == NAMESPACE and a["name"].startswith(model_actor_name(""))]
 
 
 def kill_uniun_actors(ray) -> None:
-    """Kill the named actors and wait until their names are free again."""
-    for name in _actor_names():
+    """Kill the named actors, the scheduler first (it re-creates missing model actors), and
+    wait until their names are free again."""
+    from uniun_ray.runtime.protocol import EMBEDDER_NAME, SCHEDULER_NAME
+
+    for name in (SCHEDULER_NAME, *_model_actor_names(ray), EMBEDDER_NAME):
         _kill_and_wait(ray, name)
 
 
@@ -69,21 +72,21 @@ RESET_TIMEOUT_S = 30.0
 
 def reset_uniun_actors(ray) -> None:
     """A fresh runtime for the next test, at the price of a new scheduler only: the scheduler
-    (whose policy state is per test) is killed; the model actor is reset to a just-started
+    (whose policy state is per test) is killed; every model actor is reset to a just-started
     device (no model, no cached KV, no stop history) and the embedder (stateless) kept. A new
     model actor costs ~8 s here (a process importing torch, then a model load); made anew for
     every test it was a third of the suite. One that does not reset in time, or is dead, is
     killed and made anew by `start`."""
-    from uniun_ray.runtime.protocol import NAMESPACE
+    from uniun_ray.runtime.protocol import NAMESPACE, SCHEDULER_NAME
 
-    scheduler, model, _ = _actor_names()
-    _kill_and_wait(ray, scheduler)
-    try:
-        ray.get(ray.get_actor(model, namespace=NAMESPACE).reset.remote(), timeout=RESET_TIMEOUT_S)
-    except ValueError:
-        return  # none yet
-    except (ray.exceptions.GetTimeoutError, ray.exceptions.RayActorError):
-        _kill_and_wait(ray, model)
+    _kill_and_wait(ray, SCHEDULER_NAME)
+    for name in _model_actor_names(ray):
+        try:
+            ray.get(ray.get_actor(name, namespace=NAMESPACE).reset.remote(), timeout=RESET_TIMEOUT_S)
+        except ValueError:
+            continue  # gone meanwhile
+        except (ray.exceptions.GetTimeoutError, ray.exceptions.RayActorError):
+            _kill_and_wait(ray, name)
 
 
 @pytest.fixture
@@ -111,7 +114,8 @@ def runtime(make_runtime):
 # -- fakes for the Ray-free protocol tests (SchedulerService with a fake device) ---------------
 class FakeDevice:
     """The device as the scheduler sees it: loads (optionally slow, or failing for the models
-    in `fail`), grants and revokes are recorded; `epoch` is what it was last granted."""
+    in `fail`), grants and revokes are recorded; `epoch` is what it was last granted. Set
+    `gone` and every call raises DeviceGone, as a ModelActor killed for good does."""
 
     def __init__(self, load_s: float = 0.0, fail: set[str] = frozenset()) -> None:
         self.load_s, self.fail = load_s, fail
@@ -119,24 +123,38 @@ class FakeDevice:
         self.granted: list[int] = []
         self.revoked: list[int] = []
         self.epoch = 0
+        self.gone = False
+
+    def _answer(self) -> None:
+        from uniun_ray.runtime.protocol import DeviceGone
+
+        if self.gone:
+            raise DeviceGone("the fake device is gone")
 
     async def load(self, model_id: str) -> float:
         await asyncio.sleep(self.load_s)
+        self._answer()
         if model_id in self.fail:
             raise RuntimeError(f"cannot load {model_id}")
         self.loads.append(model_id)
         return self.load_s
 
     async def grant(self, epoch: int) -> None:
+        self._answer()
         assert epoch > self.epoch, "epochs only grow"
         self.epoch = epoch
         self.granted.append(epoch)
 
     async def revoke(self, epoch: int) -> None:
+        self._answer()
         self.revoked.append(epoch)
 
     async def current_epoch(self) -> int:
+        self._answer()
         return self.epoch
+
+    async def alive(self) -> bool:
+        return not self.gone
 
 
 def spec(job_id: str, kind: str, model: str = "m", **fields):

@@ -30,7 +30,7 @@ class Squatter:
 
 def refused_start(h, gpus: int) -> dict:
     """Kill the actors, let another job take `gpus` GPUs, and start again: the refusal."""
-    for actor in (h.model, h.embedder, h.scheduler):
+    for actor in (h.scheduler, h.model, h.embedder):   # the scheduler first: it re-creates model actors
         ray.kill(actor, no_restart=True)
     forget_handles()
     while any(_exists(name) for name in (model_actor_name("gpu0"), EMBEDDER_NAME, SCHEDULER_NAME)):

@@ -54,12 +54,36 @@ def free_port() -> int:
     (["foreground", "none", "--subject", "note-1"], "--subject needs a kind"),
     (["chat"], "the following arguments are required: prompt"),
     (["up", "--auth", "open"], "invalid choice: 'open'"),
+    (["up", "--devices", "0"], "'0' is not a device count"),
     (["embed"], "the following arguments are required: TEXT"),
 ])
 def test_usage_errors_exit_2_with_a_message(argv, expected, capsys):
     assert cli.main(argv) == 2
     err = capsys.readouterr().err
     assert expected in err and "Traceback" not in err
+
+
+def test_up_devices_declares_that_many_stand_in_devices_on_a_cpu_machine(state_file, monkeypatch):
+    from uniun_ray.runtime import head
+
+    class Started(Exception):
+        pass
+
+    def ray_start(command, **kwargs):
+        raise Started(command)
+
+    import types
+    monkeypatch.setattr(head, "subprocess", types.SimpleNamespace(Popen=ray_start, PIPE=-1, STDOUT=-2))
+    monkeypatch.setattr(head, "_ray_executable", lambda: "ray")
+    monkeypatch.setattr(head, "gpu_count", lambda: 0)
+    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
+    with pytest.raises(Started) as started:
+        cli.main(["up", "--devices", "3"])
+    assert '--resources={"uniun_device": 3, "uniun_embedder": 1}' in started.value.args[0]
+    monkeypatch.setattr(head, "gpu_count", lambda: 2)     # GPUs are the devices: no stand-ins
+    with pytest.raises(Started) as started:
+        cli.main(["up", "--devices", "3"])
+    assert "--resources={}" in started.value.args[0]
 
 
 def test_help_and_bench_help_exit_0(capsys):

@@ -282,3 +282,58 @@ def test_explain_shows_a_tier_change_while_the_job_runs():
               {"t": 1.0, "ev": "foreground", "kind": "nataraj", "subject": None},
               job(2.0, "finish", "n", "nataraj", outcome="done")]
     assert "   +1.000s    tier T4 -> T1 (foreground set to nataraj)" in story(events, "n").splitlines()
+
+
+def test_metrics_name_the_device_of_what_they_count_and_of_each_gauge():
+    from uniun_ray.runtime.metrics import SchedulerMetrics
+
+    class Recorder:
+        def __init__(self):
+            self.seen = {}
+
+        def set(self, value, tags=None):
+            self.seen[tuple(sorted((tags or {}).items()))] = value
+
+        inc = observe = lambda self, value=1, tags=None: self.set(value, tags)
+
+    async def go():
+        s = SchedulerService({"cpu0": FakeDevice(), "cpu1": FakeDevice()}, RuntimeConfig(event_log=None))
+        s.metrics = m = SchedulerMetrics(period_s=0)
+        for name in ("dispatches", "swaps", "running", "loaded", "held"):
+            setattr(m, name, Recorder())
+        await s.submit(spec("n", "nataraj", model="a"))
+        await s.submit(spec("g", "gana", model="b"))
+        await lease_of(s, "n"), await lease_of(s, "g")
+        m.refresh(s.policy.snapshot)
+        return m
+    m = asyncio.run(asyncio.wait_for(go(), 10))
+    assert (("device", "cpu1"), ("kind", "gana"), ("model", "b"), ("tier", "T4")) in m.dispatches.seen
+    assert set(m.swaps.seen) == {(("device", "cpu0"), ("model", "a")), (("device", "cpu1"), ("model", "b"))}
+    assert m.running.seen[(("device", "cpu0"), ("kind", "nataraj"))] == 1
+    assert m.running.seen[(("device", "cpu1"), ("kind", "nataraj"))] == 0
+    assert m.loaded.seen == {(("device", "cpu0"), ("model", "a")): 1, (("device", "cpu1"), ("model", "b")): 1}
+
+
+def test_status_and_explain_name_the_devices_of_a_pool(tmp_path):
+    async def go():
+        s = SchedulerService({"cpu0": FakeDevice(), "cpu1": FakeDevice()},
+                             RuntimeConfig(event_log=str(tmp_path / "ev.jsonl")))
+        await s.submit(spec("n", "nataraj", model="a"))
+        await s.submit(spec("g", "gana", model="b"))
+        await lease_of(s, "n")
+        g = await lease_of(s, "g")
+        await s.submit(spec("c", "chat", model="b"))
+        await asyncio.sleep(0.05)                       # g stops at its next token
+        await s.release("g", g.epoch, "revoked")
+        await lease_of(s, "c")
+        return await s.status()
+    snap = asyncio.run(asyncio.wait_for(go(), 10))
+    console = Console(record=True, width=200)
+    console.print(render(snap, read(tmp_path / "ev.jsonl")))
+    text = console.export_text()
+    assert "loaded models  cpu0 a, cpu1 b" in text
+    assert re.search(r"▶ cpu0 \[a\] T4 nataraj .* job n", text) and re.search(r"▶ cpu1 \[b\] T0 chat .* job c", text)
+    assert "g (gana): arrival of chat job c [cpu1]" in text
+    told = "\n".join(explain(read(tmp_path / "ev.jsonl"), "c"))
+    assert "dispatched at T0 on b, device cpu1" in told
+    assert "behind g (gana from gana, T4, model b, device cpu1)" in told

@@ -28,8 +28,32 @@ def test_seats_follow_what_the_cluster_declares():
     assert placement.model_seat(one_gpu) == Seat({"num_gpus": 1}, "cuda")
     assert placement.embedder_seat(one_gpu) == Seat({}, "cpu")          # the "separate device": the CPU
     assert placement.embedder_seat(two_gpus) == Seat({"num_gpus": 1}, "cuda")
+    assert placement.embedder_seat(two_gpus, on_cpu=True) == Seat({}, "cpu")   # every GPU serves models
     assert placement.model_seat(two_gpus, forced="cpu").torch_device == "cpu"
     assert placement.device_name(one_gpu) == "gpu0" and placement.device_name(stand_ins) == "cpu0"
+
+
+def test_the_pool_is_named_after_what_the_cluster_declares():
+    assert placement.device_names({"CPU": 2}) == ["cpu0"]                                  # plain: the CPU
+    assert placement.device_names({DEVICE_RESOURCE: 3, EMBEDDER_RESOURCE: 1}) == ["cpu0", "cpu1", "cpu2"]
+    assert placement.device_names({"GPU": 1}) == ["gpu0"]
+    assert placement.device_names({"GPU": 4, DEVICE_RESOURCE: 2}, embedder_gpus=1) == ["gpu0", "gpu1", "gpu2"]
+
+
+def test_reconcile_adds_declared_capacity_and_removes_what_is_gone():
+    four = {DEVICE_RESOURCE: 4}
+    assert placement.reconcile(four, 0, ["cpu0", "cpu1"], []) == placement.PoolChange(add=("cpu2", "cpu3"))
+    assert placement.reconcile(four, 0, ["cpu0", "cpu1", "cpu2", "cpu3"], []) == placement.PoolChange()
+    # a node left with cpu1: it goes; its seat is declared no more, so nothing replaces it
+    assert placement.reconcile({DEVICE_RESOURCE: 1}, 0, ["cpu0", "cpu1"], ["cpu1"]) == \
+        placement.PoolChange(remove=("cpu1",))
+    # killed for good while its seat stays declared: replaced under the lowest free name
+    assert placement.reconcile({DEVICE_RESOURCE: 2}, 0, ["cpu0", "cpu1"], ["cpu0"]) == \
+        placement.PoolChange(add=("cpu0",), remove=("cpu0",))
+    # fewer seats than live devices: none is removed for it (which one left shows as its death)
+    assert placement.reconcile({DEVICE_RESOURCE: 1}, 0, ["cpu0", "cpu1"], []) == placement.PoolChange()
+    # a GPU node joins a cluster whose embedder took one GPU at start
+    assert placement.reconcile({"GPU": 3}, 1, ["gpu0"], []) == placement.PoolChange(add=("gpu1",))
 
 
 def test_a_taken_seat_is_refused_with_the_resource_and_the_command_that_adds_one():
@@ -44,6 +68,9 @@ def test_settings_are_checked():
     assert placement.torch_device({}) is None and placement.torch_device({"UNIUN_TORCH_DEVICE": "cpu"}) == "cpu"
     with pytest.raises(ValueError, match="UNIUN_TORCH_DEVICE='tpu': use 'cpu' or 'cuda'"):
         placement.torch_device({"UNIUN_TORCH_DEVICE": "tpu"})
+    assert placement.embedder_on_cpu({}) is False and placement.embedder_on_cpu({"UNIUN_EMBEDDER_DEVICE": "cpu"})
+    with pytest.raises(ValueError, match="UNIUN_EMBEDDER_DEVICE='tpu': use 'cpu' or 'gpu'"):
+        placement.embedder_on_cpu({"UNIUN_EMBEDDER_DEVICE": "tpu"})
     assert placement.embed_concurrency({}) == 2 and placement.embed_concurrency({"UNIUN_EMBED_CONCURRENCY": "3"}) == 3
     with pytest.raises(ValueError, match="UNIUN_EMBED_CONCURRENCY='0' is not a concurrency"):
         placement.embed_concurrency({"UNIUN_EMBED_CONCURRENCY": "0"})
@@ -84,3 +111,56 @@ def test_one_gpu_takes_the_model_the_embedder_stays_on_the_cpu_and_a_taken_gpu_f
 def test_two_gpus_give_the_embedder_one_of_its_own():
     placed = scenario(num_gpus=2)
     assert placed["model"]["resources"] == {"GPU": 1.0} and placed["embedder"]["resources"] == {"GPU": 1.0}
+
+
+def test_the_scheduler_applies_reconcile_gone_idle_devices_leave_free_seats_get_actors(monkeypatch, tmp_path):
+    """The thin shell over `reconcile` (SchedulerActor.watch_pool), with fake model actors
+    (alive while their name is held) and a cluster that declares stand-in seats."""
+    import asyncio
+
+    import ray
+
+    from conftest import FakeDevice, lease_of, spec
+    from uniun_ray.models.settings import EngineSettings
+    from uniun_ray.runtime import actors
+    from uniun_ray.runtime.service import RuntimeConfig
+
+    named, made = {"model:cpu0", "model:cpu1"}, []
+    cluster = {"declared": {DEVICE_RESOURCE: 3}, "free": {DEVICE_RESOURCE: 1}}
+
+    class NamedActor(FakeDevice):
+        def __init__(self, name: str) -> None:
+            super().__init__()
+            self.name = name
+
+        async def alive(self) -> bool:
+            return self.name in named
+
+    def create(fleet, device, resources):
+        named.add(f"model:{device}")
+        made.append(device)
+
+    monkeypatch.setattr(actors, "RayDevice", NamedActor)
+    monkeypatch.setattr(actors.ModelFleet, "create", create)
+    monkeypatch.setattr(ray, "cluster_resources", lambda: cluster["declared"])
+    monkeypatch.setattr(ray, "available_resources", lambda: cluster["free"])
+
+    async def go():
+        s = actors.SchedulerActor(["cpu0", "cpu1"], actors.ModelFleet(EngineSettings()),
+                                  RuntimeConfig(event_log=str(tmp_path / "ev.jsonl")))
+        await s.submit(spec("n", "nataraj"))
+        assert (await lease_of(s, "n")).device == "cpu0"
+        named.discard("model:cpu1")                       # idle, killed for good
+        first = await s.watch_pool()
+        named.discard("model:cpu0")                       # busy: it leaves through its job's path
+        second = await s.watch_pool()
+        # a scheduler restarted with its first pool: an actor made since is found, not made
+        cluster.update(declared={DEVICE_RESOURCE: 4}, free={})
+        named.add("model:cpu3")
+        third = await s.watch_pool()
+        return first, second, third, s.policy.devices
+    first, second, third, pool = asyncio.run(asyncio.wait_for(go(), 10))
+    assert first == {"removed": ["cpu1"], "added": ["cpu1"]}     # its seat is free again: a new actor
+    assert second == {"removed": [], "added": ["cpu2"]}
+    assert third == {"removed": [], "added": ["cpu3"]} and pool == ("cpu0", "cpu1", "cpu2", "cpu3")
+    assert made == ["cpu1", "cpu2"]

@@ -238,3 +238,139 @@ def test_a_cancel_that_overtakes_its_submit_refuses_the_submit():
         lease = await s.acquire(spec("m", "nataraj"), 1.0, "session")   # one call: queued and granted
         assert lease.job_id == "m"
     run(go())
+
+
+# -- a pool of devices (SPEC §5) ---------------------------------------------------------------
+def pool(n: int = 2, **fake) -> dict:
+    return {f"cpu{i}": FakeDevice(**fake) for i in range(n)}
+
+
+def test_two_jobs_on_two_models_run_at_once_each_on_its_own_device(tmp_path):
+    from uniun_ray.runtime.eventlog import read
+
+    async def go():
+        devices = pool()
+        s = SchedulerService(devices, RuntimeConfig(event_log=str(tmp_path / "ev.jsonl")))
+        await s.submit(spec("n", "nataraj", model="a"))
+        await s.submit(spec("g", "gana", model="b"))
+        n, g = await lease_of(s, "n"), await lease_of(s, "g")    # both held at the same time
+        assert (n.device, g.device) == ("cpu0", "cpu1") and n.epoch != g.epoch
+        assert (devices["cpu0"].loads, devices["cpu1"].loads) == (["a"], ["b"])
+        snap = await s.status()
+        assert [(d["device"], d["loaded_model"], d["running"]["id"]) for d in snap["devices"]] == \
+            [("cpu0", "a", "n"), ("cpu1", "b", "g")]
+        await s.release("n", n.epoch, "done")
+        await s.release("g", g.epoch, "done")
+    run(go())
+    runs = {(e["ev"], e["job"]): e.get("device") for e in read(tmp_path / "ev.jsonl") if "job" in e}
+    assert runs[("dispatch", "n")] == runs[("swap_end", "n")] == runs[("finish", "n")] == "cpu0"
+    assert runs[("dispatch", "g")] == runs[("swap_start", "g")] == runs[("finish", "g")] == "cpu1"
+
+
+def test_a_chat_on_a_busy_pool_revokes_exactly_the_lowest_ranked_job_at_its_own_device():
+    async def go():
+        devices = pool()
+        s = SchedulerService(devices, FAST)
+        await s.submit(spec("e", "extract"))                       # T2
+        await s.submit(spec("n", "nataraj"))                       # T4: the lowest ranked
+        e, n = await lease_of(s, "e"), await lease_of(s, "n")
+        await s.submit(spec("c", "chat"))
+        await asyncio.sleep(0.01)
+        assert devices[n.device].revoked == [n.epoch] and devices[e.device].revoked == []
+        assert await s.renew("e", e.epoch) is True                  # the other job runs on
+        assert await s.release("n", n.epoch, "revoked") is True
+        chat = await lease_of(s, "c")
+        assert chat.device == n.device and chat.epoch > max(e.epoch, n.epoch)
+    run(go())
+
+
+def test_a_restarted_scheduler_fences_above_what_each_device_saw():
+    async def go():
+        devices = pool()
+        devices["cpu0"].epoch, devices["cpu1"].epoch = 41, 7       # granted by the previous incarnation
+        s = SchedulerService(devices, FAST)
+        await s.submit(spec("n", "nataraj", model="a"))
+        await s.submit(spec("g", "gana", model="b"))
+        n, g = await lease_of(s, "n"), await lease_of(s, "g")
+        assert n.epoch > 41 and g.epoch > 7 and n.epoch != g.epoch
+        await s.release("g", g.epoch, "done")
+        await s.submit(spec("g2", "gana", model="b"))
+        assert (await lease_of(s, "g2")).epoch > max(n.epoch, g.epoch)   # one clock for the pool
+    run(go())
+
+
+def test_a_device_gone_for_good_leaves_the_pool_and_its_job_completes_on_another(tmp_path):
+    from uniun_ray.runtime.eventlog import read
+
+    async def go():
+        devices = pool()
+        s = SchedulerService(devices, RuntimeConfig(event_log=str(tmp_path / "ev.jsonl")))
+        await s.submit(spec("n", "nataraj", model="a"))
+        await s.submit(spec("g", "gana", model="b"))
+        n, g = await lease_of(s, "n"), await lease_of(s, "g")
+        devices["cpu0"].gone = True                                  # killed under n
+        assert await s.device_lost("n", n.epoch, "killed") is True   # re-queued
+        assert [d["device"] for d in (await s.status())["devices"]] == ["cpu1"]
+        assert await s.grant("n", wait_s=0.05) is None               # cpu1 is busy with g
+        await s.release("g", g.epoch, "done")
+        again = await lease_of(s, "n")
+        assert again.device == "cpu1" and devices["cpu1"].loads == ["b", "a"]
+        assert s.leases.jobs["n"].device_faults == 0                 # not the job's fault
+        await s.release("n", again.epoch, "done")
+    run(go())
+    events = read(tmp_path / "ev.jsonl")
+    removed = [e for e in events if e["ev"] == "device"]
+    assert [(e["device"], e["change"]) for e in removed] == [("cpu0", "removed")]
+    finishes = [(e["outcome"], e.get("requeued"), e["device"]) for e in events if e["ev"] == "finish" and e["job"] == "n"]
+    assert finishes == [("failed", True, "cpu0"), ("done", False, "cpu1")]
+
+
+def test_a_job_whose_device_is_gone_is_told_it_was_requeued_even_when_it_runs_again_at_once():
+    async def go():
+        devices = pool()
+        s = SchedulerService(devices, FAST)
+        await s.submit(spec("n", "nataraj"))
+        lease = await lease_of(s, "n")
+        devices[lease.device].gone = True
+        assert await s.device_lost("n", lease.epoch, "killed") is True     # and already dispatched again
+        assert (await lease_of(s, "n")).device != lease.device
+    run(go())
+
+
+def test_a_device_gone_while_loading_hands_its_job_to_another_device():
+    async def go():
+        devices = pool(load_s=0.1)
+        s = SchedulerService(devices, FAST)
+        await s.submit(spec("n", "nataraj", model="a"))
+        await asyncio.sleep(0.02)                      # loading on cpu0 ...
+        devices["cpu0"].gone = True                    # ... which dies
+        lease = await lease_of(s, "n")
+        assert lease.device == "cpu1" and s.policy.devices == ("cpu1",)
+    run(go())
+
+
+def test_a_restarted_device_stays_in_the_pool_and_reloads():
+    async def go():
+        devices = pool(1)
+        s = SchedulerService(devices, FAST)
+        await s.submit(spec("n", "nataraj", model="a"))
+        lease = await lease_of(s, "n")
+        assert await s.device_lost("n", lease.epoch, "restarted") is True    # it answers again: not gone
+        again = await lease_of(s, "n")
+        assert again.device == "cpu0" and devices["cpu0"].loads == ["a", "a"]
+        assert s.leases.jobs["n"].device_faults == 1
+    run(go())
+
+
+def test_a_device_added_takes_waiting_work_at_once():
+    async def go():
+        s = SchedulerService(pool(1), FAST)
+        await s.submit(spec("n", "nataraj"))
+        await s.submit(spec("g", "gana"))
+        await lease_of(s, "n")
+        assert await s.grant("g", wait_s=0.05) is None
+        s.add_device("cpu1", FakeDevice())
+        assert (await lease_of(s, "g")).device == "cpu1"
+        with pytest.raises(ValueError, match="already in the pool"):
+            s.add_device("cpu1", FakeDevice())
+    run(go())

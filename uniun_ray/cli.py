@@ -1,7 +1,7 @@
 """`uniun-ray`: start and stop a local head, look at the scheduler, and poke it.
 
-    uniun-ray up [--port 6379] [--auth disabled|token] [--no-http | --http-host H --http-port P]
-                 [-- more `ray start` args]
+    uniun-ray up [--port 6379] [--auth disabled|token] [--devices N]
+                 [--no-http | --http-host H --http-port P] [-- more `ray start` args]
     uniun-ray down
     uniun-ray status [--json | --watch [--interval S]]
     uniun-ray explain JOB_ID [--log PATH]
@@ -36,6 +36,12 @@ class UsageError(ValueError):
 
 class NoCluster(ConnectionError):
     """No Ray cluster to talk to (exit 1)."""
+
+
+def _count(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a device count (an integer >= 1)")
+    return int(text)
 
 
 def _fail(message: str, code: int) -> int:
@@ -154,7 +160,7 @@ def _up(args) -> int:
     HeadState.forget()  # a stale record of a head that is gone
     os.environ["RAY_AUTH_MODE"] = args.auth  # this process must speak the head's auth mode too
     state = start_head(port=args.port, dashboard_host=args.dashboard_host, dashboard_port=args.dashboard_port,
-                       auth_mode=args.auth, temp_dir=args.temp_dir, extra=args.ray_args)
+                       auth_mode=args.auth, temp_dir=args.temp_dir, devices=args.devices, extra=args.ray_args)
     state.save()
     try:
         context = ray.init(address=state.address, namespace=NAMESPACE, logging_level=logging.ERROR,
@@ -199,9 +205,13 @@ def _deploy_http(host: str, port: int) -> str:
 
 
 def _actor_names() -> list[str]:
-    from .runtime.launch import device_name
-    from .runtime.protocol import EMBEDDER_NAME, SCHEDULER_NAME, model_actor_name
-    return [SCHEDULER_NAME, model_actor_name(device_name()), EMBEDDER_NAME]
+    """The runtime's named actors: the scheduler, a model actor per device, the embedder."""
+    import ray
+
+    from .runtime.protocol import EMBEDDER_NAME, NAMESPACE, SCHEDULER_NAME, model_actor_name
+    models = sorted(a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+                    if a["namespace"] == NAMESPACE and a["name"].startswith(model_actor_name("")))
+    return [SCHEDULER_NAME, *models, EMBEDDER_NAME]
 
 
 def _down(args) -> int:
@@ -228,11 +238,12 @@ def _down(args) -> int:
 
 
 def _kill_actors(state) -> int:
-    """Kill the named actors of namespace "uniun" (the ones up started, and producers)
-    before their head goes, so none is left mid-call against a vanishing GCS."""
+    """Kill the named actors of namespace "uniun" (the ones up started, every model actor, and
+    producers) before their head goes, so none is left mid-call against a vanishing GCS. The
+    scheduler goes first: it would re-create a model actor it saw go."""
     import ray
 
-    from .runtime.protocol import NAMESPACE
+    from .runtime.protocol import NAMESPACE, SCHEDULER_NAME
 
     from .runtime.launch import reachable
 
@@ -241,7 +252,8 @@ def _kill_actors(state) -> int:
         return 0
     ray.init(address=state.address, logging_level=logging.ERROR, log_to_driver=False)
     try:
-        names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["namespace"] == NAMESPACE]
+        names = sorted((a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+                        if a["namespace"] == NAMESPACE), key=lambda name: name != SCHEDULER_NAME)
         for name in names:
             ray.kill(ray.get_actor(name, namespace=NAMESPACE), no_restart=True)
         return len(names)
@@ -265,6 +277,9 @@ def _parser() -> argparse.ArgumentParser:
     up.add_argument("--auth", choices=("disabled", "token"), default="disabled",
                     help="RAY_AUTH_MODE of the head (default disabled; token on shared networks)")
     up.add_argument("--temp-dir", help="Ray temp dir (default Ray's, /tmp/ray)")
+    up.add_argument("--devices", type=_count, default=1,
+                    help="stand-in devices to declare on a machine without GPUs: a ModelActor each, "
+                         "model:cpu0, model:cpu1, ... (default 1; GPUs, where there are, are the devices)")
     up.add_argument("--chat-model", help="the active chat model every client's model_id=None means "
                     "(default: UNIUN_CHAT_MODEL, else smollm2-135m-instruct)")
     up.add_argument("--no-http", action="store_true", help="do not deploy the OpenAI-compatible HTTP endpoint")

@@ -103,21 +103,24 @@ async def _check(model_id: str, request: GenerateRequest) -> int:
     """The ModelActor's request check (tokenizer and config only, cached there per model):
     a prompt too long, messages to a model without a chat template... Returns the prompt's
     token count. It waits out a restart of the actor (its calls fail with
-    ActorUnavailableError meanwhile).
+    ActorUnavailableError meanwhile), and looks the actor up again when it died for good
+    (the scheduler makes a new one under its name while its seat is declared).
 
     Why a round trip and not the tokenizer here: a local check imports torch and
     transformers into every client process (seconds for a one-shot `uniun-ray chat`,
     hundreds of MB per producer actor) and, for an embedded GGUF model, converts it on the
     client's node; the round trip costs about a bare actor call (BENCHMARKS.md, "Control
     plane"), also while the actor generates, since the check runs beside the decode thread."""
-    from ray.exceptions import ActorUnavailableError
+    from ray.exceptions import ActorUnavailableError, RayActorError
     deadline = time.monotonic() + RECONNECT_S
     while True:
         try:
             return await handles().model.check.remote(model_id, request)
-        except ActorUnavailableError:
+        except RayActorError as error:
             if time.monotonic() > deadline:
                 raise
+            if not isinstance(error, ActorUnavailableError):
+                forget_handles()
             await asyncio.sleep(0.2)
 
 
@@ -211,7 +214,7 @@ class Turn:
     device, anything else fails the job. The loop then settles the turn."""
 
     def __init__(self, loop: "LeaseLoop", lease: Lease, model) -> None:
-        self.loop, self.lease, self.model = loop, lease, model
+        self.loop, self.lease, self.model = loop, lease, model   # the ModelActor of the lease's device
         self.outcome: str | None = None     # done | revoked | lost
         self.value: Any = None
         self.lost_reason: str | None = None
@@ -258,7 +261,7 @@ class LeaseLoop:
         loop = LeaseLoop(job)
         async for turn in loop.turns():
             async with turn:
-                ...  # call turn.model with turn.lease.epoch; turn.done(value) / turn.stopped()
+                ...  # call turn.model (the lease's device) with turn.lease.epoch; turn.done(value) / turn.stopped()
         loop.value, loop.revokes
 
     A turn that was revoked resumes (the job was re-queued) or, when the policy did not
@@ -267,8 +270,7 @@ class LeaseLoop:
     """
 
     def __init__(self, job: Job, dropped: Callable[[str], BaseException] | None = None) -> None:
-        h = handles()
-        self.job, self.scheduler, self.model = job, h.scheduler, h.model
+        self.job, self.scheduler = job, handles().scheduler
         self.dropped = dropped or (Preempted if job.kind is Kind.CHAT else JobDropped)
         self.session = _session()
         self.resubmits = 0
@@ -285,7 +287,7 @@ class LeaseLoop:
                     await self.recover(error)
                 while True:
                     lease = lease or await self._grant()
-                    turn = Turn(self, lease, self.model)
+                    turn = Turn(self, lease, handles().model_of(lease.device))
                     async with self._renewing(lease):
                         yield turn
                     if turn.outcome is None:
@@ -309,8 +311,7 @@ class LeaseLoop:
         self.revokes += 1
         if turn.outcome == "lost":
             await self.device_lost(turn.lease, turn.lost_reason)
-            forget_handles()  # the model actor may be a new one under its name by the next grant
-            self.model = handles().model
+            forget_handles()  # a model actor may be a new one under its name by the next grant
             return False
         try:
             requeued = await self.scheduler.release.remote(self.job.id, turn.lease.epoch, "revoked")
@@ -575,18 +576,18 @@ async def astatus() -> dict:
 
 
 async def await_generating(kind: Kind | str, timeout_s: float = 120.0, min_held_s: float = 0.5) -> dict | None:
-    """Wait until a job of `kind` is generating: it runs, its lease is granted (so its model
-    is loaded: a job still loading would end its turn unserved, not be revoked) and it has
-    held the device `min_held_s`. Returns the running job's snapshot, or None after
-    `timeout_s`. What demos, benchmarks, jobs and tests use before they preempt something."""
+    """Wait until a job of `kind` is generating on a device of the pool: it runs, its lease
+    is granted (so its model is loaded: a job still loading would end its turn unserved, not
+    be revoked) and it has held the device `min_held_s`. Returns the running job's snapshot
+    (its `device` too), or None after `timeout_s`. What demos, benchmarks, jobs and tests use
+    before they preempt something."""
     kind = Kind.parse(kind).value
     deadline = time.monotonic() + timeout_s
     while True:
         status = await astatus()
-        running = status["running"]
-        if running and running["kind"] == kind:
+        for running in (d["running"] for d in status["devices"] if d["running"]):
             lease = status["leases"].get(running["id"], {})
-            if lease.get("state") == "granted" and lease.get("held_s", 0.0) >= min_held_s:
+            if running["kind"] == kind and lease.get("state") == "granted" and lease.get("held_s", 0.0) >= min_held_s:
                 return running
         if time.monotonic() >= deadline:
             return None

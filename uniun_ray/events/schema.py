@@ -36,6 +36,9 @@ reclaim        job, kind, producer, model, reason: the runtime took a lease back
                holder that stopped renewing it (it died); a finish "revoked" follows
 drop           job, kind, producer, model, reason: a queued job ended without running
                (its caller cancelled it or stopped polling for its grant)
+device         device, change ("added"|"removed"); optional: reason. The pool changed
+               (SPEC §5, R20): a device joined it, or left it for good; the job it ran,
+               if any, finishes "failed" with ``requeued`` and runs elsewhere
 =============  ==========================================================================
 
 ``revoke`` may carry ``reason``, the runtime's words for its ``cause`` ("arrival of chat job
@@ -64,6 +67,7 @@ REQUIRED: dict[str, tuple[str, ...]] = {
     "finish": JOB_FIELDS + ("outcome",),
     "reclaim": JOB_FIELDS + ("reason",),
     "drop": JOB_FIELDS + ("reason",),
+    "device": ("device", "change"),
 }
 OUTCOMES = ("done", "failed", "revoked")
 

@@ -4,7 +4,7 @@
 which tier, how its tier changed while it waited (a deadline passing, the foreground
 moving), who held the device during each wait (and whether that holder was revoked for
 it), each dispatch with its swap, the first token, every revoke with its reason, and how
-it ended. The log is replayed with the simulator's `Trace`, so tiers and runs mean here
+it ended. On a pool of devices (SPEC §5) each run and each holder is named by its device. The log is replayed with the simulator's `Trace`, so tiers and runs mean here
 exactly what they mean in the metrics and the timeline picture.
 """
 from __future__ import annotations
@@ -38,20 +38,23 @@ def replayable(events: Iterable[dict]) -> list[dict]:
     """The events a replay can use. Jobs whose submit was rotated out of the log are left
     out (a replay needs each job's fields). A run left open by a scheduler that died (the
     log is appended to across restarts) is closed with a failed finish at the next
-    dispatch: at most one job holds the device at a time, so that dispatch proves it."""
-    seen, kept, holder = set(), [], None
+    dispatch on its device: at most one job holds a device at a time, so that dispatch
+    proves it."""
+    seen, kept, holders = set(), [], {}
     for ev in events:
         if ev["ev"] == "submit":
             seen.add(ev["job"])
         if "job" in ev and ev["job"] not in seen:
             continue
+        device = ev.get("device", "dev0")
         if ev["ev"] == "dispatch":
-            if holder is not None:
-                kept.append(holder | {"t": ev["t"], "ev": "finish", "outcome": "failed",
-                                      "reason": "no finish recorded: its scheduler was replaced"})
-            holder = {k: ev[k] for k in ("job", "kind", "producer", "model")}
-        elif ev["ev"] == "finish" and holder is not None and ev["job"] == holder["job"]:
-            holder = None
+            if device in holders:
+                kept.append(holders[device] | {"t": ev["t"], "ev": "finish", "outcome": "failed",
+                                               "reason": "no finish recorded: its scheduler was replaced"})
+            holders[device] = {k: ev[k] for k in ("job", "kind", "producer", "model")} | (
+                {"device": ev["device"]} if "device" in ev else {})
+        elif ev["ev"] == "finish" and holders.get(device, {}).get("job") == ev["job"]:
+            del holders[device]
         kept.append(ev)
     return kept
 
@@ -122,8 +125,8 @@ class _Story:
                 note += (f"; revoked at {run.revoked_at - self.rec.submit:+.3f}s ({self.revoke_reason(run)}), "
                          f"stopped {run.end - run.revoked_at:.3f}s later")
             notes.append((lo, f"  behind {run.job} ({run.kind} from {run.producer}, T{run.tier}, "
-                              f"model {run.model}) for {hi - lo:.3f}s{note}"))
-        if b - a - busy > IDLE_EPSILON_S:
+                              f"model {run.model}{self.on(run)}) for {hi - lo:.3f}s{note}"))
+        if len(self.trace.devices) <= 1 and b - a - busy > IDLE_EPSILON_S:  # one device: idle or not
             notes.append((a, f"  device idle for {b - a - busy:.3f}s of it"))
         for t, text in sorted(notes, key=lambda n: n[0]):
             self.at(t, text)
@@ -143,6 +146,10 @@ class _Story:
         front = fg.kind.value if fg.kind else "none"
         return f"foreground set to {front}" + (f" (subject {fg.subject})" if fg.subject else "")
 
+    def on(self, run: Run) -> str:
+        """Where a run ran, when the log is of a pool (one device needs no name)."""
+        return f", device {run.device}" if len(self.trace.devices) > 1 else ""
+
     def revoke_reason(self, run: Run) -> str:
         return self.reasons.get((run.job, run.revoked_at), "revoked")
 
@@ -151,7 +158,7 @@ class _Story:
         revoke, reclaim, and how it ended, in time order."""
         swap = next((e for e in self.own if e["ev"] == "swap_start" and run.start <= e["t"] <= run.end), None)
         loaded = f", loading {run.model} over {swap['from'] or 'an empty device'} ({run.swap_s:.3f}s)" if swap else ""
-        notes = [(run.start, f"dispatched at T{run.tier} on {run.model}{loaded}")]
+        notes = [(run.start, f"dispatched at T{run.tier} on {run.model}{self.on(run)}{loaded}")]
         notes += self.tier_changes(run.start, run.end)
         ft = self.rec.first_token
         if ft is not None and run.start <= ft <= run.end:

@@ -1,7 +1,8 @@
 """`uniun-ray status`: the scheduler's snapshot and the event log's tail as one rich view.
 
-It answers "who holds the device, why, and what waits behind it" at a glance: the loaded
-model and the running job (kind, producer, tier, held time) on top, then every tier's
+It answers "who holds each device, why, and what waits behind it" at a glance: the loaded
+model and the running job (kind, producer, tier, held time) of every device of the pool on
+top (each named, with its engine, once there are two or more), then every tier's
 queue with its waits, the fair pool's vruntimes, the T2 budget, the foreground, and the
 latest revokes and swaps with their reasons. `render` is pure (a dict and a list in, a
 renderable out), so `--watch` simply re-renders it, and tests and the README screenshot
@@ -21,7 +22,7 @@ from rich.text import Text
 from ..runtime.eventlog import tail
 
 #: Events the "recent" list shows: what changed who holds the device, or what it holds.
-NOTABLE = ("revoke", "swap_end", "reclaim", "drop", "foreground")
+NOTABLE = ("revoke", "swap_end", "reclaim", "drop", "foreground", "device")
 TIER_STYLE = {"T0": "bold red", "T1": "bold magenta", "T2": "yellow", "T3": "cyan", "T4": "green"}
 
 
@@ -45,7 +46,12 @@ def _summary(snap: dict, now: float) -> Table:
     grid.add_column(style="bold")
     grid.add_column()
     foreground = (fg["kind"] or "none") + (f" ({fg['subject']})" if fg["subject"] else "")
-    grid.add_row("loaded model", str(snap["loaded_model"] or "none"), "foreground (T1)", foreground)
+    devices = snap.get("devices") or []
+    if len(devices) > 1:
+        grid.add_row("loaded models", ", ".join(f"{d['device']} {d['loaded_model'] or 'none'}" for d in devices),
+                     "foreground (T1)", foreground)
+    else:
+        grid.add_row("loaded model", str(snap["loaded_model"] or "none"), "foreground (T1)", foreground)
     if snap.get("chat_model"):
         grid.add_row("chat model", snap["chat_model"], "", "")
     budget = Text(f"{_bar(t2['share'] / t2['limit'] if t2['limit'] else 0)} {t2['share']:.0%} of {t2['limit']:.0%}")
@@ -66,11 +72,24 @@ def _bar(fraction: float, width: int = 10) -> str:
 
 
 def _running(snap: dict) -> Text:
-    job = snap["running"]
+    """A line per device: what it runs. With one device, the device needs no name."""
+    devices = snap.get("devices") or [{"running": snap["running"]}]
+    if len(devices) == 1:
+        return _holder(snap, devices[0]["running"], Text("▶ "))
+    return Text("\n").join(_holder(snap, d["running"], _device_head(d)) for d in devices)
+
+
+def _device_head(device: dict) -> Text:
+    engine = device.get("engine") or {}
+    how = " ".join(str(engine[k]) for k in ("device", "dtype") if engine.get(k))
+    return Text(f"▶ {device['device']} [{device['loaded_model'] or 'empty'}{', ' + how if how else ''}] ",
+                style="bold")
+
+
+def _holder(snap: dict, job: dict | None, text: Text) -> Text:
     if job is None:
-        return Text("▶ device idle", style="dim")
+        return text.append("device idle", style="dim")
     lease = snap.get("leases", {}).get(job["id"], {})
-    text = Text("▶ ")
     text.append(f"{job['tier']} {job['kind']}", style=TIER_STYLE.get(job["tier"], ""))
     text.append(f"  producer {job['producer']}  model {job['model']}  held {job['held_s']:.1f}s  job {job['id']}")
     if lease.get("state") == "loading":
@@ -120,20 +139,24 @@ def _recent(events: list[dict], now: float) -> Table:
     table = Table("when", "event", "detail", title="recent revokes, swaps and foreground changes",
                   title_justify="left")
     for ev in reversed(events):
-        table.add_row(f"{max(0.0, now - ev['t']):.1f}s ago", ev["ev"], describe(ev))
+        table.add_row(f"{max(0.0, now - ev['t']):.1f}s ago", ev["ev"], Text(describe(ev)))  # text, not markup
     return table
 
 
 def describe(ev: dict) -> str:
-    """One notable event in a line."""
-    job = f"{ev.get('job')} ({ev.get('producer')})"
-    if ev["ev"] == "revoke":
-        return f"{job}: {ev.get('reason') or 'revoked'}"
-    if ev["ev"] == "swap_end":
-        return f"loaded {ev['model']} in {ev.get('seconds', 0.0):.2f}s for {job}"
+    """One notable event in a line; a run's event ends with its device, in brackets."""
+    if ev["ev"] == "device":
+        return f"{ev['device']} {ev['change']}" + (f": {ev['reason']}" if ev.get("reason") else "")
     if ev["ev"] == "foreground":
         return (ev["kind"] or "none") + (f" ({ev['subject']})" if ev.get("subject") else "")
-    return f"{job}: {ev.get('reason', '')}"
+    job = f"{ev.get('job')} ({ev.get('producer')})"
+    if ev["ev"] == "revoke":
+        text = f"{job}: {ev.get('reason') or 'revoked'}"
+    elif ev["ev"] == "swap_end":
+        text = f"loaded {ev['model']} in {ev.get('seconds', 0.0):.2f}s for {job}"
+    else:
+        text = f"{job}: {ev.get('reason', '')}"
+    return text + (f" [{ev['device']}]" if ev.get("device") else "")
 
 
 # -- the shell: fetch and re-render ------------------------------------------------------

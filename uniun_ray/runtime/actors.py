@@ -1,27 +1,40 @@
 """Ray shells: the actor classes as the cluster runs them, and how they are placed.
 
-Placement (which GPU or stand-in resource each actor takes) is decided in `placement`. Both
-use `num_cpus=0` so they never queue behind CPU tasks; torch's thread count is set deliberately
-inside (see model_actor).
+Placement (which GPU or stand-in resource each actor takes, how many devices the cluster
+declares) is decided in `placement`. Model actors and the embedder use `num_cpus=0` so they
+never queue behind CPU tasks; torch's thread count is set deliberately inside (see
+model_actor).
 """
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
+from dataclasses import dataclass
+from typing import Mapping
 
 import ray
 
+from . import placement
 from .embedding_actor import EmbeddingActor
 from .metrics import SchedulerMetrics
 from .model_actor import ModelActor
-from .protocol import NAMESPACE, DeviceLost
+from .protocol import NAMESPACE, DeviceGone, DeviceLost, UniunError, model_actor_name
 from .service import RuntimeConfig, SchedulerService
+from ..models.settings import EngineSettings
 
 from .placement import Seat
 
 
 #: How long the scheduler waits for a dying ModelActor that Ray restarts (max_restarts).
 RESTART_WAIT_S = 60.0
+#: How often the scheduler compares its pool with the cluster's resources (a GCS read or
+#: two, and a name lookup per device).
+WATCH_PERIOD_S = 3.0
+#: The longest `status` waits for a device to describe its engine (a dead one never answers).
+DESCRIBE_WAIT_S = 2.0
+
+log = logging.getLogger(__name__)
 
 
 class RayDevice:
@@ -44,28 +57,32 @@ class RayDevice:
         try:
             handle = self._handle()
         except ValueError as error:  # no actor by that name (killed for good)
-            raise DeviceLost(f"no model actor {self._name!r}: {error}") from error
+            raise DeviceGone(f"no model actor {self._name!r}: {error}") from error
         try:
             return await getattr(handle, method).remote(*args)
         except ray.exceptions.RayActorError as error:
             self._cached = None
-            await self._restarted()
+            if not await self._restarted():
+                raise DeviceGone(f"{self._name} is gone for good ({type(error).__name__})") from error
             raise DeviceLost(f"{self._name} died or is restarting ({type(error).__name__})") from error
 
-    async def _restarted(self, timeout_s: float = RESTART_WAIT_S) -> None:
-        """Wait until a restarting ModelActor answers again (or is gone for good), so that the
-        job re-queued after this loss is not dispatched into the restart, failing at once
-        until its device faults run out."""
+    async def _restarted(self, timeout_s: float = RESTART_WAIT_S) -> bool:
+        """Wait until a restarting ModelActor answers again, so that the job re-queued after
+        this loss is not dispatched into the restart, failing at once until its device faults
+        run out. False when it is gone for good: its name is free (killed without restart, out
+        of restarts), or it did not come back within `timeout_s` (its node left and no other
+        node has a free seat for it)."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             try:
                 await self._handle().state.remote()
-                return
-            except ValueError:       # killed for good: nothing will come back under this name
-                return
+                return True
+            except ValueError:       # nothing will come back under this name
+                return False
             except ray.exceptions.RayActorError:
                 self._cached = None
                 await asyncio.sleep(0.2)
+        return False
 
     async def load(self, model_id: str) -> float:
         self._model = None
@@ -87,36 +104,121 @@ class RayDevice:
     async def describe(self) -> dict:
         """How the device runs its model on this host (dtype, threads, prefill chunk), for status."""
         try:
-            return (await self._call("state"))["engine"]
-        except DeviceLost as error:
-            return {"error": str(error)}
+            return (await asyncio.wait_for(self._call("state"), DESCRIBE_WAIT_S))["engine"]
+        except (DeviceLost, asyncio.TimeoutError) as error:
+            return {"error": str(error) or "no answer"}
+
+    async def alive(self) -> bool:
+        """False once the ModelActor is gone for good: no actor holds its name any more."""
+        def named() -> bool:   # a GCS lookup: off the event loop
+            try:
+                ray.get_actor(self._name, namespace=NAMESPACE)
+                return True
+            except ValueError:
+                return False
+        return await asyncio.to_thread(named)
+
+
+@dataclass(frozen=True)
+class ModelFleet:
+    """How ModelActors are made, by `start()` for the first pool and by the scheduler for a
+    device it discovers later, alike: the engine settings and forced torch device of the
+    process that started the runtime, and the GPUs the embedder took (never devices)."""
+
+    settings: EngineSettings
+    forced: str | None = None
+    embedder_gpus: int = 0
+
+    def seat(self, resources: Mapping[str, float]) -> Seat:
+        return placement.model_seat(resources, self.forced)
+
+    def create(self, device: str, resources: Mapping[str, float]):
+        """Get or create the ModelActor of `device` (named `model:<device>`)."""
+        seat = self.seat(resources)
+        return RemoteModel.options(**model_actor_options(model_actor_name(device), seat)).remote(
+            device=seat.torch_device, settings=self.settings)
 
 
 class SchedulerActor(SchedulerService):
     """The named, detached singleton. Every method is async: a plain `def` would block the
-    actor's event loop, and with it every waiter and heartbeat."""
+    actor's event loop, and with it every waiter and heartbeat. It watches the cluster and
+    keeps its pool of devices in step (`watch_pool`)."""
 
-    def __init__(self, model_actor: str, config: RuntimeConfig | None = None) -> None:
-        super().__init__(RayDevice(model_actor), config, SchedulerMetrics())
-        self._model_actor = model_actor
+    def __init__(self, devices: list[str], fleet: ModelFleet, config: RuntimeConfig | None = None) -> None:
+        super().__init__({d: RayDevice(model_actor_name(d)) for d in devices}, config, SchedulerMetrics())
+        self._fleet = fleet
+        self._watcher: asyncio.Task | None = None
 
     def __repr__(self) -> str:
-        running = self.policy.running_job
-        return (f"SchedulerActor(loaded={self.policy.loaded_model}, queued={self.policy.queued}, "
-                f"running={running.kind.value + ':' + running.id if running else None}, events={self.events.path})")
+        running = {d: f"{j.kind.value}:{j.id}" for d, j in self.policy.running_jobs.items()}
+        return (f"SchedulerActor(loaded={self.policy.loaded_models}, queued={self.policy.queued}, "
+                f"running={running}, events={self.events.path})")
 
     async def status(self) -> dict:
-        """The service's status, plus this actor's Ray worker id: the `WorkerId` label of
-        its series on the metrics endpoint."""
-        return await super().status() | {"worker_id": ray.get_runtime_context().get_worker_id(),
-                                         "engine": await self.driver.device.describe()}
+        """The service's status, each device with its engine (`engine`: the first device's),
+        plus this actor's Ray worker id: the `WorkerId` label of its series on the metrics
+        endpoint."""
+        snap = await super().status()
+        engines = await asyncio.gather(*(self.drivers[d["device"]].device.describe() for d in snap["devices"]))
+        for device, engine in zip(snap["devices"], engines):
+            device["engine"] = engine
+        return snap | {"worker_id": ray.get_runtime_context().get_worker_id(),
+                       "engine": engines[0] if engines else {}}
 
     async def ping(self) -> str:
         return "ok"
 
     async def chat_model(self) -> str:
         """The active chat model: what every client means by `model_id=None`."""
+        self._keep_running()
         return self.config.chat_model
+
+    # -- the pool follows the cluster ---------------------------------------------------------
+    def _keep_running(self) -> None:
+        super()._keep_running()
+        if self._watcher is None or self._watcher.done():
+            self._watcher = asyncio.get_running_loop().create_task(self._watch())
+
+    async def _watch(self) -> None:
+        while True:
+            await asyncio.sleep(WATCH_PERIOD_S)
+            try:
+                await self.watch_pool()
+            except Exception:  # a GCS hiccup: look again next period
+                log.exception("watching the cluster's devices failed")
+
+    async def watch_pool(self) -> dict:
+        """One look at the cluster (`placement.reconcile`): a device whose actor is gone for
+        good and that runs nothing leaves the pool (a busy one leaves through its job's fault
+        path, which re-queues the job); declared capacity without a device gets a ModelActor
+        as soon as its seat is free, or the one that already holds the name (made before this
+        scheduler restarted). Returns what changed."""
+        resources = await asyncio.to_thread(ray.cluster_resources)
+        present = list(self.drivers)
+        gone = await asyncio.gather(*(self.drivers[d].gone() for d in present))
+        change = placement.reconcile(resources, self._fleet.embedder_gpus, present,
+                                     [d for d, lost in zip(present, gone) if lost])
+        busy = self.policy.running_jobs
+        removed = [d for d in change.remove if d not in busy]
+        for device in removed:
+            self.remove_device(device, "its model actor is gone")
+        added = []
+        if change.add:
+            available = dict(await asyncio.to_thread(ray.available_resources))
+            seat = self._fleet.seat(resources)
+            for device in (d for d in change.add if d not in self.drivers):  # a busy gone one stays, for now
+                model = RayDevice(model_actor_name(device))
+                if not await model.alive():
+                    try:
+                        placement.check_free(model_actor_name(device), seat, available)
+                    except UniunError:  # its seat is not free (yet): look again next period
+                        continue
+                    for resource, amount in seat.needs.items():
+                        available[resource] -= amount
+                    self._fleet.create(device, resources)
+                self.add_device(device, model)
+                added.append(device)
+        return {"added": added, "removed": removed}
 
 
 def model_actor_options(name: str, seat: Seat) -> dict:

@@ -86,12 +86,15 @@ class HeadState:
         return found
 
 
-def stand_in_resources(gpus: int) -> dict:
-    """The custom resources a node declares for what it lacks, mirroring `placement`: the model
-    takes a GPU, else `uniun_device`; the embedder a second GPU, else `uniun_embedder`."""
+def stand_in_resources(gpus: int, devices: int = 1) -> dict:
+    """The custom resources a node declares for what it lacks, mirroring `placement`: the models
+    take GPUs, else `devices` stand-in devices (`uniun_device`, one ModelActor each); the
+    embedder a second GPU, else `uniun_embedder`."""
+    if isinstance(devices, bool) or not isinstance(devices, int) or devices < 1:
+        raise ValueError(f"devices must be an int >= 1, got {devices!r}")
     resources = {}
     if gpus < 1:
-        resources[DEVICE_RESOURCE] = 1
+        resources[DEVICE_RESOURCE] = devices
     if gpus < 2:
         resources[EMBEDDER_RESOURCE] = 1
     return resources
@@ -127,10 +130,11 @@ def _group(pgid: int) -> list[psutil.Process]:
 
 
 def start_head(*, port: int, dashboard_host: str, dashboard_port: int, auth_mode: str,
-               temp_dir: str | None = None, extra: list[str] = ()) -> HeadState:
+               temp_dir: str | None = None, devices: int = 1, extra: list[str] = ()) -> HeadState:
     """Run `ray start --head` in a new process group with RAY_AUTH_MODE set explicitly,
-    declaring the stand-in resources this machine needs. Returns the (unsaved) state."""
-    resources = stand_in_resources(gpu_count())
+    declaring the stand-in resources this machine needs (`devices` stand-in devices when it
+    has no GPU). Returns the (unsaved) state."""
+    resources = stand_in_resources(gpu_count(), devices)
     command = [_ray_executable(), "start", "--head", f"--port={port}", f"--dashboard-host={dashboard_host}",
                f"--dashboard-port={dashboard_port}", f"--resources={json.dumps(resources)}",
                *([f"--temp-dir={temp_dir}"] if temp_dir else []), *extra]

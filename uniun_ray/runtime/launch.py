@@ -1,4 +1,5 @@
-"""Joining or starting Ray, and getting or creating the three actors.
+"""Joining or starting Ray, and getting or creating the actors: the scheduler, one
+ModelActor per device of the pool, the embedder.
 
 Everything is idempotent: actors are named and created with `get_if_exists`, so any
 number of scripts, producers and CLI calls can `start()` at once and share one scheduler.
@@ -9,20 +10,20 @@ import os
 import socket
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import ray
 
 from . import placement
-from .actors import RemoteEmbedder, RemoteModel, RemoteScheduler, embedder_options, model_actor_options, scheduler_options
-from .placement import DEVICE_RESOURCE, EMBEDDER_RESOURCE
+from .actors import ModelFleet, RemoteEmbedder, RemoteScheduler, embedder_options, scheduler_options
+from .head import stand_in_resources
 from .protocol import EMBEDDER_NAME, NAMESPACE, SCHEDULER_NAME, UniunError, model_actor_name
 from .service import RuntimeConfig
 from ..models.registry import DEFAULT_CHAT_MODEL, resolve
 from ..models.settings import EngineSettings
 
-#: Resources a local cluster declares for the stand-in devices of a CPU-only machine.
-LOCAL_RESOURCES = {DEVICE_RESOURCE: 1, EMBEDDER_RESOURCE: 1}
+#: Resources a local cluster declares for one stand-in device of a CPU-only machine.
+LOCAL_RESOURCES = stand_in_resources(0)
 
 
 def ensure_auth_mode() -> str:
@@ -85,16 +86,16 @@ def connect(address: str | None = None, namespace: str = NAMESPACE, **init_kwarg
         init_local(namespace, **init_kwargs)
 
 
-def init_local(namespace: str = NAMESPACE, *, dashboard: bool = False, **init_kwargs):
-    """Start a private local Ray with the stand-in device resources: never a running
-    cluster (address="local"), no dashboard unless asked (then on 127.0.0.1), the driver not
-    flooded with workers' logs. The one place a local cluster is made: `connect`, the demo,
-    the replay, the benchmarks and the tests all come here. Returns Ray's context."""
+def init_local(namespace: str = NAMESPACE, *, dashboard: bool = False, devices: int = 1, **init_kwargs):
+    """Start a private local Ray with the stand-in resources of `devices` devices: never a
+    running cluster (address="local"), no dashboard unless asked (then on 127.0.0.1), the
+    driver not flooded with workers' logs. The one place a local cluster is made: `connect`,
+    the demo, the replay, the benchmarks and the tests all come here. Returns Ray's context."""
     ensure_auth_mode()
     init_kwargs.setdefault("log_to_driver", False)
     if dashboard:
         init_kwargs.setdefault("dashboard_host", "127.0.0.1")
-    return ray.init(address="local", namespace=namespace, resources=LOCAL_RESOURCES,
+    return ray.init(address="local", namespace=namespace, resources=stand_in_resources(0, devices),
                     include_dashboard=dashboard, **init_kwargs)
 
 
@@ -112,9 +113,17 @@ def local_cluster(namespace: str = NAMESPACE, **options):
 @dataclass(frozen=True)
 class Handles:
     scheduler: object
-    model: object
+    model: object       # the first device's ModelActor (requests are checked there)
     embedder: object
     chat_model: str     # the scheduler's setting, asked once per session
+    models: dict = field(default_factory=dict, compare=False)   # device -> its ModelActor, as met
+
+    def model_of(self, device: str):
+        """The ModelActor of `device` (a lease's `device`), looked up by name once."""
+        handle = self.models.get(device)
+        if handle is None:
+            handle = self.models[device] = ray.get_actor(model_actor_name(device), namespace=NAMESPACE)
+        return handle
 
 
 def chat_model_setting(config: RuntimeConfig | None) -> RuntimeConfig:
@@ -127,29 +136,32 @@ def chat_model_setting(config: RuntimeConfig | None) -> RuntimeConfig:
 
 
 def device_name() -> str:
+    """The name of the first device of this cluster's pool (`cpu0` or `gpu0`)."""
     return placement.device_name(ray.cluster_resources())
 
 
 def start(config: RuntimeConfig | None = None) -> Handles:
-    """Get or create the scheduler, the model actor and the embedder. `config` only
-    applies when the scheduler is created here (a running one keeps its own). Placement
-    follows what the cluster declares (`placement`); an actor whose seat is taken is refused
-    at once, naming the resource, rather than left waiting for ever."""
+    """Get or create the scheduler, a model actor per device the cluster declares, and the
+    embedder. `config` only applies when the scheduler is created here (a running one keeps
+    its own, and its pool). Placement follows what the cluster declares (`placement`); an
+    actor whose seat is taken is refused at once, naming the resource, rather than left
+    waiting for ever."""
     settings = EngineSettings.from_env()   # bad UNIUN_* settings fail here, clearly, before any actor
     config = chat_model_setting(config)
-    forced, concurrency = placement.torch_device(), placement.embed_concurrency()
+    forced, concurrency, embedder_on_cpu = placement.torch_device(), placement.embed_concurrency(), \
+        placement.embedder_on_cpu()
     connect()
     resources = ray.cluster_resources()
-    model_name = model_actor_name(placement.device_name(resources))
-    model_seat = placement.model_seat(resources, forced)
-    embedder_seat = placement.embedder_seat(resources, forced)
-    _check_seats([(model_name, model_seat), (EMBEDDER_NAME, embedder_seat)])
-    model = RemoteModel.options(**model_actor_options(model_name, model_seat)).remote(
-        device=model_seat.torch_device, settings=settings)
+    embedder_seat = placement.embedder_seat(resources, forced, embedder_on_cpu)
+    fleet = ModelFleet(settings, forced, int(embedder_seat.needs.get("GPU", 0)))
+    devices = placement.device_names(resources, fleet.embedder_gpus)
+    _check_seats([(model_actor_name(d), fleet.seat(resources)) for d in devices] + [(EMBEDDER_NAME, embedder_seat)])
+    models = {d: fleet.create(d, resources) for d in devices}
     embedder = RemoteEmbedder.options(**embedder_options(EMBEDDER_NAME, embedder_seat, concurrency)).remote(
         device=embedder_seat.torch_device)
-    scheduler = RemoteScheduler.options(**scheduler_options(SCHEDULER_NAME)).remote(model_name, config)
-    return _remember(Handles(scheduler, model, embedder, ray.get(scheduler.chat_model.remote())))
+    scheduler = RemoteScheduler.options(**scheduler_options(SCHEDULER_NAME)).remote(devices, fleet, config)
+    return _remember(Handles(scheduler, models[devices[0]], embedder, ray.get(scheduler.chat_model.remote()),
+                             models))
 
 
 def _check_seats(seats: list[tuple[str, "placement.Seat"]], grace_s: float = 3.0) -> None:

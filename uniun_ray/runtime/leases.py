@@ -34,6 +34,7 @@ class Tracked:
     granted_at: float = 0.0
     first_token_seen: bool = False
     device_faults: int = 0
+    device: str | None = None        # the device of its latest dispatch
     session: str | None = None       # the caller's session: its heartbeats keep the job alive
 
 

@@ -1,5 +1,7 @@
 """Ray metrics for the dashboard and Prometheus, all named `uniun_*` (Ray exports them as
 `ray_uniun_*` on each node's metrics port; `observability/grafana_uniun.json` charts them).
+What happens on a device of the pool (dispatches, swaps, revokes, what it holds and runs)
+carries a `device` tag (SPEC §5).
 
 Why fed from the event log: the scheduler already writes every decision as an event, so
 counters and histograms are derived from exactly what `explain` and the timeline read, and
@@ -40,27 +42,28 @@ class SchedulerMetrics:
         self._refreshed = float("-inf")
         self._queued_since: dict[str, float] = {}  # job -> queued since (submit, or a re-queue)
         self._submitted: dict[str, float] = {}     # job -> submit time, until it ends
-        self._models: set[str] = set()
-        kind, model, tier = ("kind",), ("model",), ("tier",)
+        self._loaded: set[tuple[str, str]] = set()   # (model, device) ever seen loaded
+        self._devices: set[str] = set()
+        kind, model, tier, device = ("kind",), ("model",), ("tier",), ("device",)
         self.submits = Counter("uniun_submits_total", "Jobs submitted", kind)
-        self.dispatches = Counter("uniun_dispatches_total", "Jobs given the device (tier at dispatch)",
-                                  kind + tier + model)
+        self.dispatches = Counter("uniun_dispatches_total", "Jobs given a device (tier at dispatch)",
+                                  kind + tier + model + device)
         self.revokes = Counter("uniun_revokes_total", "Running jobs revoked, by what caused it",
-                               kind + ("cause",))
-        self.swaps = Counter("uniun_swaps_total", "Model loads (swaps), by the model loaded", model)
+                               kind + ("cause",) + device)
+        self.swaps = Counter("uniun_swaps_total", "Model loads (swaps), by the model loaded", model + device)
         self.reclaims = Counter("uniun_reclaims_total", "Leases taken back from a holder that stopped renewing", kind)
         self.drops = Counter("uniun_drops_total", "Queued jobs ended without running (cancelled, caller gone)", kind)
         self.finishes = Counter("uniun_finishes_total", "Runs ended, by outcome", kind + ("outcome",))
         self.wait = Histogram("uniun_wait_seconds", "Queued time before a dispatch: from submit, or from a "
                               "revoked run's end, to the dispatch (tier at dispatch)", WAIT_BUCKETS, kind + tier)
         self.ttft = Histogram("uniun_ttft_seconds", "Submit to first token", WAIT_BUCKETS, kind + model)
-        self.swap_s = Histogram("uniun_swap_seconds", "Model load time", SWAP_BUCKETS, model)
+        self.swap_s = Histogram("uniun_swap_seconds", "Model load time", SWAP_BUCKETS, model + device)
         self.depth = Gauge("uniun_queue_depth", "Jobs queued, by their current tier", tier)
         self.oldest = Gauge("uniun_queue_oldest_wait_seconds", "Longest wait among a tier's queued jobs", tier)
-        self.running = Gauge("uniun_running", "1 for the kind of the job holding the device", kind)
-        self.running_tier = Gauge("uniun_running_tier", "Tier of the job holding the device (-1: idle)")
-        self.held = Gauge("uniun_running_held_seconds", "How long the running job has held the device")
-        self.loaded = Gauge("uniun_loaded_model", "1 for the model resident on the device", model)
+        self.running = Gauge("uniun_running", "1 for the kind of the job holding the device", kind + device)
+        self.running_tier = Gauge("uniun_running_tier", "Tier of the job holding the device (-1: idle)", device)
+        self.held = Gauge("uniun_running_held_seconds", "How long the running job has held the device", device)
+        self.loaded = Gauge("uniun_loaded_model", "1 for the model resident on the device", model + device)
         self.foreground = Gauge("uniun_foreground", "1 for the kind in front (T1)", kind)
         self.vruntime = Gauge("uniun_vruntime", "Fair-pool vruntime per flow (level: kind or producer)",
                               ("level", "flow"))
@@ -76,17 +79,20 @@ class SchedulerMetrics:
             self._queued_since[job] = t
         elif ev == "dispatch":
             tier = f"T{event['tier']}"
-            self.dispatches.inc(tags={"kind": event["kind"], "tier": tier, "model": event["model"]})
+            self.dispatches.inc(tags={"kind": event["kind"], "tier": tier, "model": event["model"],
+                                      "device": _device(event)})
             since = self._queued_since.pop(job, None)
             if since is not None:
                 self.wait.observe(t - since, tags={"kind": event["kind"], "tier": tier})
         elif ev == "swap_end":
-            self.swaps.inc(tags={"model": event["model"]})
-            self.swap_s.observe(event["seconds"], tags={"model": event["model"]})
+            tags = {"model": event["model"], "device": _device(event)}
+            self.swaps.inc(tags=tags)
+            self.swap_s.observe(event["seconds"], tags=tags)
         elif ev == "first_token" and job in self._submitted:
             self.ttft.observe(t - self._submitted[job], tags={"kind": event["kind"], "model": event["model"]})
         elif ev == "revoke":
-            self.revokes.inc(tags={"kind": event["kind"], "cause": event.get("cause", "unknown")})
+            self.revokes.inc(tags={"kind": event["kind"], "cause": event.get("cause", "unknown"),
+                                   "device": _device(event)})
         elif ev == "reclaim":
             self.reclaims.inc(tags={"kind": event["kind"]})
         elif ev == "drop":
@@ -117,18 +123,22 @@ class SchedulerMetrics:
             present.update(job["id"] for job in queued)
             self.depth.set(len(queued), tags={"tier": tier})
             self.oldest.set(max((job["waited_s"] for job in queued), default=0.0), tags={"tier": tier})
-        running = snap["running"]
-        if running:
-            present.add(running["id"])
         for kind in KINDS:
-            self.running.set(int(bool(running) and running["kind"] == kind), tags={"kind": kind})
             self.foreground.set(int(snap["foreground"]["kind"] == kind), tags={"kind": kind})
-        self.running_tier.set(int(running["tier"][1:]) if running else -1)
-        self.held.set(running["held_s"] if running else 0.0)
-        if snap["loaded_model"]:
-            self._models.add(snap["loaded_model"])
-        for model in self._models:
-            self.loaded.set(int(model == snap["loaded_model"]), tags={"model": model})
+        loaded = {(d["loaded_model"], d["device"]) for d in snap["devices"] if d["loaded_model"]}
+        self._loaded |= loaded
+        for model, device in self._loaded:   # a model swapped out (or a device gone) reads 0
+            self.loaded.set(int((model, device) in loaded), tags={"model": model, "device": device})
+        running = {d["device"]: d["running"] for d in snap["devices"]}
+        self._devices |= set(running)
+        for device in self._devices:
+            job = running.get(device)
+            if job:
+                present.add(job["id"])
+            for kind in KINDS:
+                self.running.set(int(bool(job) and job["kind"] == kind), tags={"kind": kind, "device": device})
+            self.running_tier.set(int(job["tier"][1:]) if job else -1, tags={"device": device})
+            self.held.set(job["held_s"] if job else 0.0, tags={"device": device})
         for kind, value in snap["vruntime"]["kinds"].items():
             self.vruntime.set(value, tags={"level": "kind", "flow": kind})
         for flows in snap["vruntime"]["producers"].values():
@@ -139,6 +149,11 @@ class SchedulerMetrics:
         # a revoked job that was not re-queued (cancelled while running) ended unseen here
         for job in set(self._submitted) - present:
             self._forget(job)
+
+
+def _device(event: dict) -> str:
+    """A run's device; a log of one device may name none (events.schema)."""
+    return event.get("device", "dev0")
 
 
 class ModelMetrics:

@@ -1,26 +1,32 @@
-"""Where the ModelActor and the EmbeddingActor go, decided from what the cluster declares.
+"""Where the ModelActors and the EmbeddingActor go, decided from what the cluster declares.
 
 A plain `ray start --head` must work as it is (SPEC §3), so placement never asks for a resource
 the cluster does not have:
 
-| cluster declares                      | ModelActor                 | EmbeddingActor                 |
-|---------------------------------------|----------------------------|--------------------------------|
-| no GPU (a plain `ray start --head`)   | CPU                        | CPU                            |
-| `uniun_device` / `uniun_embedder`     | pinned by those resources  | pinned by those resources      |
-| one GPU                               | the GPU                    | CPU (its resource if declared) |
-| two or more GPUs                      | a GPU                      | a GPU of its own               |
+| cluster declares                      | ModelActors (the pool, §5)       | EmbeddingActor                 |
+|---------------------------------------|----------------------------------|--------------------------------|
+| no GPU (a plain `ray start --head`)   | one, `cpu0`, on the CPU          | CPU                            |
+| `uniun_device: N` / `uniun_embedder`  | N, `cpu0`..: one `uniun_device` each | pinned by `uniun_embedder` |
+| one GPU                               | one, `gpu0`                      | CPU (its resource if declared) |
+| G >= 2 GPUs                           | G - 1, `gpu0`..: a GPU each      | a GPU of its own               |
+
+The pool follows the cluster: `reconcile` says which devices to add as capacity is declared
+(a node joins) and which to remove when their actor is gone for good; the scheduler applies it
+every few seconds. Device names count GPUs (or stand-ins) cluster-wide, not per node.
 
 A resource the cluster has but that is all taken (another job holds the GPU) is refused at once
 with its name and the command that adds one, instead of an actor that waits for ever.
 
-`UNIUN_TORCH_DEVICE=cpu` keeps torch on the CPU inside actors Ray gave a GPU: GPUs declared
+`UNIUN_EMBEDDER_DEVICE=cpu` keeps the embedder on the CPU with two or more GPUs, so that every
+GPU serves models (SPEC §5). `UNIUN_TORCH_DEVICE=cpu` keeps torch on the CPU inside actors Ray gave a GPU: GPUs declared
 Ray-side (`ray start --num-gpus=1` on a CPU machine) exercise every GPU placement path in CI.
 """
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import Mapping
+from itertools import count
+from typing import Iterable, Mapping
 
 from .protocol import UniunError
 
@@ -28,6 +34,7 @@ DEVICE_RESOURCE = "uniun_device"
 EMBEDDER_RESOURCE = "uniun_embedder"
 TORCH_DEVICE_ENV = "UNIUN_TORCH_DEVICE"
 EMBED_CONCURRENCY_ENV = "UNIUN_EMBED_CONCURRENCY"
+EMBEDDER_DEVICE_ENV = "UNIUN_EMBEDDER_DEVICE"
 #: The notes' Semaphore(2): two embeds at once keep the pipeline busy without flooding the device.
 DEFAULT_EMBED_CONCURRENCY = 2
 
@@ -55,6 +62,15 @@ def torch_device(environ: Mapping[str, str] = os.environ) -> str | None:
     return forced or None
 
 
+def embedder_on_cpu(environ: Mapping[str, str] = os.environ) -> bool:
+    """Whether the embedder is kept off the GPUs ("cpu"), rather than taking one of its own
+    where there are two or more ("gpu", the default)."""
+    chosen = environ.get(EMBEDDER_DEVICE_ENV, "").strip() or "gpu"
+    if chosen not in ("cpu", "gpu"):
+        raise ValueError(f"{EMBEDDER_DEVICE_ENV}={chosen!r}: use 'cpu' or 'gpu' (or leave it unset)")
+    return chosen == "cpu"
+
+
 def embed_concurrency(environ: Mapping[str, str] = os.environ) -> int:
     raw = environ.get(EMBED_CONCURRENCY_ENV, "").strip()
     if not raw:
@@ -72,9 +88,9 @@ def model_seat(resources: Mapping[str, float], forced: str | None = None) -> Sea
     return Seat({}, "cpu")
 
 
-def embedder_seat(resources: Mapping[str, float], forced: str | None = None) -> Seat:
-    """Ray shows an actor only the GPU it was given, as cuda:0."""
-    if resources.get("GPU", 0) >= 2:
+def embedder_seat(resources: Mapping[str, float], forced: str | None = None, on_cpu: bool = False) -> Seat:
+    """Ray shows an actor only the GPU it was given, as cuda:0. `on_cpu`: never a GPU."""
+    if resources.get("GPU", 0) >= 2 and not on_cpu:
         return Seat({"num_gpus": 1}, forced or "cuda")
     if resources.get(EMBEDDER_RESOURCE, 0) >= 1:
         return Seat({"resources": {EMBEDDER_RESOURCE: 1}}, "cpu")
@@ -82,7 +98,45 @@ def embedder_seat(resources: Mapping[str, float], forced: str | None = None) -> 
 
 
 def device_name(resources: Mapping[str, float]) -> str:
+    """The first device's name: the one every pool on this cluster starts with."""
     return "gpu0" if resources.get("GPU", 0) >= 1 else "cpu0"
+
+
+def device_capacity(resources: Mapping[str, float], embedder_gpus: int = 0) -> tuple[str, int]:
+    """The devices the cluster declares for models: their kind ("gpu" or "cpu", the prefix of
+    their names) and how many. `embedder_gpus`: the GPUs the embedder took (not devices).
+    A cluster without GPUs or stand-ins runs one device on the CPU."""
+    gpus = int(resources.get("GPU", 0))
+    if gpus >= 1:
+        return "gpu", max(gpus - embedder_gpus, 0)
+    return "cpu", max(int(resources.get(DEVICE_RESOURCE, 0)), 1)
+
+
+def device_names(resources: Mapping[str, float], embedder_gpus: int = 0) -> list[str]:
+    """The pool a new scheduler starts with: `gpu0`, `gpu1`, ... or `cpu0`, `cpu1`, ..."""
+    kind, n = device_capacity(resources, embedder_gpus)
+    return [f"{kind}{i}" for i in range(n)]
+
+
+@dataclass(frozen=True)
+class PoolChange:
+    add: tuple[str, ...] = ()
+    remove: tuple[str, ...] = ()
+
+
+def reconcile(resources: Mapping[str, float], embedder_gpus: int, present: Iterable[str],
+              gone: Iterable[str]) -> PoolChange:
+    """The pool against the cluster: remove the devices whose actor is `gone` for good; add
+    devices, under the lowest free names, until the live ones match the declared capacity (a
+    node joined, or a gone device's seat is free again). A live device is never removed for
+    capacity: which one a node took with it shows only as its actor dying."""
+    present, gone = list(present), set(gone)
+    kind, n = device_capacity(resources, embedder_gpus)
+    alive = {d for d in present if d not in gone}
+    missing = n - sum(1 for d in alive if d.startswith(kind))
+    fresh = (f"{kind}{i}" for i in count() if f"{kind}{i}" not in alive)
+    return PoolChange(tuple(next(fresh) for _ in range(max(missing, 0))),
+                      tuple(d for d in present if d in gone))
 
 
 def check_free(actor: str, seat: Seat, available: Mapping[str, float]) -> None:

@@ -59,6 +59,12 @@ class DeviceLost(UniunError):
     reloads its model before the next grant."""
 
 
+class DeviceGone(DeviceLost):
+    """The ModelActor is gone for good (killed without restart, or its node left the
+    cluster): the scheduler removes its device from the pool and the job runs on another
+    (R20)."""
+
+
 class SchedulerUnavailable(UniunError):
     """The scheduler died and did not come back in time; the job was not completed and is
     not queued anywhere: retry it once the runtime is up again (`uniun-ray up`)."""
@@ -83,8 +89,9 @@ def new_job(kind, model_id: str, *, producer=None, deadline=None, foreground_hin
 
 @dataclass(frozen=True)
 class Lease:
-    """The right to use the device for one job. `epoch` fences it: the ModelActor only
-    serves the newest epoch it was told about, and never one that was revoked."""
+    """The right to use one device of the pool for one job: the ModelActor named
+    `model_actor_name(device)`. `epoch` fences it: that ModelActor only serves the newest
+    epoch it was told about, and never one that was revoked."""
 
     job_id: str
     epoch: int
@@ -93,3 +100,4 @@ class Lease:
     swap_s: float = 0.0
     renew_every_s: float = 10.0
     tier: int | None = None         # the tier the policy dispatched the job at (Dispatch.tier)
+    device: str = "dev0"            # the device it holds (Dispatch.device)

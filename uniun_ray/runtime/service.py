@@ -1,14 +1,15 @@
 """The scheduler's imperative shell: the policy fed with real time, its actions executed
 against the device, and the lease protocol that producers speak.
 
-`SchedulerService` knows nothing of Ray: the device is any object with async `load`,
+`SchedulerService` knows nothing of Ray: a device is any object with async `load`,
 `grant` and `revoke` (the Ray actor passes a handle wrapper; tests pass a fake), so the
 whole protocol — grants, fencing, revoke during a load, reclaiming a dead holder's lease,
-dropping a dead waiter — is testable without a cluster. It is three parts and the glue
-between them and the policy:
+dropping a dead waiter, a device leaving the pool — is testable without a cluster. It
+drives a pool of named devices (SPEC §5), each dispatch on the device the policy chose.
+It is three parts and the glue between them and the policy:
 
 - `leases.LeaseTable`: every job from submit to end, its lease, the callers' sessions;
-- `driver.DeviceDriver`: the device's model, swap times and lease epochs (fencing);
+- `driver.DeviceDriver`, one per device: its model, swap times and lease epochs (fencing);
 - `reaper.Reaper`: the policy's timers, and the reaper of callers that went quiet.
 
 The service applies the policy's actions as they are: a `Dispatch` carries its tier, a
@@ -22,13 +23,14 @@ import math
 import os
 import time
 from dataclasses import dataclass, field
+from typing import Mapping
 
 from ..models.registry import DEFAULT_CHAT_MODEL
 from ..policy import Dispatch, Job, Outcome, PolicyConfig, Requeued, Revoke, RevokeCause, SchedulerPolicy
-from .driver import Device, DeviceDriver
+from .driver import Device, DeviceDriver, EpochClock
 from .eventlog import EventLog
 from .leases import LeaseTable, Tracked
-from .protocol import DeviceLost, JobDropped, Lease, Preempted
+from .protocol import DeviceGone, DeviceLost, JobDropped, Lease, Preempted
 from .reaper import Reaper
 
 __all__ = ["Device", "RuntimeConfig", "SchedulerService"]
@@ -40,6 +42,8 @@ MAX_DEVICE_FAULTS = 3
 _REASONS = {RevokeCause.ARRIVAL: "arrival of an outranking job", RevokeCause.FOREGROUND: "foreground change",
             RevokeCause.DEADLINE: "deadline passed", RevokeCause.AFFINITY: "an outranking job's affinity wait ended",
             RevokeCause.CANCEL: "cancelled", RevokeCause.RECLAIM: "lease reclaimed"}
+#: The name of the device of a service given one device, not a pool (the policy's default).
+LONE_DEVICE = "dev0"
 #: The longest a `grant` long-poll waits when its caller's session heartbeats (see `heartbeat`).
 SESSION_POLL_S = 60.0
 
@@ -76,11 +80,16 @@ class RuntimeConfig:
 
 
 class SchedulerService:
-    def __init__(self, device: Device, config: RuntimeConfig | None = None, metrics=None) -> None:
+    def __init__(self, devices: Device | Mapping[str, Device], config: RuntimeConfig | None = None,
+                 metrics=None) -> None:
+        """`devices`: the pool, device name -> device (in the order ties go by), or one
+        device, then named LONE_DEVICE."""
+        named = dict(devices) if isinstance(devices, Mapping) else {LONE_DEVICE: devices}
         self.config = config or RuntimeConfig()
-        self.policy = SchedulerPolicy(self.config.policy)
+        self.policy = SchedulerPolicy(self.config.policy, devices=tuple(named))
         self.leases = LeaseTable(self.config.max_queued)
-        self.driver = DeviceDriver(device)
+        self._epochs = EpochClock()   # one for the pool: a lease's (job, epoch) names one grant
+        self.drivers = {name: DeviceDriver(device, self._epochs) for name, device in named.items()}
         self.reaper = Reaper(self.config.reap_period_s, self.policy.next_wakeup, self._tick,
                              lambda mono: self.leases.idle(mono, self.config.waiter_timeout_s,
                                                            self.config.lease_timeout_s),
@@ -95,7 +104,7 @@ class SchedulerService:
     # -- the producer-facing protocol ---------------------------------------------------
     async def submit(self, job: Job) -> str:
         """Queue a job; returns its id at once. A bad job raises before anything is queued."""
-        self.reaper.ensure_running()
+        self._keep_running()
         if not isinstance(job, Job):
             raise ValueError(f"submit takes a Job (uniun_ray.policy.Job), got {type(job).__name__}")
         self.leases.check_room(job)
@@ -112,7 +121,7 @@ class SchedulerService:
         waiter timeout. With a session that heartbeats (`heartbeat`), the session proves it
         and a poll may wait up to SESSION_POLL_S: 10,000 waiters then cost the scheduler
         a few calls a second instead of thousands."""
-        self.reaper.ensure_running()
+        self._keep_running()
         tracked = self.leases.get(job_id)
         self.leases.seen(tracked, session)
         cap = SESSION_POLL_S if session is not None else self.config.waiter_timeout_s / 3
@@ -146,7 +155,7 @@ class SchedulerService:
         tracked = self.leases.holder(job_id, epoch)
         if not tracked.first_token_seen:
             tracked.first_token_seen = True
-            self._emit("first_token", tracked.job)
+            self._emit_run("first_token", tracked)
 
     async def release(self, job_id: str, epoch: int, outcome: str) -> bool:
         """End a lease. Returns True when the job was re-queued (a revoked background job:
@@ -159,10 +168,29 @@ class SchedulerService:
 
     async def device_lost(self, job_id: str, epoch: int, reason: str = "the model actor died") -> bool:
         """The holder's model call died with the ModelActor (killed, crashed, restarted). The
-        device no longer holds a known model, so the next dispatch reloads it; the job is
-        re-queued (a generation resumes from the tokens its client kept). Returns True when
-        re-queued (poll `grant` again); False when it failed (too many device faults)."""
-        return self._lose_device(self.leases.holder(job_id, epoch), f"device lost: {reason}")
+        job is re-queued (a generation resumes from the tokens its client kept). A device
+        gone for good leaves the pool (R20); one that restarted holds no known model, so the
+        next dispatch there reloads it. Returns True when re-queued (poll `grant` again);
+        False when it failed (too many device faults)."""
+        device = self.leases.holder(job_id, epoch).device
+        gone = await self.drivers[device].gone()
+        tracked = self.leases.holder(job_id, epoch)   # still held after the probe?
+        if gone:
+            return self._remove_device(device, f"device lost: {reason}")
+        return self._lose_device(tracked, device, f"device lost: {reason}")
+
+    def add_device(self, name: str, device: Device) -> None:
+        """A device joined the pool (R20): it starts empty and takes waiting work at once."""
+        actions = self.policy.add_device(name, self._now())   # refuses a name in the pool
+        self.drivers[name] = DeviceDriver(device, self._epochs)
+        self._emit("device", None, device=name, change="added")
+        self._apply(actions)
+
+    def remove_device(self, name: str, reason: str) -> None:
+        """A device that runs nothing left the pool for good (R20). A busy one leaves through
+        its job's own path (`device_lost`, or its load failing), which re-queues the job: its
+        holder is told so."""
+        self._remove_device(name, reason)
 
     async def cancel(self, job_id: str) -> None:
         """The caller withdraws its job, queued or running."""
@@ -178,9 +206,11 @@ class SchedulerService:
         self._apply(actions, (RevokeCause.FOREGROUND, f"foreground set to {kind}" + (f" ({subject})" if subject else "")))
 
     async def status(self) -> dict:
+        """The policy's snapshot (`devices`: each device's model and running job), the
+        measured swap times (the latest of any device) and the leases."""
         self._tick()  # so held and waited times are current
         snap = self.policy.snapshot()
-        snap["swap_s"] = dict(self.driver.swap_s)
+        snap["swap_s"] = {model: s for driver in self.drivers.values() for model, s in driver.swap_s.items()}
         snap["event_log"] = str(self.events.path)
         snap["chat_model"] = self.config.chat_model
         snap["leases"] = self.leases.snapshot()
@@ -195,33 +225,38 @@ class SchedulerService:
                 continue  # read by `_finish`, which made the call
             tracked = self.leases.jobs[action.job_id]
             if isinstance(action, Dispatch):
-                tracked.state = "loading"
-                self._emit("dispatch", tracked.job, swap=action.swap, tier=int(action.tier))
+                tracked.state, tracked.device = "loading", action.device
+                self._emit_run("dispatch", tracked, swap=action.swap, tier=int(action.tier))
                 self._spawn(self._prepare(tracked, action))
             elif isinstance(action, Revoke):
                 tracked.revoke_requested = True
                 worded = context[1] if context is not None and context[0] is action.cause else None
-                self._emit("revoke", tracked.job, cause=action.cause.value,
-                           reason=tracked.drop_reason or worded or _REASONS[action.cause])
+                self._emit_run("revoke", tracked, cause=action.cause.value,
+                               reason=tracked.drop_reason or worded or _REASONS[action.cause])
                 if tracked.lease is not None:
-                    self._spawn(self.driver.revoke(tracked.lease.epoch))
+                    self._spawn(self.drivers[tracked.device].revoke(tracked.lease.epoch))
 
     async def _prepare(self, tracked: Tracked, dispatch: Dispatch) -> None:
         """Load the model if asked, fence a new epoch at the device, then hand out the lease,
         unless the job was revoked meanwhile: then it ends its turn without ever running."""
+        device = dispatch.device
+        driver = self.drivers[device]
         try:
             swap_s = 0.0
             if dispatch.swap:
-                self._emit("swap_start", tracked.job, **{"from": self.driver.model})
-                swap_s = await self.driver.load(dispatch.model_id)
-                self._emit("swap_end", tracked.job, seconds=swap_s)
-            epoch = await self.driver.fence()
+                self._emit_run("swap_start", tracked, **{"from": driver.model})
+                swap_s = await driver.load(dispatch.model_id)
+                self._emit_run("swap_end", tracked, seconds=swap_s)
+            epoch = await driver.fence()
+        except DeviceGone as error:  # the device left the pool: the job runs on another
+            self._remove_device(device, f"device lost while preparing: {error}")
+            return
         except Exception as error:  # the load failed: the job fails, the device holds nothing known
-            self.driver.lost()
+            driver.lost()
             if isinstance(error, DeviceLost) and not tracked.cancelled:
-                self._lose_device(tracked, f"device lost while preparing: {error}")
+                self._lose_device(tracked, device, f"device lost while preparing: {error}")
                 return
-            self.policy.set_loaded_model(None, self._now())
+            self._apply(self.policy.set_loaded_model(None, self._now(), device=device))
             self._fail(tracked, error)
             return
         if tracked.revoke_requested:
@@ -229,22 +264,44 @@ class SchedulerService:
             return
         self.leases.hand_out(tracked, Lease(tracked.job.id, epoch, dispatch.model_id, tracked.job.kind.value,
                                             swap_s, renew_every_s=self.config.lease_timeout_s / 3,
-                                            tier=int(dispatch.tier)))
+                                            tier=int(dispatch.tier), device=device))
 
-    def _lose_device(self, tracked: Tracked, reason: str) -> bool:
-        """The device died under the dispatched job: forget the loaded model and run the job
-        again. The policy has no "lost" outcome, so the run ends as failed (its held time is
-        charged, R7) and the job is submitted again under its id; the log's finish says
-        `requeued`. Any kind, chat too: a fault is not a preemption."""
+    def _remove_device(self, device: str, reason: str) -> bool:
+        """R20: the device is gone for good. The policy forgets it and puts its job, if any,
+        back at its original place (charged for its held time, R7), unless that job was
+        cancelled. Not a device fault of the job's: the job did nothing wrong. True when a
+        job went back."""
+        if self.drivers.pop(device, None) is None:
+            return False  # already removed (its job's holder and the watcher both saw it go)
+        job = self.policy.running_jobs.get(device)
+        actions = self.policy.remove_device(device, self._now())
+        requeued = job is not None and Requeued(job.id) in actions
+        self._emit("device", None, device=device, change="removed", reason=reason)
+        if job is not None:
+            tracked = self.leases.jobs[job.id]
+            self._emit_run("finish", tracked, outcome="failed", reason=reason, requeued=requeued)
+            if requeued:
+                self.leases.requeue(tracked)
+            else:
+                self.leases.end(tracked, tracked.drop_reason or reason,
+                                JobDropped(f"job {job.id} ended: {tracked.drop_reason or reason}"))
+        self._apply(actions, (RevokeCause.ARRIVAL, f"re-queue of a job after {reason}"))
+        return requeued
+
+    def _lose_device(self, tracked: Tracked, device: str, reason: str) -> bool:
+        """The device died under the dispatched job and came back (restarted): forget its
+        model and run the job again. The policy has no "lost" outcome, so the run ends as
+        failed (its held time is charged, R7) and the job is submitted again under its id;
+        the log's finish says `requeued`. Any kind, chat too: a fault is not a preemption."""
         now = self._now()
-        self.driver.lost()
-        self._apply(self.policy.set_loaded_model(None, now))
+        self.drivers[device].lost()
+        self._apply(self.policy.set_loaded_model(None, now, device=device))
         tracked.device_faults += 1
         if tracked.device_faults > MAX_DEVICE_FAULTS:
             self._fail(tracked, DeviceLost(f"{reason} ({tracked.device_faults} times; giving up)"))
             return False
         actions = self.policy.finish(tracked.job.id, now, Outcome.FAILED)
-        self._emit("finish", tracked.job, outcome="failed", reason=reason, requeued=True)
+        self._emit_run("finish", tracked, outcome="failed", reason=reason, requeued=True)
         actions += self.policy.submit(tracked.job, now)
         self.leases.requeue(tracked)
         self._apply(actions, (RevokeCause.ARRIVAL, f"re-queue of {tracked.job.kind.value} job {tracked.job.id} "
@@ -253,7 +310,7 @@ class SchedulerService:
 
     def _fail(self, tracked: Tracked, error: Exception) -> None:
         actions = self.policy.finish(tracked.job.id, self._now(), Outcome.FAILED)
-        self._emit("finish", tracked.job, outcome="failed", requeued=False,
+        self._emit_run("finish", tracked, outcome="failed", requeued=False,
                    reason=str(error) if isinstance(error, DeviceLost) else f"load failed: {error}")
         self.leases.end(tracked, f"failed: {error}", error)
         self._apply(actions)
@@ -261,7 +318,7 @@ class SchedulerService:
     def _finish(self, tracked: Tracked, outcome: Outcome) -> bool:
         actions = self.policy.finish(tracked.job.id, self._now(), outcome)
         requeued = Requeued(tracked.job.id) in actions  # R6; maybe dispatched again by this very call
-        self._emit("finish", tracked.job, outcome=outcome.value, requeued=requeued)
+        self._emit_run("finish", tracked, outcome=outcome.value, requeued=requeued)
         if requeued:
             self.leases.requeue(tracked)
         elif outcome is Outcome.REVOKED:
@@ -286,7 +343,7 @@ class SchedulerService:
             self.leases.end(tracked, reason, JobDropped(f"job {tracked.job.id} ended: {reason}"))
         elif state == "granted":
             if cause is RevokeCause.RECLAIM:
-                self._emit("reclaim", tracked.job, reason=reason)
+                self._emit_run("reclaim", tracked, reason=reason)
             self._finish(tracked, Outcome.REVOKED)
 
     # -- time ---------------------------------------------------------------------------
@@ -294,6 +351,10 @@ class SchedulerService:
         """Wall-clock epoch seconds (deadlines are time.time()), never going backwards."""
         self._clock = max(self._clock, time.time())
         return self._clock
+
+    def _keep_running(self) -> None:
+        """Start the timers that a call needs running (the reaper; a subclass adds its own)."""
+        self.reaper.ensure_running()
 
     def _tick(self) -> None:
         self._apply(self.policy.tick(self._now()))
@@ -311,6 +372,10 @@ class SchedulerService:
         self.events.write(event)
         if self.metrics is not None:
             self.metrics.write(event)
+
+    def _emit_run(self, ev: str, tracked: Tracked, **fields) -> None:
+        """An event of a job's run: it names the run's device (SPEC §5)."""
+        self._emit(ev, tracked.job, device=tracked.device, **fields)
 
     def _spawn(self, coro) -> None:
         task = asyncio.get_running_loop().create_task(coro)

@@ -1,0 +1,93 @@
+"""The pool of devices (SPEC §5, issue 16) on a real local Ray with two stand-in devices and
+real models: two jobs on two models at once, one revoke when a chat finds both devices busy,
+and a ModelActor killed for good whose job completes on the other device. One private
+cluster in a subprocess (`pool_scenario.py`), shared by the tests of this module: the
+session's cluster declares one device and stays so."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.ray
+
+SCENARIO = Path(__file__).parent / "pool_scenario.py"
+
+
+@pytest.fixture(scope="module")
+def pool_run(tmp_path_factory) -> dict:
+    root = Path(__file__).parent.parent   # this checkout's uniun_ray, whatever is installed
+    environ = os.environ | {"RAY_AUTH_MODE": "disabled", "PYTHONPATH": os.pathsep.join(
+        [str(root), *filter(None, [os.environ.get("PYTHONPATH")])]),
+        "UNIUN_STATE_DIR": str(tmp_path_factory.mktemp("pool-state"))}
+    environ.pop("RAY_ADDRESS", None)
+    done = subprocess.run([sys.executable, str(SCENARIO)], capture_output=True, text=True, timeout=600,
+                          env=environ, cwd=root)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    print(f"pool scenario: actors up in {out['start_s']:.1f}s, then {out['phases_s']}")
+    return out
+
+
+def runs(events: list[dict], job: str) -> list[tuple[float, float, str]]:
+    """(dispatch, finish, device) of each run of `job`."""
+    out, start = [], None
+    for e in events:
+        if e.get("job") != job:
+            continue
+        if e["ev"] == "dispatch":
+            start = e
+        elif e["ev"] == "finish" and start is not None:
+            out.append((start["t"], e["t"], e["device"]))
+            start = None
+    return out
+
+
+def job_of(events: list[dict], kind: str, n: int = 0) -> str:
+    return [e["job"] for e in events if e["ev"] == "submit" and e["kind"] == kind][n]
+
+
+def test_two_jobs_on_two_models_run_at_the_same_time_on_two_devices(pool_run):
+    busy = pool_run["both_busy"]["devices"]
+    assert sorted((d["running"]["kind"], d["loaded_model"]) for d in busy) == \
+        [("gana", "smollm2-135m-instruct"), ("nataraj", "tiny")]
+    assert all(d["engine"].get("model") == d["loaded_model"] for d in busy)   # each device's own engine
+    events = pool_run["events"]
+    (g_start, g_end, g_device), = runs(events, job_of(events, "gana"))
+    n_start, n_end, n_device = runs(events, job_of(events, "nataraj"))[0]
+    assert g_device != n_device and n_start < g_end and g_start < n_end     # the log shows the overlap
+    assert pool_run["gana_device"] == g_device
+    assert pool_run["model_actors"] == ["model:cpu0", "model:cpu1"]
+
+
+def test_a_chat_on_a_busy_pool_revokes_exactly_one_job(pool_run):
+    events = pool_run["events"]
+    chat = job_of(events, "chat")
+    asked = next(e["t"] for e in events if e["ev"] == "submit" and e["job"] == chat)
+    answered = next(e["t"] for e in events if e["ev"] == "finish" and e["job"] == chat)
+    revokes = [e for e in events if e["ev"] == "revoke" and asked <= e["t"] <= answered]
+    card = job_of(events, "nataraj")
+    assert [(e["job"], e["cause"]) for e in revokes] == [(card, "arrival")]  # the one holding tiny (R18)
+    (chat_start, _, chat_device), = runs(events, chat)
+    assert chat_device == revokes[0]["device"]
+    assert pool_run["chat"]["revokes"] == 0 and pool_run["chat"]["tokens"] == 16
+    assert pool_run["card"]["revokes"] == 1 and pool_run["card"]["tokens"] == 1500   # resumed, completed
+
+
+def test_a_model_actor_killed_for_good_requeues_its_job_which_completes_on_the_other_device(pool_run):
+    events, killed = pool_run["events"], pool_run["killed"]
+    second = job_of(events, "nataraj", 1)
+    *_, (_, _, last_device) = runs(events, second)
+    assert runs(events, second)[0][2] == killed and last_device != killed
+    removed = [e for e in events if e["ev"] == "device" and e["change"] == "removed"]
+    assert [e["device"] for e in removed] == [killed]
+    lost = [e for e in events if e["ev"] == "finish" and e["job"] == second and e.get("requeued")]
+    assert lost and lost[0]["device"] == killed
+    assert pool_run["second"]["tokens"] == 1500 and pool_run["second"]["text"]
+    # the seat it freed is still declared: the scheduler made a new ModelActor there
+    assert [e["device"] for e in events if e["ev"] == "device" and e["change"] == "added"] == [killed]
+    assert sorted(d["device"] for d in pool_run["healed"]["devices"]) == ["cpu0", "cpu1"]
