@@ -30,7 +30,7 @@ test-stress: $(STAMP)
 	PYTHON=$(PY) tests/stress.sh
 
 demo: $(STAMP)
-	$(PY) -m uniun_ray.demo
+	$(PY) -m uniun_ray.demo $(DEMO_ARGS)
 
 # On a GPU machine: the GPU-relevant tests and the engine and runtime benchmarks, into gpu-check.md.
 gpu-check: $(STAMP)

@@ -20,7 +20,8 @@ import ray
 from .client import agenerate, await_generating
 from .models import DEFAULT_CHAT_MODEL
 from .producers import spawn_producer
-from .runtime.launch import device_name, local_cluster, start
+from .runtime.launch import local_cluster, start
+from .runtime.protocol import model_actor_name
 
 PROMPT = "Reply with one friendly sentence about {topic}."
 TOPICS = ("the sea", "lighthouses", "autumn", "bread", "trains", "owls", "rain", "maps", "tea", "bees")
@@ -69,7 +70,8 @@ def bare_engine(turns: int, chat_tokens: int) -> dict:
     engine.load(DEFAULT_CHAT_MODEL)
     ttfts = []
     for prompt in ["warm up"] + prompts(turns):
-        generation = engine.generate(GenerateRequest(prompt=prompt, max_new_tokens=chat_tokens), cancel=threading.Event())
+        generation = engine.generate(GenerateRequest(prompt=prompt, max_new_tokens=chat_tokens),
+                                     cancel=threading.Event(), revocable=False)   # as a chat lease runs
         for _piece in generation:
             pass
         ttfts.append(generation.result.ttft_s)
@@ -99,6 +101,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--deck", type=int, default=3)
     ap.add_argument("--card-tokens", type=int, default=96)
     ap.add_argument("--chat-tokens", type=int, default=12)
+    ap.add_argument("--devices", type=int, default=1,
+                    help="stand-in devices on a CPU machine (every GPU is a device anyway); with 2 or more, "
+                         "Nataraj fills on one while chat takes another")
     args = ap.parse_args(argv)
 
     print("Measuring the bare engine on this host (the first run converts the chat model once, "
@@ -108,10 +113,13 @@ def main(argv: list[str] | None = None) -> None:
     print(f"host: {platform.machine()}, torch CPU capability {host['cpu_capability']}, "
           f"{host['threads']} threads; {DEFAULT_CHAT_MODEL} runs in {host['dtype']} "
           f"(decode {host['decode_ms']:.0f} ms/token, prefill chunk {host['prefill_chunk']} tokens)")
-    with local_cluster(dashboard=True) as context:
-        print(f"Ray dashboard: http://{context.dashboard_url}  (actors: scheduler, model:{device_name()}, "
+    with local_cluster(dashboard=True, devices=args.devices) as context:
+        status = ray.get(start().scheduler.status.remote())
+        devices = [d["device"] for d in status["devices"]]
+        models = ", ".join(model_actor_name(d) for d in devices)
+        print(f"Ray dashboard: http://{context.dashboard_url}  (actors: scheduler, {models}, "
               f"embedder, producer:nataraj:demo)")
-        events = ray.get(start().scheduler.status.remote())["event_log"]
+        events = status["event_log"]
         print(f"watch it: uniun-ray status --watch --address {context.address_info['gcs_address']}\n"
               f"event log: {events}  (uniun-ray explain JOB_ID)")
         from .http import deploy
@@ -120,6 +128,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"OpenAI-compatible endpoint and live page: {http_url}/v1, {http_url}/")
         print("Loading the chat model into the ModelActor...", flush=True)
         r = asyncio.run(measure(args.turns, args.deck, args.card_tokens, args.chat_tokens, http_url))
+        pool = ray.get(start().scheduler.status.remote())["devices"]
         sim = simulated_two_lane()
 
     def show(values):
@@ -139,6 +148,8 @@ def main(argv: list[str] | None = None) -> None:
     if card:
         print(f"Nataraj's first card: {len(card['text'])} characters, revoked {card['revokes']}× by those chats "
               f"and resumed each time from its own tokens; deck {r['nataraj']['deck']}")
+    print(f"devices ({len(pool)}): " + ", ".join(f"{d['device']} holds {d['loaded_model'] or 'nothing'}" for d in pool)
+          + ("   (with a device free, chat never needed to revoke Nataraj)" if len(pool) > 1 else ""))
     print()
     print("The same moment, simulated on the issue-118 workload (uniun-ray bench):")
     print(f"  old two-lane queue: chat TTFT p50 {sim['two-lane']:6.2f} s   "
