@@ -284,7 +284,7 @@ def test_explain_shows_a_tier_change_while_the_job_runs():
     assert "   +1.000s    tier T4 -> T1 (foreground set to nataraj)" in story(events, "n").splitlines()
 
 
-def test_metrics_name_the_device_of_what_they_count_and_of_each_gauge():
+def test_metrics_name_the_device_of_what_they_count_and_of_each_gauge(tmp_path):
     from uniun_ray.runtime.metrics import SchedulerMetrics
 
     class Recorder:
@@ -297,7 +297,8 @@ def test_metrics_name_the_device_of_what_they_count_and_of_each_gauge():
         inc = observe = lambda self, value=1, tags=None: self.set(value, tags)
 
     async def go():
-        s = SchedulerService({"cpu0": FakeDevice(), "cpu1": FakeDevice()}, RuntimeConfig(event_log=None))
+        s = SchedulerService({"cpu0": FakeDevice(), "cpu1": FakeDevice()},
+                             RuntimeConfig(event_log=str(tmp_path / "ev.jsonl")))   # never the shared log
         s.metrics = m = SchedulerMetrics(period_s=0)
         for name in ("dispatches", "swaps", "running", "loaded", "held"):
             setattr(m, name, Recorder())

@@ -149,12 +149,13 @@ def test_replaying_the_event_log_reproduces_the_holders_timeline(make_runtime, t
     assert {trace.jobs[r.job].kind: r.tier for r in runs if r.outcome == "done"} == {"nataraj": 4, "gana": 3, "chat": 0}
 
 
-def test_explain_names_the_job_a_waiting_chat_waited_behind(runtime):
+def test_explain_names_the_job_a_waiting_chat_waited_behind(make_runtime, tmp_path):
+    make_runtime(event_log=str(tmp_path / "events.jsonl"))   # this test's runs only
     done = asyncio.run(chats_during_nataraj())
     events = read(uniun_ray.status()["event_log"])
     a, b, nataraj = done["a"].job_id, done["b"].job_id, done["nataraj"].job_id
     story_b = "\n".join(explain(events, b))
-    assert re.search(rf"behind {a} \(chat from chat, T0, model tiny\) for \d+\.\d+s", story_b), story_b
+    assert re.search(rf"behind {a} \(chat from chat, T0, model tiny(, device cpu0)?\) for \d+\.\d+s", story_b), story_b
     story_a = "\n".join(explain(events, a))
     assert f"behind {nataraj} (nataraj" in story_a and f"arrival of chat job {a}" in story_a, story_a
     story_n = "\n".join(explain(events, nataraj))
