@@ -21,7 +21,7 @@ from ..models.registry import resolve
 from ..models.request import GenerateRequest
 from ..models.settings import EngineSettings
 from .metrics import ModelMetrics
-from .placement import assigned_resources
+from .placement import DEVICE_RESOURCE, assigned_resources, stand_ins_here
 from .protocol import LeaseRevoked
 
 _END = object()
@@ -30,13 +30,18 @@ _END = object()
 class ModelActor:
     """``settings`` come from the process that starts the actor (``UNIUN_DTYPE``,
     ``UNIUN_THREADS``). Threads default to every core the actor's process may run on, not Ray's
-    OMP_NUM_THREADS=1: the model is the only work of this device."""
+    OMP_NUM_THREADS=1: the model is the only work of this device. N stand-in devices of one
+    node (`uniun-ray up --devices N` on a CPU machine) share its cores: 1/N each, so that two
+    devices running at once do not fight over every core."""
 
     def __init__(self, device: str = "cpu", settings: EngineSettings | None = None) -> None:
         from ..models.engine import Engine  # torch: only in the actor's own process
 
         settings = settings or EngineSettings()
-        self._engine = Engine(device=device, dtype=settings.dtype, num_threads=settings.threads,
+        threads = settings.threads
+        if threads is None and device == "cpu" and DEVICE_RESOURCE in assigned_resources():
+            threads = max(1, settings.resolved_threads() // stand_ins_here())
+        self._engine = Engine(device=device, dtype=settings.dtype, num_threads=threads,
                               kv_cache_mb=settings.kv_cache_mb, kv_offload_mb=settings.kv_offload_mb,
                               max_memory=settings.max_memory)
         self._device = device

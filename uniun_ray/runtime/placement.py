@@ -160,3 +160,15 @@ def assigned_resources() -> dict:
         return dict(ray.get_runtime_context().get_assigned_resources())
     except AssertionError:  # "only available when the process is a worker"
         return {}
+
+
+def stand_ins_here() -> int:
+    """How many stand-in devices the calling actor's node declares (`uniun_device`; at least 1,
+    and 1 outside a Ray worker). Their model actors share that node's cores."""
+    import ray
+
+    if not ray.is_initialized():
+        return 1
+    node = ray.get_runtime_context().get_node_id()
+    declared = next((n["Resources"].get(DEVICE_RESOURCE, 1) for n in ray.nodes() if n["NodeID"] == node), 1)
+    return max(1, int(declared))
