@@ -33,7 +33,7 @@ from uniun_ray.models import (
 )
 from uniun_ray.models import registry
 from uniun_ray.models.registry import CACHE_ENV
-from uniun_ray.models.tuning import Speed, fastest
+from uniun_ray.models.tuning import GATED_CHUNK_DECODE_STEPS, Speed, fastest
 
 #: `make gpu-check` runs this module on a GPU (UNIUN_TEST_DEVICE=cuda); CPU otherwise.
 DEVICE = os.environ.get("UNIUN_TEST_DEVICE", "cpu")
@@ -606,6 +606,42 @@ def test_a_revoked_run_keeps_its_kv_and_its_resume_prefills_one_token(engine, un
     assert after["prefilled_tokens"] - before["prefilled_tokens"] <= 2   # nothing but the uncached tail
     assert rest.prompt_tokens - rest.cached_tokens <= 2 and rest.prefill_s is not None
     assert after["preempted_entries"] == 0                               # the resume took it over
+
+
+def test_a_revoke_inside_a_prefill_chunk_stops_at_the_next_layer_and_the_resume_matches(engine, uncached,
+                                                                                        monkeypatch):
+    monkeypatch.setattr(engine, "prefill_chunk", 16)
+    layers = engine._loaded.model.model.layers
+    request = GenerateRequest(prompt="Cut short in a chunk. " + LONG_PROMPT, max_new_tokens=10)
+    cancel, calls = threading.Event(), {"first": 0, "last": 0}
+
+    def first_layer(module, args):
+        calls["first"] += 1
+        if calls["first"] == 3:
+            cancel.set()                  # inside the third chunk's forward pass, at its first layer
+
+    def last_layer(module, args):
+        calls["last"] += 1
+
+    hooks = [layers[0].register_forward_pre_hook(first_layer), layers[-1].register_forward_pre_hook(last_layer)]
+    try:
+        stopped = run(engine, request, cancel)[1]
+    finally:
+        for hook in hooks:
+            hook.remove()
+    assert stopped.stopped_by_cancel and stopped.tokens == 0
+    assert calls == {"first": 3, "last": 2}          # the third pass stopped before its last layer
+    again = run(engine, request)[1]
+    assert again.cached_tokens == stopped.cached_tokens + 2 * 16   # the two whole chunks, not the cut one
+    assert again.token_ids == run(uncached, request)[1].token_ids  # its half-written layers were cropped
+
+
+def test_a_long_revocable_prefill_is_read_in_long_chunks_when_layers_are_gated(engine, forwards):
+    request = GenerateRequest(prompt="Read in long chunks. " + LONG_PROMPT, max_new_tokens=1)
+    clock = engine._loaded.clock
+    assert engine._loaded.gate is not None and clock.target_s == GATED_CHUNK_DECODE_STEPS * clock.decode_s
+    list(engine.generate(request, threading.Event()))
+    assert forwards.count < engine.check(request) / 64    # not the short chunks of an ungated model
 
 
 def test_a_run_revoked_mid_prefill_resumes_from_the_chunks_it_read(engine, uncached, forwards, monkeypatch):

@@ -24,17 +24,19 @@ import gc
 import inspect
 import threading
 import time
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Protocol
 
 import torch
 
 from .decoding import StopText, decoding
-from .kvcache import Hit, PrefixCache
+from .kvcache import Hit, PrefixCache, crop_layers
 from .registry import ModelSpec, cache_dir, materialize, resolve
 from .request import GenerateRequest, _is_int
 from .settings import DTYPES, EngineSettings, check_max_memory, check_megabytes
-from .tuning import MAX_CHUNK, ProbeCache, Speed, StepClock, fastest, host_signature, measure
+from .tuning import (CHUNK_DECODE_STEPS, GATED_CHUNK_DECODE_STEPS, MAX_CHUNK, ProbeCache, Speed, StepClock,
+                     fastest, host_signature, measure)
 
 
 class PromptTooLong(ValueError):
@@ -113,6 +115,42 @@ class _Loaded:
     speeds: list[Speed] = field(default_factory=list)   # what the choice of dtype was made on
     clock: StepClock | None = None
     prefix: PrefixCache = field(default_factory=lambda: PrefixCache(0))
+    gate: "_LayerGate | None" = None
+
+
+class _Interrupted(Exception):
+    """The layer gate found the cancel flag set in the middle of a forward pass."""
+
+
+class _LayerGate:
+    """A cancel check before every decoder layer, armed only while a prefill chunk runs: a long
+    chunk then stops within one layer of a revoke, so chunks need not be short (each short chunk
+    pays for reading all the weights once). The chunk cut short leaves some layers extended and
+    some not; `_prefill` crops the cache back to the chunks that completed."""
+
+    def __init__(self, layers: torch.nn.ModuleList) -> None:
+        self.flag: CancelFlag | None = None
+        for layer in layers:
+            layer.register_forward_pre_hook(self._check)
+
+    def _check(self, module: Any, args: Any) -> None:
+        if self.flag is not None and self.flag.is_set():
+            raise _Interrupted
+
+    @contextmanager
+    def armed(self, flag: CancelFlag) -> Iterator[None]:
+        self.flag = flag
+        try:
+            yield
+        finally:
+            self.flag = None
+
+
+def _layer_gate(model: Any) -> _LayerGate | None:
+    """The gate over a decoder-only model's layers (`model.model.layers`, as Llama, Gemma and
+    most causal LMs of transformers have them); None for another layout (chunks stay short)."""
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    return _LayerGate(layers) if isinstance(layers, torch.nn.ModuleList) and len(layers) else None
 
 
 class Engine:
@@ -298,6 +336,7 @@ class Engine:
             forward_kwargs={"logits_to_keep": 1} if model._supports_logits_to_keep() else {},
             dtype=str(dtype).removeprefix("torch."),
             prefix=PrefixCache(self.kv_cache_mb * 2**20, self.kv_offload_mb * 2**20),
+            gate=_layer_gate(model),
         )
         self._tune(loaded, folder)
         return loaded
@@ -328,7 +367,8 @@ class Engine:
             self._probes.put(key, speeds)
         best = fastest(speeds)
         self._cast(loaded, best.dtype)
-        loaded.speeds, loaded.clock = speeds, StepClock(best)
+        steps = GATED_CHUNK_DECODE_STEPS if loaded.gate is not None else CHUNK_DECODE_STEPS
+        loaded.speeds, loaded.clock = speeds, StepClock(best, steps)
 
     @staticmethod
     def _cast(loaded: _Loaded, dtype: str) -> None:
@@ -590,13 +630,22 @@ def _prefill(
     loaded: _Loaded, context: list[int], hit: Hit, fixed_chunk: int | None, device: torch.device,
     cancel: CancelFlag,
 ) -> tuple[torch.Tensor | None, Any, int]:
-    """Read the context after the cached prefix in chunks, checking ``cancel`` before each.
-    Returns the last logits (None when cancelled), the cache and how many tokens it holds.
+    """Read the context after the cached prefix in chunks, checking ``cancel`` before each
+    and, where the model has a layer gate, before each of its layers. Returns the last logits
+    (None when cancelled), the cache and how many tokens it holds: the chunks that completed
+    (a chunk cut short is cropped away; a cache that cannot be cropped back is dropped).
     Unless fixed, each chunk is sized anew from the step times measured so far."""
     logits, cache, start = None, hit.cache, hit.tokens
     while start < len(context):
         chunk = fixed_chunk or loaded.clock.chunk
-        step_logits, cache = _step(loaded, context[start : start + chunk], cache, device, cancel)
+        try:
+            with loaded.gate.armed(cancel) if loaded.gate is not None else nullcontext():
+                step_logits, cache = _step(loaded, context[start : start + chunk], cache, device, cancel)
+        except _Interrupted:
+            if cache is None or not getattr(cache, "is_croppable", True):
+                return None, None, 0
+            crop_layers(cache, start)
+            return None, cache, start
         if step_logits is None:
             return None, cache, start
         logits, start = step_logits, min(start + chunk, len(context))

@@ -42,6 +42,15 @@ def fork(cache: Any) -> Any:
     return twin
 
 
+def crop_layers(cache: Any, tokens: int) -> None:
+    """Cut every layer back to its first ``tokens``: after a forward pass stopped between two
+    layers (the engine's layer gate) the layers before the stop hold more than the others."""
+    for layer in cache.layers:
+        extra = layer.get_seq_length() - tokens
+        if extra > 0:
+            layer.crop(-extra)
+
+
 def cache_bytes(cache: Any) -> int:
     """Bytes of the tensors a cache holds (their storage: a cropped view still holds all of it)."""
     seen, total = set(), 0

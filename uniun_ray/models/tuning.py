@@ -37,6 +37,12 @@ MIN_CHUNK, MAX_CHUNK = 8, 2048
 #: A prefill chunk takes about this many decode steps: one decode step's worth of fixed cost
 #: (reading the weights) and one of tokens.
 CHUNK_DECODE_STEPS = 2.0
+#: A model whose forward pass checks the cancel flag before every decoder layer (the engine's
+#: layer gate) stops within one layer, not one chunk: its chunks may take this many decode
+#: steps. With 16 layers or more a revoke still waits about one decode step, and a CPU spends
+#: most of a chunk on its tokens instead of on reading the weights once per short chunk (a
+#: 1,100-token background prefill of SmolLM2 took 3-4x one pass in 2-step chunks).
+GATED_CHUNK_DECODE_STEPS = 16.0
 _SMOOTHING = 0.2            # weight of the newest decode step in the running estimate
 _SMOOTHING_EXPONENT = 0.5   # how far one chunk's time moves the next chunk's size
 _MAX_STEP = 2.0             # nor more than halved or doubled by one chunk
@@ -132,14 +138,15 @@ class StepClock:
     or a longer context, gets shorter chunks. Seeded from the probe's 64-token prefill.
     """
 
-    def __init__(self, speed: Speed) -> None:
+    def __init__(self, speed: Speed, decode_steps: float = CHUNK_DECODE_STEPS) -> None:
         self.decode_s = speed.decode_s
+        self.decode_steps = decode_steps
         probe_s = speed.prefill_s_per_token * PROBE_PROMPT_TOKENS
         self._chunk = self._clamp(PROBE_PROMPT_TOKENS * self.target_s / probe_s if probe_s > 0 else MAX_CHUNK)
 
     @property
     def target_s(self) -> float:
-        return CHUNK_DECODE_STEPS * self.decode_s
+        return self.decode_steps * self.decode_s
 
     @property
     def chunk(self) -> int:
