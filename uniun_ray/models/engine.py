@@ -13,7 +13,9 @@ lives here, so it can be tested (and benchmarked) without a cluster:
 * A revoked job resumes recompute-style (SPEC R6): the new request carries what the job already
   produced, the engine prefills prompt + that, and the result holds only the new part.
 * The host decides how it runs (``tuning``): on CPU the dtype is measured per host and model, and
-  prefill chunks are sized by the time they take here, so a revoke waits about one decode step.
+  prefill chunks are sized by the time they take here. During a prefill the flag is also read
+  before every decoder layer (``_LayerGate``), so chunks can be long and a revoke still waits
+  about one decode step.
 """
 
 from __future__ import annotations
@@ -161,7 +163,8 @@ class Engine:
     ``num_threads`` sets torch's intra-op threads for the whole process; None: every core this
     process may run on. Pass it deliberately: Ray sets OMP_NUM_THREADS=1 in actors.
     ``prefill_chunk`` fixes the prompt tokens per prefill forward pass; None (the default) sizes
-    each chunk to take about one decode step on this host, bounding how long a cancel waits.
+    each chunk by the time it takes on this host (``tuning.StepClock``); the layer gate bounds
+    how long a cancel waits within one.
     ``kv_cache_mb`` bounds the prefix cache of the loaded model (``kvcache``; 0: off; None: the
     device's default); ``kv_offload_mb`` the CPU memory its entries move to when a GPU's budget is
     full (None: the default; a CPU device has one tier and ignores it). ``max_memory``
