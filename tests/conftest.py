@@ -111,6 +111,56 @@ def runtime(make_runtime):
     return make_runtime()
 
 
+#: How long a "long" run of `tiny` keeps the device busy: long enough that the test's next
+#: step (a chat, a kill, a flip) meets it running, with seconds to spare on a loaded host.
+LONG_RUN_S = 3.0
+#: tiny's context is 2048 tokens: room for the prompt.
+MAX_LONG_TOKENS = 1800
+
+
+@pytest.fixture(scope="session")
+def long_tokens(ray_cluster) -> int:
+    """max_new_tokens of `tiny` that take about ``LONG_RUN_S`` through the runtime on this host,
+    measured once per session (a warm-up run, then 200 tokens of a Nataraj streamed through
+    a fresh runtime). A fixed count was wrong on every host: 1,800 tokens were 2 s where it was chosen
+    and 8-15 s here, most of the suite's time spent finishing runs that had done their part.
+    A host that gets busier later only makes the runs longer."""
+    import time
+
+    from uniun_ray.client import agenerate, astream
+    from uniun_ray.policy import PolicyConfig
+    from uniun_ray.runtime.launch import start
+    from uniun_ray.runtime.service import RuntimeConfig
+
+    async def per_token() -> float:   # from the first piece on: a lease's grant is not a token
+        # the load, and a first run: the first hundreds of tokens after a load ran 3x slower
+        await agenerate("nataraj", "warm up", model_id="tiny", max_new_tokens=200)
+        stream, first = astream("nataraj", "a card", model_id="tiny", max_new_tokens=200), None
+        async for _ in stream:
+            first = first or time.perf_counter()
+        return (time.perf_counter() - first) / (stream.completion.tokens - 1)
+
+    reset_uniun_actors(ray_cluster)
+    start(RuntimeConfig(PolicyConfig()))
+    try:
+        seconds = asyncio.run(per_token())
+    finally:
+        reset_uniun_actors(ray_cluster)
+    tokens = min(MAX_LONG_TOKENS, int(LONG_RUN_S / seconds))
+    _MEASURED.append(f"tiny through the runtime: {seconds * 1e3:.2f} ms/token; a long run is {tokens} tokens")
+    return tokens
+
+
+_MEASURED: list[str] = []
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    """What the session measured of this host, beside the results (a failure reads differently
+    on a host where a long run was 400 tokens)."""
+    for line in _MEASURED:
+        terminalreporter.write_line(line)
+
+
 # -- fakes for the Ray-free protocol tests (SchedulerService with a fake device) ---------------
 class FakeDevice:
     """The device as the scheduler sees it: loads (optionally slow, or failing for the models

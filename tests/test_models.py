@@ -33,7 +33,7 @@ from uniun_ray.models import (
 )
 from uniun_ray.models import registry
 from uniun_ray.models.registry import CACHE_ENV
-from uniun_ray.models.tuning import GATED_CHUNK_DECODE_STEPS, Speed, fastest
+from uniun_ray.models.tuning import GATED_CHUNK_DECODE_STEPS, Speed, fastest, thread_options
 
 #: `make gpu-check` runs this module on a GPU (UNIUN_TEST_DEVICE=cuda); CPU otherwise.
 DEVICE = os.environ.get("UNIUN_TEST_DEVICE", "cpu")
@@ -513,6 +513,8 @@ def test_engine_arguments_are_checked():
         Engine(dtype="float99")
     with pytest.raises(ValueError, match="num_threads"):
         Engine(num_threads=0)
+    with pytest.raises(ValueError, match="thread_budget"):
+        Engine(thread_budget=1.5)
     with pytest.raises(ValueError, match="prefill_chunk"):
         Engine(prefill_chunk=0)
     if not torch.cuda.is_available():
@@ -535,8 +537,10 @@ def test_default_chat_model_applies_its_template(monkeypatch):
     assert engine.chat and engine.dtype in (torch.bfloat16, torch.float32)
     described = engine.describe()   # the dtype kept is the faster of the two measured on this host
     if DEVICE == "cpu":             # on a GPU: bf16 (fp16 where bf16 is missing), measured only for chunks
-        assert {m["dtype"] for m in described["measured"]} == {"bfloat16", "float32"}
-    assert described["dtype"] == fastest([Speed(**m) for m in described["measured"]]).dtype
+        assert {(m["dtype"], m["threads"]) for m in described["measured"]} == {
+            (dtype, n) for dtype in ("bfloat16", "float32") for n in thread_options(engine.thread_budget)}
+    best = fastest([Speed(**m) for m in described["measured"]])
+    assert (described["dtype"], described["threads"]) == (best.dtype, best.threads)
     question = "What is the capital of France?"
     messages = [{"role": "user", "content": question}]
     pieces, result = run(engine, GenerateRequest(messages=messages, max_new_tokens=24))

@@ -14,7 +14,6 @@ from rich.console import Console
 
 import uniun_ray
 from conftest import started
-from test_runtime import LONG
 from uniun_ray.client import agenerate, arun, astatus
 from uniun_ray.observe.explain import explain
 from uniun_ray.observe.statusview import render
@@ -42,18 +41,18 @@ def sample(text: str, name: str, **tags) -> float | None:
     return None
 
 
-async def chats_during_nataraj() -> dict:
+async def chats_during_nataraj(long_tokens: int) -> dict:
     """A nataraj generates; chat A arrives (revokes it), then chat B arrives behind A."""
-    nataraj = asyncio.ensure_future(agenerate("nataraj", "a card", model_id="tiny", max_new_tokens=LONG))
+    nataraj = asyncio.ensure_future(agenerate("nataraj", "a card", model_id="tiny", max_new_tokens=long_tokens))
     await started("nataraj")
-    chat_a = asyncio.ensure_future(agenerate("chat", "hold on", model_id="tiny", max_new_tokens=1500))
+    chat_a = asyncio.ensure_future(agenerate("chat", "hold on", model_id="tiny", max_new_tokens=long_tokens))
     await started("chat")
     chat_b = await agenerate("chat", "hello", model_id="tiny", max_new_tokens=8)
     return {"nataraj": await nataraj, "a": await chat_a, "b": chat_b}
 
 
-def test_metrics_reach_the_node_metrics_endpoint_after_a_job(runtime):
-    asyncio.run(chats_during_nataraj())
+def test_metrics_reach_the_node_metrics_endpoint_after_a_job(runtime, long_tokens):
+    asyncio.run(chats_during_nataraj(long_tokens))
     uniun_ray.embed(["a note"])
     wanted = {  # Ray exports every 2 s here (the session cluster's metrics_report_interval_ms)
         "ray_uniun_dispatches_total": {"kind": "chat", "tier": "T0", "model": "tiny"},
@@ -83,9 +82,9 @@ def test_metrics_reach_the_node_metrics_endpoint_after_a_job(runtime):
     assert sample(text, "ray_uniun_t2_share_limit") == pytest.approx(0.6)  # the same in every series
 
 
-def test_status_shows_queued_jobs_in_their_tiers(runtime):
+def test_status_shows_queued_jobs_in_their_tiers(runtime, long_tokens):
     async def go():
-        holder = asyncio.ensure_future(agenerate("chat", "hold", model_id="tiny", max_new_tokens=LONG))
+        holder = asyncio.ensure_future(agenerate("chat", "hold", model_id="tiny", max_new_tokens=long_tokens))
         await started("chat")
         await uniun_ray.aset_foreground("extract")
         queued = [agenerate("extract", "opened", model_id="tiny", foreground_hint=True, max_new_tokens=4),
@@ -111,7 +110,7 @@ def test_status_shows_queued_jobs_in_their_tiers(runtime):
             assert re.search(rf"│ {tier} .*{job['id']}", text), (tier, job["id"])
 
 
-def test_replaying_the_event_log_reproduces_the_holders_timeline(make_runtime, tmp_path):
+def test_replaying_the_event_log_reproduces_the_holders_timeline(make_runtime, long_tokens, tmp_path):
     log = tmp_path / "events.jsonl"
     make_runtime(event_log=str(log))
     held: list[tuple[str, float, float]] = []  # what each holder saw: (job, from, to)
@@ -126,7 +125,7 @@ def test_replaying_the_event_log_reproduces_the_holders_timeline(make_runtime, t
         return hold
 
     async def go():
-        nataraj = asyncio.ensure_future(arun("nataraj", "tiny", work(LONG)))
+        nataraj = asyncio.ensure_future(arun("nataraj", "tiny", work(long_tokens)))
         await started("nataraj")
         gana = asyncio.ensure_future(arun("gana", "tiny", work(16), deadline=time.time() - 1))
         await asyncio.sleep(0.1)
@@ -149,9 +148,9 @@ def test_replaying_the_event_log_reproduces_the_holders_timeline(make_runtime, t
     assert {trace.jobs[r.job].kind: r.tier for r in runs if r.outcome == "done"} == {"nataraj": 4, "gana": 3, "chat": 0}
 
 
-def test_explain_names_the_job_a_waiting_chat_waited_behind(make_runtime, tmp_path):
+def test_explain_names_the_job_a_waiting_chat_waited_behind(make_runtime, long_tokens, tmp_path):
     make_runtime(event_log=str(tmp_path / "events.jsonl"))   # this test's runs only
-    done = asyncio.run(chats_during_nataraj())
+    done = asyncio.run(chats_during_nataraj(long_tokens))
     events = read(uniun_ray.status()["event_log"])
     a, b, nataraj = done["a"].job_id, done["b"].job_id, done["nataraj"].job_id
     story_b = "\n".join(explain(events, b))

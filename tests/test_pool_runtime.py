@@ -57,7 +57,9 @@ def test_two_jobs_on_two_models_run_at_the_same_time_on_two_devices(pool_run):
         [("gana", "smollm2-135m-instruct"), ("nataraj", "tiny")]
     assert all(d["engine"].get("model") == d["loaded_model"] for d in busy)   # each device's own engine
     cores = len(os.sched_getaffinity(0))                  # two stand-ins of one node share its cores
-    assert all(d["engine"]["threads"] == max(1, cores // 2) for d in busy), [d["engine"] for d in busy]
+    share = max(1, cores // 2)                            # at most; the probe may keep fewer
+    assert all(d["engine"]["threads_setting"] == f"auto, up to {share}" and d["engine"]["threads"] <= share
+               for d in busy), [d["engine"] for d in busy]
     events = pool_run["events"]
     (g_start, g_end, g_device), = runs(events, job_of(events, "gana"))
     n_start, n_end, n_device = runs(events, job_of(events, "nataraj"))[0]

@@ -34,7 +34,6 @@ from uniun_ray.runtime.service import RuntimeConfig, SchedulerService
 from conftest import FakeDevice, lease_of, spec, started
 
 ROOT = Path(__file__).parent.parent
-LONG = 1800   # tokens of `tiny` (context 2048): a few seconds of work
 
 # The Caller actor below is defined in this test module, which Ray's workers cannot import:
 # ship it by value.
@@ -198,10 +197,10 @@ def test_producer_killed_while_waiting_is_dropped_and_nothing_leaks(live_runtime
 
 @pytest.mark.ray
 @pytest.mark.slow
-def test_scheduler_killed_restarts_and_clients_resubmit(live_runtime):
+def test_scheduler_killed_restarts_and_clients_resubmit(live_runtime, long_tokens):
     runtime = live_runtime
     async def go():
-        card = asyncio.ensure_future(agenerate("nataraj", "card", model_id="tiny", max_new_tokens=LONG))
+        card = asyncio.ensure_future(agenerate("nataraj", "card", model_id="tiny", max_new_tokens=long_tokens))
         await started("nataraj")
         plan = asyncio.ensure_future(agenerate("gana", "plan", model_id="tiny", max_new_tokens=64))
         await queued("gana")
@@ -210,7 +209,7 @@ def test_scheduler_killed_restarts_and_clients_resubmit(live_runtime):
         done = await asyncio.wait_for(asyncio.gather(card, plan), 120)
         return epoch, done, await runtime.model.state.remote(), await idle_status()
     epoch, (card, plan), model, status = asyncio.run(go())
-    assert card.tokens == LONG and plan.tokens == 64     # both completed, the card resumed
+    assert card.tokens == long_tokens and plan.tokens == 64  # both completed, the card resumed
     assert model["epoch"] > epoch                        # the new scheduler fenced above the old
     events = events_of(status)
     submits = Counter(e["job"] for e in events if e["ev"] == "submit")
@@ -504,15 +503,16 @@ def test_a_stale_lease_is_refused_by_the_device_and_the_scheduler(live_runtime):
 
 
 @pytest.mark.ray
-def test_cancel_of_a_queued_and_a_running_job_frees_everything(live_runtime):
+def test_cancel_of_a_queued_and_a_running_job_frees_everything(live_runtime, long_tokens):
     async def go():
-        card = asyncio.ensure_future(agenerate("nataraj", "card", model_id="tiny", max_new_tokens=LONG))
+        card = asyncio.ensure_future(agenerate("nataraj", "card", model_id="tiny", max_new_tokens=long_tokens))
         running = await started("nataraj")
-        plan = asyncio.ensure_future(agenerate("gana", "plan", model_id="tiny", max_new_tokens=LONG))
+        plan = asyncio.ensure_future(agenerate("gana", "plan", model_id="tiny", max_new_tokens=long_tokens))
         waiting = await queued("gana")
         plan.cancel()                                   # queued: withdrawn
-        card.cancel()                                   # running: fenced, the device freed
-        await asyncio.gather(plan, card, return_exceptions=True)
+        await asyncio.gather(plan, return_exceptions=True)   # (two at once may reach the scheduler
+        card.cancel()                                   # in either order) running: fenced, the device freed
+        await asyncio.gather(card, return_exceptions=True)
         chat = await asyncio.wait_for(agenerate("chat", "hi", model_id="tiny", max_new_tokens=4), 30)
         status = await idle_status()
         return running, waiting, chat, status, await live_runtime.model.state.remote()
@@ -525,11 +525,11 @@ def test_cancel_of_a_queued_and_a_running_job_frees_everything(live_runtime):
 
 
 @pytest.mark.ray
-def test_foreground_flapping_100_per_second_on_real_actors(live_runtime):
+def test_foreground_flapping_100_per_second_on_real_actors(live_runtime, long_tokens):
     async def go():
-        # 4 x 1500 tokens of tiny: seconds of work on any host, so the flips below (1.5 s or
-        # more) always meet a running job with an outranking one queued
-        jobs = [agenerate(kind, "x", model_id="tiny", producer=f"{kind}:{i}", max_new_tokens=1500)
+        # 4 long runs of tiny (seconds each on any host), so the flips below (1.5 s or more)
+        # always meet a running job with an outranking one queued
+        jobs = [agenerate(kind, "x", model_id="tiny", producer=f"{kind}:{i}", max_new_tokens=long_tokens)
                 for i in range(2) for kind in ("nataraj", "gana")]
         work = asyncio.ensure_future(asyncio.gather(*jobs))
         await started("nataraj")
@@ -542,7 +542,7 @@ def test_foreground_flapping_100_per_second_on_real_actors(live_runtime):
         done = await asyncio.wait_for(work, 120)
         return flips, done, await idle_status()
     flips, done, status = asyncio.run(go())
-    assert [c.tokens for c in done] == [1500] * 4    # resumed, never restarted
+    assert [c.tokens for c in done] == [long_tokens] * 4    # resumed, never restarted
     assert sum(c.revokes for c in done) > 0
     events = events_of(status)
     assert all(final_outcomes(events)[c.job_id] == ["done"] for c in done)
@@ -957,9 +957,9 @@ def test_nothing_is_unpickled_from_paths_the_user_did_not_choose():
 # == Last: the tests that need fresh actors of their own (and kill them) ==========================
 @pytest.mark.ray
 @pytest.mark.slow
-def test_model_actor_killed_mid_generation_job_requeued_and_completed(runtime):
+def test_model_actor_killed_mid_generation_job_requeued_and_completed(runtime, long_tokens):
     async def go():
-        card = asyncio.ensure_future(agenerate("nataraj", "a card", model_id="tiny", max_new_tokens=LONG))
+        card = asyncio.ensure_future(agenerate("nataraj", "a card", model_id="tiny", max_new_tokens=long_tokens))
         await started("nataraj")
         before = await runtime.model.state.remote()
         ray.kill(runtime.model, no_restart=False)            # max_restarts=3: Ray restarts it
@@ -973,7 +973,7 @@ def test_model_actor_killed_mid_generation_job_requeued_and_completed(runtime):
         return before, done, after, status, chat
     before, done, after, status, chat = asyncio.run(go())
     assert done.revokes >= 1 and done.text
-    assert abs(done.tokens - LONG) <= 2        # the lost run's tokens counted by piece
+    assert abs(done.tokens - long_tokens) <= 2  # the lost run's tokens counted by piece
     assert after["loaded"] == "tiny" and after["epoch"] > before["epoch"]  # fenced: a new epoch
     assert chat.tokens == 8
     events = events_of(status)

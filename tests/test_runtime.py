@@ -18,9 +18,6 @@ from conftest import started
 
 pytestmark = pytest.mark.ray
 
-LONG = 1800   # tokens (tiny context 2048): seconds of work, long enough to be preempted mid-way
-
-
 async def finish_order(*coros) -> list:
     """Run generations concurrently; return their Completions in the order they ended."""
     done = []
@@ -31,16 +28,16 @@ async def finish_order(*coros) -> list:
     return done
 
 
-def test_scenario_1_chat_preempts_nataraj_within_one_token(runtime):
+def test_scenario_1_chat_preempts_nataraj_within_one_token(runtime, long_tokens):
     async def go():
-        nataraj = asyncio.ensure_future(agenerate("nataraj", "a card", model_id="tiny", max_new_tokens=LONG))
+        nataraj = asyncio.ensure_future(agenerate("nataraj", "a card", model_id="tiny", max_new_tokens=long_tokens))
         await started("nataraj")
         chat = await agenerate("chat", "hello", model_id="tiny", max_new_tokens=16)
         card = await nataraj
         return chat, card
     chat, card = asyncio.run(go())
     stops = ray.get(runtime.model.state.remote())["stop_latency_s"]
-    assert card.revokes == 1 and card.tokens == LONG       # resumed, not restarted
+    assert card.revokes == 1 and card.tokens == long_tokens  # resumed, not restarted
     resumed = card.prefills[-1]                            # from its KV, kept through the chat's run
     assert len(card.prefills) == 2 and resumed["prompt_tokens"] - resumed["cached_tokens"] <= 2
     assert chat.revokes == 0 and chat.tokens == 16
@@ -66,9 +63,9 @@ def test_scenario_2_two_ganas_alternate(make_runtime):
     assert len(ganas) == 6
 
 
-def test_scenario_3_cron_gana_preempts_t4_nataraj_when_due(runtime):
+def test_scenario_3_cron_gana_preempts_t4_nataraj_when_due(runtime, long_tokens):
     async def go():
-        nataraj = asyncio.ensure_future(agenerate("nataraj", "card", model_id="tiny", max_new_tokens=LONG))
+        nataraj = asyncio.ensure_future(agenerate("nataraj", "card", model_id="tiny", max_new_tokens=long_tokens))
         await started("nataraj")
         cron = agenerate("gana", "tick", model_id="tiny", producer="gana:cron", deadline=time.time() + 0.5,
                          max_new_tokens=32)
@@ -78,9 +75,9 @@ def test_scenario_3_cron_gana_preempts_t4_nataraj_when_due(runtime):
     assert order[1].revokes == 1
 
 
-def test_scenario_4_nataraj_page_preempts_gana_which_resumes_after(runtime):
+def test_scenario_4_nataraj_page_preempts_gana_which_resumes_after(runtime, long_tokens):
     async def go():
-        gana = asyncio.ensure_future(agenerate("gana", "plan", model_id="tiny", max_new_tokens=LONG))
+        gana = asyncio.ensure_future(agenerate("gana", "plan", model_id="tiny", max_new_tokens=long_tokens))
         await started("gana")
         nataraj = asyncio.ensure_future(agenerate("nataraj", "card", model_id="tiny", max_new_tokens=300))
         await asyncio.sleep(0.3)
@@ -90,7 +87,7 @@ def test_scenario_4_nataraj_page_preempts_gana_which_resumes_after(runtime):
         await uniun_ray.aset_foreground(None)
         return card, await gana
     card, gana = asyncio.run(go())
-    assert gana.revokes == 1 and gana.tokens == LONG and card.revokes == 0
+    assert gana.revokes == 1 and gana.tokens == long_tokens and card.revokes == 0
 
 
 def test_scenario_5_extract_backfill_is_held_to_its_share(make_runtime):
@@ -156,9 +153,9 @@ def test_scenario_6_affinity_prefers_the_loaded_model(runtime):
     assert uniun_ray.status()["swap_s"]["gemma-3-270m"] > 0
 
 
-def test_scenario_7_opened_note_extract_preempts_nataraj(runtime):
+def test_scenario_7_opened_note_extract_preempts_nataraj(runtime, long_tokens):
     async def go():
-        nataraj = asyncio.ensure_future(agenerate("nataraj", "card", model_id="tiny", max_new_tokens=LONG))
+        nataraj = asyncio.ensure_future(agenerate("nataraj", "card", model_id="tiny", max_new_tokens=long_tokens))
         await started("nataraj")
         await uniun_ray.aset_foreground("extract", "note-42")
         note = agenerate("extract", "note 42", model_id="tiny", foreground_hint=True, subject="note-42",
@@ -191,12 +188,12 @@ def test_bad_input_fails_before_anything_is_queued(runtime):
     assert uniun_ray.status()["queued"] == 0
 
 
-def test_run_work_restarts_after_a_revoke(runtime):
+def test_run_work_restarts_after_a_revoke(runtime, long_tokens):
     calls = []
 
     def work(lease):
         calls.append(lease.lease.epoch)
-        return lease.generate("plan", max_new_tokens=LONG)
+        return lease.generate("plan", max_new_tokens=long_tokens)
 
     async def go():
         loop = asyncio.get_running_loop()

@@ -7,7 +7,8 @@ import threading
 import pytest
 
 from uniun_ray.models.settings import EngineSettings
-from uniun_ray.models.tuning import MAX_CHUNK, MIN_CHUNK, ProbeCache, Speed, StepClock, fastest, measure
+from uniun_ray.models.tuning import (MAX_CHUNK, MIN_CHUNK, ProbeCache, Speed, StepClock, fastest, measure,
+                                     thread_options)
 
 
 def test_settings_come_from_the_environment_with_clear_errors():
@@ -38,10 +39,16 @@ def test_unset_threads_mean_every_core_this_process_may_use():
 
 def test_the_faster_dtype_is_the_one_with_the_faster_typical_chat_turn():
     # bf16 decodes faster, float32 prefills much faster (an AVX2 host): the turn decides
-    bf16, fp32 = Speed("bfloat16", 15e-3, 45e-3), Speed("float32", 2.3e-3, 80e-3)
+    bf16, fp32 = Speed("bfloat16", 15e-3, 45e-3, 2), Speed("float32", 2.3e-3, 80e-3, 2)
     assert fastest([bf16, fp32]) is fp32
-    avx512_bf16 = Speed("bfloat16", 1.4e-3, 40e-3)
+    avx512_bf16 = Speed("bfloat16", 1.4e-3, 40e-3, 2)
     assert fastest([avx512_bf16, fp32]) is avx512_bf16
+
+
+def test_threads_measured_are_the_whole_budget_and_half_of_it():
+    assert thread_options(2) == [2, 1] and thread_options(16) == [16, 8] and thread_options(1) == [1]
+    fewer = Speed("float32", 1.5e-4, 2.3e-3, 1)      # a small model inside Ray on 2 cores
+    assert fastest([Speed("float32", 1e-4, 4.0e-3, 2), fewer]) is fewer
 
 
 def test_measure_times_a_prefill_and_decode_steps_of_the_given_step():
@@ -50,29 +57,29 @@ def test_measure_times_a_prefill_and_decode_steps_of_the_given_step():
     def step(ids, cache):
         calls.append(len(ids))
         return None, (cache or 0) + len(ids)
-    speed = measure(step, vocab_size=100, dtype="float32")
+    speed = measure(step, vocab_size=100, dtype="float32", threads=3)
     assert calls[:2] == [8, 64] and calls[2:] == [1] * 6       # warm-up, prefill, decode steps
-    assert speed.dtype == "float32" and speed.prefill_s_per_token >= 0 and speed.decode_s >= 0
+    assert speed.dtype == "float32" and speed.threads == 3 and speed.prefill_s_per_token >= 0 and speed.decode_s >= 0
 
 
 def test_chunks_converge_to_two_decode_steps_whatever_the_cost_model():
     decode = 80e-3
-    clock = StepClock(Speed("float32", prefill_s_per_token=5e-3, decode_s=decode))
+    clock = StepClock(Speed("float32", prefill_s_per_token=5e-3, decode_s=decode, threads=1))
     assert clock.chunk == int(64 * 2 * decode / (64 * 5e-3))           # seeded from the probe: 32
     costs = {"fixed + per token": (lambda n: decode + 3e-3 * n, 26),    # additive: 80 + 3n = 160 ms
              "roofline": (lambda n: max(decode, 3e-3 * n), 53),         # memory- or compute-bound
              "prefill 3x slower": (lambda n: 3 * (decode + 3e-3 * n), MIN_CHUNK)}
     for name, (cost, expected) in costs.items():
-        clock = StepClock(Speed("float32", 5e-3, decode))
+        clock = StepClock(Speed("float32", 5e-3, decode, 1))
         for _ in range(60):
             clock.observe(clock.chunk, cost(clock.chunk))
         assert abs(clock.chunk - expected) <= 2, (name, clock.chunk)
-    assert StepClock(Speed("x", 1.0, 1e-3)).chunk == MIN_CHUNK
-    assert StepClock(Speed("x", 0.0, 1e-3)).chunk == MAX_CHUNK
+    assert StepClock(Speed("x", 1.0, 1e-3, 1)).chunk == MIN_CHUNK
+    assert StepClock(Speed("x", 0.0, 1e-3, 1)).chunk == MAX_CHUNK
 
 
 def test_decode_steps_move_the_target_and_a_short_tail_is_ignored():
-    clock = StepClock(Speed("float32", 2e-3, 80e-3))
+    clock = StepClock(Speed("float32", 2e-3, 80e-3, 1))
     before = clock.chunk
     clock.observe(3, 100.0)                       # a short tail chunk: ignored
     assert clock.chunk == before
@@ -83,7 +90,7 @@ def test_decode_steps_move_the_target_and_a_short_tail_is_ignored():
 
 def test_probe_cache_survives_restarts_and_ignores_a_corrupt_file(tmp_path):
     path = tmp_path / "tuning.json"
-    speeds = [Speed("bfloat16", 1e-3, 2e-2), Speed("float32", 5e-4, 3e-2)]
+    speeds = [Speed("bfloat16", 1e-3, 2e-2, 2), Speed("float32", 5e-4, 3e-2, 1)]
     ProbeCache(path).put("host|model", speeds)
     assert ProbeCache(path).get("host|model") == speeds and ProbeCache(path).get("other") is None
     path.write_text("{not json")
@@ -94,13 +101,13 @@ def test_probe_cache_survives_restarts_and_ignores_a_corrupt_file(tmp_path):
 
 def test_concurrent_writers_leave_a_readable_cache(tmp_path):
     path = tmp_path / "tuning.json"
-    writers = [threading.Thread(target=ProbeCache(path).put, args=(f"k{i}", [Speed("float32", 1e-3, 1e-2)]))
+    writers = [threading.Thread(target=ProbeCache(path).put, args=(f"k{i}", [Speed("float32", 1e-3, 1e-2, 1)]))
                for i in range(8)]
     for writer in writers:
         writer.start()
     for writer in writers:
         writer.join()
-    assert ProbeCache(path).get("k0") in (None, [Speed("float32", 1e-3, 1e-2)])
+    assert ProbeCache(path).get("k0") in (None, [Speed("float32", 1e-3, 1e-2, 1)])
     assert isinstance(ProbeCache(path)._read(), dict) and ProbeCache(path)._read()
 
 

@@ -38,7 +38,7 @@ from .registry import ModelSpec, cache_dir, materialize, resolve
 from .request import GenerateRequest, _is_int
 from .settings import DTYPES, EngineSettings, check_max_memory, check_megabytes
 from .tuning import (CHUNK_DECODE_STEPS, GATED_CHUNK_DECODE_STEPS, MAX_CHUNK, ProbeCache, Speed, StepClock,
-                     fastest, host_signature, measure)
+                     fastest, host_signature, measure, thread_options)
 
 
 class PromptTooLong(ValueError):
@@ -160,8 +160,10 @@ class Engine:
 
     ``dtype``: one of ``settings.DTYPES`` or a torch dtype; "auto" (the default) measures bf16
     against float32 on CPU, once per host and model (cached), and keeps the faster.
-    ``num_threads`` sets torch's intra-op threads for the whole process; None: every core this
-    process may run on. Pass it deliberately: Ray sets OMP_NUM_THREADS=1 in actors.
+    ``num_threads`` fixes torch's intra-op threads for the whole process. None (the default):
+    the probe measures every core of ``thread_budget`` (None: every core this process may run
+    on) against half of them on CPU and keeps the faster; on a GPU the budget is used. Never
+    Ray's OMP_NUM_THREADS=1, which actors inherit.
     ``prefill_chunk`` fixes the prompt tokens per prefill forward pass; None (the default) sizes
     each chunk by the time it takes on this host (``tuning.StepClock``); the layer gate bounds
     how long a cancel waits within one.
@@ -181,6 +183,7 @@ class Engine:
         device: str | torch.device = "cpu",
         dtype: str | torch.dtype | None = "auto",
         num_threads: int | None = None,
+        thread_budget: int | None = None,
         prefill_chunk: int | None = None,
         kv_cache_mb: int | None = None,
         kv_offload_mb: int | None = None,
@@ -190,10 +193,12 @@ class Engine:
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError(f"device {device!r} requested, but CUDA is not available")
         self._dtype = _dtype_choice(dtype)
-        if num_threads is not None and (not _is_int(num_threads) or num_threads < 1):
-            raise ValueError(f"num_threads must be an int >= 1 or None, got {num_threads!r}")
-        self.threads = EngineSettings(threads=num_threads).resolved_threads()
-        torch.set_num_threads(self.threads)
+        for name, value in (("num_threads", num_threads), ("thread_budget", thread_budget)):
+            if value is not None and (not _is_int(value) or value < 1):
+                raise ValueError(f"{name} must be an int >= 1 or None, got {value!r}")
+        self.threads_fixed = num_threads is not None
+        self.thread_budget = num_threads or EngineSettings(threads=thread_budget).resolved_threads()
+        torch.set_num_threads(self.thread_budget)
         if prefill_chunk is not None and (not _is_int(prefill_chunk) or prefill_chunk < 1):
             raise ValueError(f"prefill_chunk must be an int >= 1 or None, got {prefill_chunk!r}")
         self.prefill_chunk = prefill_chunk
@@ -233,6 +238,7 @@ class Engine:
         was chosen on), threads, the current prefill chunk and step times."""
         loaded = self._loaded
         described = {"device": str(self.device), "threads": torch.get_num_threads(),
+                     "threads_setting": self.thread_budget if self.threads_fixed else f"auto, up to {self.thread_budget}",
                      "cpu_capability": torch.backends.cpu.get_cpu_capability(),
                      "dtype_setting": self._dtype if isinstance(self._dtype, str) else str(self._dtype)}
         if loaded is None:
@@ -353,23 +359,29 @@ class Engine:
 
     def _tune(self, loaded: _Loaded, folder: Any) -> None:
         """Measure the loaded model (once per host, model and setting; cached) and keep the
-        fastest dtype: on CPU with "auto", bf16 against float32; otherwise the dtype as loaded,
-        measured only to size prefill chunks."""
-        candidates = [loaded.dtype]
+        fastest dtype and thread count: on CPU with "auto", bf16 against float32, each with the
+        whole thread budget and with half of it unless threads are fixed; otherwise the dtype
+        as loaded, measured only to size prefill chunks."""
+        dtypes = [loaded.dtype]
         offloaded = self.max_memory is not None   # offloaded weights are not cast in place
         if self._dtype == "auto" and self.device.type == "cpu" and loaded.dtype != "float32" and not offloaded:
-            candidates.append("float32")
-        key = f"{host_signature(self.threads)}|{folder}|{'+'.join(candidates)}"
+            dtypes.append("float32")
+        threads = ([self.thread_budget] if self.threads_fixed or self.device.type != "cpu"
+                   else thread_options(self.thread_budget))
+        candidates = [(dtype, n) for dtype in dtypes for n in threads]
+        key = f"{host_signature()}|{folder}|{'+'.join(dtypes)}|threads {'+'.join(map(str, threads))}"
         speeds = self._probes.get(key)
-        if speeds is None or sorted(s.dtype for s in speeds) != sorted(candidates):
+        if speeds is None or sorted((s.dtype, s.threads) for s in speeds) != sorted(candidates):
             speeds = []
-            for dtype in candidates:
+            for dtype, n in candidates:
                 self._cast(loaded, dtype)
+                torch.set_num_threads(n)
                 speeds.append(measure(lambda ids, cache: _synced(_forward(loaded, ids, cache, self.device)),
-                                      len(loaded.vocabulary.tokenizer), dtype))
+                                      len(loaded.vocabulary.tokenizer), dtype, n))
             self._probes.put(key, speeds)
         best = fastest(speeds)
         self._cast(loaded, best.dtype)
+        torch.set_num_threads(best.threads)
         steps = GATED_CHUNK_DECODE_STEPS if loaded.gate is not None else CHUNK_DECODE_STEPS
         loaded.speeds, loaded.clock = speeds, StepClock(best, steps)
 
