@@ -510,8 +510,8 @@ def test_cancel_of_a_queued_and_a_running_job_frees_everything(live_runtime, lon
         plan = asyncio.ensure_future(agenerate("gana", "plan", model_id="tiny", max_new_tokens=long_tokens))
         waiting = await queued("gana")
         plan.cancel()                                   # queued: withdrawn
-        await asyncio.gather(plan, return_exceptions=True)   # (two at once may reach the scheduler
-        card.cancel()                                   # in either order) running: fenced, the device freed
+        await asyncio.gather(plan, return_exceptions=True)   # (two cancels at once reach it in either order)
+        card.cancel()                                   # running: fenced, the device freed
         await asyncio.gather(card, return_exceptions=True)
         chat = await asyncio.wait_for(agenerate("chat", "hi", model_id="tiny", max_new_tokens=4), 30)
         status = await idle_status()
