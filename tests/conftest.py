@@ -113,7 +113,7 @@ def runtime(make_runtime):
 
 #: How long a "long" run of `tiny` keeps the device busy: long enough that the test's next
 #: step (a chat, a kill, a flip) meets it running, with seconds to spare on a loaded host.
-LONG_RUN_S = 3.0
+LONG_RUN_S = 2.5
 #: tiny's context is 2048 tokens: room for the prompt.
 MAX_LONG_TOKENS = 1800
 

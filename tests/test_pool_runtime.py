@@ -19,13 +19,13 @@ SCENARIO = Path(__file__).parent / "pool_scenario.py"
 
 
 @pytest.fixture(scope="module")
-def pool_run(tmp_path_factory) -> dict:
+def pool_run(tmp_path_factory, long_tokens) -> dict:
     root = Path(__file__).parent.parent   # this checkout's uniun_ray, whatever is installed
     environ = os.environ | {"RAY_AUTH_MODE": "disabled", "PYTHONPATH": os.pathsep.join(
         [str(root), *filter(None, [os.environ.get("PYTHONPATH")])]),
         "UNIUN_STATE_DIR": str(tmp_path_factory.mktemp("pool-state"))}
     environ.pop("RAY_ADDRESS", None)
-    done = subprocess.run([sys.executable, str(SCENARIO)], capture_output=True, text=True, timeout=600,
+    done = subprocess.run([sys.executable, str(SCENARIO), str(long_tokens)], capture_output=True, text=True, timeout=600,
                           env=environ, cwd=root)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
     out = json.loads(done.stdout.strip().splitlines()[-1])
@@ -79,7 +79,7 @@ def test_a_chat_on_a_busy_pool_revokes_exactly_one_job(pool_run):
     (chat_start, _, chat_device), = runs(events, chat)
     assert chat_device == revokes[0]["device"]
     assert pool_run["chat"]["revokes"] == 0 and pool_run["chat"]["tokens"] == 16
-    assert pool_run["card"]["revokes"] == 1 and pool_run["card"]["tokens"] == 1500   # resumed, completed
+    assert pool_run["card"]["revokes"] == 1 and pool_run["card"]["tokens"] == pool_run["long"]  # resumed, completed
 
 
 def test_a_model_actor_killed_for_good_requeues_its_job_which_completes_on_the_other_device(pool_run):
@@ -91,7 +91,7 @@ def test_a_model_actor_killed_for_good_requeues_its_job_which_completes_on_the_o
     assert [e["device"] for e in removed] == [killed]
     lost = [e for e in events if e["ev"] == "finish" and e["job"] == second and e.get("requeued")]
     assert lost and lost[0]["device"] == killed
-    assert pool_run["second"]["tokens"] == 1500 and pool_run["second"]["text"]
+    assert pool_run["second"]["tokens"] == pool_run["long"] and pool_run["second"]["text"]
     # the seat it freed is still declared: the scheduler made a new ModelActor there
     assert [e["device"] for e in events if e["ev"] == "device" and e["change"] == "added"] == [killed]
     assert sorted(d["device"] for d in pool_run["healed"]["devices"]) == ["cpu0", "cpu1"]

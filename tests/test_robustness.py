@@ -461,13 +461,15 @@ def test_a_restarted_scheduler_fences_above_the_device_epoch(tmp_path):
 
 
 # -- on the actors (real Ray) ---------------------------------------------------------------------
-def test_a_newer_grant_stops_a_generation_still_running_under_an_older_lease():
+def test_a_newer_grant_stops_a_generation_still_running_under_an_older_lease(monkeypatch):
     """The ModelActor's fence, without Ray: a grant of a newer epoch stops the older run at
     its next token, and the older epoch is refused from then on."""
     from uniun_ray.models import GenerateRequest
     from uniun_ray.models.settings import EngineSettings
+    from uniun_ray.runtime import model_actor
     from uniun_ray.runtime.model_actor import ModelActor
 
+    monkeypatch.setattr(model_actor, "STREAM_INTERVAL_S", 0.0)   # every token as it comes
     async def go():
         model = ModelActor("cpu", EngineSettings(threads=1))
         await model.load("tiny")
@@ -480,10 +482,30 @@ def test_a_newer_grant_stops_a_generation_still_running_under_an_older_lease():
         with pytest.raises(LeaseRevoked, match="not current"):
             async for _ in model.generate(1, GenerateRequest(prompt="again", max_new_tokens=4)):
                 pass
-        return items[-1]["result"], await model.state()
-    result, state = asyncio.run(go())
-    assert result["finish_reason"] == "cancel" and len(result["token_ids"]) <= 6
+        return items[4]["tokens"], items[-1]["result"], await model.state()
+    at_grant, result, state = asyncio.run(go())
+    # out of 1,500: the token in flight, and any that piled up while the test took the 5th piece
+    assert result["finish_reason"] == "cancel" and len(result["token_ids"]) <= at_grant + 3
     assert state["epoch"] == 2 and state["generating"] == []
+
+
+def test_stream_pieces_batch_tokens_and_say_how_many_the_run_has_streamed():
+    """What piles up within the stream interval goes as one piece, each saying how many of the
+    run's tokens are out so far: a client that loses the run (the device died) resumes from
+    that count, not from the number of pieces."""
+    from uniun_ray.models import GenerateRequest
+    from uniun_ray.models.settings import EngineSettings
+    from uniun_ray.runtime.model_actor import ModelActor
+
+    async def go():
+        model = ModelActor("cpu", EngineSettings(threads=1))
+        await model.load("tiny")
+        await model.grant(1)
+        return [item async for item in model.generate(1, GenerateRequest(prompt="hello", max_new_tokens=400))]
+    *pieces, last = asyncio.run(go())
+    counts = [piece["tokens"] for piece in pieces]
+    assert counts == sorted(counts) and counts[-1] == len(last["result"]["token_ids"]) == 400
+    assert len(pieces) < 400 and "".join(p["piece"] for p in pieces) == last["result"]["text"]
 
 
 @pytest.mark.ray

@@ -91,7 +91,7 @@ def test_scenario_4_nataraj_page_preempts_gana_which_resumes_after(runtime, long
 
 
 def test_scenario_5_extract_backfill_is_held_to_its_share(make_runtime):
-    window = 8.0
+    window = 6.0
     make_runtime(PolicyConfig(window_s=window))
 
     async def go():

@@ -198,7 +198,8 @@ def _lookup_scheduler():
 
 
 async def _generation(model, lease: Lease, request: GenerateRequest) -> AsyncIterator[dict]:
-    """The ModelActor's stream for one lease: {"piece": text} items, then {"result": ...}. A
+    """The ModelActor's stream for one lease: {"piece": text, "tokens": n} items, then
+    {"result": ...}. A
     lease dispatched at the chat tier is revoked by nothing but its own cancel (R4), so its
     prompt is read without revoke-sized chunks."""
     revocable = lease.tier != Tier.CHAT
@@ -430,7 +431,7 @@ class GenerationStream:
         limit = self.request.max_new_tokens
         produced: tuple[int, ...] = ()   # token ids of the finished runs: an exact resume (R6)
         lossy = False                    # a run died with the device: resume from the text instead
-        count = 0                        # tokens produced (pieces, for a run the device lost)
+        count = 0                        # tokens produced (streamed, for a run the device lost)
         text, ttft = [], None
         prompt_tokens = tier = finish_reason = None
         prefills: list[dict] = []
@@ -440,13 +441,13 @@ class GenerationStream:
             async for turn in turns:
                 resume = {"resume_text": "".join(text)} if lossy else {"resume_tokens": produced}
                 request = replace(self.request, max_new_tokens=limit - count, **resume)
-                result, pieces = None, 0
+                result, streamed = None, 0
                 async with turn:
                     tier = turn.lease.tier if tier is None else tier
                     async for item in _generation(turn.model, turn.lease, request):
                         if "piece" in item:
                             text.append(item["piece"])
-                            pieces += 1
+                            streamed = item["tokens"]
                             yield item["piece"]
                             if ttft is None:
                                 ttft = time.perf_counter() - started
@@ -460,8 +461,8 @@ class GenerationStream:
                     prefills.append({key: result[key] for key in ("prompt_tokens", "cached_tokens", "prefill_s")})
                     if prompt_tokens is None:
                         prompt_tokens = result["prompt_tokens"]
-                elif pieces:
-                    lossy, count = True, count + pieces
+                elif streamed:
+                    lossy, count = True, count + streamed
                 if count >= limit:
                     turn.done()          # whatever stopped the run, nothing is left to produce
                 elif turn.outcome == "done" and (result is None or result["finish_reason"] == "cancel"):

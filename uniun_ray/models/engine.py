@@ -552,6 +552,9 @@ class Generation(Iterator[str]):
         revocable: bool = True,
     ) -> None:
         self.result: GenerationResult | None = None
+        #: Generated tokens whose text has been handed out so far: what a consumer that loses
+        #: the run (and `result`) has of it.
+        self.emitted_tokens = 0
         # A run nobody else can revoke (chat: only its own cancel stops it) reads its prompt in
         # as few forward passes as memory allows; chunks sized to one decode step are the price
         # of a quick revoke, and cost a CPU about half its prefill speed.
@@ -602,6 +605,7 @@ class Generation(Iterator[str]):
                     piece = stop_text.push(detokenizer.push(token))
                     if piece:
                         pieces.append(piece)
+                        self.emitted_tokens = len(detokenizer.committed)
                         yield piece
                 if stop_text.stopped:
                     ended = "stop"  # seen in the text at a token boundary the criterion had not

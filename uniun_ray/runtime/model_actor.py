@@ -124,7 +124,8 @@ class ModelActor:
         return await asyncio.to_thread(inspect_request, resolve(model_id), request)
 
     async def generate(self, epoch: int, request: GenerateRequest, revocable: bool = True):
-        """Stream {"piece": text} items, then one {"result": ...}. Call with
+        """Stream {"piece": text, "tokens": n} items (n: the run's tokens streamed so far, text
+        being a batch of them), then one {"result": ...}. Call with
         `.options(num_returns="streaming")`. `revocable=False` (a chat lease: only its own
         cancel stops it) reads the prompt in long chunks (see `Engine.generate`)."""
         if epoch != self._epoch or self._revoked:
@@ -139,7 +140,7 @@ class ModelActor:
         def pump() -> None:  # one thread runs the whole generation, handing pieces to the loop
             try:
                 for piece in generation:
-                    loop.call_soon_threadsafe(pieces.put_nowait, piece)
+                    loop.call_soon_threadsafe(pieces.put_nowait, (piece, generation.emitted_tokens))
             finally:
                 loop.call_soon_threadsafe(pieces.put_nowait, _END)
 
@@ -153,9 +154,9 @@ class ModelActor:
                 while not pieces.empty():
                     batch.append(pieces.get_nowait())
                 ended = batch[-1] is _END
-                text = "".join(batch[:-1] if ended else batch)
-                if text:
-                    yield {"piece": text}
+                batch = batch[:-1] if ended else batch
+                if batch:
+                    yield {"piece": "".join(text for text, _ in batch), "tokens": batch[-1][1]}
                     if not ended:
                         await asyncio.sleep(STREAM_INTERVAL_S)
             await pumping  # the model's exception, if it raised one
