@@ -15,7 +15,8 @@ import pytest
 
 os.environ["RAY_AUTH_MODE"] = "disabled"  # explicit, always (see README)
 # the scheduler's event log and other state go to a scratch dir, never the user's
-os.environ.setdefault("UNIUN_STATE_DIR", tempfile.mkdtemp(prefix="uniun-test-state-"))
+# (per process: each pytest-xdist worker has its own Ray cluster and its own log)
+os.environ["UNIUN_STATE_DIR"] = tempfile.mkdtemp(prefix="uniun-test-state-")
 sys.path.insert(0, str(Path(__file__).parent))
 
 

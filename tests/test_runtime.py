@@ -44,8 +44,8 @@ def test_scenario_1_chat_preempts_nataraj_within_one_token(runtime, long_tokens)
     assert len(stops) == 1 and stops[0] < 0.5              # stopped within a token boundary
 
 
-def test_scenario_2_two_ganas_alternate(make_runtime):
-    make_runtime(PolicyConfig())
+def test_scenario_2_two_ganas_alternate(make_runtime, tmp_path):
+    make_runtime(PolicyConfig(), event_log=str(tmp_path / "events.jsonl"))   # this test's runs only
 
     async def go():
         gate = asyncio.ensure_future(agenerate("chat", "hold", model_id="tiny", max_new_tokens=400))
@@ -58,8 +58,10 @@ def test_scenario_2_two_ganas_alternate(make_runtime):
     status = uniun_ray.status()
     producers = status["vruntime"]["producers"]["gana"]
     assert set(producers) == {"gana:A", "gana:B"}
-    # neither monopolises: their charged times stay within one job of each other
-    assert abs(producers["gana:A"] - producers["gana:B"]) < 1.0
+    # neither monopolises: their charged times stay within one job of each other (the longest
+    # run of a gana here: how long one takes depends on the host)
+    longest = max(run_lengths(read_events(status["event_log"]), kind="gana"))
+    assert abs(producers["gana:A"] - producers["gana:B"]) <= longest + 0.05, (producers, longest)
     assert len(ganas) == 6
 
 
@@ -90,9 +92,9 @@ def test_scenario_4_nataraj_page_preempts_gana_which_resumes_after(runtime, long
     assert gana.revokes == 1 and gana.tokens == long_tokens and card.revokes == 0
 
 
-def test_scenario_5_extract_backfill_is_held_to_its_share(make_runtime):
+def test_scenario_5_extract_backfill_is_held_to_its_share(make_runtime, tmp_path):
     window = 6.0
-    make_runtime(PolicyConfig(window_s=window))
+    make_runtime(PolicyConfig(window_s=window), event_log=str(tmp_path / "events.jsonl"))   # this test's runs only
 
     async def go():
         await agenerate("chat", "warm up", model_id="tiny", max_new_tokens=4)  # load outside the window
