@@ -114,7 +114,7 @@ def runtime(make_runtime):
 
 #: How long a "long" run of `tiny` keeps the device busy: long enough that the test's next
 #: step (a chat, a kill, a flip) meets it running, with seconds to spare on a loaded host.
-LONG_RUN_S = 2.5
+LONG_RUN_S = 2.0
 #: tiny's context is 2048 tokens: room for the prompt.
 MAX_LONG_TOKENS = 1800
 
@@ -122,7 +122,7 @@ MAX_LONG_TOKENS = 1800
 @pytest.fixture(scope="session")
 def long_tokens(ray_cluster) -> int:
     """max_new_tokens of `tiny` that take about ``LONG_RUN_S`` through the runtime on this host,
-    measured once per session (a warm-up run, then 200 tokens of a Nataraj streamed through
+    measured once per session (a warm-up run, then 150 tokens of a Nataraj streamed through
     a fresh runtime). A fixed count was wrong on every host: 1,800 tokens were 2 s where it was chosen
     and 8-15 s here, most of the suite's time spent finishing runs that had done their part.
     A host that gets busier later only makes the runs longer."""
@@ -135,8 +135,8 @@ def long_tokens(ray_cluster) -> int:
 
     async def per_token() -> float:   # from the first piece on: a lease's grant is not a token
         # the load, and a first run: the first hundreds of tokens after a load ran 3x slower
-        await agenerate("nataraj", "warm up", model_id="tiny", max_new_tokens=200)
-        stream, first = astream("nataraj", "a card", model_id="tiny", max_new_tokens=200), None
+        await agenerate("nataraj", "warm up", model_id="tiny", max_new_tokens=150)
+        stream, first = astream("nataraj", "a card", model_id="tiny", max_new_tokens=150), None
         async for _ in stream:
             first = first or time.perf_counter()
         return (time.perf_counter() - first) / (stream.completion.tokens - 1)
