@@ -8,7 +8,10 @@
 - chat TTFT with the device idle vs while Nataraj generates (smollm2, submit to first piece);
 - control-plane cost per job (submit + grant + release, `run` with empty work) next to a
   bare actor call;
-- embedding throughput with one caller vs two (the actor's max_concurrency=2).
+- embedding throughput with one caller vs two (the actor's max_concurrency=2);
+- with --stream-only: a fast model's stream, 1,800 tokens of `tiny` through the runtime (per
+  token from the first piece on, and how many pieces carried them) against the bare engine
+  in this process, with the same cluster beside it.
 
 Prints a markdown table; numbers are medians (p50) and p99/max where noted.
 """
@@ -26,7 +29,7 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
 import ray  # noqa: E402
 
-from uniun_ray.client import agenerate, arun, await_generating  # noqa: E402
+from uniun_ray.client import agenerate, arun, astream, await_generating  # noqa: E402
 from uniun_ray.runtime.launch import local_cluster, start  # noqa: E402
 
 CHAT = "smollm2-135m-instruct"
@@ -74,6 +77,37 @@ async def control_plane(h, n: int = 300, warmup: int = 20) -> dict:
     busy = await checks(50)
     await card
     return {"control": control, "bare": bare, "check_idle": idle, "check_busy": busy}
+
+
+async def stream(h, tokens: int = 1800, repeat: int = 3) -> dict:
+    await agenerate("nataraj", "warm up", model_id="tiny", max_new_tokens=200)  # the load, a first run
+    runs = []
+    for _ in range(repeat):
+        generation, first, pieces = astream("nataraj", "a card", model_id="tiny", max_new_tokens=tokens), None, 0
+        async for _ in generation:
+            first, pieces = first or time.perf_counter(), pieces + 1
+        runs.append(((time.perf_counter() - first) / (generation.completion.tokens - 1), pieces))
+    engine = (await h.model.state.remote())["engine"]
+    return {"runtime": runs, "runtime_engine": f"{engine['dtype']}, {engine['threads']} threads"}
+
+
+def bare_stream(tokens: int = 1800, repeat: int = 3) -> dict:
+    import threading
+
+    from uniun_ray.models.engine import Engine
+    from uniun_ray.models.request import GenerateRequest
+
+    engine = Engine()
+    engine.load("tiny")
+    runs = []
+    for trial in range(repeat + 1):
+        generation, first = engine.generate(GenerateRequest(prompt="a card", max_new_tokens=tokens), threading.Event()), None
+        for _ in generation:
+            first = first or time.perf_counter()
+        if trial:  # the first is the warm-up run
+            runs.append((time.perf_counter() - first) / (generation.result.tokens - 1))
+    described = engine.describe()
+    return {"bare": runs, "bare_engine": f"{described['dtype']}, {described['threads']} threads"}
 
 
 def host() -> str:
@@ -132,13 +166,26 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--control-only", action="store_true", help="only the control plane against a bare call")
+    ap.add_argument("--stream-only", action="store_true", help="only a fast model's stream against the bare engine")
     args = ap.parse_args()
     with local_cluster():
         h = start()
-        r = asyncio.run(control_plane(h) if args.control_only else measure(h, args.repeat))
+        if args.stream_only:
+            r = asyncio.run(stream(h, repeat=args.repeat)) | bare_stream(repeat=args.repeat)
+        else:
+            r = asyncio.run(control_plane(h) if args.control_only else measure(h, args.repeat))
     print(f"{host()}, CPU only; --repeat {args.repeat}\n")
     print("| measurement | result |")
     print("|---|---|")
+    if args.stream_only:
+        per_token = [t for t, _ in r["runtime"]]
+        print(f"| 1,800 tokens of tiny through the runtime ({r['runtime_engine']}): ms/token p50 / max | "
+              f"{statistics.median(per_token) * 1e3:.2f} / {max(per_token) * 1e3:.2f} "
+              f"({statistics.median(p for _, p in r['runtime']):.0f} pieces) |")
+        print(f"| the same, bare engine in this process ({r['bare_engine']}): ms/token p50 / max | "
+              f"{statistics.median(r['bare']) * 1e3:.2f} / {max(r['bare']) * 1e3:.2f} |")
+        print(f"| runtime / bare (p50) | {statistics.median(per_token) / statistics.median(r['bare']):.2f}x |")
+        return
     ratio = pct(r["control"], .5) / pct(r["bare"], .5)
     if args.control_only:
         print(f"| control plane per job: submit+grant+release (p50 / p99, n={len(r['control'])}) | "
