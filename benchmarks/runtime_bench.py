@@ -88,7 +88,7 @@ async def stream(h, tokens: int = 1800, repeat: int = 3) -> dict:
             first, pieces = first or time.perf_counter(), pieces + 1
         runs.append(((time.perf_counter() - first) / (generation.completion.tokens - 1), pieces))
     engine = (await h.model.state.remote())["engine"]
-    return {"runtime": runs, "runtime_engine": f"{engine['dtype']}, {engine['threads']} threads"}
+    return {"runtime": runs, "runtime_engine": f"{engine['dtype']}, {engine['threads']} thread(s)"}
 
 
 def bare_stream(tokens: int = 1800, repeat: int = 3) -> dict:
@@ -107,7 +107,7 @@ def bare_stream(tokens: int = 1800, repeat: int = 3) -> dict:
         if trial:  # the first is the warm-up run
             runs.append((time.perf_counter() - first) / (generation.result.tokens - 1))
     described = engine.describe()
-    return {"bare": runs, "bare_engine": f"{described['dtype']}, {described['threads']} threads"}
+    return {"bare": runs, "bare_engine": f"{described['dtype']}, {described['threads']} thread(s)"}
 
 
 def host() -> str:
