@@ -199,9 +199,8 @@ def _lookup_scheduler():
 
 async def _generation(model, lease: Lease, request: GenerateRequest) -> AsyncIterator[dict]:
     """The ModelActor's stream for one lease: {"piece": text, "tokens": n} items, then
-    {"result": ...}. A
-    lease dispatched at the chat tier is revoked by nothing but its own cancel (R4), so its
-    prompt is read without revoke-sized chunks."""
+    {"result": ...}. A lease dispatched at the chat tier is revoked by nothing but its own
+    cancel (R4), so its prompt is read without revoke-sized chunks."""
     revocable = lease.tier != Tier.CHAT
     async for ref in model.generate.options(num_returns="streaming").remote(lease.epoch, request, revocable):
         yield await ref

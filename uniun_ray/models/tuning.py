@@ -4,8 +4,8 @@ Hosts differ more than a default can cover. On an AVX-512 machine bfloat16 decod
 1.6x faster than float32; on an AVX2-only one bf16 took ~500 ms for a 33-token prompt against
 ~180 ms in float32. So on CPU the engine measures both once per host and model (a short prefill
 and a few decode steps; cached in ``tuning.json`` beside the converted models), each with every
-core it may use and with half of them, and keeps the fastest pair. Mixed precision (bf16 decode, fp32 prefill) would need two copies of the weights and is
-not offered.
+core it may use and with half of them, and keeps the fastest pair. Mixed precision (bf16 decode,
+fp32 prefill) would need two copies of the weights and is not offered.
 
 A revoke is honoured before the next forward pass, so a prefill chunk bounds how long it waits.
 A fixed token count is wrong on every host but the one it was tuned on (256 tokens: 0.35 s
