@@ -15,7 +15,7 @@ import pytest
 
 os.environ["RAY_AUTH_MODE"] = "disabled"  # explicit, always (see README)
 # the scheduler's event log and other state go to a scratch dir, never the user's
-# (per process: each pytest-xdist worker has its own Ray cluster and its own log)
+# (a fresh one per pytest process, even where the user has set UNIUN_STATE_DIR)
 os.environ["UNIUN_STATE_DIR"] = tempfile.mkdtemp(prefix="uniun-test-state-")
 sys.path.insert(0, str(Path(__file__).parent))
 
