@@ -186,6 +186,28 @@ def test_conversion_is_cached_as_safetensors(tiny_cache, monkeypatch):
     assert load_s < 3.0, f"load from the cache took {load_s:.2f} s (conversion took {tiny_cache['conversion_s']:.1f} s)"
 
 
+def test_a_conversion_parses_its_gguf_once(tmp_path, monkeypatch):
+    """transformers reads the GGUF three times (tokenizer, config, weights); one parse serves
+    them all, and `gguf.GGUFReader` is the library's own again afterwards."""
+    import gguf
+
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path))
+    parses = []
+
+    class CountingReader(gguf.GGUFReader):
+        def __init__(self, path, mode="r"):
+            parses.append(str(path))
+            super().__init__(path, mode)
+
+    monkeypatch.setattr(gguf, "GGUFReader", CountingReader)
+    folder = materialize(resolve("tiny"))
+    assert len(parses) == 1, parses
+    assert gguf.GGUFReader is CountingReader
+    fresh = Engine(device=DEVICE, dtype="float32")
+    fresh.load("tiny")
+    assert folder == tmp_path / "tiny" and fresh.loaded == "tiny"
+
+
 @pytest.fixture
 def fake_conversion(tmp_path, monkeypatch):
     """An empty cache and a stand-in converter that is slow and counts its calls."""
