@@ -50,13 +50,28 @@ def tiny_cache(tmp_path_factory):
     Module-scoped, not session-scoped: the environment variable must not leak into the Ray
     tests that run later in the same session (their workers inherit it).
     """
+    import gguf
+
     root = tmp_path_factory.mktemp("uniun-cache")
     previous = os.environ.get(CACHE_ENV)
     os.environ[CACHE_ENV] = str(root)
-    started = time.perf_counter()
-    folder = materialize(resolve("tiny"))
-    conversion_s = time.perf_counter() - started
-    yield {"root": root, "tiny": folder, "conversion_s": conversion_s}
+    parses, library_reader = [], gguf.GGUFReader
+
+    class CountingReader(library_reader):
+        def __init__(self, path, mode="r"):
+            parses.append(str(path))
+            super().__init__(path, mode)
+
+    gguf.GGUFReader = CountingReader
+    try:
+        started = time.perf_counter()
+        folder = materialize(resolve("tiny"))
+        conversion_s = time.perf_counter() - started
+        reader_after = gguf.GGUFReader
+    finally:
+        gguf.GGUFReader = library_reader
+    yield {"root": root, "tiny": folder, "conversion_s": conversion_s, "gguf_parses": parses,
+           "reader_after": reader_after, "counting_reader": CountingReader}
     if previous is None:
         del os.environ[CACHE_ENV]
     else:
@@ -118,6 +133,18 @@ def test_known_ids_are_embedded_ggufs():
             assert (Path(spec.source) / spec.gguf_file).is_file()
     assert resolve(DEFAULT_CHAT_MODEL).chat is True
     assert resolve("gemma-3-270m").chat is False
+
+
+def test_an_assembled_model_is_written_as_one_gguf_from_its_parts(tmp_path):
+    """Gemma ships in part packages; its GGUF is assembled for the conversion (which the suite
+    does not run: ~50 s on a cold cache; `benchmarks/engine_bench.py` does)."""
+    spec = resolve("gemma-3-270m")
+    assert spec.assembled_by is not None
+    path = registry._gguf_path(spec, scratch=tmp_path)
+    assert path.parent == tmp_path and path.name == spec.gguf_file
+    with open(path, "rb") as gguf:
+        assert gguf.read(4) == b"GGUF"
+    assert path.stat().st_size > 100 * 2**20
 
 
 @pytest.mark.parametrize("model_id", ["no-such-model", "nobody-here/no-such-repo", "/no/such/folder", ""])
@@ -186,26 +213,11 @@ def test_conversion_is_cached_as_safetensors(tiny_cache, monkeypatch):
     assert load_s < 3.0, f"load from the cache took {load_s:.2f} s (conversion took {tiny_cache['conversion_s']:.1f} s)"
 
 
-def test_a_conversion_parses_its_gguf_once(tmp_path, monkeypatch):
+def test_a_conversion_parses_its_gguf_once(tiny_cache):
     """transformers reads the GGUF three times (tokenizer, config, weights); one parse serves
-    them all, and `gguf.GGUFReader` is the library's own again afterwards."""
-    import gguf
-
-    monkeypatch.setenv(CACHE_ENV, str(tmp_path))
-    parses = []
-
-    class CountingReader(gguf.GGUFReader):
-        def __init__(self, path, mode="r"):
-            parses.append(str(path))
-            super().__init__(path, mode)
-
-    monkeypatch.setattr(gguf, "GGUFReader", CountingReader)
-    folder = materialize(resolve("tiny"))
-    assert len(parses) == 1, parses
-    assert gguf.GGUFReader is CountingReader
-    fresh = Engine(device=DEVICE, dtype="float32")
-    fresh.load("tiny")
-    assert folder == tmp_path / "tiny" and fresh.loaded == "tiny"
+    them all, and `gguf.GGUFReader` is the one it was before the conversion afterwards."""
+    assert len(tiny_cache["gguf_parses"]) == 1, tiny_cache["gguf_parses"]
+    assert tiny_cache["reader_after"] is tiny_cache["counting_reader"]
 
 
 @pytest.fixture

@@ -35,7 +35,9 @@ def prompts(turns: int) -> list[str]:
 
 async def measure(turns: int, deck: int, card_tokens: int, chat_tokens: int, http_url: str | None = None) -> dict:
     await agenerate("chat", "warm up", max_new_tokens=2)   # the first load is not what we measure
-    idle = [(await agenerate("chat", prompt, max_new_tokens=chat_tokens)).ttft_s for prompt in prompts(turns)]
+    idle_runs = [await agenerate("chat", prompt, max_new_tokens=chat_tokens) for prompt in prompts(turns)]
+    idle = [done.ttft_s for done in idle_runs]
+    idle_prefill = [done.prefills[0]["prefill_s"] for done in idle_runs]
     producer = spawn_producer("nataraj", "demo", deck_size=deck, max_new_tokens=card_tokens)
     await producer.open_page.remote()                      # the user is on the deck page
     busy = []
@@ -53,7 +55,7 @@ async def measure(turns: int, deck: int, card_tokens: int, chat_tokens: int, htt
         state = await producer.state.remote()
     finally:
         await producer.stop.remote()
-    return {"idle": idle, "busy": busy, "nataraj": state, "card": card, "http": http}
+    return {"idle": idle, "idle_prefill": idle_prefill, "busy": busy, "nataraj": state, "card": card, "http": http}
 
 
 def bare_engine(turns: int, chat_tokens: int) -> dict:
@@ -68,18 +70,19 @@ def bare_engine(turns: int, chat_tokens: int) -> dict:
     engine = Engine(dtype=settings.dtype, num_threads=settings.threads, kv_cache_mb=settings.kv_cache_mb,
                     kv_offload_mb=settings.kv_offload_mb)
     engine.load(DEFAULT_CHAT_MODEL)
-    ttfts = []
+    ttfts, prefills = [], []
     for prompt in ["warm up"] + prompts(turns):
         generation = engine.generate(GenerateRequest(prompt=prompt, max_new_tokens=chat_tokens),
                                      cancel=threading.Event(), revocable=False)   # as a chat lease runs
         for _piece in generation:
             pass
         ttfts.append(generation.result.ttft_s)
+        prefills.append(generation.result.prefill_s)
     described = engine.describe()
     engine.unload()
     del engine
     gc.collect()
-    return {"ttft": ttfts[1:], "engine": described}
+    return {"ttft": ttfts[1:], "prefill": prefills[1:], "engine": described}
 
 
 def simulated_two_lane() -> dict[str, float]:
@@ -137,6 +140,10 @@ def main(argv: list[str] | None = None) -> None:
     print(f"chat TTFT, bare engine (no Ray):      {show(bare['ttft'])}   best {min(bare['ttft']):.2f} s")
     print(f"chat TTFT, device idle:               {show(r['idle'])}   "
           f"{statistics.median(r['idle']) / min(bare['ttft']):.2f}x the bare best (goal <= 1.3x)")
+    model_s, bare_model_s = statistics.median(r["idle_prefill"]), statistics.median(bare["prefill"])
+    print(f"  of which the model's prefill:      p50 {model_s * 1000:4.0f} ms in the ModelActor, "
+          f"{bare_model_s * 1000:.0f} ms bare; the rest (check, queue, lease, stream) "
+          f"p50 {statistics.median(t - m for t, m in zip(r['idle'], r['idle_prefill'])) * 1000:.0f} ms")
     if r["busy"]:
         extra = statistics.median(r["busy"]) - statistics.median(r["idle"])
         print(f"chat TTFT, while Nataraj fills:       {show(r['busy'])}   +{extra * 1000:.0f} ms over idle "
