@@ -32,6 +32,53 @@ def ray_cluster():
         yield ray
 
 
+# -- scenarios on private clusters, started with the session -----------------------------------
+_SCENARIOS = pytest.StashKey[dict]()
+
+
+def pytest_collection_modifyitems(items) -> None:
+    """Tests without Ray first (otherwise in their order): the scenarios run beside them."""
+    items.sort(key=lambda item: item.get_closest_marker("ray") is not None)
+
+
+def pytest_collection_finish(session) -> None:
+    """Start every scenario a selected test reads (`@pytest.mark.scenario(name)`; its module's
+    `launch(name)` starts the subprocess) now, at once. Each needs a private cluster with other
+    resources than the session's; each is mostly waiting (a cluster starting, actors importing
+    torch), and while the Ray-free tests keep one core busy the other is free: one after the
+    other, in their modules, they took ~85 s of the suite."""
+    running = session.stash.setdefault(_SCENARIOS, {})
+    for item in session.items:
+        for mark in item.iter_markers("scenario"):
+            if mark.args[0] not in running:
+                running[mark.args[0]] = item.module.launch(mark.args[0])
+
+
+@pytest.fixture(scope="session")
+def scenario_result(request):
+    """`scenario_result(name)`: the JSON object a scenario printed last, once it exits 0."""
+    import json
+    import subprocess
+
+    running, results = request.session.stash.get(_SCENARIOS, {}), {}
+
+    def result(name: str) -> dict:
+        if name not in results:
+            try:
+                stdout, stderr = running[name].communicate(timeout=600)
+            except subprocess.TimeoutExpired:
+                running[name].kill()
+                raise
+            assert running[name].returncode == 0, stdout[-2000:] + stderr[-4000:]
+            results[name] = json.loads(stdout.strip().splitlines()[-1])
+        return results[name]
+    yield result
+    for process in running.values():
+        if process.poll() is None:
+            process.kill()
+            process.communicate()
+
+
 def _kill_and_wait(ray, name: str) -> None:
     """Kill the named actor for good and wait until its name is free again."""
     import time
@@ -112,42 +159,23 @@ def runtime(make_runtime):
     return make_runtime()
 
 
-#: How long a "long" run of `tiny` keeps the device busy: long enough that the test's next
-#: step (a chat, a kill, a flip) meets it running, with seconds to spare on a loaded host.
-LONG_RUN_S = 2.0
-#: tiny's context is 2048 tokens: room for the prompt.
-MAX_LONG_TOKENS = 1800
-
-
 @pytest.fixture(scope="session")
 def long_tokens(ray_cluster) -> int:
-    """max_new_tokens of `tiny` that take about ``LONG_RUN_S`` through the runtime on this host,
-    measured once per session (a warm-up run, then 150 tokens of a Nataraj streamed through
-    a fresh runtime). A fixed count was wrong on every host: 1,800 tokens were 2 s where it was chosen
-    and 8-15 s here, most of the suite's time spent finishing runs that had done their part.
-    A host that gets busier later only makes the runs longer."""
-    import time
+    """max_new_tokens of `tiny` that keep the device busy ~2 s (`long_run`), measured once per
+    session through a fresh runtime."""
+    from long_run import long_tokens_at, tiny_seconds_per_token
 
-    from uniun_ray.client import agenerate, astream
     from uniun_ray.policy import PolicyConfig
     from uniun_ray.runtime.launch import start
     from uniun_ray.runtime.service import RuntimeConfig
 
-    async def per_token() -> float:   # from the first piece on: a lease's grant is not a token
-        # the load, and a first run: the first hundreds of tokens after a load ran 3x slower
-        await agenerate("nataraj", "warm up", model_id="tiny", max_new_tokens=150)
-        stream, first = astream("nataraj", "a card", model_id="tiny", max_new_tokens=150), None
-        async for _ in stream:
-            first = first or time.perf_counter()
-        return (time.perf_counter() - first) / (stream.completion.tokens - 1)
-
     reset_uniun_actors(ray_cluster)
     start(RuntimeConfig(PolicyConfig()))
     try:
-        seconds = asyncio.run(per_token())
+        seconds = asyncio.run(tiny_seconds_per_token())
     finally:
         reset_uniun_actors(ray_cluster)
-    tokens = min(MAX_LONG_TOKENS, int(LONG_RUN_S / seconds))
+    tokens = long_tokens_at(seconds)
     _MEASURED.append(f"tiny through the runtime: {seconds * 1e3:.2f} ms/token; a long run is {tokens} tokens")
     return tokens
 

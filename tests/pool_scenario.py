@@ -1,7 +1,7 @@
 """The pool of devices on a real, private local Ray with two stand-in devices (run by
 tests/test_pool_runtime.py in a subprocess: the session's cluster declares one device).
 
-    python tests/pool_scenario.py [LONG_TOKENS]
+    python tests/pool_scenario.py
 
 Real models on both devices: `tiny` and `smollm2-135m-instruct`. In order:
 1. a Gana holds `model:cpuX` with smollm2 while a Nataraj generates with tiny on the other
@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import sys
 import time
 
 import ray
@@ -28,10 +27,7 @@ from uniun_ray.runtime.launch import local_cluster, start
 from uniun_ray.runtime.protocol import NAMESPACE, model_actor_name
 from uniun_ray.runtime.service import RuntimeConfig
 
-#: tiny tokens: seconds of work, long enough to be revoked or killed mid-way. The test passes
-#: the session's measured count (conftest `long_tokens`).
-LONG = int(sys.argv[1]) if len(sys.argv) > 1 else 1500
-
+from long_run import long_tokens_at, tiny_seconds_per_token
 
 def completion(c) -> dict:
     return {"job": c.job_id, "tokens": c.tokens, "revokes": c.revokes, "text": bool(c.text.strip())}
@@ -44,7 +40,9 @@ async def generating(kind: str) -> dict:
 
 
 async def scenario() -> dict:
-    out, began = {"phases_s": {}, "long": LONG}, time.monotonic()
+    # tiny tokens that take seconds here, long enough to be revoked or killed mid-way
+    long = long_tokens_at(await tiny_seconds_per_token())
+    out, began = {"phases_s": {}, "long": long}, time.monotonic()
 
     def phase(name: str) -> None:   # for the report: where this slow test spends its time
         out["phases_s"][name] = round(time.monotonic() - began, 1)
@@ -57,7 +55,7 @@ async def scenario() -> dict:
 
     gana = asyncio.ensure_future(arun("gana", "smollm2-135m-instruct", hold, producer="gana:g"))
     await generating("gana")
-    card = asyncio.ensure_future(agenerate("nataraj", "a card", model_id="tiny", max_new_tokens=LONG))
+    card = asyncio.ensure_future(agenerate("nataraj", "a card", model_id="tiny", max_new_tokens=long))
     await generating("nataraj")
     out["both_busy"] = await astatus()
     phase("both busy")
@@ -67,7 +65,7 @@ async def scenario() -> dict:
     out["gana_device"] = await gana
     phase("chat served, card resumed and done")
 
-    second = asyncio.ensure_future(agenerate("nataraj", "another card", model_id="tiny", max_new_tokens=LONG))
+    second = asyncio.ensure_future(agenerate("nataraj", "another card", model_id="tiny", max_new_tokens=long))
     victim = (await generating("nataraj"))["device"]
     ray.kill(ray.get_actor(model_actor_name(victim), namespace=NAMESPACE), no_restart=True)
     out["killed"], out["second"] = victim, completion(await asyncio.wait_for(second, 120))

@@ -85,45 +85,21 @@ SCENARIOS = {
 }
 
 
-def _launch(num_gpus: int = 0, then_hold_gpus: int = 0, env: dict | None = None) -> subprocess.Popen:
-    environ = os.environ | {"UNIUN_TORCH_DEVICE": "cpu", "RAY_AUTH_MODE": "disabled"} | (env or {})
+def launch(name: str) -> subprocess.Popen:
+    """Start the scenario `name` (conftest starts it with the session)."""
+    settings = SCENARIOS[name]
+    environ = os.environ | {"UNIUN_TORCH_DEVICE": "cpu", "RAY_AUTH_MODE": "disabled"} | settings.get("env", {})
     environ.pop("RAY_ADDRESS", None)
     return subprocess.Popen([sys.executable, str(SCENARIO), json.dumps(
-        {"num_gpus": num_gpus, "resources": {}, "then_hold_gpus": then_hold_gpus})],
+        {"num_gpus": settings.get("num_gpus", 0), "resources": {}, "then_hold_gpus": settings.get("then_hold_gpus", 0)})],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=environ, cwd=Path(__file__).parent.parent)
-
-
-@pytest.fixture(scope="module")
-def scenarios(request):
-    """The scenarios the selected tests read, started all at once: each is mostly waiting (a
-    cluster starting, actors importing torch), and one after the other they took ~80 s."""
-    wanted = {mark.args[0] for item in request.session.items if item.module is request.module
-              for mark in item.iter_markers("scenario")}
-    running = {name: _launch(**SCENARIOS[name]) for name in wanted}
-    results: dict[str, dict] = {}
-
-    def result(name: str) -> dict:
-        if name not in results:
-            try:
-                stdout, stderr = running[name].communicate(timeout=600)
-            except subprocess.TimeoutExpired:
-                running[name].kill()
-                raise
-            assert running[name].returncode == 0, stdout[-2000:] + stderr[-4000:]
-            results[name] = json.loads(stdout.strip().splitlines()[-1])
-        return results[name]
-    yield result
-    for process in running.values():
-        if process.poll() is None:
-            process.kill()
-            process.communicate()
 
 
 @pytest.mark.ray
 @pytest.mark.slow
 @pytest.mark.scenario("plain ray start")
-def test_a_plain_ray_start_places_everything_on_the_cpu_and_the_embedder_concurrency_is_a_setting(scenarios):
-    placed = scenarios("plain ray start")
+def test_a_plain_ray_start_places_everything_on_the_cpu_and_the_embedder_concurrency_is_a_setting(scenario_result):
+    placed = scenario_result("plain ray start")
     assert placed["model"] == {"device": "cpu", "resources": {}}
     assert placed["embedder"]["device"] == "cpu" and placed["embedder"]["resources"] == {}
     assert placed["embedder"]["peak_in_flight"] == 3              # 12 callers, at most 3 at once
@@ -132,8 +108,8 @@ def test_a_plain_ray_start_places_everything_on_the_cpu_and_the_embedder_concurr
 @pytest.mark.ray
 @pytest.mark.slow
 @pytest.mark.scenario("one gpu, then taken")
-def test_one_gpu_takes_the_model_the_embedder_stays_on_the_cpu_and_a_taken_gpu_fails_fast(scenarios):
-    placed = scenarios("one gpu, then taken")
+def test_one_gpu_takes_the_model_the_embedder_stays_on_the_cpu_and_a_taken_gpu_fails_fast(scenario_result):
+    placed = scenario_result("one gpu, then taken")
     assert placed["model"]["resources"] == {"GPU": 1.0} and placed["model"]["device"] == "cpu"  # forced
     assert placed["embedder"]["resources"] == {} and placed["embedder"]["peak_in_flight"] == 2  # the default
     # then another job holds the GPU: start() refuses at once, naming it, instead of waiting for ever

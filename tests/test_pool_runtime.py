@@ -5,31 +5,36 @@ cluster in a subprocess (`pool_scenario.py`), shared by the tests of this module
 session's cluster declares one device and stays so."""
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.ray
+pytestmark = [pytest.mark.ray, pytest.mark.scenario("pool")]
 
 SCENARIO = Path(__file__).parent / "pool_scenario.py"
 
 
-@pytest.fixture(scope="module")
-def pool_run(tmp_path_factory, long_tokens) -> dict:
+def launch(name: str) -> subprocess.Popen:
+    """Start the pool scenario (conftest starts it with the session); its state (the event
+    log) goes to a scratch dir of its own."""
     root = Path(__file__).parent.parent   # this checkout's uniun_ray, whatever is installed
     environ = os.environ | {"RAY_AUTH_MODE": "disabled", "PYTHONPATH": os.pathsep.join(
         [str(root), *filter(None, [os.environ.get("PYTHONPATH")])]),
-        "UNIUN_STATE_DIR": str(tmp_path_factory.mktemp("pool-state"))}
+        "UNIUN_STATE_DIR": tempfile.mkdtemp(prefix="uniun-pool-state-")}
     environ.pop("RAY_ADDRESS", None)
-    done = subprocess.run([sys.executable, str(SCENARIO), str(long_tokens)], capture_output=True, text=True, timeout=600,
-                          env=environ, cwd=root)
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
-    out = json.loads(done.stdout.strip().splitlines()[-1])
-    print(f"pool scenario: actors up in {out['start_s']:.1f}s, then {out['phases_s']}")
+    return subprocess.Popen([sys.executable, str(SCENARIO)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=environ, cwd=root)
+
+
+@pytest.fixture(scope="module")
+def pool_run(scenario_result) -> dict:
+    out = scenario_result("pool")
+    print(f"pool scenario: actors up in {out['start_s']:.1f}s, a long run is {out['long']} tokens, "
+          f"then {out['phases_s']}")
     return out
 
 
@@ -47,8 +52,12 @@ def runs(events: list[dict], job: str) -> list[tuple[float, float, str]]:
     return out
 
 
-def job_of(events: list[dict], kind: str, n: int = 0) -> str:
-    return [e["job"] for e in events if e["ev"] == "submit" and e["kind"] == kind][n]
+def job_of(events: list[dict], kind: str) -> str:
+    """The one job of `kind` (the scenario's Natarajs are named by its completions: the long
+    run's measurement submits Natarajs too)."""
+    jobs = [e["job"] for e in events if e["ev"] == "submit" and e["kind"] == kind]
+    assert len(jobs) == 1, jobs
+    return jobs[0]
 
 
 def test_two_jobs_on_two_models_run_at_the_same_time_on_two_devices(pool_run):
@@ -62,7 +71,7 @@ def test_two_jobs_on_two_models_run_at_the_same_time_on_two_devices(pool_run):
                for d in busy), [d["engine"] for d in busy]
     events = pool_run["events"]
     (g_start, g_end, g_device), = runs(events, job_of(events, "gana"))
-    n_start, n_end, n_device = runs(events, job_of(events, "nataraj"))[0]
+    n_start, n_end, n_device = runs(events, pool_run["card"]["job"])[0]
     assert g_device != n_device and n_start < g_end and g_start < n_end     # the log shows the overlap
     assert pool_run["gana_device"] == g_device
     assert pool_run["model_actors"] == ["model:cpu0", "model:cpu1"]
@@ -74,7 +83,7 @@ def test_a_chat_on_a_busy_pool_revokes_exactly_one_job(pool_run):
     asked = next(e["t"] for e in events if e["ev"] == "submit" and e["job"] == chat)
     answered = next(e["t"] for e in events if e["ev"] == "finish" and e["job"] == chat)
     revokes = [e for e in events if e["ev"] == "revoke" and asked <= e["t"] <= answered]
-    card = job_of(events, "nataraj")
+    card = pool_run["card"]["job"]
     assert [(e["job"], e["cause"]) for e in revokes] == [(card, "arrival")]  # the one holding tiny (R18)
     (chat_start, _, chat_device), = runs(events, chat)
     assert chat_device == revokes[0]["device"]
@@ -84,7 +93,7 @@ def test_a_chat_on_a_busy_pool_revokes_exactly_one_job(pool_run):
 
 def test_a_model_actor_killed_for_good_requeues_its_job_which_completes_on_the_other_device(pool_run):
     events, killed = pool_run["events"], pool_run["killed"]
-    second = job_of(events, "nataraj", 1)
+    second = pool_run["second"]["job"]
     *_, (_, _, last_device) = runs(events, second)
     assert runs(events, second)[0][2] == killed and last_device != killed
     removed = [e for e in events if e["ev"] == "device" and e["change"] == "removed"]

@@ -1,0 +1,31 @@
+"""How many tokens of `tiny` keep a device busy for a while on this host, measured through the
+runtime (the session's cluster, or a scenario's private one). A fixed count was wrong on every
+host: 1,800 tokens were 2 s where it was chosen and 8-15 s on a slower one, most of the suite's
+time spent finishing runs that had done their part. A host that gets busier later only makes
+the runs longer."""
+from __future__ import annotations
+
+import time
+
+#: How long a "long" run keeps the device busy: long enough that a test's next step (a chat, a
+#: kill, a flip) meets it running, with seconds to spare on a loaded host.
+LONG_RUN_S = 2.0
+#: tiny's context is 2048 tokens: room for the prompt.
+MAX_LONG_TOKENS = 1800
+
+
+async def tiny_seconds_per_token() -> float:
+    """Seconds per token of a Nataraj on `tiny`, streamed through the running runtime, from
+    its first piece on (a lease's grant is not a token), after a warm-up run: the first
+    hundreds of tokens after a load ran 3x slower."""
+    from uniun_ray.client import agenerate, astream
+
+    await agenerate("nataraj", "warm up", model_id="tiny", max_new_tokens=150)
+    stream, first = astream("nataraj", "a card", model_id="tiny", max_new_tokens=150), None
+    async for _ in stream:
+        first = first or time.perf_counter()
+    return (time.perf_counter() - first) / (stream.completion.tokens - 1)
+
+
+def long_tokens_at(seconds_per_token: float) -> int:
+    return min(MAX_LONG_TOKENS, int(LONG_RUN_S / seconds_per_token))
