@@ -32,35 +32,22 @@ def ray_cluster():
         yield ray
 
 
-# -- scenarios on private clusters, started with the session -----------------------------------
-_SCENARIOS = pytest.StashKey[dict]()
-
-
-def pytest_collection_modifyitems(items) -> None:
-    """Tests without Ray first (otherwise in their order): the scenarios run beside them."""
-    items.sort(key=lambda item: item.get_closest_marker("ray") is not None)
-
-
-def pytest_collection_finish(session) -> None:
-    """Start every scenario a selected test reads (`@pytest.mark.scenario(name)`; its module's
-    `launch(name)` starts the subprocess) now, at once. Each needs a private cluster with other
-    resources than the session's; each is mostly waiting (a cluster starting, actors importing
-    torch), and while the Ray-free tests keep one core busy the other is free: one after the
-    other, in their modules, they took ~85 s of the suite."""
-    running = session.stash.setdefault(_SCENARIOS, {})
-    for item in session.items:
-        for mark in item.iter_markers("scenario"):
-            if mark.args[0] not in running:
-                running[mark.args[0]] = item.module.launch(mark.args[0])
-
-
-@pytest.fixture(scope="session")
+# -- scenarios on private clusters ------------------------------------------------------------
+@pytest.fixture(scope="module")
 def scenario_result(request):
-    """`scenario_result(name)`: the JSON object a scenario printed last, once it exits 0."""
+    """`scenario_result(name)`: the JSON object the scenario `name` printed last, once it
+    exited 0. A scenario needs a private cluster with other resources than the session's, so
+    it is a subprocess, started by its module's `launch(name)`. Every scenario the module's
+    selected tests read (`@pytest.mark.scenario(name)`) starts at once: each is mostly waiting
+    (a cluster starting, actors importing torch). Started with the session instead, beside the
+    Ray-free tests, they made the suite slower on 2 cores, not faster."""
     import json
     import subprocess
 
-    running, results = request.session.stash.get(_SCENARIOS, {}), {}
+    wanted = {mark.args[0] for item in request.session.items if item.module is request.module
+              for mark in item.iter_markers("scenario")}
+    running = {name: request.module.launch(name) for name in sorted(wanted)}
+    results: dict[str, dict] = {}
 
     def result(name: str) -> dict:
         if name not in results:

@@ -86,7 +86,7 @@ SCENARIOS = {
 
 
 def launch(name: str) -> subprocess.Popen:
-    """Start the scenario `name` (conftest starts it with the session)."""
+    """Start the scenario `name` (conftest's `scenario_result`)."""
     settings = SCENARIOS[name]
     environ = os.environ | {"UNIUN_TORCH_DEVICE": "cpu", "RAY_AUTH_MODE": "disabled"} | settings.get("env", {})
     environ.pop("RAY_ADDRESS", None)

@@ -19,8 +19,8 @@ SCENARIO = Path(__file__).parent / "pool_scenario.py"
 
 
 def launch(name: str) -> subprocess.Popen:
-    """Start the pool scenario (conftest starts it with the session); its state (the event
-    log) goes to a scratch dir of its own."""
+    """Start the pool scenario (conftest's `scenario_result`); its state (the event log) goes
+    to a scratch dir of its own."""
     root = Path(__file__).parent.parent   # this checkout's uniun_ray, whatever is installed
     environ = os.environ | {"RAY_AUTH_MODE": "disabled", "PYTHONPATH": os.pathsep.join(
         [str(root), *filter(None, [os.environ.get("PYTHONPATH")])]),
