@@ -22,15 +22,16 @@ def job(id: str, kind: str, model: str = "m", **fields) -> Job:
     return Job(id, kind, model, **fields)
 
 
-def _cfs_order(jobs: list[dict], vr: dict, running: list[dict] = ()) -> list[dict]:
+def _cfs_order(jobs: list[dict], vr: dict, running: list[dict] = (), last: dict | None = None) -> list[dict]:
     """T4 order: kind rank, kind's oldest job, producer rank, producer's oldest job. A rank is
-    the vruntime, plus, on a pool, the time the flow's `running` jobs have held their
-    devices so far, then their count (R19; unit weights)."""
+    the vruntime, plus, on a pool, what the flow's `running` jobs count for, then their count
+    (R19; unit weights): each the time it has held its device so far, and at least the
+    flow's last run (`last`: seconds per kind and per (kind, producer))."""
     inflight: dict = {}
     for r in running:
         for key in (r["kind"], (r["kind"], r["producer"])):
             held, count = inflight.get(key, (0.0, 0))
-            inflight[key] = (held + r["held_s"], count + 1)
+            inflight[key] = (held + max(r["held_s"], (last or {}).get(key, 0.0)), count + 1)
 
     def rank(v: float, key) -> tuple[float, int]:
         held, count = inflight.get(key, (0.0, 0))
@@ -49,22 +50,22 @@ def _cfs_order(jobs: list[dict], vr: dict, running: list[dict] = ()) -> list[dic
     return sorted(jobs, key=key)
 
 
-def _ordered(tier: str, jobs: list[dict], vr: dict, running: list[dict] = ()) -> list[dict]:
+def _ordered(tier: str, jobs: list[dict], vr: dict, running: list[dict] = (), last: dict | None = None) -> list[dict]:
     if tier == "T3":
         return sorted(jobs, key=lambda j: (j["deadline"], j["order"]))
     if tier == "T4":
-        return _cfs_order(jobs, vr, running)
+        return _cfs_order(jobs, vr, running, last)
     return sorted(jobs, key=lambda j: j["order"])
 
 
 def _fair_ranked(tiers: dict[str, list[dict]], snap: dict, over_budget: bool, below: str = "T5",
-                 running: list[dict] = ()) -> list[dict]:
+                 running: list[dict] = (), last: dict | None = None) -> list[dict]:
     """T2–T4 jobs of tiers below `below` in pick order; T2 skipped over budget (R11) when
     T3/T4 work waits."""
     fair = [t for t in FAIR_TIERS if t < below]
     if over_budget and (tiers["T3"] or tiers["T4"]) and "T2" in fair:
         fair.remove("T2")
-    return [j for t in fair for j in _ordered(t, tiers[t], snap["vruntime"], running)]
+    return [j for t in fair for j in _ordered(t, tiers[t], snap["vruntime"], running, last)]
 
 
 def expected_pick(tiers: dict[str, list[dict]], snap: dict, loaded: str | None, max_wait: float,

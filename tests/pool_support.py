@@ -17,16 +17,17 @@ def _swap_target(free: list[str], loaded: dict, queued: list[dict]) -> str:
 
 
 def expected_placement(queued: list[dict], running: list[dict], snap: dict, free: list[str], loaded: dict,
-                       max_wait: float, over_budget: bool) -> tuple[str, str] | None:
+                       max_wait: float, over_budget: bool, last: dict | None = None) -> tuple[str, str] | None:
     """The (job, device) R16/R17 and R2–R12 give next, `free` in pool order; `running`: the
-    jobs holding the other devices (R19: the fair pool counts them)."""
+    jobs holding the other devices, `last`: each pool kind's and flow's last run (R19: the
+    fair pool counts running jobs, each for at least its flow's last run)."""
     tiers = {t: [j for j in queued if j["tier"] == t] for t in ("T0", "T1", "T2", "T3", "T4")}
     for t in ("T0", "T1"):
         if tiers[t]:
             job = _ordered(t, tiers[t], snap["vruntime"])[0]
             holders = [d for d in free if loaded[d] == job["model"]]
             return job["id"], holders[0] if holders else _swap_target(free, loaded, queued)
-    ranked = _fair_ranked(tiers, snap, over_budget, running=running)
+    ranked = _fair_ranked(tiers, snap, over_budget, running=running, last=last)
     if not ranked:
         return None
     best = ranked[0]
@@ -60,6 +61,7 @@ class PoolDriver:
         self.runs: list[Run] = []
         self.ended: dict[str, int] = {}
         self.samples: list[tuple[float, dict]] = []
+        self.last_run: dict = {}   # seconds of each pool kind's and flow's last run, ended or revoked
 
     # -- checks --------------------------------------------------------------------------
     def _check_placements(self, dispatches: list[Dispatch]) -> None:
@@ -74,7 +76,7 @@ class PoolDriver:
         wait = self.policy.config.max_affinity_wait_s
         over = t2_over_budget(self.runs, self.now, self.policy.config)
         for d in dispatches:
-            want = {expected_placement(queued, held, snap, free, loaded, wait, o)
+            want = {expected_placement(queued, held, snap, free, loaded, wait, o, self.last_run)
                     for o in ((True, False) if over is None else (over,))}
             assert (d.job_id, d.device) in want, f"t={self.now}: {d.job_id} on {d.device}, rules say {want}"
             assert d.swap == (loaded[d.device] != d.model_id)
@@ -133,6 +135,8 @@ class PoolDriver:
     def _finish(self, device: str) -> None:
         run, _ = self.on.pop(device)
         run.end = self.now
+        if run.kind in ("nataraj", "gana"):   # the fair pool's kinds
+            self.last_run[run.kind] = self.last_run[(run.kind, run.producer)] = run.end - run.start
         outcome = "revoked" if run.revoked else "done"
         if Requeued(run.job_id) not in self.call("finish", run.job_id, self.now, outcome):
             self.ended[run.job_id] = self.ended.get(run.job_id, 0) + 1

@@ -140,8 +140,9 @@ class FairPool:
     producer is charged, decayed or its oldest job changes, and is then re-inserted.
 
     On a pool of devices (R19) the flows' running jobs count before they finish: `inflight`
-    gives, per kind and per (kind, producer), the time they have held devices so far and
-    how many run, and a flow's rank is its vruntime plus that time (divided by its weight),
+    gives, per kind and per (kind, producer), what they count for (each the time it has held
+    its device so far, at least its flow's last run) and how many run, and a flow's rank is
+    its vruntime plus that time (divided by its weight),
     then the fewer running jobs, so that free devices are not all handed to the one flow
     that is first at the instant they free. With one device nothing runs while the pool is
     asked, and the rank is the stored one."""

@@ -40,6 +40,7 @@ class SchedulerPolicy:
         self._seq = 0
         self._dispatches = 0
         self._affinity_at: float | None = None  # R5's wait end, as of the last call (`_settle`)
+        self._last_run: dict = {}   # R19: per pool kind and per flow, its last run's held seconds
         self._ended: OrderedDict[str, Outcome] = OrderedDict()
 
     # -- public API ----------------------------------------------------------------------
@@ -246,15 +247,19 @@ class SchedulerPolicy:
         return RevokeCause.AFFINITY if affinity is not None and affinity <= now else None
 
     def _inflight(self) -> dict:
-        """R19: per pool kind and per (kind, producer), the time its running jobs have held
-        their devices so far and how many run, for the fair pool to rank by."""
+        """R19: per pool kind and per (kind, producer), what its running jobs count for and
+        how many run, for the fair pool to rank by. A running job counts for the time it has
+        held its device, and at least for its flow's last run: devices that free at one
+        instant would otherwise all go to the flow whose jobs were just dispatched (they have
+        held nothing yet), and one flow could take the pool for a whole round of its jobs."""
         running: dict = {}
         for device in self._pool.busy():
             entry = device.running
             if entry.job.kind in POOL_KINDS:
                 for flow in (entry.job.kind, entry.flow):
                     held, count = running.get(flow, (0.0, 0))
-                    running[flow] = (held + (self._now - entry.dispatched_at), count + 1)
+                    expected = max(self._now - entry.dispatched_at, self._last_run.get(flow, 0.0))
+                    running[flow] = (held + expected, count + 1)
         return running
 
     def _settle(self, ctx: PickContext) -> None:
@@ -306,6 +311,8 @@ class SchedulerPolicy:
         entry = self._pool.stop(device)
         self._window.record(device.name, self._run_of(entry, now))
         self._ledger.charge(entry.flow, now - entry.dispatched_at)
+        if entry.job.kind in POOL_KINDS:
+            self._last_run[entry.job.kind] = self._last_run[entry.flow] = now - entry.dispatched_at
         self._queues.pool.reprice(entry.flow)
         if requeue and not entry.cancelled:
             entry.dispatched_at = entry.dispatch_tier = None
