@@ -122,6 +122,20 @@ def test_down_forgets_a_stale_head_and_signals_nothing(state_file, capsys):
     assert not state_file.exists()
 
 
+def test_a_recorded_process_is_known_across_a_one_second_shift_of_the_boot_time():
+    """psutil's start time on Linux moves with /proc/stat's btime (whole seconds, recomputed from
+    the wall clock): the process that reads it later may see it a second off."""
+    import psutil
+
+    created = psutil.Process().create_time()
+    shifted = HeadState(address="127.0.0.1:1", dashboard_url=None, auth_mode="disabled", pgid=os.getpgid(0),
+                        processes=[[os.getpid(), created - 1.0]], started_at=0.0)
+    assert [p.pid for p in shifted.alive()] == [os.getpid()]
+    reused = HeadState(address="127.0.0.1:1", dashboard_url=None, auth_mode="disabled", pgid=os.getpgid(0),
+                       processes=[[os.getpid(), created - 60.0]], started_at=0.0)
+    assert reused.alive() == []
+
+
 # -- the client commands against a real local Ray ------------------------------------------
 @pytest.mark.ray
 def test_status_foreground_and_embed(runtime, capsys):

@@ -24,6 +24,12 @@ from .placement import DEVICE_RESOURCE, EMBEDDER_RESOURCE
 
 STATE_ENV = "UNIUN_UP_STATE"
 STOP_GRACE_S = 5.0  # gcs_server and raylet often outlast a SIGTERM; the whole head goes anyway
+#: How far a recorded process's start time may be from what another process reads for it. On
+#: Linux psutil derives it from /proc/stat's `btime`, which the kernel recomputes at every read
+#: from the wall clock (whole seconds): a clock adjustment moves it, and with a 10 ms match a
+#: running head looked gone to `down` (seen on a loaded VM; psutil#2526). A pid reused by
+#: another process starts later than that.
+START_TIME_SLACK_S = 2.0
 
 
 class HeadError(RuntimeError):
@@ -79,7 +85,7 @@ class HeadState:
         for pid, created in self.processes:
             try:
                 process = psutil.Process(int(pid))
-                if abs(process.create_time() - created) < 0.01:
+                if abs(process.create_time() - created) <= START_TIME_SLACK_S:
                     found.append(process)
             except psutil.Error:
                 continue
