@@ -33,6 +33,19 @@ def ray_cluster():
 
 
 # -- scenarios on private clusters ------------------------------------------------------------
+def spawn_scenario(script: Path, *args: str, env: dict | None = None):
+    """`python script args` with its own Ray (auth disabled, no RAY_ADDRESS to join) and this
+    checkout's uniun_ray first on its path, stdout and stderr piped: a module's `launch`."""
+    import subprocess
+
+    root = Path(__file__).parent.parent
+    environ = os.environ | {"RAY_AUTH_MODE": "disabled", "PYTHONPATH": os.pathsep.join(
+        [str(root), *filter(None, [os.environ.get("PYTHONPATH")])])} | (env or {})
+    environ.pop("RAY_ADDRESS", None)
+    return subprocess.Popen([sys.executable, str(script), *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=environ, cwd=root)
+
+
 @pytest.fixture(scope="module")
 def scenario_result(request):
     """`scenario_result(name)`: the JSON object the scenario `name` printed last, once it

@@ -29,6 +29,7 @@ from uniun_ray.runtime.service import RuntimeConfig
 
 from long_run import long_tokens_at, tiny_seconds_per_token
 
+
 def completion(c) -> dict:
     return {"job": c.job_id, "tokens": c.tokens, "revokes": c.revokes, "text": bool(c.text.strip())}
 

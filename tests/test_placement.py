@@ -5,9 +5,6 @@ runs on this CPU machine."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -15,6 +12,8 @@ import pytest
 from uniun_ray.runtime import placement
 from uniun_ray.runtime.placement import DEVICE_RESOURCE, EMBEDDER_RESOURCE, Seat
 from uniun_ray.runtime.protocol import UniunError
+
+from conftest import spawn_scenario
 
 SCENARIO = Path(__file__).parent / "placement_scenario.py"
 
@@ -85,14 +84,12 @@ SCENARIOS = {
 }
 
 
-def launch(name: str) -> subprocess.Popen:
+def launch(name: str):
     """Start the scenario `name` (conftest's `scenario_result`)."""
     settings = SCENARIOS[name]
-    environ = os.environ | {"UNIUN_TORCH_DEVICE": "cpu", "RAY_AUTH_MODE": "disabled"} | settings.get("env", {})
-    environ.pop("RAY_ADDRESS", None)
-    return subprocess.Popen([sys.executable, str(SCENARIO), json.dumps(
-        {"num_gpus": settings.get("num_gpus", 0), "resources": {}, "then_hold_gpus": settings.get("then_hold_gpus", 0)})],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=environ, cwd=Path(__file__).parent.parent)
+    return spawn_scenario(SCENARIO, json.dumps({"num_gpus": settings.get("num_gpus", 0), "resources": {},
+                                                "then_hold_gpus": settings.get("then_hold_gpus", 0)}),
+                          env={"UNIUN_TORCH_DEVICE": "cpu", **settings.get("env", {})})
 
 
 @pytest.mark.ray

@@ -6,28 +6,22 @@ session's cluster declares one device and stays so."""
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
 import pytest
+
+from conftest import spawn_scenario
 
 pytestmark = [pytest.mark.ray, pytest.mark.scenario("pool")]
 
 SCENARIO = Path(__file__).parent / "pool_scenario.py"
 
 
-def launch(name: str) -> subprocess.Popen:
+def launch(name: str):
     """Start the pool scenario (conftest's `scenario_result`); its state (the event log) goes
     to a scratch dir of its own."""
-    root = Path(__file__).parent.parent   # this checkout's uniun_ray, whatever is installed
-    environ = os.environ | {"RAY_AUTH_MODE": "disabled", "PYTHONPATH": os.pathsep.join(
-        [str(root), *filter(None, [os.environ.get("PYTHONPATH")])]),
-        "UNIUN_STATE_DIR": tempfile.mkdtemp(prefix="uniun-pool-state-")}
-    environ.pop("RAY_ADDRESS", None)
-    return subprocess.Popen([sys.executable, str(SCENARIO)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env=environ, cwd=root)
+    return spawn_scenario(SCENARIO, env={"UNIUN_STATE_DIR": tempfile.mkdtemp(prefix="uniun-pool-state-")})
 
 
 @pytest.fixture(scope="module")
