@@ -1,7 +1,9 @@
 """One placement scenario on a private local Ray (run by tests/test_placement.py in a
-subprocess: each scenario needs a cluster with other resources than the session's).
+subprocess: each scenario needs a cluster with other resources than the session's), or on the
+cluster it runs in (`"join": true`: tests/test_jobs.py submits it to its plain `ray start` head).
 
     python tests/placement_scenario.py '{"num_gpus": 1, "resources": {}, "then_hold_gpus": 1}'
+    ray job submit ... -- python tests/placement_scenario.py '{"join": true}'
 
 Prints one JSON line: where the actors went; with `then_hold_gpus`, the actors are then killed,
 another job takes that many GPUs, and the line also holds the error `start()` raised and how
@@ -55,12 +57,16 @@ def _exists(name: str) -> bool:
 
 def main() -> None:
     scenario = json.loads(sys.argv[1])
-    ray.init(address="local", namespace=NAMESPACE, include_dashboard=False, log_to_driver=False,
-             object_store_memory=80 * 1024 * 1024, num_gpus=scenario["num_gpus"], resources=scenario["resources"])
+    if scenario.get("join"):
+        ray.init(namespace=NAMESPACE, log_to_driver=False)
+    else:
+        ray.init(address="local", namespace=NAMESPACE, include_dashboard=False, log_to_driver=False,
+                 object_store_memory=80 * 1024 * 1024, num_gpus=scenario["num_gpus"],
+                 resources=scenario["resources"])
     try:
         h = start()
         model = ray.get(h.model.state.remote())
-        texts = [f"text {i} " * 40 for i in range(16)]
+        texts = [f"text {i} " * 10 for i in range(16)]
         with ThreadPoolExecutor(12) as pool:   # far more callers than the embedder admits
             list(pool.map(lambda i: ray.get(h.embedder.embed.remote(texts)), range(12)))
         embedder = ray.get(h.embedder.state.remote())

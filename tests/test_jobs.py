@@ -1,9 +1,10 @@
 """The user's flow end to end (issue 13): a plain `ray start --head` on private ports, then every
 script in `jobs/` through `ray job submit --working-dir .`, each to exit 0 with its output
-checked. The head runs with `--block` in its own process group; the test ends that group (never
+checked, and where the actors went on that plain head (tests/placement_scenario.py). The head runs with `--block` in its own process group; the test ends that group (never
 `ray stop`, which would stop every Ray of this user)."""
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -34,6 +35,12 @@ JOBS = [
     ("issue_118.py", ["--turns", "2", "--deck", "2", "--card-tokens", "400", "--chat-tokens", "4"],
      r"chat TTFT, while Nataraj fills: median [\d.]+s"),
 ]
+
+
+#: Placement on a plain head (tests/placement_scenario.py joins the cluster it is submitted to),
+#: with the embedder's concurrency set through the jobs' environment.
+PLACEMENT = ("tests/placement_scenario.py", ['{"join": true}'])
+EMBED_CONCURRENCY = 3
 
 
 def free_port() -> int:
@@ -84,13 +91,13 @@ def submitted(head):
     """Every script submitted at once, as several users' scripts share one head: one scheduler
     serves them all (and the module takes the longest job's time, not the sum)."""
     url, env = head
-    runtime_env = ('{"env_vars": {"UNIUN_CHAT_MODEL": "tiny", "UNIUN_STATE_DIR": "%s"}}'
-                   % os.environ["UNIUN_STATE_DIR"])
-    processes = {script: subprocess.Popen(
+    runtime_env = json.dumps({"env_vars": {"UNIUN_CHAT_MODEL": "tiny", "UNIUN_STATE_DIR": os.environ["UNIUN_STATE_DIR"],
+                                           "UNIUN_EMBED_CONCURRENCY": str(EMBED_CONCURRENCY)}})
+    processes = {path: subprocess.Popen(
         [str(BIN / "ray"), "job", "submit", "--address", url, "--working-dir", str(ROOT),
-         "--runtime-env-json", runtime_env, "--", "python", f"jobs/{script}", *arguments],
+         "--runtime-env-json", runtime_env, "--", "python", path, *arguments],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT)
-        for script, arguments, _ in JOBS}
+        for path, arguments in [(f"jobs/{script}", arguments) for script, arguments, _ in JOBS] + [PLACEMENT]}
     yield processes
     for process in processes.values():
         if process.poll() is None:
@@ -101,8 +108,23 @@ def submitted(head):
 @pytest.mark.slow
 @pytest.mark.parametrize("script, arguments, expected", JOBS, ids=[job[0] for job in JOBS])
 def test_each_job_script_succeeds_under_ray_job_submit(submitted, script, arguments, expected):
-    process = submitted[script]
+    output = succeeded(submitted[f"jobs/{script}"])
+    assert re.search(expected, output), output[-4000:]
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_a_plain_ray_start_places_everything_on_the_cpu_and_the_embedder_concurrency_is_a_setting(submitted):
+    output = succeeded(submitted[PLACEMENT[0]])
+    placed = json.loads(re.findall(r"^\{.*\}$", output, re.M)[-1])
+    assert placed["model"] == {"device": "cpu", "resources": {}}
+    assert placed["embedder"]["device"] == "cpu" and placed["embedder"]["resources"] == {}
+    assert placed["embedder"]["peak_in_flight"] == EMBED_CONCURRENCY   # 12 callers, at most 3 at once
+
+
+def succeeded(process: subprocess.Popen) -> str:
+    """The output of a `ray job submit` that exited 0 and says its job succeeded."""
     output, _ = process.communicate(timeout=600)
     assert process.returncode == 0, output[-4000:]
     assert re.search(r"Job '\S+' succeeded", output), output[-4000:]
-    assert re.search(expected, output), output[-4000:]
+    return output

@@ -1,5 +1,5 @@
-"""Placement that never hangs (issue 13): a plain `ray start --head` works as is, GPUs are used
-as SPEC §2 says, and a seat that is taken is refused at once, naming the resource. GPUs are
+"""Placement that never hangs (issue 13): a plain `ray start --head` works as is (on the head of
+tests/test_jobs.py, which is one), GPUs are used as SPEC §2 says, and a seat that is taken is refused at once, naming the resource. GPUs are
 declared Ray-side (torch stays on the CPU: UNIUN_TORCH_DEVICE=cpu), so every GPU placement path
 runs on this CPU machine."""
 from __future__ import annotations
@@ -77,29 +77,15 @@ def test_settings_are_checked():
 
 #: Each scenario needs a private cluster with other resources than the session's: a subprocess.
 #: Two GPUs (the embedder gets one of its own) is the seat rule above; on Ray it takes the same
-#: path as the model's GPU here, and a third cluster cost the suite ~20 s.
-SCENARIOS = {
-    "plain ray start": {"env": {"UNIUN_EMBED_CONCURRENCY": "3"}},
-    "one gpu, then taken": {"num_gpus": 1, "then_hold_gpus": 1},
-}
+#: path as the model's GPU here, and another cluster costs the suite ~20 s. A plain head needs no
+#: cluster of its own: tests/test_jobs.py runs this scenario on its `ray start` head.
+SCENARIOS = {"one gpu, then taken": {"num_gpus": 1, "then_hold_gpus": 1}}
 
 
 def launch(name: str):
     """Start the scenario `name` (conftest's `scenario_result`)."""
-    settings = SCENARIOS[name]
-    return spawn_scenario(SCENARIO, json.dumps({"num_gpus": settings.get("num_gpus", 0), "resources": {},
-                                                "then_hold_gpus": settings.get("then_hold_gpus", 0)}),
-                          env={"UNIUN_TORCH_DEVICE": "cpu", **settings.get("env", {})})
-
-
-@pytest.mark.ray
-@pytest.mark.slow
-@pytest.mark.scenario("plain ray start")
-def test_a_plain_ray_start_places_everything_on_the_cpu_and_the_embedder_concurrency_is_a_setting(scenario_result):
-    placed = scenario_result("plain ray start")
-    assert placed["model"] == {"device": "cpu", "resources": {}}
-    assert placed["embedder"]["device"] == "cpu" and placed["embedder"]["resources"] == {}
-    assert placed["embedder"]["peak_in_flight"] == 3              # 12 callers, at most 3 at once
+    return spawn_scenario(SCENARIO, json.dumps({"resources": {}, **SCENARIOS[name]}),
+                          env={"UNIUN_TORCH_DEVICE": "cpu"})
 
 
 @pytest.mark.ray
