@@ -720,6 +720,38 @@ def test_the_cache_is_bounded_evicts_the_least_recent_first_and_revoked_runs_las
     assert tiny_store.describe()["entries"] == 0 and tiny_store.evictions == 1   # does not fit: not kept
 
 
+def _sliding_cache(window: int, full: int, sliding: int):
+    """A transformers cache of one full-attention layer holding ``full`` tokens and one
+    sliding-window layer (Gemma's kind) that has been fed ``sliding``."""
+    from transformers.cache_utils import DynamicCache, DynamicLayer, DynamicSlidingWindowLayer
+
+    cache = DynamicCache()
+    cache.layers = [DynamicLayer(), DynamicSlidingWindowLayer(sliding_window=window)]
+    for layer, tokens in zip(cache.layers, (full, sliding)):
+        for _ in range(tokens):
+            layer.update(torch.zeros(1, 1, 1, 2), torch.zeros(1, 1, 1, 2))
+    return cache
+
+
+def test_a_sliding_window_layer_past_its_window_is_not_cropped_and_its_entry_is_reused_only_whole():
+    """transformers calls such a layer croppable and then raises in `crop`: a revoke inside a
+    Gemma prefill past its 512-token window failed the run instead of stopping it."""
+    from uniun_ray.models.kvcache import PrefixCache, crop_layers
+
+    within = _sliding_cache(window=8, full=7, sliding=7)
+    assert crop_layers(within, 4) and [layer.get_seq_length() for layer in within.layers] == [4, 4]
+    past = _sliding_cache(window=8, full=12, sliding=12)      # the gate stopped after both layers
+    assert past.is_croppable                                   # what transformers claims
+    assert not crop_layers(past, 4)                            # and would raise on
+    assert [layer.get_seq_length() for layer in past.layers] == [12, 12]   # left as it was
+    assert crop_layers(_sliding_cache(window=8, full=12, sliding=8), 8)    # only the full layer is cut
+
+    store = PrefixCache(budget_bytes=2**20)
+    store.put(list(range(12)), past, preempted=False)
+    assert store.take(list(range(6)) + [99, 100]).cache is None            # a shorter prefix: a miss
+    assert store.take(list(range(12)) + [99]).tokens == 12                 # the whole entry: a hit
+
+
 def test_a_swap_drops_the_cache_and_a_bad_budget_is_refused(engine):
     run(engine, GenerateRequest(prompt=PROMPT, max_new_tokens=4))
     assert kv(engine)["entries"] >= 1

@@ -661,9 +661,8 @@ def _prefill(
             with loaded.gate.armed(cancel) if loaded.gate is not None else nullcontext():
                 step_logits, cache = _step(loaded, context[start : start + chunk], cache, device, cancel)
         except _Interrupted:
-            if cache is None or not getattr(cache, "is_croppable", True):
+            if cache is None or not crop_layers(cache, start):
                 return None, None, 0
-            crop_layers(cache, start)
             return None, cache, start
         if step_logits is None:
             return None, cache, start

@@ -42,13 +42,28 @@ def fork(cache: Any) -> Any:
     return twin
 
 
-def crop_layers(cache: Any, tokens: int) -> None:
-    """Cut every layer back to its first ``tokens``: after a forward pass stopped between two
-    layers (the engine's layer gate) the layers before the stop hold more than the others."""
+def croppable(cache: Any, tokens: int) -> bool:
+    """Whether every layer of ``cache`` can be cut back to its first ``tokens``. transformers'
+    own ``is_croppable`` says yes for a sliding-window layer that has already dropped its oldest
+    tokens (``DynamicSlidingWindowLayer`` inherits it from ``DynamicLayer``), and that layer's
+    ``crop`` then raises: a revoke during a Gemma prefill past its 512-token window did."""
+    return getattr(cache, "is_croppable", True) and not any(
+        layer.get_seq_length() > tokens and getattr(layer, "is_sliding", False)
+        and not getattr(layer, "record_past", False) and layer.get_seq_length() >= layer.sliding_window
+        for layer in cache.layers)
+
+
+def crop_layers(cache: Any, tokens: int) -> bool:
+    """Cut every layer back to its first ``tokens`` (after a forward pass stopped between two
+    layers, the engine's layer gate, the layers before the stop hold more than the others).
+    False, leaving ``cache`` as it was, where a layer cannot be cut back (``croppable``)."""
+    if not croppable(cache, tokens):
+        return False
     for layer in cache.layers:
         extra = layer.get_seq_length() - tokens
         if extra > 0:
             layer.crop(-extra)
+    return True
 
 
 def cache_bytes(cache: Any) -> int:
@@ -136,7 +151,7 @@ class PrefixCache:
 
     def _reuse(self, entry: _Entry, length: int) -> Hit | None:
         surplus = len(entry.tokens) - length
-        if surplus and not entry.cache.is_croppable:
+        if surplus and not croppable(entry.cache, length):
             return None
         if entry.offloaded:
             self._restore(entry)
