@@ -1,7 +1,8 @@
 """The user's flow end to end (issue 13): a plain `ray start --head` on private ports, then every
 script in `jobs/` through `ray job submit --working-dir .`, each to exit 0 with its output
-checked, and where the actors went on that plain head (tests/placement_scenario.py). The head runs with `--block` in its own process group; the test ends that group (never
-`ray stop`, which would stop every Ray of this user)."""
+checked, and where the actors went on that plain head (tests/placement_scenario.py). The head
+runs with `--block` in its own process group; the test ends that group (never `ray stop`, which
+would stop every Ray of this user)."""
 from __future__ import annotations
 
 import json
