@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import heapq
 from policy_support import Arrival, Run, _fair_ranked, _ordered, t2_over_budget
-from uniun_ray.policy import Dispatch, PolicyConfig, Requeued, Revoke, SchedulerPolicy
+from uniun_ray.policy import POOL_KINDS, Dispatch, PolicyConfig, Requeued, Revoke, SchedulerPolicy
 
 
 def _swap_target(free: list[str], loaded: dict, queued: list[dict]) -> str:
@@ -135,7 +135,7 @@ class PoolDriver:
     def _finish(self, device: str) -> None:
         run, _ = self.on.pop(device)
         run.end = self.now
-        if run.kind in ("nataraj", "gana"):   # the fair pool's kinds
+        if run.kind in POOL_KINDS:
             self.last_run[run.kind] = self.last_run[(run.kind, run.producer)] = run.end - run.start
         outcome = "revoked" if run.revoked else "done"
         if Requeued(run.job_id) not in self.call("finish", run.job_id, self.now, outcome):

@@ -1,7 +1,7 @@
 """Placement that never hangs (issue 13): a plain `ray start --head` works as is (on the head of
-tests/test_jobs.py, which is one), GPUs are used as SPEC §2 says, and a seat that is taken is refused at once, naming the resource. GPUs are
-declared Ray-side (torch stays on the CPU: UNIUN_TORCH_DEVICE=cpu), so every GPU placement path
-runs on this CPU machine."""
+tests/test_jobs.py, which is one), GPUs are used as SPEC §2 says, and a seat that is taken is
+refused at once, naming the resource. GPUs are declared Ray-side (torch stays on the CPU:
+UNIUN_TORCH_DEVICE=cpu), so every GPU placement path runs on this CPU machine."""
 from __future__ import annotations
 
 import json
