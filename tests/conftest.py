@@ -1,8 +1,9 @@
 """Shared fixtures and fakes. One local Ray cluster per test session (`local_cluster`: no
 dashboard, a small object store, the stand-in device resources); tests that need it ask for
-`runtime`, which gives them freshly created actors with short lease timeouts. The fakes of
-the Ray-free protocol tests (`FakeDevice`, `spec`, `lease_of`) and the wait for a generating
-job (`started`) live here once; test modules import them (`from conftest import ...`)."""
+`runtime`, which gives them a fresh scheduler with short lease timeouts beside model actors
+reset to a just-started device (`reset_uniun_actors`). The fakes of the Ray-free protocol tests
+(`FakeDevice`, `spec`, `lease_of`) and the wait for a generating job (`started`) live here
+once; test modules import them (`from conftest import ...`)."""
 from __future__ import annotations
 
 import asyncio
@@ -105,15 +106,6 @@ def _model_actor_names(ray) -> list[str]:
             if a["namespace"] == NAMESPACE and a["name"].startswith(model_actor_name(""))]
 
 
-def kill_uniun_actors(ray) -> None:
-    """Kill the named actors, the scheduler first (it re-creates missing model actors), and
-    wait until their names are free again."""
-    from uniun_ray.runtime.protocol import EMBEDDER_NAME, SCHEDULER_NAME
-
-    for name in (SCHEDULER_NAME, *_model_actor_names(ray), EMBEDDER_NAME):
-        _kill_and_wait(ray, name)
-
-
 #: A reset that takes longer than this means a wedged device: it is killed and made anew.
 RESET_TIMEOUT_S = 30.0
 
@@ -139,8 +131,8 @@ def reset_uniun_actors(ray) -> None:
 
 @pytest.fixture
 def make_runtime(ray_cluster):
-    """Fresh scheduler, model actor and embedder, with short lease timeouts and the policy
-    configuration a test asks for."""
+    """A fresh scheduler, with short lease timeouts and the policy configuration a test asks
+    for, beside reset model actors and the kept embedder (`reset_uniun_actors`)."""
     from uniun_ray.policy import PolicyConfig
     from uniun_ray.runtime.launch import start
     from uniun_ray.runtime.service import RuntimeConfig

@@ -71,20 +71,20 @@ def runtime_config():
 
 @pytest.fixture(scope="module")
 def server(ray_cluster):
-    from conftest import kill_uniun_actors
+    from conftest import reset_uniun_actors
     from ray import serve
 
     from uniun_ray.http import deploy
     from uniun_ray.runtime.launch import start
 
-    kill_uniun_actors(ray_cluster)
+    reset_uniun_actors(ray_cluster)   # a scheduler of this module's configuration
     start(runtime_config())
     port = free_port()
     url = deploy(port=port, api_key=KEY)
     assert url == f"http://127.0.0.1:{port}"
     yield Server(url, port)
     serve.shutdown()
-    kill_uniun_actors(ray_cluster)
+    reset_uniun_actors(ray_cluster)
 
 
 def error_of(response: requests.Response, status: int, code: str | None = None, param: str | None = None) -> dict:

@@ -124,15 +124,15 @@ def _alive(handles) -> bool:
 @pytest.fixture
 def live_runtime(ray_cluster):
     """The conftest runtime (same short timeouts), kept across the tests here that leave it
-    idle and alive, since creating the three actors costs seconds; recreated when an earlier
-    test (through `make_runtime`) killed them. Killed at the end of the module."""
-    from conftest import kill_uniun_actors
+    idle and alive; a new scheduler (and model actors reset) when an earlier test (through
+    `make_runtime`) replaced it. Reset at the end of the module."""
+    from conftest import reset_uniun_actors
     from uniun_ray.policy import PolicyConfig
     from uniun_ray.runtime.launch import start
 
     handles = _LIVE.get("handles")
     if handles is None or not _alive(handles):
-        kill_uniun_actors(ray_cluster)
+        reset_uniun_actors(ray_cluster)
         handles = _LIVE["handles"] = start(RuntimeConfig(PolicyConfig(), lease_timeout_s=3.0, waiter_timeout_s=3.0,
                                                          reap_period_s=0.2))
     yield handles
@@ -143,8 +143,8 @@ def live_runtime(ray_cluster):
 def _kill_live_at_the_end(request):
     yield
     if _LIVE.pop("handles", None) is not None:
-        from conftest import kill_uniun_actors
-        kill_uniun_actors(ray)
+        from conftest import reset_uniun_actors
+        reset_uniun_actors(ray)
 
 
 # == 1. Faults (real Ray) =======================================================================
