@@ -1,13 +1,14 @@
 """The user's flow end to end (issue 13): a plain `ray start --head` on private ports, then every
-script in `jobs/` through `ray job submit --working-dir .`, each to exit 0 with its output
-checked, and where the actors went on that plain head (tests/placement_scenario.py). The head
-runs with `--block` in its own process group; the test ends that group (never `ray stop`, which
-would stop every Ray of this user)."""
+script in `jobs/` submitted with the working dir `.` (one through `ray job submit`, the others
+through Ray's job SDK), each to succeed with its output checked, and where the actors went on
+that plain head (tests/placement_scenario.py). The head runs with `--block` in its own process
+group; the test ends that group (never `ray stop`, which would stop every Ray of this user)."""
 from __future__ import annotations
 
 import json
 import os
 import re
+import shlex
 import signal
 import socket
 import subprocess
@@ -15,6 +16,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -90,19 +92,55 @@ def head(tmp_path_factory):
 @pytest.fixture(scope="module")
 def submitted(head):
     """Every script submitted at once, as several users' scripts share one head: one scheduler
-    serves them all (and the module takes the longest job's time, not the sum)."""
+    serves them all (and the module takes the longest job's time, not the sum). The first
+    through `ray job submit` as a user types it; the others through Ray's job SDK, the same
+    REST call without a CLI process of its own per job (each costs ~2 s of CPU to start)."""
+    from ray.job_submission import JobSubmissionClient
+
     url, env = head
-    runtime_env = json.dumps({"env_vars": {"UNIUN_CHAT_MODEL": "tiny", "UNIUN_STATE_DIR": os.environ["UNIUN_STATE_DIR"],
-                                           "UNIUN_EMBED_CONCURRENCY": str(EMBED_CONCURRENCY)}})
-    processes = {path: subprocess.Popen(
+    runtime_env = {"working_dir": str(ROOT), "env_vars": {
+        "UNIUN_CHAT_MODEL": "tiny", "UNIUN_STATE_DIR": os.environ["UNIUN_STATE_DIR"],
+        "UNIUN_EMBED_CONCURRENCY": str(EMBED_CONCURRENCY)}}
+    (first, first_arguments), *others = \
+        [(f"jobs/{script}", arguments) for script, arguments, _ in JOBS] + [PLACEMENT]
+    cli = subprocess.Popen(
         [str(BIN / "ray"), "job", "submit", "--address", url, "--working-dir", str(ROOT),
-         "--runtime-env-json", runtime_env, "--", "python", path, *arguments],
+         "--runtime-env-json", json.dumps({"env_vars": runtime_env["env_vars"]}), "--",
+         "python", first, *first_arguments],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT)
-        for path, arguments in [(f"jobs/{script}", arguments) for script, arguments, _ in JOBS] + [PLACEMENT]}
-    yield processes
-    for process in processes.values():
-        if process.poll() is None:
-            process.kill()
+    client = JobSubmissionClient(url)
+    jobs = {path: Job(client, client.submit_job(entrypoint=shlex.join(["python", path, *arguments]),
+                                                runtime_env=runtime_env))
+            for path, arguments in others}
+    yield {first: cli} | jobs
+    if cli.poll() is None:
+        cli.kill()
+    for job in jobs.values():
+        job.stop()
+
+
+@dataclass
+class Job:
+    """A job submitted through the SDK: waited for as `ray job submit` waits for it."""
+
+    client: object
+    job_id: str
+
+    def output(self, timeout_s: float = 600) -> str:
+        """Its logs once it succeeded (the test fails with them if it did not)."""
+        from ray.job_submission import JobStatus
+
+        deadline = time.monotonic() + timeout_s
+        while (status := self.client.get_job_status(self.job_id)) not in \
+                (JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.STOPPED):
+            assert time.monotonic() < deadline, f"{self.job_id} still {status} after {timeout_s} s"
+            time.sleep(0.5)
+        logs = self.client.get_job_logs(self.job_id)
+        assert status == JobStatus.SUCCEEDED, f"{self.job_id}: {status}\n{logs[-4000:]}"
+        return logs
+
+    def stop(self) -> None:
+        self.client.stop_job(self.job_id)
 
 
 @pytest.mark.ray
@@ -123,9 +161,12 @@ def test_a_plain_ray_start_places_everything_on_the_cpu_and_the_embedder_concurr
     assert placed["embedder"]["peak_in_flight"] == EMBED_CONCURRENCY   # 12 callers, at most 3 at once
 
 
-def succeeded(process: subprocess.Popen) -> str:
-    """The output of a `ray job submit` that exited 0 and says its job succeeded."""
-    output, _ = process.communicate(timeout=600)
-    assert process.returncode == 0, output[-4000:]
+def succeeded(submission: subprocess.Popen | Job) -> str:
+    """The output of a job that succeeded: a `ray job submit` that exited 0 and says so, or a
+    job of the SDK whose status is SUCCEEDED."""
+    if isinstance(submission, Job):
+        return submission.output()
+    output, _ = submission.communicate(timeout=600)
+    assert submission.returncode == 0, output[-4000:]
     assert re.search(r"Job '\S+' succeeded", output), output[-4000:]
     return output
