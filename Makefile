@@ -22,8 +22,12 @@ $(STAMP): pyproject.toml Makefile
 
 install: $(STAMP)
 
+# Two pytest workers, one module at a time each (its module fixtures, a private cluster or a
+# head, set up once): the suite spends half its time on one core (a process importing torch,
+# a cluster starting), so two take ~3/4 of the serial time on two cores.
+TEST_WORKERS ?= 2
 test: $(STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadscope
 
 # The runtime tests three times, each with an empty model cache and two CPU burners beside them.
 test-stress: $(STAMP)

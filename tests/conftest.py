@@ -182,6 +182,19 @@ def pytest_terminal_summary(terminalreporter) -> None:
         terminalreporter.write_line(line)
 
 
+def pytest_sessionfinish(session) -> None:
+    """An xdist worker hands what it measured to the controller, which prints the summary."""
+    workeroutput = getattr(session.config, "workeroutput", None)
+    if workeroutput is not None:
+        workeroutput["measured"] = _MEASURED
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error) -> None:
+    """The controller's side of `pytest_sessionfinish`: each worker's lines, as it stops."""
+    _MEASURED.extend(f"{line} ({node.gateway.id})" for line in getattr(node, "workeroutput", {}).get("measured", []))
+
+
 # -- fakes for the Ray-free protocol tests (SchedulerService with a fake device) ---------------
 class FakeDevice:
     """The device as the scheduler sees it: loads (optionally slow, or failing for the models
