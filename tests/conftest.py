@@ -255,7 +255,14 @@ async def lease_of(service, job_id: str, wait_s: float = 0.05):
     return lease
 
 
-async def started(kind: str, timeout: float = 60) -> dict:
+#: How long a test waits for a job to be generating. Room for the worst case a test itself
+#: causes: its job may be the session's first use of a model in an empty cache (a conversion
+#: and the dtype probe), on a slow host beside another pytest worker (56 s measured for `tiny`
+#: on 2 busy AVX2 cores, where it is ~5 s alone). Only a failing test waits this long.
+STARTED_TIMEOUT_S = 300.0
+
+
+async def started(kind: str, timeout: float = STARTED_TIMEOUT_S) -> dict:
     """Wait until a job of `kind` is generating (the client's `await_generating`); fail the
     test if none is within `timeout`."""
     from uniun_ray.client import await_generating

@@ -35,7 +35,7 @@ def completion(c) -> dict:
 
 
 async def generating(kind: str) -> dict:
-    running = await await_generating(kind, timeout_s=120, min_held_s=0.3)
+    running = await await_generating(kind, timeout_s=300, min_held_s=0.3)
     assert running is not None, f"no {kind} job started"
     return running
 

@@ -101,6 +101,16 @@ class Caller:
         await arun(kind, "tiny", work)
 
 
+@pytest.fixture
+def caller(ray_cluster):
+    """A `Caller` for the test to kill; killed here as well, should the test fail before it
+    does: a Caller left holding the device would hold it for the rest of the session (its
+    client retries, every later test waits behind it)."""
+    actor = Caller.remote()
+    yield actor
+    ray.kill(actor)
+
+
 def held(release: asyncio.Event):
     """`arun` work that holds the device (heartbeats on) until `release` is set."""
     async def work(lease):
@@ -151,9 +161,8 @@ def _kill_live_at_the_end(request):
 
 
 @pytest.mark.ray
-def test_producer_killed_holding_a_lease_is_reclaimed_and_the_next_job_served(live_runtime):
+def test_producer_killed_holding_a_lease_is_reclaimed_and_the_next_job_served(live_runtime, caller):
     async def go():
-        caller = Caller.remote()
         caller.hold.remote("nataraj")
         await started("nataraj")
         ray.kill(caller)
@@ -172,12 +181,11 @@ def test_producer_killed_holding_a_lease_is_reclaimed_and_the_next_job_served(li
 
 
 @pytest.mark.ray
-def test_producer_killed_while_waiting_is_dropped_and_nothing_leaks(live_runtime):
+def test_producer_killed_while_waiting_is_dropped_and_nothing_leaks(live_runtime, caller):
     async def go():
         release = asyncio.Event()
         holder = asyncio.ensure_future(arun("chat", "tiny", held(release)))
         await started("chat")
-        caller = Caller.remote()
         caller.generate.remote("nataraj", "card", model_id="tiny", max_new_tokens=8)
         waiting = await queued("nataraj")
         ray.kill(caller)

@@ -54,7 +54,7 @@ def test_scenario_2_two_ganas_alternate(make_runtime, tmp_path):
 
     async def go():
         gate = asyncio.ensure_future(agenerate("chat", "hold", model_id="tiny", max_new_tokens=400))
-        await started("chat", timeout=30)
+        await started("chat")
         jobs = [agenerate("gana", f"{p}{i}", model_id="tiny", producer=f"gana:{p}", max_new_tokens=200)
                 for i in range(3) for p in "AB"]
         order = await finish_order(gate, *jobs)
@@ -230,7 +230,7 @@ def test_smollm2_chat_arrives_while_nataraj_generates(runtime):
                 pieces.append(time.time())
             return stream.completion
         nataraj = asyncio.ensure_future(card())
-        await started("nataraj", timeout=300)
+        await started("nataraj")
         while not pieces:
             await asyncio.sleep(0.05)
         before = len(pieces)
