@@ -22,11 +22,14 @@ def job(id: str, kind: str, model: str = "m", **fields) -> Job:
     return Job(id, kind, model, **fields)
 
 
-def _cfs_order(jobs: list[dict], vr: dict, running: list[dict] = (), last: dict | None = None) -> list[dict]:
+def _cfs_order(jobs: list[dict], vr: dict, running: list[dict] = (), last: dict | None = None,
+               queued: list[dict] = ()) -> list[dict]:
     """T4 order: kind rank, kind's oldest job, producer rank, producer's oldest job. A rank is
     the vruntime, plus, on a pool, what the flow's `running` jobs count for, then their count
     (R19; unit weights): each the time it has held its device so far, and at least the
-    flow's last run (`last`: seconds per kind and per (kind, producer))."""
+    flow's last run (`last`: seconds per kind and per (kind, producer)). A flow's oldest job
+    is its oldest queued one in any tier (`queued`; R9: a Gana whose deadline fell due, now
+    in T3, is still the Gana flow's oldest job)."""
     inflight: dict = {}
     for r in running:
         for key in (r["kind"], (r["kind"], r["producer"])):
@@ -38,7 +41,7 @@ def _cfs_order(jobs: list[dict], vr: dict, running: list[dict] = (), last: dict 
         return (v + held, count) if count else (v, 0)
 
     kind_oldest, prod_oldest = {}, {}
-    for j in jobs:
+    for j in [*jobs, *queued]:
         kind_oldest[j["kind"]] = min(kind_oldest.get(j["kind"], j["order"]), j["order"])
         key = (j["kind"], j["producer"])
         prod_oldest[key] = min(prod_oldest.get(key, j["order"]), j["order"])
@@ -50,11 +53,12 @@ def _cfs_order(jobs: list[dict], vr: dict, running: list[dict] = (), last: dict 
     return sorted(jobs, key=key)
 
 
-def _ordered(tier: str, jobs: list[dict], vr: dict, running: list[dict] = (), last: dict | None = None) -> list[dict]:
+def _ordered(tier: str, jobs: list[dict], vr: dict, running: list[dict] = (), last: dict | None = None,
+             queued: list[dict] = ()) -> list[dict]:
     if tier == "T3":
         return sorted(jobs, key=lambda j: (j["deadline"], j["order"]))
     if tier == "T4":
-        return _cfs_order(jobs, vr, running, last)
+        return _cfs_order(jobs, vr, running, last, queued)
     return sorted(jobs, key=lambda j: j["order"])
 
 
@@ -65,7 +69,8 @@ def _fair_ranked(tiers: dict[str, list[dict]], snap: dict, over_budget: bool, be
     fair = [t for t in FAIR_TIERS if t < below]
     if over_budget and (tiers["T3"] or tiers["T4"]) and "T2" in fair:
         fair.remove("T2")
-    return [j for t in fair for j in _ordered(t, tiers[t], snap["vruntime"], running, last)]
+    queued = [j for jobs in tiers.values() for j in jobs]
+    return [j for t in fair for j in _ordered(t, tiers[t], snap["vruntime"], running, last, queued)]
 
 
 def expected_pick(tiers: dict[str, list[dict]], snap: dict, loaded: str | None, max_wait: float,

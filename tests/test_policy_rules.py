@@ -353,6 +353,17 @@ def test_r9_the_tie_reads_each_flows_oldest_job_on_any_model_even_on_the_loaded_
     assert p.finish("c", 4, "done") == D("a_m", Tier.FAIR)
 
 
+def test_r9_a_flows_oldest_job_is_its_oldest_in_any_tier_a_due_deadline_too():
+    p = policy()  # "m" loaded
+    p.submit(job("c", "chat"), 0)
+    p.submit(job("g_due", "gana", model="y", deadline=1), 1)  # the gana flow's oldest, T3 once due
+    p.submit(job("n_m", "nataraj"), 2)
+    p.submit(job("g_m", "gana"), 3)
+    # g_due (T3, on y) waits out its affinity wait; on the loaded model the kinds tie at
+    # vruntime 0 and gana's oldest job came first (a hypothesis counterexample, 2026-12-02)
+    assert p.finish("c", 4, "done") == D("g_m", Tier.FAIR)
+
+
 # R10 ------------------------------------------------------------------------------------
 def test_r10_vruntimes_halve_every_period_including_missed_halvings():
     p = policy()  # first call at t=0
