@@ -2,8 +2,9 @@
 dashboard, a small object store, the stand-in device resources); tests that need it ask for
 `runtime`, which gives them a fresh scheduler with short lease timeouts beside model actors
 reset to a just-started device (`reset_uniun_actors`). The fakes of the Ray-free protocol tests
-(`FakeDevice`, `spec`, `lease_of`) and the wait for a generating job (`started`) live here
-once; test modules import them (`from conftest import ...`)."""
+(`FakeDevice`, `spec`, `lease_of`) live here once; test modules import them (`from conftest
+import ...`). The wait for a generating job (`started`) is in `waits`, which the subprocess
+scenarios share."""
 from __future__ import annotations
 
 import asyncio
@@ -253,20 +254,3 @@ async def lease_of(service, job_id: str, wait_s: float = 0.05):
     while (lease := await service.grant(job_id, wait_s=wait_s)) is None:
         pass
     return lease
-
-
-#: How long a test waits for a job to be generating. Room for the worst case a test itself
-#: causes: its job may be the session's first use of a model in an empty cache (a conversion
-#: and the dtype probe), on a slow host beside another pytest worker (56 s measured for `tiny`
-#: on 2 busy AVX2 cores, where it is ~5 s alone). Only a failing test waits this long.
-STARTED_TIMEOUT_S = 300.0
-
-
-async def started(kind: str, timeout: float = STARTED_TIMEOUT_S) -> dict:
-    """Wait until a job of `kind` is generating (the client's `await_generating`); fail the
-    test if none is within `timeout`."""
-    from uniun_ray.client import await_generating
-
-    running = await await_generating(kind, timeout_s=timeout, min_held_s=0.3)
-    assert running is not None, f"no {kind} job started"
-    return running

@@ -21,23 +21,18 @@ import time
 
 import ray
 
-from uniun_ray.client import agenerate, arun, astatus, await_generating
+from uniun_ray.client import agenerate, arun, astatus
 from uniun_ray.runtime.eventlog import read
 from uniun_ray.runtime.launch import local_cluster, start
 from uniun_ray.runtime.protocol import NAMESPACE, model_actor_name
 from uniun_ray.runtime.service import RuntimeConfig
 
 from long_run import long_tokens_at, tiny_seconds_per_token
+from waits import started
 
 
 def completion(c) -> dict:
     return {"job": c.job_id, "tokens": c.tokens, "revokes": c.revokes, "text": bool(c.text.strip())}
-
-
-async def generating(kind: str) -> dict:
-    running = await await_generating(kind, timeout_s=300, min_held_s=0.3)
-    assert running is not None, f"no {kind} job started"
-    return running
 
 
 async def scenario() -> dict:
@@ -55,9 +50,9 @@ async def scenario() -> dict:
         return lease.lease.device
 
     gana = asyncio.ensure_future(arun("gana", "smollm2-135m-instruct", hold, producer="gana:g"))
-    await generating("gana")
+    await started("gana")
     card = asyncio.ensure_future(agenerate("nataraj", "a card", model_id="tiny", max_new_tokens=long))
-    await generating("nataraj")
+    await started("nataraj")
     out["both_busy"] = await astatus()
     phase("both busy")
     chat = await agenerate("chat", "hello", model_id="tiny", max_new_tokens=16)
@@ -67,7 +62,7 @@ async def scenario() -> dict:
     phase("chat served, card resumed and done")
 
     second = asyncio.ensure_future(agenerate("nataraj", "another card", model_id="tiny", max_new_tokens=long))
-    victim = (await generating("nataraj"))["device"]
+    victim = (await started("nataraj"))["device"]
     ray.kill(ray.get_actor(model_actor_name(victim), namespace=NAMESPACE), no_restart=True)
     out["killed"], out["second"] = victim, completion(await asyncio.wait_for(second, 300))
     phase("killed device's job done elsewhere")
@@ -84,9 +79,9 @@ def main() -> None:
     with local_cluster(devices=2, object_store_memory=80 * 1024 * 1024):
         began = time.monotonic()
         start(RuntimeConfig(lease_timeout_s=5.0, waiter_timeout_s=5.0, reap_period_s=0.2))
-        started = time.monotonic() - began
+        start_s = time.monotonic() - began
         out = asyncio.run(scenario())
-        out["wall_s"], out["start_s"] = time.monotonic() - began, started
+        out["wall_s"], out["start_s"] = time.monotonic() - began, start_s
         out["model_actors"] = sorted(a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
                                      if a["name"].startswith(model_actor_name("")))
         print(json.dumps(out, default=str))

@@ -13,7 +13,7 @@ import ray
 from rich.console import Console
 
 import uniun_ray
-from conftest import started
+from waits import started
 from uniun_ray.client import agenerate, arun, astatus
 from uniun_ray.observe.explain import explain
 from uniun_ray.observe.statusview import render

@@ -31,7 +31,8 @@ from uniun_ray.runtime.protocol import (EMBEDDER_NAME, NAMESPACE, JobDropped, Le
                                         SchedulerUnavailable, UnknownJob)
 from uniun_ray.runtime.service import RuntimeConfig, SchedulerService
 
-from conftest import FakeDevice, lease_of, spec, started
+from conftest import FakeDevice, lease_of, spec
+from waits import started
 
 ROOT = Path(__file__).parent.parent
 

@@ -14,7 +14,7 @@ from uniun_ray.models import PromptTooLong, UnknownModel
 from uniun_ray.policy import PolicyConfig
 from uniun_ray.runtime.eventlog import read as read_events
 
-from conftest import started
+from waits import started
 
 pytestmark = pytest.mark.ray
 
