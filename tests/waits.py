@@ -11,9 +11,9 @@ from uniun_ray.client import await_generating
 STARTED_TIMEOUT_S = 300.0
 
 
-async def started(kind: str, timeout: float = STARTED_TIMEOUT_S) -> dict:
+async def started(kind: str) -> dict:
     """Wait until a job of `kind` is generating on a device (the client's `await_generating`);
-    fail the test if none is within `timeout`. Returns the running job's snapshot."""
-    running = await await_generating(kind, timeout_s=timeout, min_held_s=0.3)
+    fail the test if none is within `STARTED_TIMEOUT_S`. Returns the running job's snapshot."""
+    running = await await_generating(kind, timeout_s=STARTED_TIMEOUT_S, min_held_s=0.3)
     assert running is not None, f"no {kind} job started"
     return running
