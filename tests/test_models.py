@@ -210,7 +210,8 @@ def test_conversion_is_cached_as_safetensors(tiny_cache, monkeypatch):
     assert materialize(resolve("tiny")) == folder
     fresh = Engine(device=DEVICE, dtype="float32")
     load_s = fresh.load("tiny")
-    assert load_s < 3.0, f"load from the cache took {load_s:.2f} s (conversion took {tiny_cache['conversion_s']:.1f} s)"
+    # the cache pays for itself on any host: a load from it beats the conversion it replaces
+    assert load_s < tiny_cache["conversion_s"], f"load from the cache {load_s:.2f} s, conversion {tiny_cache['conversion_s']:.2f} s"
 
 
 def test_a_conversion_parses_its_gguf_once(tiny_cache):
@@ -334,24 +335,25 @@ def test_cancel_stops_within_one_token(engine, forwards):
     assert 7 <= result.tokens <= 10  # the token of pass 10 is kept; held-back text may drop a few
 
 
-def test_cancel_from_another_thread_stops_quickly(engine):
-    cancel, first_piece, done = threading.Event(), threading.Event(), {}
+def test_cancel_from_another_thread_stops_within_a_forward_pass(engine, forwards):
+    """Counted in forward passes, not milliseconds: the pass running when the flag is set
+    completes, and none starts after it (each step reads the flag first)."""
+    cancel, first_piece = threading.Event(), threading.Event()
     generation = engine.generate(GenerateRequest(prompt=PROMPT, max_new_tokens=1500), cancel)
 
     def consume():
         for _ in generation:
             first_piece.set()
-        done["at"] = time.perf_counter()
 
     consumer = threading.Thread(target=consume)
     consumer.start()
-    assert first_piece.wait(10)
-    cancelled_at = time.perf_counter()
+    assert first_piece.wait(60)
     cancel.set()
-    consumer.join(10)
-    latency = done["at"] - cancelled_at
-    assert generation.result.stopped_by_cancel and generation.result.tokens < 1500
-    assert latency < 0.5, f"stopped {latency * 1000:.0f} ms after the cancel"
+    passes_at_cancel = forwards.count
+    consumer.join(60)
+    assert not consumer.is_alive() and generation.result.stopped_by_cancel
+    assert generation.result.tokens < 1500 and forwards.count - passes_at_cancel <= 1, \
+        f"{forwards.count - passes_at_cancel} forward passes after the cancel"
 
 
 def test_cancel_during_chunked_prefill_stops_before_prefill_ends(engine, forwards, monkeypatch):
