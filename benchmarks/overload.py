@@ -10,9 +10,10 @@ protocol as `uniun_ray.client` does: long-poll `grant` under the process's sessi
 `heartbeat` per process keeps all its waiters alive), `release` when granted (the work itself
 is empty: this measures the control plane, not the model). `--no-session` polls per job as a
 caller without a session does (each poll its own proof of life, capped at waiter_timeout/3).
-Before the load 25 `ping`s time the idle scheduler; meanwhile a probe in the driver times
-`ping` and `status()` round trips every 20 ms. At the end the scheduler's event log is read
-back: every job must end exactly once (one final finish "done", no drop, no duplicate dispatch).
+Meanwhile a probe in the driver times `ping` and `status()` round trips every 20 ms, each
+ping beside one to a bare actor (the control: what a round trip costs on this host at that
+moment, whatever else runs on it). At the end the scheduler's event log is read back: every
+job must end exactly once (one final finish "done", no drop, no duplicate dispatch).
 
 Prints a markdown table. `run_load` is what tests/test_robustness.py runs at a smaller size.
 """
@@ -87,11 +88,19 @@ class LoadClient:
         return {"leases": dict(leases), "polls": sum(polls.values())}
 
 
-async def probe(scheduler, stop: asyncio.Event, ping_every_s: float = 0.02, status_every: int = 10) -> dict:
-    """Round trips of `ping` (every 20 ms) and `status()` (every 10th probe: a snapshot of
-    the whole queue is the heaviest call there is, and the probe must not become the load),
-    the deepest queue seen, and when the slowest ping was sent (seconds into the phase)."""
-    pings, statuses, deepest, n = [], [], 0, 0
+class Control:
+    """A bare actor: its `ping` round trip is the host's, with no queue behind it."""
+
+    async def ping(self) -> str:
+        return "ok"
+
+
+async def probe(scheduler, control, stop: asyncio.Event, ping_every_s: float = 0.02, status_every: int = 10) -> dict:
+    """Round trips of `ping` (every 20 ms, each followed by the control's) and `status()`
+    (every 10th probe: a snapshot of the whole queue is the heaviest call there is, and the
+    probe must not become the load), the deepest queue seen, and when the slowest ping was
+    sent (seconds into the phase)."""
+    pings, controls, statuses, deepest, n = [], [], [], 0, 0
     began, slowest_at = time.perf_counter(), 0.0
     while not stop.is_set():
         t = time.perf_counter()
@@ -99,6 +108,9 @@ async def probe(scheduler, stop: asyncio.Event, ping_every_s: float = 0.02, stat
         pings.append(time.perf_counter() - t)
         if pings[-1] == max(pings):
             slowest_at = t - began
+        t = time.perf_counter()
+        await control.ping.remote()
+        controls.append(time.perf_counter() - t)
         n += 1
         if n % status_every == 0:
             t = time.perf_counter()
@@ -106,19 +118,7 @@ async def probe(scheduler, stop: asyncio.Event, ping_every_s: float = 0.02, stat
             statuses.append(time.perf_counter() - t)
             deepest = max(deepest, status["queued"])
         await asyncio.sleep(ping_every_s)
-    return {"ping": pings, "status": statuses, "deepest": deepest, "slowest_at_s": slowest_at}
-
-
-async def idle_pings(scheduler, n: int = 25, every_s: float = 0.02) -> list[float]:
-    """`ping` round trips before the load: the scheduler's answer time on this host at this
-    moment, the unit the loaded figures are read in."""
-    pings = []
-    for _ in range(n):
-        t = time.perf_counter()
-        await scheduler.ping.remote()
-        pings.append(time.perf_counter() - t)
-        await asyncio.sleep(every_s)
-    return pings
+    return {"ping": pings, "control": controls, "status": statuses, "deepest": deepest, "slowest_at_s": slowest_at}
 
 
 def check_exactly_once(events: list[dict], job_ids: set[str]) -> dict:
@@ -144,15 +144,17 @@ async def run_load(scheduler, jobs: int, producers: int, clients: int, sessions:
     remote = ray.remote(num_cpus=0)(LoadClient)
     names = [f"load:{p}" for p in range(producers)]
     groups = [names[c::clients] for c in range(clients)]
+    control = ray.remote(num_cpus=0)(Control).remote()
+    await control.ping.remote()
     actors = [remote.remote() for _ in groups]
     per_producer = jobs // producers
-    phases = {"idle": {"ping": await idle_pings(scheduler)}}
+    phases = {}
     started = time.perf_counter()
     try:
         for phase, calls in (("submit", lambda a, g: a.submit.remote(g, per_producer)),
                              ("drain", lambda a, g: a.drain.remote(poll_s, sessions))):
             stop = asyncio.Event()
-            watcher = asyncio.ensure_future(probe(scheduler, stop))
+            watcher = asyncio.ensure_future(probe(scheduler, control, stop))
             t = time.perf_counter()
             try:
                 results = await asyncio.gather(*(calls(a, g) for a, g in zip(actors, groups)))
@@ -160,7 +162,7 @@ async def run_load(scheduler, jobs: int, producers: int, clients: int, sessions:
                 stop.set()
                 phases[phase] = await watcher | {"wall_s": time.perf_counter() - t}
     finally:
-        for actor in actors:
+        for actor in [*actors, control]:
             ray.kill(actor)
     leases = Counter()
     for result in results:
@@ -205,9 +207,9 @@ def main(argv: list[str] | None = None) -> None:
         ("drain: every job granted and released in", f"{drain['wall_s']:.1f} s "
                                                      f"({figures['jobs'] / drain['wall_s']:,.0f} jobs/s)"),
         ("grant calls (incl. the granting one)", f"{figures['polls']:,}"),
-        ("`ping` round trip before the load (p50 / p99 / max)", rtt(figures["phases"]["idle"]["ping"])),
         ("`ping` round trip during the submit burst (p50 / p99 / max)", rtt(submit["ping"])),
         ("`ping` round trip while draining (p50 / p99 / max)", rtt(drain["ping"])),
+        ("the control's round trip while draining (p50 / p99 / max)", rtt(drain["control"])),
         ("`status()` round trip while draining (p50 / p99 / max)", rtt(drain["status"], 0)),
         ("jobs granted exactly once", f"{sum(1 for n in figures['leases'].values() if n == 1):,}"),
         ("event log: jobs ended exactly once (done) / anomalies",

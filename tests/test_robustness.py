@@ -1037,14 +1037,14 @@ def test_scheduler_gone_for_good_fails_with_a_clear_retry_error(runtime, monkeyp
 def test_1000_queued_jobs_from_100_producers_each_end_exactly_once(make_runtime):
     """The overload benchmark (benchmarks/overload.py, 10,000 jobs: BENCHMARKS.md) at a
     tenth of its size, so the suite stays short on two cores. Every job granted once and
-    ended once; while the queue drains the scheduler answers a ping about as fast as when it
-    was idle (the median within 25 idle medians, both measured in this run: a scheduler
-    saturated by its waiters' polls, as before issue 6, answers hundreds of times slower).
-    The slowest ping is not bounded: it is the instant a burst of 1,000 calls lands, and how
-    long that takes is the host's (CI saw 7.3 s beside the other test worker; BENCHMARKS.md
-    records it). The lease and waiter timeouts are the defaults, not the suite's 3 s: with
-    two CPU burners beside it a client process's heartbeat came 3.1 s late and its waiters
-    were (rightly) dropped."""
+    ended once; while the queue drains the scheduler answers a ping about as fast as a bare
+    actor pinged at the same moments (the median within 25 of the control's: a scheduler
+    saturated by its waiters' polls, as before issue 6, answers hundreds of times slower),
+    so the bound holds whatever else the host runs. The slowest ping is not bounded: it is
+    the instant a burst of 1,000 calls lands, and how long that takes is the host's (CI saw
+    7.3 s beside the other test worker; BENCHMARKS.md records it). The lease and waiter
+    timeouts are the defaults, not the suite's 3 s: with two CPU burners beside it a client
+    process's heartbeat came 3.1 s late and its waiters were (rightly) dropped."""
     defaults = RuntimeConfig()
     runtime = make_runtime(lease_timeout_s=defaults.lease_timeout_s, waiter_timeout_s=defaults.waiter_timeout_s)
     bench = _overload_module()
@@ -1054,13 +1054,12 @@ def test_1000_queued_jobs_from_100_producers_each_end_exactly_once(make_runtime)
     once = bench.check_exactly_once(events, set(figures["leases"]))
     assert len(figures["leases"]) == 1000 and set(figures["leases"].values()) == {1}
     assert once["bad"] == {} and once["missing"] == set() and once["finished"] == 1000
-    phases = figures["phases"]
-    drain, idle = phases["drain"], bench.pct(phases["idle"]["ping"], 0.5)
-    seen = {name: {"p50_ms": round(1000 * bench.pct(p["ping"], 0.5), 1), "max_ms": round(1000 * max(p["ping"]), 1),
-                   "slowest_at_s": round(p.get("slowest_at_s", 0.0), 2), "n": len(p["ping"])}
-            for name, p in phases.items()}
+    drain = figures["phases"]["drain"]
+    seen = {name: {f"{probe}_ms": [round(1000 * bench.pct(phase[probe], q), 1) for q in (0.5, 1.0)]
+                   for probe in ("ping", "control")} | {"slowest_at_s": round(phase["slowest_at_s"], 2)}
+            for name, phase in figures["phases"].items()}
     assert drain["deepest"] >= 900, seen
-    assert bench.pct(drain["ping"], 0.5) <= 25 * idle, f"pings while draining against idle ones: {seen}"
+    assert bench.pct(drain["ping"], 0.5) <= 25 * bench.pct(drain["control"], 0.5), f"(p50, max) per phase: {seen}"
 
 
 @pytest.mark.ray
