@@ -4,6 +4,7 @@ test: no Selenium or Playwright (they bring their own browsers or drivers), just
 from __future__ import annotations
 
 import base64
+import contextlib
 import itertools
 import json
 import os
@@ -44,7 +45,8 @@ class Chromium:
         port = int(port_file.read_text().split()[0])
         page = next(t for t in requests.get(f"http://127.0.0.1:{port}/json/list", timeout=10).json()
                     if t["type"] == "page")
-        self._ws = connect(page["webSocketDebuggerUrl"], max_size=64 * 1024 * 1024)
+        self._connection = contextlib.ExitStack()  # websockets wants its connection entered
+        self._ws = self._connection.enter_context(connect(page["webSocketDebuggerUrl"], max_size=64 * 1024 * 1024))
         self._ids = itertools.count(1)
         self.call("Page.enable")
         self.call("Runtime.enable")
@@ -85,7 +87,7 @@ class Chromium:
 
     def close(self) -> None:
         try:
-            self._ws.close()
+            self._connection.close()
         except Exception:
             pass
         if self._process.poll() is None:
