@@ -10,12 +10,11 @@ python=${PYTHON:-.venv/bin/python}
 burners=()
 cleanup() { kill "${burners[@]}" 2>/dev/null || true; }
 trap cleanup EXIT
-# The burners run at the niceness Ray gives its workers (15, Ray's `worker_niceness`): at nice 0
-# they would take ~97 % of the cores from every actor (the OS scheduler's weights for nice 0
-# against nice 15 are ~30:1) and a run would take hours, which tests nothing but the weights.
-# At the same niceness they compete as equals: half the CPU each time a test needs it.
+# The burners run at niceness 0, as uniun-ray's Ray workers do (`RAY_worker_niceness=0`, see
+# runtime/head.py): they compete with every actor as equals, half the CPU each time a test
+# needs it. (Under Ray's default of 15 the OS scheduler's weights would give them ~97 % of it.)
 for _ in 1 2; do
-  nice -n 15 "$python" -c 'while True: pass' &
+  "$python" -c 'while True: pass' &
   burners+=($!)
 done
 for run in $(seq 1 "$runs"); do

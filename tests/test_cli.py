@@ -70,7 +70,7 @@ def test_up_devices_declares_that_many_stand_in_devices_on_a_cpu_machine(state_f
         pass
 
     def ray_start(command, **kwargs):
-        raise Started(command)
+        raise Started(command, kwargs["env"])
 
     import types
     monkeypatch.setattr(head, "subprocess", types.SimpleNamespace(Popen=ray_start, PIPE=-1, STDOUT=-2))
@@ -84,6 +84,15 @@ def test_up_devices_declares_that_many_stand_in_devices_on_a_cpu_machine(state_f
     with pytest.raises(Started) as started:
         cli.main(["up", "--devices", "3"])
     assert "--resources={}" in started.value.args[0]
+    # the head's workers (every actor) at niceness 0, not Ray's 15; an explicit setting wins
+    monkeypatch.delenv("RAY_worker_niceness", raising=False)
+    with pytest.raises(Started) as started:
+        cli.main(["up"])
+    assert started.value.args[1]["RAY_worker_niceness"] == "0"
+    monkeypatch.setenv("RAY_worker_niceness", "5")
+    with pytest.raises(Started) as started:
+        cli.main(["up"])
+    assert started.value.args[1]["RAY_worker_niceness"] == "5"
 
 
 def test_help_and_bench_help_exit_0(capsys):
@@ -149,6 +158,7 @@ def test_status_foreground_and_embed(runtime, capsys):
     assert cli.main(["status", "--json"]) == 0
     snapshot = json.loads(capsys.readouterr().out)
     assert set(snapshot["tiers"]) == {"T0", "T1", "T2", "T3", "T4"} and snapshot["queued"] == 0
+    assert snapshot["engine"]["niceness"] == 0    # a local cluster's workers run at 0, not Ray's 15
 
     assert cli.main(["foreground", "none"]) == 0
     assert capsys.readouterr().out == "foreground: none\n"
@@ -205,7 +215,8 @@ def test_up_then_down_stops_exactly_that_head(tmp_path):
 
         status = run_cli("status", "--json", env=env)  # finds the head through the state file
         assert status.returncode == 0, status.stderr
-        assert json.loads(status.stdout)["queued"] == 0
+        snapshot = json.loads(status.stdout)
+        assert snapshot["queued"] == 0 and snapshot["engine"]["niceness"] == 0   # not Ray's 15
 
         down = run_cli("down", env=env)
         assert down.returncode == 0 and "stopped the Ray head" in down.stdout, down.stdout + down.stderr

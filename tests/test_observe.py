@@ -315,6 +315,19 @@ def test_metrics_name_the_device_of_what_they_count_and_of_each_gauge(tmp_path):
     assert m.loaded.seen == {(("device", "cpu0"), ("model", "a")): 1, (("device", "cpu1"), ("model", "b")): 1}
 
 
+def test_status_view_warns_of_model_actors_below_the_hosts_programs():
+    snap = {"now": 10.0, "loaded_model": "m", "foreground": {"kind": None, "subject": None}, "running": None,
+            "queued": 0, "vruntime": {"kinds": {}, "producers": {}}, "next_wakeup": None,
+            "t2": {"share": 0.0, "limit": 0.6, "over_budget": False}, "tiers": {"T0": [], "T1": [], "T2": [], "T3": [], "T4": []},
+            "devices": [{"device": "cpu0", "loaded_model": "m", "running": None, "engine": {"niceness": 0}}]}
+    for niceness, warned in ((0, False), (15, True)):
+        snap["devices"][0]["engine"]["niceness"] = niceness
+        console = Console(record=True, width=200)
+        console.print(render(snap))
+        text = console.export_text()
+        assert ("model actors at niceness 15" in text and "RAY_worker_niceness=0" in text) is warned, text
+
+
 def test_status_and_explain_name_the_devices_of_a_pool(tmp_path):
     async def go():
         s = SchedulerService({"cpu0": FakeDevice(), "cpu1": FakeDevice()},

@@ -63,6 +63,10 @@ def _summary(snap: dict, now: float) -> Table:
     grid.add_row("swap times", swaps, "next wake-up", f"in {wake - now:.1f}s" if wake else "-")
     if snap.get("event_log"):
         grid.add_row("event log", snap["event_log"], "", "")
+    niceness = max([(d.get("engine") or {}).get("niceness", 0) for d in devices] or [0])
+    if niceness > 0:
+        grid.add_row("CPU priority", Text(f"model actors at niceness {niceness}: the host's other busy programs come "
+                                          "first (start Ray with RAY_worker_niceness=0)", style="bold yellow"), "", "")
     return grid
 
 

@@ -32,6 +32,20 @@ STOP_GRACE_S = 5.0  # gcs_server and raylet often outlast a SIGTERM; the whole h
 START_TIME_SLACK_S = 2.0
 
 
+#: Ray starts its workers, and so every actor (the scheduler, the ModelActors), at niceness 15
+#: (its `worker_niceness`): below every ordinary program of the host. Measured on the 2-core
+#: box (BENCHMARKS.md, "Ray's worker niceness"): with two busy programs at niceness 0 beside
+#: it, the first chats after a load waited 8-43 s for their first token at 15 and at most
+#: 0.28 s at 0. The clusters this project starts set it to 0; an explicit setting wins.
+WORKER_NICENESS_ENV = "RAY_worker_niceness"
+
+
+def worker_niceness() -> str:
+    """The niceness of the workers of a Ray this process starts: $RAY_worker_niceness, set to
+    0 where unset (the raylet reads it from the environment it is started with)."""
+    return os.environ.setdefault(WORKER_NICENESS_ENV, "0")
+
+
 class HeadError(RuntimeError):
     """`ray start` failed, or the recorded head cannot be used."""
 
@@ -137,8 +151,8 @@ def _group(pgid: int) -> list[psutil.Process]:
 
 def start_head(*, port: int, dashboard_host: str, dashboard_port: int, auth_mode: str,
                temp_dir: str | None = None, devices: int = 1, extra: list[str] = ()) -> HeadState:
-    """Run `ray start --head` in a new process group with RAY_AUTH_MODE set explicitly,
-    declaring the stand-in resources this machine needs (`devices` stand-in devices when it
+    """Run `ray start --head` in a new process group with RAY_AUTH_MODE set explicitly, its
+    workers at `worker_niceness()`, declaring the stand-in resources this machine needs (`devices` stand-in devices when it
     has no GPU). Returns the (unsaved) state."""
     resources = stand_in_resources(gpu_count(), devices)
     command = [_ray_executable(), "start", "--head", f"--port={port}", f"--dashboard-host={dashboard_host}",
@@ -147,7 +161,7 @@ def start_head(*, port: int, dashboard_host: str, dashboard_port: int, auth_mode
     # This environment's bin first on PATH: `python` in a job's entrypoint is then the
     # Python that runs Ray and has uniun-ray installed, not whatever the shell had.
     path = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
-    env = {**os.environ, "RAY_AUTH_MODE": auth_mode, "PATH": path}
+    env = {**os.environ, "RAY_AUTH_MODE": auth_mode, WORKER_NICENESS_ENV: worker_niceness(), "PATH": path}
     process = subprocess.Popen(command, env=env, start_new_session=True, stdout=subprocess.PIPE,
                                stderr=subprocess.STDOUT, text=True)
     output, _ = process.communicate()

@@ -16,7 +16,7 @@ import ray
 
 from . import placement
 from .actors import ModelFleet, RemoteEmbedder, RemoteScheduler, embedder_options, scheduler_options
-from .head import stand_in_resources
+from .head import stand_in_resources, worker_niceness
 from .protocol import EMBEDDER_NAME, NAMESPACE, SCHEDULER_NAME, UniunError, model_actor_name
 from .service import RuntimeConfig
 from ..models.registry import DEFAULT_CHAT_MODEL, resolve
@@ -89,9 +89,11 @@ def connect(address: str | None = None, namespace: str = NAMESPACE, **init_kwarg
 def init_local(namespace: str = NAMESPACE, *, dashboard: bool = False, devices: int = 1, **init_kwargs):
     """Start a private local Ray with the stand-in resources of `devices` devices: never a
     running cluster (address="local"), no dashboard unless asked (then on 127.0.0.1), the
-    driver not flooded with workers' logs. The one place a local cluster is made: `connect`,
-    the demo, the replay, the benchmarks and the tests all come here. Returns Ray's context."""
+    driver not flooded with workers' logs, the workers at `worker_niceness()`. The one place a
+    local cluster is made: `connect`, the demo, the replay, the benchmarks and the tests all
+    come here. Returns Ray's context."""
     ensure_auth_mode()
+    worker_niceness()
     init_kwargs.setdefault("log_to_driver", False)
     if dashboard:
         init_kwargs.setdefault("dashboard_host", "127.0.0.1")

@@ -12,9 +12,11 @@ event loop stays free to take a revoke while a generation is running.
 from __future__ import annotations
 
 import asyncio
-from collections import deque
+import logging
+import os
 import threading
 import time
+from collections import deque
 from dataclasses import asdict
 
 from ..models.registry import resolve
@@ -24,6 +26,7 @@ from .metrics import ModelMetrics
 from .placement import DEVICE_RESOURCE, assigned_resources, stand_ins_here
 from .protocol import LeaseRevoked
 
+log = logging.getLogger(__name__)
 _END = object()
 #: After a piece goes out, what the model makes in this long goes out as the next piece. Each
 #: stream item costs the actor's loop (and its GIL, shared with the model's thread) about as
@@ -61,6 +64,11 @@ class ModelActor:
         self._last_revoke: dict[int, float] = {}
         self.stop_latencies: deque[float] = deque(maxlen=1024)  # the latest; the histogram has all
         self._metrics = ModelMetrics()
+        if os.nice(0) > 0:
+            log.warning("this ModelActor runs at niceness %d (Ray's worker_niceness): every busy program of "
+                        "the host takes the CPU first, and a chat can wait seconds for its first token. Start "
+                        "Ray with RAY_worker_niceness=0 (uniun-ray up and the local clusters of uniun-ray do).",
+                        os.nice(0))
 
     def __repr__(self) -> str:
         return f"ModelActor(device={self._device}, loaded={self._engine.loaded}, epoch={self._epoch})"
@@ -181,6 +189,7 @@ class ModelActor:
     async def state(self) -> dict:
         return {"device": self._device, "loaded": self._engine.loaded, "epoch": self._epoch,
                 "revoked": self._revoked, "generating": sorted(self._running),
-                "context_length": self._engine.context_length, "engine": self._engine.describe(),
+                "context_length": self._engine.context_length,
+                "engine": self._engine.describe() | {"niceness": os.nice(0)},   # its threads run at it
                 "ray_resources": assigned_resources(),
                 "stop_latency_s": list(self.stop_latencies)}
