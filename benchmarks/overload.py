@@ -101,13 +101,13 @@ async def probe(scheduler, control, stop: asyncio.Event, ping_every_s: float = 0
     probe must not become the load), the deepest queue seen, and when the slowest ping was
     sent (seconds into the phase)."""
     pings, controls, statuses, deepest, n = [], [], [], 0, 0
-    began, slowest_at = time.perf_counter(), 0.0
+    began, slowest, slowest_at = time.perf_counter(), 0.0, 0.0
     while not stop.is_set():
         t = time.perf_counter()
         await scheduler.ping.remote()
         pings.append(time.perf_counter() - t)
-        if pings[-1] == max(pings):
-            slowest_at = t - began
+        if pings[-1] > slowest:
+            slowest, slowest_at = pings[-1], t - began
         t = time.perf_counter()
         await control.ping.remote()
         controls.append(time.perf_counter() - t)

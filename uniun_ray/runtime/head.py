@@ -35,8 +35,9 @@ START_TIME_SLACK_S = 2.0
 #: Ray starts its workers, and so every actor (the scheduler, the ModelActors), at niceness 15
 #: (its `worker_niceness`): below every ordinary program of the host. Measured on the 2-core
 #: box (BENCHMARKS.md, "Ray's worker niceness"): with two busy programs at niceness 0 beside
-#: it, the first chats after a load waited 8-43 s for their first token at 15 and at most
-#: 0.28 s at 0. The clusters this project starts set it to 0; an explicit setting wins.
+#: it, the chat model did not finish loading in 200 s at 15 (other runs: the first chats
+#: waited 8-43 s for a first token), against 23 s and a TTFT p50 of 0.5 s at 0. The clusters
+#: this project starts set it to 0; an explicit setting wins.
 WORKER_NICENESS_ENV = "RAY_worker_niceness"
 
 
@@ -152,8 +153,8 @@ def _group(pgid: int) -> list[psutil.Process]:
 def start_head(*, port: int, dashboard_host: str, dashboard_port: int, auth_mode: str,
                temp_dir: str | None = None, devices: int = 1, extra: list[str] = ()) -> HeadState:
     """Run `ray start --head` in a new process group with RAY_AUTH_MODE set explicitly, its
-    workers at `worker_niceness()`, declaring the stand-in resources this machine needs (`devices` stand-in devices when it
-    has no GPU). Returns the (unsaved) state."""
+    workers at `worker_niceness()`, declaring the stand-in resources this machine needs
+    (`devices` stand-in devices when it has no GPU). Returns the (unsaved) state."""
     resources = stand_in_resources(gpu_count(), devices)
     command = [_ray_executable(), "start", "--head", f"--port={port}", f"--dashboard-host={dashboard_host}",
                f"--dashboard-port={dashboard_port}", f"--resources={json.dumps(resources)}",
