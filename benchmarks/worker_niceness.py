@@ -56,6 +56,8 @@ def child(turns: int, budget_s: float) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
+    from uniun_ray.runtime.head import WORKER_NICENESS_ENV
+
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--turns", type=int, default=8)
     parser.add_argument("--burners", type=int, default=2, help="CPU-bound programs at niceness 0 beside Ray")
@@ -73,7 +75,7 @@ def main(argv: list[str] | None = None) -> None:
     for niceness in args.niceness:
         burners = [subprocess.Popen([sys.executable, "-c", BURN]) for _ in range(args.burners)]
         try:
-            env = os.environ | {"RAY_worker_niceness": str(niceness), "RAY_AUTH_MODE": "disabled"}
+            env = os.environ | {WORKER_NICENESS_ENV: str(niceness), "RAY_AUTH_MODE": "disabled"}
             env.pop("RAY_ADDRESS", None)
             out = subprocess.run([sys.executable, __file__, "--child", "--turns", str(args.turns), "--budget",
                                   str(args.budget)], env=env, capture_output=True, text=True, check=True).stdout

@@ -15,10 +15,12 @@ from pathlib import Path
 
 import pytest
 
+from uniun_ray.runtime.head import worker_niceness
+
 os.environ["RAY_AUTH_MODE"] = "disabled"  # explicit, always (see README)
-# every Ray a test starts, a plain `ray start` included, runs its workers at niceness 0 as the
-# README says to (uniun-ray's own clusters do), whichever fixture starts one first
-os.environ.setdefault("RAY_worker_niceness", "0")
+# every Ray a test starts, a plain `ray start` included, runs its workers at uniun-ray's
+# niceness (0, as the README says to start Ray), whichever fixture starts one first
+worker_niceness()
 # the scheduler's event log and other state go to a scratch dir, never the user's
 # (a fresh one per pytest process, even where the user has set UNIUN_STATE_DIR)
 os.environ["UNIUN_STATE_DIR"] = tempfile.mkdtemp(prefix="uniun-test-state-")
