@@ -23,7 +23,7 @@ from ..models.registry import resolve
 from ..models.request import GenerateRequest
 from ..models.settings import EngineSettings
 from .metrics import ModelMetrics
-from .placement import DEVICE_RESOURCE, assigned_resources, stand_ins_here
+from .placement import DEVICE_RESOURCE, assigned_resources, node_id, stand_ins_here
 from .protocol import LeaseRevoked
 
 log = logging.getLogger(__name__)
@@ -191,5 +191,5 @@ class ModelActor:
                 "revoked": self._revoked, "generating": sorted(self._running),
                 "context_length": self._engine.context_length,
                 "engine": self._engine.describe() | {"niceness": os.nice(0)},   # its threads run at it
-                "ray_resources": assigned_resources(),
+                "ray_resources": assigned_resources(), "node": node_id(),
                 "stop_latency_s": list(self.stop_latencies)}
