@@ -169,6 +169,7 @@ def test_a_node_that_dies_takes_its_devices_out_of_the_pool_and_one_that_joins_a
     from conftest import FakeDevice, lease_of, spec
     from uniun_ray.models.settings import EngineSettings
     from uniun_ray.runtime import actors
+    from uniun_ray.runtime.eventlog import read
     from uniun_ray.runtime.nodes import Node
     from uniun_ray.runtime.service import RuntimeConfig
 
@@ -207,8 +208,10 @@ def test_a_node_that_dies_takes_its_devices_out_of_the_pool_and_one_that_joins_a
         leases = {job: await lease_of(s, job) for job in ("g", "n", "m")}
         assert {j: lease.device for j, lease in leases.items()} == {"g": "cpu0", "n": "cpu1", "m": "cpu2"}
         await s.release("m", leases["m"].epoch, "done")       # cpu2 idle, cpu1 busy with n
+        assert await s.node_changed(Node("w1", "10.0.0.2", alive=True)) == {"added": [], "removed": [],
+                                                                            "waiting": []}
         cluster.update(declared={DEVICE_RESOURCE: 1})
-        left = await s.node_changed(Node("w1", "10.0.0.2", alive=False, death="died unexpectedly"))
+        left = await s.node_changed(Node("w1", "", alive=False, death="died unexpectedly"))  # as Ray words it
         assert left == {"added": [], "removed": ["cpu1", "cpu2"]} and retired == ["model:cpu1", "model:cpu2"]
         assert s.policy.devices == ("cpu0",) and await s.device_lost("n", leases["n"].epoch, "node died") is True
         await s.release("g", leases["g"].epoch, "done")
@@ -220,6 +223,11 @@ def test_a_node_that_dies_takes_its_devices_out_of_the_pool_and_one_that_joins_a
     joined, again, devices = asyncio.run(asyncio.wait_for(go(), 10))
     assert joined == {"added": ["cpu1"], "removed": [], "waiting": []} and where["model:cpu1"] == "w2"
     assert again == {"added": [], "removed": []} and devices == ("cpu0", "cpu1")
+    events = read(tmp_path / "ev.jsonl")
+    assert [(e["node"], e["address"], e["change"]) for e in events if e["ev"] == "node"] == \
+        [("w1", "10.0.0.2", "joined"), ("w1", "10.0.0.2", "left"), ("w2", "10.0.0.3", "joined")]
+    removed = [e["reason"] for e in events if e["ev"] == "device" and e["change"] == "removed"]
+    assert removed == ["its node 10.0.0.2 (w1) died unexpectedly"] * 2
 
 
 def test_nodes_read_from_ray_s_node_table_and_its_published_changes():

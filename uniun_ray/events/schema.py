@@ -39,6 +39,9 @@ drop           job, kind, producer, model, reason: a queued job ended without ru
 device         device, change ("added"|"removed"); optional: reason. The pool changed
                (SPEC §5, R20): a device joined it, or left it for good; the job it ran,
                if any, finishes "failed" with ``requeued`` and runs elsewhere
+node           node (Ray's node id), address, change ("joined"|"left"); optional: reason.
+               A node of the cluster joined it (its devices follow as ``device`` "added")
+               or died (its devices leave as ``device`` "removed")
 =============  ==========================================================================
 
 ``revoke`` may carry ``reason``, the runtime's words for its ``cause`` ("arrival of chat job
@@ -68,6 +71,7 @@ REQUIRED: dict[str, tuple[str, ...]] = {
     "reclaim": JOB_FIELDS + ("reason",),
     "drop": JOB_FIELDS + ("reason",),
     "device": ("device", "change"),
+    "node": ("node", "address", "change"),
 }
 OUTCOMES = ("done", "failed", "revoked")
 

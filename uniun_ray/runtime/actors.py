@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Mapping
 
 import ray
@@ -235,12 +235,17 @@ class SchedulerActor(SchedulerService):
         to their places and resume elsewhere); joined, its capacity gets devices. Returns what
         changed in the pool."""
         known = self._nodes.get(node.id)
+        if known is not None and not node.address:  # a death notice carries the id, not the rest
+            node = replace(node, address=known.address, head=known.head)
         self._nodes[node.id] = node
+        if known is not None and known.alive == node.alive:
+            return {"added": [], "removed": []}
         if not node.alive:
+            if known is not None:
+                self._emit("node", None, node=node.id, address=node.address, change="left", reason=node.death)
             return {"added": [], "removed": await self._node_left(node)}
-        if known is None or not known.alive:
-            return await self._node_joined()
-        return {"added": [], "removed": []}
+        self._emit("node", None, node=node.id, address=node.address, change="joined")
+        return await self._node_joined()
 
     async def _node_left(self, node: nodes.Node) -> list[str]:
         """Remove the devices that ran on `node`, busy ones too (their holders' calls fail with
