@@ -29,11 +29,10 @@ import ray
 
 from uniun_ray.client import agenerate, arun, astatus, astream
 from uniun_ray.runtime.eventlog import read
-from uniun_ray.runtime.launch import connect, start
 from uniun_ray.runtime.service import RuntimeConfig
 
 from ray_nodes import LocalNodes
-from waits import STARTED_TIMEOUT_S, started
+from waits import STARTED_TIMEOUT_S, pool_of, started, until
 
 #: The model, the length of the runs the dying node takes down, and what the chat and the
 #: Nataraj ask (their answers run long: a short one could end before the node dies).
@@ -46,25 +45,6 @@ QUEUED, SHORT = 6, 8
 
 def completion(c) -> dict:
     return {"job": c.job_id, "tokens": c.tokens, "revokes": c.revokes, "text": c.text}
-
-
-async def until(check, what: str):
-    """Poll `check()` (a coroutine's value) until it is truthy; fail the scenario, naming `what`,
-    after STARTED_TIMEOUT_S."""
-    deadline = time.monotonic() + STARTED_TIMEOUT_S
-    while not (value := await check()):
-        assert time.monotonic() < deadline, f"never: {what}"
-        await asyncio.sleep(0.05)
-    return value
-
-
-async def pool_of(devices: int, located: bool = True) -> dict:
-    """The status once the pool has `devices` devices (and, if `located`, each knows its node)."""
-    async def look():
-        status = await astatus()
-        found = status["devices"]
-        return status if len(found) == devices and (not located or all(d["node"] for d in found)) else None
-    return await until(look, f"a pool of {devices} devices")
 
 
 async def streamed(stream, before: asyncio.Event, first: asyncio.Event) -> dict:
@@ -149,9 +129,7 @@ def main() -> None:
     with LocalNodes() as nodes:
         nodes.head(devices=1)
         step("head")
-        connect(nodes.address)
-        head = ray.get_runtime_context().get_node_id()
-        start(RuntimeConfig(lease_timeout_s=5.0, waiter_timeout_s=5.0, reap_period_s=0.2))
+        head = nodes.start_runtime(RuntimeConfig(lease_timeout_s=5.0, waiter_timeout_s=5.0, reap_period_s=0.2))
         step("runtime")
         w1 = nodes.join(devices=2)
         step("w1 joined")

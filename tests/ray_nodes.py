@@ -121,6 +121,17 @@ class LocalNodes:
         self.address = state.address
         return self._started(state.pgid, devices)
 
+    def start_runtime(self, config) -> str:
+        """Join this process to the head and start uniun-ray there (`start(config)`: the first
+        pool is the head's devices). Returns the head's node id."""
+        import ray
+
+        from uniun_ray.runtime.launch import connect, start
+
+        connect(self.address)
+        start(config)
+        return ray.get_runtime_context().get_node_id()
+
     def join(self, devices: int) -> NodeGroup:
         """A worker node that joins the head with `devices` stand-in devices."""
         ray = str(Path(sys.executable).with_name("ray"))

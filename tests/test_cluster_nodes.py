@@ -1,11 +1,12 @@
 """A Ray cluster for real (issue 29, SPEC §5 R20): real nodes on this machine, a worker node
-SIGKILLed while a chat and a Nataraj generate on it and work waits, a node that joins after.
-One scenario in a subprocess (tests/cluster_scenario.py, its nodes from tests/ray_nodes.py),
-shared by the tests of this module.
+SIGKILLed while a chat and a Nataraj generate on it and work waits, a node that joins after;
+and the same kill under load, 1,000 queued jobs across two nodes. Two subprocesses, each with
+nodes of its own (tests/ray_nodes.py), started at once: the scenario (tests/cluster_scenario.py)
+and the benchmark (benchmarks/node_loss.py, its BENCHMARKS.md row at full size).
 
-Marked `cluster`: it starts three Ray nodes and five model actors, about a minute on a quiet
-2-core host and several on a busy one, so `make test` leaves it out; `make test-stress` (every
-`ray` test) and `make test-cluster` run it."""
+Marked `cluster`: they start five Ray nodes and seven model actors, a minute or two on a quiet
+2-core host and several on a busy one, so `make test` leaves them out; `make test-stress` (every
+`ray` test) and `make test-cluster` run them."""
 from __future__ import annotations
 
 import tempfile
@@ -16,26 +17,31 @@ import pytest
 from conftest import spawn_scenario
 from ray_nodes import NODES_DIR_ENV, kill_leftovers
 
-pytestmark = [pytest.mark.ray, pytest.mark.cluster, pytest.mark.scenario("cluster")]
+pytestmark = [pytest.mark.ray, pytest.mark.cluster]
 
-SCENARIO = Path(__file__).parent / "cluster_scenario.py"
+ROOT = Path(__file__).parent.parent
+SCRIPTS = {"cluster": (ROOT / "tests" / "cluster_scenario.py",),
+           "load": (ROOT / "benchmarks" / "node_loss.py", "--jobs", "1000", "--json")}
 #: The issue's bound: a dead node's devices leave the pool, a joining node's join it, within 5 s.
 WITHIN_S = 5.0
-_NODES_DIR = tempfile.mkdtemp(prefix="uniun-nodes-")
+_NODES_DIRS: dict[str, str] = {}
 
 
 def launch(name: str):
-    """Start the cluster scenario (conftest's `scenario_result`), its state and its nodes in
-    scratch dirs of their own."""
-    return spawn_scenario(SCENARIO, env={"UNIUN_STATE_DIR": tempfile.mkdtemp(prefix="uniun-cluster-state-"),
-                                         NODES_DIR_ENV: _NODES_DIR})
+    """Start a scenario (conftest's `scenario_result`), its state and its nodes in scratch dirs
+    of their own."""
+    _NODES_DIRS[name] = tempfile.mkdtemp(prefix="uniun-nodes-")
+    return spawn_scenario(*SCRIPTS[name], env={"UNIUN_STATE_DIR": tempfile.mkdtemp(prefix="uniun-cluster-state-"),
+                                               NODES_DIR_ENV: _NODES_DIRS[name]})
 
 
 @pytest.fixture(scope="module", autouse=True)
 def no_node_left_behind():
-    """Torn down after the scenario's process is gone (a failed test kills it): its nodes too."""
+    """Torn down after the scenarios' processes are gone (a failed test kills them): their
+    nodes too."""
     yield
-    kill_leftovers(_NODES_DIR)
+    for nodes_dir in _NODES_DIRS.values():
+        kill_leftovers(nodes_dir)
 
 
 @pytest.fixture(scope="module")
@@ -55,6 +61,7 @@ def runs_of(run: dict, job: str) -> list[tuple[str, dict]]:
     return list(zip(dispatched, events_of(run, "finish", job=job)))
 
 
+@pytest.mark.scenario("cluster")
 def test_a_node_that_joins_adds_its_devices_and_work_runs_on_every_node(run):
     joined = events_of(run, "node", change="joined")
     assert [e["node"] for e in joined][:2] == [run["head"], run["w1"]]     # the head first, as the table had it
@@ -67,6 +74,7 @@ def test_a_node_that_joins_adds_its_devices_and_work_runs_on_every_node(run):
     assert ran_on == {"cpu0", "cpu1", "cpu2"} and all(c["tokens"] == 8 for c in run["on_all"])
 
 
+@pytest.mark.scenario("cluster")
 def test_a_killed_node_s_devices_leave_the_pool_within_5s_on_ray_s_node_event(run):
     """Driven by Ray's news of the node, not by a timeout: the devices leave the moment the
     scheduler hears the node died, and that comes within seconds of the SIGKILL."""
@@ -81,6 +89,7 @@ def test_a_killed_node_s_devices_leave_the_pool_within_5s_on_ray_s_node_event(ru
     assert {n["node"] for n in run["after_kill"]["nodes"]} == {run["head"]}
 
 
+@pytest.mark.scenario("cluster")
 def test_its_jobs_resume_on_the_surviving_device_with_their_tokens(run):
     assert run["gana_device"] == run["gana_end"] == "cpu0"
     card = run["card"]
@@ -92,6 +101,7 @@ def test_its_jobs_resume_on_the_surviving_device_with_their_tokens(run):
     assert last == "cpu0" and done["outcome"] == "done" and not done["requeued"]
 
 
+@pytest.mark.scenario("cluster")
 def test_a_chat_streaming_from_the_dying_node_completes_on_the_surviving_device(run):
     """SPEC R6 for a chat whose device dies under it: not a preemption (that would fail it);
     it resumes elsewhere from what it had streamed, and the stream reads on without a gap."""
@@ -102,6 +112,7 @@ def test_a_chat_streaming_from_the_dying_node_completes_on_the_surviving_device(
     assert {first, run["card_device"]} == {"cpu1", "cpu2"} and last == "cpu0" and done["outcome"] == "done"
 
 
+@pytest.mark.scenario("cluster")
 def test_nothing_queued_is_lost_or_run_twice(run):
     queued = [c["job"] for c in run["queued"]]
     assert len(queued) == 6 and all(c["tokens"] == 8 for c in run["queued"])
@@ -113,6 +124,7 @@ def test_nothing_queued_is_lost_or_run_twice(run):
         assert [f["outcome"] for _, f in runs_of(run, job) if not f.get("requeued")] == ["done"]
 
 
+@pytest.mark.scenario("cluster")
 def test_a_node_that_joins_later_adds_its_device_within_5s_and_takes_work(run):
     joined = events_of(run, "node", change="joined", node=run["w2"])
     added = [e for e in events_of(run, "device", change="added") if e["t"] >= joined[0]["t"]]
@@ -122,3 +134,14 @@ def test_a_node_that_joins_later_adds_its_device_within_5s_and_takes_work(run):
     final = run["final"]
     assert {n["node"]: n["devices"] for n in final["nodes"]} == {run["head"]: ["cpu0"], run["w2"]: ["cpu1"]}
     assert {d["device"]: d["node"] for d in final["devices"]} == {"cpu0": run["head"], "cpu1": run["w2"]}
+
+
+@pytest.mark.scenario("load")
+def test_a_node_killed_under_1000_queued_jobs_loses_none_and_ends_each_once(scenario_result):
+    """benchmarks/node_loss.py at its full size (its BENCHMARKS.md row): two nodes, a device
+    each, 1,000 Natarajs queued at once, the worker killed while it generates."""
+    f = scenario_result("load")
+    print(f"node loss under load: {({k: v for k, v in f.items() if k not in ('moved', 'bad')})}")
+    assert f["lost"] == 0 and f["errors"] == [] and f["completed"] == 1000 and f["ended_once"], f["bad"]
+    assert len(f["removed"]) == 1 and 0 < f["detect_s"] <= WITHIN_S and f["remove_s"] < 0.5
+    assert f["held_by_the_dead_node"] and set(f["held_by_the_dead_node"]) <= set(f["moved"])
