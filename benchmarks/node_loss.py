@@ -129,7 +129,7 @@ def table(f: dict) -> str:
             ("killed after", f"{f['done_before_kill']:,} jobs ended"),
             ("kill to Ray's news of the dead node", f"{f['detect_s']:.2f} s"),
             ("news to its device out of the pool", f"{f['remove_s'] * 1000:.0f} ms"),
-            ("kill to its job re-placed on the head", f"{f['replace_s']:.2f} s"),
+            ("kill to its job dispatched again on the head (its turn in the fair pool)", f"{f['replace_s']:.2f} s"),
             ("jobs lost", str(f["lost"])),
             ("every job ended exactly once", "yes" if f["ended_once"] else f"NO: {f['bad']}"),
             ("jobs/s, two devices then one",

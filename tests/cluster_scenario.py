@@ -5,7 +5,8 @@ tests/test_cluster_nodes.py in a subprocess: it needs real nodes of its own (tes
 
 1. The head (one stand-in device, cpu0) and the runtime; then a worker, w1, joins with two
    devices: the scheduler hears of it from Ray and adds cpu1 and cpu2.
-2. Work on every node's devices: three short Natarajs at once, one per device.
+2. Work on every node's devices: three short Natarajs at once, one per device (they time the
+   model's tokens, so that the runs of phase 3 last a few seconds on any host).
 3. A Gana holds cpu0; a long Nataraj generates on one of w1's devices and a chat streams from
    the other; short jobs queue behind them. Then w1 dies (SIGKILL to its raylet, its workers,
    everything): Ray marks it dead, its devices leave the pool, the Gana lets go, and the chat,
@@ -34,9 +35,10 @@ from uniun_ray.runtime.service import RuntimeConfig
 from ray_nodes import LocalNodes
 from waits import STARTED_TIMEOUT_S, pool_of, started, until
 
-#: The model, the length of the runs the dying node takes down, and what the chat and the
-#: Nataraj ask (their answers run long: a short one could end before the node dies).
-MODEL, LONG = "smollm2-135m-instruct", 96
+#: The model, how long the runs that the dying node takes down would last (the kill comes a
+#: second or so after they start; their length in tokens, from phase 2's pace, within bounds),
+#: and what the chat and the Nataraj ask (their answers run long: a short one could end first).
+MODEL, RUN_S, MIN_LONG, MAX_LONG = "smollm2-135m-instruct", 3.0, 32, 400
 QUESTION = "Tell me a long story about a dragon who learns to cook."
 CARD = "Write a long card on the history of the printing press."
 #: Short jobs queued behind the busy pool when w1 dies (and the other work), and their length.
@@ -57,7 +59,7 @@ async def streamed(stream, before: asyncio.Event, first: asyncio.Event) -> dict:
     return completion(stream.completion) | {"before_kill": "".join(early), "after_kill": "".join(late)}
 
 
-async def kill_under_load(w1) -> dict:
+async def kill_under_load(w1, long: int) -> dict:
     """Phase 3: the Gana on cpu0, the Nataraj and the chat on w1, queued work; w1 dies."""
     out, release, killed = {}, asyncio.Event(), asyncio.Event()
 
@@ -69,10 +71,10 @@ async def kill_under_load(w1) -> dict:
     gana = asyncio.ensure_future(arun("gana", MODEL, hold, producer="gana:hold"))
     out["gana_device"] = (await started("gana"))["device"]
     card_first, chat_first = asyncio.Event(), asyncio.Event()
-    card = asyncio.ensure_future(streamed(astream("nataraj", CARD, model_id=MODEL, max_new_tokens=LONG),
+    card = asyncio.ensure_future(streamed(astream("nataraj", CARD, model_id=MODEL, max_new_tokens=long),
                                           killed, card_first))
     out["card_device"] = (await started("nataraj"))["device"]
-    chat = asyncio.ensure_future(streamed(astream("chat", QUESTION, model_id=MODEL, max_new_tokens=LONG),
+    chat = asyncio.ensure_future(streamed(astream("chat", QUESTION, model_id=MODEL, max_new_tokens=long),
                                           killed, chat_first))
     await asyncio.wait_for(chat_first.wait(), STARTED_TIMEOUT_S)
     queued = [asyncio.ensure_future(agenerate("nataraj", f"queued {i}", model_id=MODEL, max_new_tokens=SHORT,
@@ -101,9 +103,11 @@ async def scenario(nodes: LocalNodes, w1) -> dict:
     phase("w1's devices added and started")
     on_all = await asyncio.gather(*(agenerate("nataraj", f"card {i}", model_id=MODEL, max_new_tokens=SHORT,
                                               producer="nataraj:all") for i in range(3)))
-    out["on_all"], out["long"] = [completion(c) for c in on_all], LONG
+    out["on_all"] = [completion(c) for c in on_all]
+    pace = max((c.total_s - c.ttft_s) / (c.tokens - 1) for c in on_all)
+    long = out["long"] = min(MAX_LONG, max(MIN_LONG, int(RUN_S / pace)))
     phase("work on every device")
-    out |= await kill_under_load(w1)
+    out |= await kill_under_load(w1, long)
     phase("w1 killed, its work done on the head")
 
     before = {n["NodeID"] for n in ray.nodes()}
