@@ -100,12 +100,27 @@ def test_one_gpu_takes_the_model_the_embedder_stays_on_the_cpu_and_a_taken_gpu_f
     assert placed["after_s"] < 8      # the grace for a seat freed a moment ago (3 s), then the refusal
 
 
+def fake_cluster(monkeypatch, device, create, cluster: dict) -> None:
+    """The SchedulerActor's Ray around it, faked: its devices are `device(name)`, it makes an
+    actor with `create(fleet, device, resources)`, the cluster declares `cluster["declared"]`
+    with `cluster["free"]` free, and no GCS publishes nodes."""
+    import asyncio
+
+    import ray
+
+    from uniun_ray.runtime import actors
+
+    monkeypatch.setattr(actors, "RayDevice", device)
+    monkeypatch.setattr(actors.ModelFleet, "create", create)
+    monkeypatch.setattr(actors.SchedulerActor, "_follow_nodes", lambda self: asyncio.sleep(0))
+    monkeypatch.setattr(ray, "cluster_resources", lambda: cluster["declared"])
+    monkeypatch.setattr(ray, "available_resources", lambda: cluster["free"])
+
+
 def test_the_scheduler_applies_reconcile_gone_idle_devices_leave_free_seats_get_actors(monkeypatch, tmp_path):
     """The thin shell over `reconcile` (SchedulerActor.watch_pool), with fake model actors
     (alive while their name is held) and a cluster that declares stand-in seats."""
     import asyncio
-
-    import ray
 
     from conftest import FakeDevice, lease_of, spec
     from uniun_ray.models.settings import EngineSettings
@@ -130,11 +145,7 @@ def test_the_scheduler_applies_reconcile_gone_idle_devices_leave_free_seats_get_
         named.add(f"model:{device}")
         made.append(device)
 
-    monkeypatch.setattr(actors, "RayDevice", NamedActor)
-    monkeypatch.setattr(actors.ModelFleet, "create", create)
-    monkeypatch.setattr(actors.SchedulerActor, "_follow_nodes", lambda self: asyncio.sleep(0))  # no GCS here
-    monkeypatch.setattr(ray, "cluster_resources", lambda: cluster["declared"])
-    monkeypatch.setattr(ray, "available_resources", lambda: cluster["free"])
+    fake_cluster(monkeypatch, NamedActor, create, cluster)
 
     async def go():
         s = actors.SchedulerActor(["cpu0", "cpu1"], actors.ModelFleet(EngineSettings()),
@@ -164,8 +175,6 @@ def test_a_node_that_dies_takes_its_devices_out_of_the_pool_and_one_that_joins_a
     node that joins gets a device per seat it declares."""
     import asyncio
 
-    import ray
-
     from conftest import FakeDevice, lease_of, spec
     from uniun_ray.models.settings import EngineSettings
     from uniun_ray.runtime import actors
@@ -194,11 +203,7 @@ def test_a_node_that_dies_takes_its_devices_out_of_the_pool_and_one_that_joins_a
     def create(fleet, device, resources):
         where[f"model:{device}"] = "w2"
 
-    monkeypatch.setattr(actors, "RayDevice", PlacedActor)
-    monkeypatch.setattr(actors.ModelFleet, "create", create)
-    monkeypatch.setattr(actors.SchedulerActor, "_follow_nodes", lambda self: asyncio.sleep(0))  # no GCS here
-    monkeypatch.setattr(ray, "cluster_resources", lambda: cluster["declared"])
-    monkeypatch.setattr(ray, "available_resources", lambda: cluster["free"])
+    fake_cluster(monkeypatch, PlacedActor, create, cluster)
 
     async def go():
         s = actors.SchedulerActor(["cpu0", "cpu1", "cpu2"], actors.ModelFleet(EngineSettings()),
