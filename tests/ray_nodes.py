@@ -92,12 +92,15 @@ def kill_leftovers(temp_dir: str) -> None:
 
 class LocalNodes:
     """A head and the workers that join it; every node is killed when the block ends. The
-    nodes' temp dir is $UNIUN_NODES_DIR where the caller set it, else a new one."""
+    nodes' temp dir is $UNIUN_NODES_DIR where the caller set it, else a new one. Their devices
+    are stand-ins whatever GPUs the host has (they hide them: this process's own
+    environment too, which `start_head` reads): the nodes are what is tested."""
 
     def __init__(self) -> None:
         self.temp_dir = os.environ.get(NODES_DIR_ENV) or tempfile.mkdtemp(prefix="uniun-nodes-")
         self.address: str | None = None
         self.nodes: list[NodeGroup] = []
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
         self._env = os.environ | {"RAY_AUTH_MODE": "disabled", WORKER_NICENESS_ENV: worker_niceness()}
         self._env.pop("RAY_ADDRESS", None)
 
