@@ -181,7 +181,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.jobs < 1 or args.producers < 1 or args.clients < 1 or args.jobs % args.producers:
         parser.error("--jobs, --producers and --clients must be >= 1, and --jobs a multiple of --producers")
 
-    from uniun_ray.runtime.eventlog import read
+    from uniun_ray.events.log import read
     from uniun_ray.runtime.launch import init_local, start
     from uniun_ray.runtime.service import RuntimeConfig
 

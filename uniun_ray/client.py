@@ -130,9 +130,17 @@ def _scheduler_lost(error: BaseException) -> bool:
     return isinstance(error, (RayActorError, UnknownJob))
 
 
-def _error_text(error: BaseException) -> str:
+def error_cause(error: BaseException) -> BaseException:
+    """The error a Ray task raised, unwrapped from its RayTaskError (which subclasses the
+    cause's class, so isinstance works on either, but whose text carries a traceback)."""
     cause = getattr(error, "cause", None)
-    error = cause if isinstance(cause, BaseException) else error
+    return cause if isinstance(cause, BaseException) else error
+
+
+def error_text(error: BaseException) -> str:
+    """One line for an error (a job's failure in a producer's state, a CLI message): its class
+    and the first line of its text, without the remote traceback a RayTaskError carries."""
+    error = error_cause(error)
     return f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
 
 
@@ -245,7 +253,7 @@ class Turn:
                 self.stopped()
             return True
         if isinstance(error, RayActorError):  # the model actor died under the work
-            self.lost(_error_text(error))
+            self.lost(error_text(error))
             return True
         if isinstance(error, Exception):
             await self.loop.release(self.lease, "failed")

@@ -25,7 +25,8 @@ import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from .events.schema import Event, validate, write_jsonl
+from .events import log
+from .events.schema import Event, validate
 from .events.trace import Trace
 from .policy import SchedulerPolicy
 from .sim import plots
@@ -166,9 +167,7 @@ async def play(workload: Workload, timeout_s: float | None = None) -> Played:
     except asyncio.TimeoutError:
         errors.append(f"timed out after {timeout_s:.0f} s: the jobs still out were cancelled")
     wall = now()
-    from uniun_ray.runtime.eventlog import read
-
-    events = [{**e, "t": e["t"] - t0} for e in read(status["event_log"]) if e["t"] >= t0]
+    events = [{**e, "t": e["t"] - t0} for e in log.read(status["event_log"]) if e["t"] >= t0]
     validate(events)
     return Played(events, realized(workload, sizes), errors, wall, (load_start, os.getloadavg()[0]))
 
@@ -292,15 +291,15 @@ def main(out: Path, seed: int, device: DeviceProfile, names: list[str]) -> int:
     report = [f"# real runtime vs simulator (profile `{device.name}`, seed {seed})", ""]
     for name in names:
         workload = generate(name, seed)
-        log = out / f"events-{name}.jsonl"
-        log.unlink(missing_ok=True)
+        event_log = out / f"events-{name}.jsonl"
+        event_log.unlink(missing_ok=True)
         span = max([f.stop or f.start for f in workload.flows] + [a.t for a in workload.arrivals])
         with local_cluster():
-            start(RuntimeConfig(event_log=str(log)))
+            start(RuntimeConfig(event_log=str(event_log)))
             played = asyncio.run(play(workload, timeout_s=3 * span + 120))
         text, predicted = compare(played, device)
-        write_jsonl(played.events, out / f"real-{name}.jsonl")
-        write_jsonl(predicted, out / f"sim-{name}.jsonl")
+        log.write(played.events, out / f"real-{name}.jsonl")
+        log.write(predicted, out / f"sim-{name}.jsonl")
         real, sim = Trace(played.events), Trace(predicted)
         window = (0.0, max(real.end, sim.end))
         plots.timeline(real, out / f"timeline-real-{name}.png", f"{name}: real Ray, measured", window)

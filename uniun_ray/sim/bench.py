@@ -20,7 +20,7 @@ from uniun_ray.policy import PolicyConfig, SchedulerPolicy
 from . import plots, poolbench
 from .baselines import BASELINES
 from .device import PROFILES, DeviceProfile
-from ..events.schema import write_jsonl
+from ..events import log
 from .metrics import Metrics, jain_of, measure, t2_windows
 from .simulator import simulate
 from ..events.trace import Trace
@@ -91,7 +91,7 @@ def table(results: dict[str, Outcome]) -> str:
 def run_one(policy_name: str, workload: Workload, device: DeviceProfile, out: Path, logs: bool) -> Outcome:
     result = simulate(POLICIES[policy_name](), workload, device)
     if logs:
-        write_jsonl(result.events, out / f"log-{workload.name}-{policy_name}.jsonl")
+        log.write(result.events, out / f"log-{workload.name}-{policy_name}.jsonl")
     trace = Trace(result.events)
     prefill = sum(e.get("prefill_s", 0.0) for e in result.events if e["ev"] == "dispatch")
     return Outcome(trace, measure(trace), result.wall_s, prefill)
