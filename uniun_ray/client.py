@@ -109,8 +109,7 @@ async def _check(model_id: str, request: GenerateRequest) -> int:
     Why a round trip and not the tokenizer here: a local check imports torch and
     transformers into every client process (seconds for a one-shot `uniun-ray chat`,
     hundreds of MB per producer actor) and, for an embedded GGUF model, converts it on the
-    client's node; the round trip costs about a bare actor call (BENCHMARKS.md, "Control
-    plane"), also while the actor generates, since the check runs beside the decode thread."""
+    client's node; the round trip costs about a bare actor call (BENCHMARKS.md, "Runtime"), also while the actor generates, since the check runs beside the decode thread."""
     from ray.exceptions import ActorUnavailableError, RayActorError
     deadline = time.monotonic() + RECONNECT_S
     while True:
