@@ -7,7 +7,7 @@ PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.installed
 export RAY_AUTH_MODE ?= disabled
 
-.PHONY: demo test test-stress gpu-check bench install clean
+.PHONY: demo test test-stress gpu-check bench bench-suite install clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -40,8 +40,14 @@ demo: $(STAMP)
 gpu-check: $(STAMP)
 	PYTHON=$(PY) benchmarks/gpu_check.sh
 
+# Every benchmark this host can run, then BENCHMARKS.md's tables from their records
+# (benchmarks/regenerate.py). QUICK=1: each in its quick mode, to prove they run.
 bench: $(STAMP)
-	$(VENV)/bin/uniun-ray bench
+	$(PY) benchmarks/regenerate.py $(if $(QUICK),--quick)
+
+# `make test` from a fresh clone of HEAD, three times, a CPU burner beside: BENCHMARKS.md's test suite row.
+bench-suite: $(STAMP)
+	$(PY) benchmarks/suite_time.py --runs 3
 
 clean:
 	rm -rf $(VENV)
