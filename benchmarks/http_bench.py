@@ -46,15 +46,19 @@ def pct(values, q):
     return values[min(len(values) - 1, int(round(q * (len(values) - 1))))]
 
 
+def cpu_name() -> str:
+    """lscpu's model name (the machine's when lscpu has none)."""
+    try:
+        lines = subprocess.run(["lscpu"], capture_output=True, text=True).stdout.splitlines()
+        return next(line.split(":", 1)[1].strip() for line in lines if line.startswith("Model name"))
+    except Exception:
+        return platform.processor() or platform.machine()
+
+
 def host(engine: dict) -> str:
     """The CPU (lscpu's model name), its cores, and the ModelActor's torch threads and dtype
     on the chat model (its own report, `state()["engine"]`)."""
-    try:
-        lines = subprocess.run(["lscpu"], capture_output=True, text=True).stdout.splitlines()
-        name = next(line.split(":", 1)[1].strip() for line in lines if line.startswith("Model name"))
-    except Exception:
-        name = platform.processor() or platform.machine()
-    return (f"{name}, {os.cpu_count()} cores, {engine.get('device', 'cpu')}; ModelActor torch threads "
+    return (f"{cpu_name()}, {os.cpu_count()} cores, {engine.get('device', 'cpu')}; ModelActor torch threads "
             f"{engine.get('threads')}, {engine.get('model', CHAT)} in {engine.get('dtype')}")
 
 
