@@ -148,17 +148,22 @@ class _Stream:
             raise EngineError(f"vLLM answered {self.response.status}: {self.response.read()[:500]!r}")
 
     def __iter__(self) -> Iterator[Delta]:
-        for line in self.response:
-            delta = parse_event(line)
-            if delta is not None:
-                yield delta
+        try:
+            for line in self.response:
+                delta = parse_event(line)
+                if delta is not None:
+                    yield delta
+        finally:
+            self.connection.close()   # in the reading thread: closing under a read breaks http.client
 
     def shut(self) -> None:
-        try:
-            self.connection.sock.shutdown(socket.SHUT_RDWR)
-        except (OSError, AttributeError):   # already closed
-            pass
-        self.connection.close()
+        """Safe from any thread: only shuts the socket down; the reader then closes it."""
+        sock = self.connection.sock
+        if sock is not None:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:   # already shut
+                pass
 
 
 # -- one job --------------------------------------------------------------------------------------
