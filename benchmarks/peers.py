@@ -171,6 +171,10 @@ def table(rows: list[dict], host: str, command: str, args) -> str:
              "| engine | settings | chat TTFT p50 s | chat TTFT p99 s | background tok/s | host | date | command |",
              "|---|---|---|---|---|---|---|---|"]
     for row in rows:
+        if "error" in row:
+            lines.append(f"| {row['engine']} | {row['settings']} | failed: {row['error'][:200]} | | | {host} | "
+                         f"{date.today()} | `{command}` |")
+            continue
         lines.append(f"| {row['engine']} | {row['settings']} | {row['chat_ttft_p50_s']:.2f} | "
                      f"{row['chat_ttft_p99_s']:.2f} | {row['background_tok_s']:.1f} | {host} | {date.today()} | "
                      f"`{command}` |")
@@ -208,8 +212,11 @@ def main() -> None:
     rows = []
     for name in args.engines.split(","):
         peer = PEERS[name]
-        with peer.serve(logs) as url:
-            rows.append(measure(url, peer, args, count))
+        try:
+            with peer.serve(logs) as url:
+                rows.append(measure(url, peer, args, count))
+        except Exception as error:   # one peer failing leaves the others' rows, and says why
+            rows.append({"engine": peer.name, "settings": peer.settings, "error": f"{type(error).__name__}: {error}"})
         print(json.dumps(rows[-1]), flush=True)
     host = f"{cpu_name()}, {os.cpu_count()} cores"
     command = "python benchmarks/peers.py " + " ".join(sys.argv[1:])
