@@ -12,7 +12,7 @@ import pytest
 
 from uniun_ray.engines import Engine, Piece, venvs
 from uniun_ray.engines.vllm import Delta, EngineError, VllmEngine, VllmRun, parse_event, sampling_fields
-from uniun_ray.models.engine import PromptTooLong
+from uniun_ray.models.vocabulary import PromptTooLong
 from uniun_ray.models.request import GenerateRequest
 
 CHAT = "smollm2-135m-instruct"

@@ -35,7 +35,8 @@ from typing import Iterator, Sequence
 from . import Piece
 from .server import ChildServer, free_port
 from .venvs import has_cuda_gpu, vllm_python
-from ..models.engine import GenerationResult, _context, _vocabulary_of, inspect_request
+from ..models.request import GenerationResult
+from ..models.vocabulary import inspect_request, prompt_ids
 from ..models.registry import cache_dir, materialize, resolve
 from ..models.request import GenerateRequest
 
@@ -291,7 +292,7 @@ class VllmEngine:
             raise RuntimeError("no model is loaded")
         if job_id in self._runs:
             raise ValueError(f"job {job_id!r} is already running")
-        ids = _context(_vocabulary_of(resolve(self._loaded)), request)
+        ids = prompt_ids(resolve(self._loaded), request)
         stream = _Stream(self.server.url, "/v1/completions", completion_body(ids, request, self._defaults))
         run = VllmRun(stream, len(ids), on_end=lambda ended: self._forget(job_id, ended))
         with self._lock:
@@ -351,7 +352,7 @@ class VllmEngine:
 
     def _step_time(self, batch: int, tokens: int) -> float:
         request = GenerateRequest(prompt="Count from one to one hundred in words.", max_new_tokens=tokens)
-        ids = _context(_vocabulary_of(resolve(self._loaded)), request)
+        ids = prompt_ids(resolve(self._loaded), request)
         body = completion_body(ids, request, self._defaults) | {"ignore_eos": True}
         times: list[list[float]] = [[] for _ in range(batch)]
 

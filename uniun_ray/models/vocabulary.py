@@ -38,7 +38,13 @@ def inspect_request(spec: ModelSpec, request: GenerateRequest) -> int:
     outside the vocabulary, an empty prompt). PromptTooLong: prompt + resumed output +
     max_new_tokens exceed the context window.
     """
-    return len(context_of(_vocabulary_of(spec), request))
+    return len(prompt_ids(spec, request))
+
+
+def prompt_ids(spec: ModelSpec, request: GenerateRequest) -> list[int]:
+    """The token ids a run of ``request`` prefills (template, prompt and resumed output), for an
+    engine that tokenizes outside this process's model (vLLM's server takes token ids)."""
+    return context_of(_vocabulary_of(spec), request)
 
 
 _VOCABULARY_LOCK = threading.Lock()
