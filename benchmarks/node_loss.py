@@ -39,7 +39,7 @@ from ray_nodes import LocalNodes  # noqa: E402
 from waits import STARTED_TIMEOUT_S, pool_of, until  # noqa: E402
 
 from uniun_ray.client import agenerate, astatus  # noqa: E402
-from uniun_ray.runtime.eventlog import read  # noqa: E402
+from uniun_ray.events.log import read  # noqa: E402
 from uniun_ray.runtime.service import RuntimeConfig  # noqa: E402
 
 PRODUCERS = 10

@@ -29,7 +29,7 @@ import time
 import ray
 
 from uniun_ray.client import agenerate, arun, astatus, astream
-from uniun_ray.runtime.eventlog import read
+from uniun_ray.events.log import read
 from uniun_ray.runtime.service import RuntimeConfig
 
 from ray_nodes import LocalNodes

@@ -178,7 +178,7 @@ def test_a_node_that_dies_takes_its_devices_out_of_the_pool_and_one_that_joins_a
     from conftest import FakeDevice, lease_of, spec
     from uniun_ray.models.settings import EngineSettings
     from uniun_ray.runtime import actors
-    from uniun_ray.runtime.eventlog import read
+    from uniun_ray.events.log import read
     from uniun_ray.runtime.nodes import Node
     from uniun_ray.runtime.service import RuntimeConfig
 
