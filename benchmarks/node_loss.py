@@ -141,9 +141,9 @@ def record(rec, f: dict) -> None:
             goal="every job (issue 29)", met=f["ended_once"])
     rec.row("the same: kill to Ray's news of the dead node (health checks every 1 s, dead after 3 missed)",
             f"{f['detect_s']:.2f} s", goal="≤ 5 s (issue 29)", met=f["detect_s"] <= 5)
-    rec.row("the same: that news to the node's device out of the pool, its job back at its place",
+    rec.row("the same: that news to the node's device out of the pool, its job(s) back at their places",
             f"{f['remove_s'] * 1000:.0f} ms")
-    rec.row("the same: kill to that job dispatched again on the head (its flow's turn in the fair pool)",
+    rec.row("the same: kill to the job(s) it held dispatched again on the head (their flows' turn in the fair pool)",
             f"{f['replace_s']:.1f} s")
     two = f"{f['jobs_per_s_two_devices']:.1f}" if f["jobs_per_s_two_devices"] else "–"
     rec.row("the same: jobs a second, two devices then one", f"{two} then {f['jobs_per_s_one_device']:.1f}")

@@ -55,10 +55,9 @@ def group_processes(pgid: int) -> set[psutil.Process]:
     return group
 
 
-def kill_groups(pgids: list[int]) -> float:
-    """SIGKILL every process of these groups and their descendants, at once; returns when
-    (time.time(), the event log's clock)."""
-    processes = set().union(*(group_processes(pgid) for pgid in pgids))
+def kill_all(processes: set[psutil.Process]) -> float:
+    """SIGKILL these processes at once and wait for them; returns when (time.time(), the event
+    log's clock)."""
     killed_at = time.time()
     for process in processes:
         try:
@@ -67,6 +66,19 @@ def kill_groups(pgids: list[int]) -> float:
             continue
     psutil.wait_procs(list(processes), timeout=10)
     return killed_at
+
+
+def started_in(temp_dir: str) -> set[psutil.Process]:
+    """Every process whose command line names `temp_dir`: a node's raylet and its workers
+    (`--temp-dir=...`), also a worker forked as its raylet was being killed."""
+    found = set()
+    for process in psutil.process_iter():
+        try:
+            if any(temp_dir in part for part in process.cmdline()):
+                found.add(process)
+        except psutil.Error:
+            continue
+    return found
 
 
 @dataclass
@@ -78,15 +90,15 @@ class NodeGroup:
 
     def kill(self) -> float:
         """The node dies as a machine does: SIGKILL to all of it at once. Returns when."""
-        return kill_groups([self.pgid])
+        return kill_all(group_processes(self.pgid))
 
 
 def kill_leftovers(temp_dir: str) -> None:
     """Kill the nodes a `LocalNodes` with this temp dir started and did not stop (its process
     was killed), then remove the dir."""
     groups = Path(temp_dir, GROUPS_FILE)
-    if groups.exists():
-        kill_groups([int(line) for line in groups.read_text().split()])
+    pgids = [int(line) for line in groups.read_text().split()] if groups.exists() else []
+    kill_all(set().union(started_in(temp_dir), *(group_processes(pgid) for pgid in pgids)))
     shutil.rmtree(temp_dir, ignore_errors=True)
 
 
