@@ -171,7 +171,8 @@ def test_the_scheduler_applies_reconcile_gone_idle_devices_leave_free_seats_get_
 def test_a_node_that_dies_takes_its_devices_out_of_the_pool_and_one_that_joins_adds_its_own(monkeypatch, tmp_path):
     """The scheduler's side of Ray's node events (`SchedulerActor.node_changed`), with fake
     model actors that know their node: a dead node's devices leave at once, busy ones too (the
-    job goes back and runs on a surviving device), and their actors are killed for good; a
+    job goes back and runs on a surviving device), and their actors are killed for good (no
+    look at the cluster adopts them meanwhile, even one that still counts the node's seats); a
     node that joins gets a device per seat it declares."""
     import asyncio
 
@@ -183,7 +184,7 @@ def test_a_node_that_dies_takes_its_devices_out_of_the_pool_and_one_that_joins_a
     from uniun_ray.runtime.service import RuntimeConfig
 
     where = {"model:cpu0": "head", "model:cpu1": "w1", "model:cpu2": "w1"}
-    retired, cluster = [], {"declared": {DEVICE_RESOURCE: 3}, "free": {}}
+    retired, cluster, killing = [], {"declared": {DEVICE_RESOURCE: 3}, "free": {}}, asyncio.Event()
 
     class PlacedActor(FakeDevice):
         def __init__(self, name: str) -> None:
@@ -198,6 +199,7 @@ def test_a_node_that_dies_takes_its_devices_out_of_the_pool_and_one_that_joins_a
 
         async def retire(self) -> None:
             retired.append(self.name)
+            await killing.wait()                          # Ray takes its time
             where.pop(self.name)
 
     def create(fleet, device, resources):
@@ -215,9 +217,13 @@ def test_a_node_that_dies_takes_its_devices_out_of_the_pool_and_one_that_joins_a
         await s.release("m", leases["m"].epoch, "done")       # cpu2 idle, cpu1 busy with n
         assert await s.node_changed(Node("w1", "10.0.0.2", alive=True)) == {"added": [], "removed": [],
                                                                             "waiting": []}
+        dying = asyncio.ensure_future(s.node_changed(Node("w1", "", alive=False, death="died unexpectedly")))
+        await asyncio.sleep(0.01)                            # as Ray words it: the id, no address
+        assert s.policy.devices == ("cpu0",) and retired == ["model:cpu1", "model:cpu2"]   # out before the kill
+        assert await s.watch_pool() == {"added": [], "removed": [], "waiting": ["cpu1", "cpu2"]}  # not adopted
+        killing.set()
+        assert await dying == {"added": [], "removed": ["cpu1", "cpu2"]}
         cluster.update(declared={DEVICE_RESOURCE: 1})
-        left = await s.node_changed(Node("w1", "", alive=False, death="died unexpectedly"))  # as Ray words it
-        assert left == {"added": [], "removed": ["cpu1", "cpu2"]} and retired == ["model:cpu1", "model:cpu2"]
         assert s.policy.devices == ("cpu0",) and await s.device_lost("n", leases["n"].epoch, "node died") is True
         await s.release("g", leases["g"].epoch, "done")
         assert (await lease_of(s, "n")).device == "cpu0"         # n resumes on the surviving device

@@ -181,7 +181,8 @@ class SchedulerActor(SchedulerService):
         self._watcher: asyncio.Task | None = None
         self._follower: asyncio.Task | None = None
         self._nodes: dict[str, nodes.Node] = {}   # node id -> the node, as the GCS last said
-        self._pool_lock = asyncio.Lock()         # one change of the pool at a time
+        self._pool_lock = asyncio.Lock()         # one look at the cluster at a time
+        self._retiring: set[str] = set()         # devices of a dead node whose actors are being killed
 
     def __repr__(self) -> str:
         running = {d: f"{j.kind.value}:{j.id}" for d, j in self.policy.running_jobs.items()}
@@ -248,15 +249,18 @@ class SchedulerActor(SchedulerService):
         return await self._node_joined()
 
     async def _node_left(self, node: nodes.Node) -> list[str]:
-        """Remove the devices that ran on `node`, busy ones too (their holders' calls fail with
-        the node), then kill their actors for good, so that Ray frees their names."""
-        async with self._pool_lock:
-            leaving = [d for d, driver in self.drivers.items() if driver.device.node == node.id]
+        """Remove the devices that ran on `node` at once, busy ones too (their holders' calls
+        fail with the node), whatever a look at the cluster is doing meanwhile; then kill their
+        actors for good, so that Ray frees their names (until then no look adopts them)."""
+        leaving = {d: driver.device for d, driver in self.drivers.items() if driver.device.node == node.id}
+        self._retiring.update(leaving)
+        try:
             for device in leaving:
-                actor = self.drivers[device].device
                 self.remove_device(device, f"its node {node.named()} {node.death or 'left the cluster'}")
-                await actor.retire()
-            return leaving
+            await asyncio.gather(*(actor.retire() for actor in leaving.values()))
+        finally:
+            self._retiring.difference_update(leaving)
+        return list(leaving)
 
     async def _node_joined(self) -> dict:
         """Place the capacity a joining node declares. Ray may show its resources as free a
@@ -301,6 +305,9 @@ class SchedulerActor(SchedulerService):
             seat = self._fleet.seat(resources)
             for device in (d for d in change.add if d not in self.drivers):  # a busy gone one stays, for now
                 model = RayDevice(model_actor_name(device))
+                if device in self._retiring:  # its dead node's actor still holds the name
+                    waiting.append(device)
+                    continue
                 if not await model.alive():
                     try:
                         placement.check_free(model_actor_name(device), seat, available)
