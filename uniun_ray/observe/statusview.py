@@ -2,10 +2,10 @@
 
 It answers "who holds each device, why, and what waits behind it" at a glance: the loaded
 model and the running job (kind, producer, tier, held time) of every device of the pool on
-top (each named, with its engine, once there are two or more, and with its node, once the
-cluster has two or more nodes: the nodes and their devices are a line of the summary), then every tier's
-queue with its waits, the fair pool's vruntimes, the T2 budget, the foreground, and the
-latest revokes and swaps with their reasons. `render` is pure (a dict and a list in, a
+top (each named, with its engine, once there are two or more, and with its node's address
+once the cluster has two or more nodes, which the summary lists with their devices), then
+every tier's queue with its waits, the fair pool's vruntimes, the T2 budget, the foreground,
+and the latest revokes, swaps and changes of the pool with their reasons. `render` is pure (a dict and a list in, a
 renderable out), so `--watch` simply re-renders it, and tests and the README screenshot
 render it without a cluster.
 """

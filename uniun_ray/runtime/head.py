@@ -167,8 +167,9 @@ def _group(pgid: int) -> list[psutil.Process]:
 def start_head(*, port: int, dashboard_host: str, dashboard_port: int, auth_mode: str,
                temp_dir: str | None = None, devices: int = 1, extra: list[str] = ()) -> HeadState:
     """Run `ray start --head` in a new process group with RAY_AUTH_MODE set explicitly, its
-    workers at `worker_niceness()`, dead nodes noticed within seconds (`NODE_HEALTH`), declaring the stand-in resources this machine needs
-    (`devices` stand-in devices when it has no GPU). Returns the (unsaved) state."""
+    workers at `worker_niceness()`, dead nodes noticed within seconds (`NODE_HEALTH`),
+    declaring the stand-in resources this machine needs (`devices` stand-in devices when it
+    has no GPU). Returns the (unsaved) state."""
     resources = stand_in_resources(gpu_count(), devices)
     command = [_ray_executable(), "start", "--head", f"--port={port}", f"--dashboard-host={dashboard_host}",
                f"--dashboard-port={dashboard_port}", f"--resources={json.dumps(resources)}",

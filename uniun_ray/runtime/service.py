@@ -254,7 +254,9 @@ class SchedulerService:
 
     async def _prepare(self, tracked: Tracked, dispatch: Dispatch) -> None:
         """Load the model if asked, fence a new epoch at the device, then hand out the lease,
-        unless the job was revoked meanwhile: then it ends its turn without ever running."""
+        unless the job was revoked meanwhile: then it ends its turn without ever running. A
+        device that left the pool meanwhile (its node died) put the job back already (R20):
+        whatever its calls answer then is not the job's any more."""
         device = dispatch.device
         driver = self.drivers[device]
         try:
@@ -264,13 +266,13 @@ class SchedulerService:
                 swap_s = await driver.load(dispatch.model_id)
                 self._emit_run("swap_end", tracked, seconds=swap_s)
             epoch = await driver.fence()
-        except DeviceGone as error:  # the device left the pool: the job runs on another
-            self._remove_device(device, f"device lost while preparing: {error}")
-            return
-        except Exception as error:  # the load failed: the job fails, the device holds nothing known
+        except Exception as error:
             if self.drivers.get(device) is not driver:
-                return  # the device left the pool meanwhile and put the job back (R20)
-            driver.lost()
+                return
+            if isinstance(error, DeviceGone):  # the device leaves the pool: the job runs on another
+                self._remove_device(device, f"device lost while preparing: {error}")
+                return
+            driver.lost()  # the load failed: the job fails, the device holds nothing known
             if isinstance(error, DeviceLost) and not tracked.cancelled:
                 self._lose_device(tracked, device, f"device lost while preparing: {error}")
                 return
@@ -278,7 +280,7 @@ class SchedulerService:
             self._fail(tracked, error)
             return
         if self.drivers.get(device) is not driver:
-            return  # the device left the pool meanwhile and put the job back (R20)
+            return
         if tracked.revoke_requested:
             self._finish(tracked, Outcome.REVOKED)
             return
