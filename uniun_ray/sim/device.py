@@ -12,6 +12,13 @@ releases the lease, and the next job is granted). A revoke inside a chunk that i
 last one stops with no new token; the chunks read stay in the KV cache for the resume (with
 no cache, the resumed run reads the context again).
 
+Several jobs on one device (slots, SPEC §6) decode together: one step gives each of b
+decoding jobs a token and takes `ModelSpeed.step_s(b)`, the batch-1 decode step scaled by the
+model's `batch_cost` curve (step(b) / step(1)), interpolated linearly between the measured
+sizes and extrapolated from the last two past the largest (`uniun_ray.policy.steps.step_time`,
+the function the policy's R23 uses on the same profile). How the simulator interleaves a
+joining job's prefill with the others' steps is in `batch`.
+
 Where the numbers come from
 ---------------------------
 ``cpu`` (the default) is the project's 2-core x86_64 development box with the embedded
@@ -45,6 +52,9 @@ measured numbers (the ModelActor times its loads) when a GPU run is available.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
+
+from ..policy.steps import step_time
 
 #: A prefill chunk takes this many decode steps, as the engine sizes them
 #: (`uniun_ray.models.tuning.CHUNK_DECODE_STEPS`; the simulator does not import the models).
@@ -53,14 +63,26 @@ CHUNK_DECODE_STEPS = 2.0
 
 @dataclass(frozen=True)
 class ModelSpeed:
-    """Per-model costs, all in seconds."""
+    """Per-model costs, all in seconds. `batch_cost` is the step time at each measured batch
+    size relative to batch 1, as (batch, factor) pairs; the default, batch 1 alone, means no
+    gain from batching (b jobs step in b times one job's step)."""
 
-    decode_s: float            # one decode step (one output token after the first)
+    decode_s: float            # one decode step of one job (one output token after the first)
     prefill_s_per_token: float  # prefill cost per context token
     swap_s: float              # unload the current model and load this one
+    batch_cost: tuple[tuple[int, float], ...] = ((1, 1.0),)
 
     def prefill_s(self, tokens: int) -> float:
         return tokens * self.prefill_s_per_token
+
+    @cached_property
+    def steps(self) -> dict[int, float]:
+        """Seconds per decode step at each measured batch size: what the policy is given (R23)."""
+        return {batch: self.decode_s * factor for batch, factor in self.batch_cost}
+
+    def step_s(self, batch: int) -> float:
+        """Seconds per decode step of `batch` jobs together (exactly `decode_s` for one)."""
+        return self.decode_s if batch == 1 else step_time(self.steps, batch)
 
 
 @dataclass(frozen=True)

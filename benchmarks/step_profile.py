@@ -1,0 +1,141 @@
+"""The step-time profile of a model on this host: seconds per batched decode step, per batch size.
+
+    .venv/bin/python benchmarks/step_profile.py                       # SmolLM2, batch 1..32, both cores
+    .venv/bin/python benchmarks/step_profile.py --batches 1,2,4 --steps 4 --repeats 1   # a quick check
+
+What SPEC §6 (R23, R25) and the simulator's step-time profiles (`uniun_ray/sim/device.py`)
+need: one decode step of B sequences at once, as a continuous-batching engine runs it with
+transformers. For each batch size B: B prompts of different lengths (``--prompt`` tokens, the
+shortest 3/4 of that), left-padded into one batch with an attention mask, one prefill forward into a
+``DynamicCache``, then ``--steps`` decode forwards of one token per row (the mask and position
+ids grown by one each step), timed one by one after ``--warmup`` untimed ones; the step time is the
+median over ``--repeats`` such rounds. float32 (the dtype the engine chose on the 2-core AVX2 hosts,
+`uniun_ray/models/MEASURED.md`), ``torch.inference_mode``, the model from the embedded registry
+(the converted copy in ``UNIUN_CACHE_DIR``, converted on first use).
+
+Writes the profile as JSON (``--out``, default ``docs/bench/step-profile-<model>-cpu.json``): the
+host (CPU model, torch's ISA, threads, load average before and after), the date, the settings, and
+``steps_s`` {batch: seconds} with tokens per second beside it. Prints a markdown table.
+
+Measure on a quiet machine: anything running beside it (other processes on the same cores)
+stretches the larger batches most, and the figures are then not the host's.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+
+from uniun_ray.models.engine import _cache_arg  # noqa: E402  (the forward's name for the KV cache)
+from uniun_ray.models.registry import DEFAULT_CHAT_MODEL, materialize, resolve  # noqa: E402
+from uniun_ray.models.tuning import cpu_model  # noqa: E402
+
+
+def load(model_id: str):
+    from transformers import AutoModelForCausalLM
+
+    folder = materialize(resolve(model_id))
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    return model.eval()
+
+
+def batch_inputs(batch: int, prompt: int, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`batch` prompts of lengths spread over [3/4 prompt, prompt], left-padded: (ids, mask)."""
+    lengths = [prompt - (prompt // 4) * i // max(1, batch - 1) for i in range(batch)]
+    ids = torch.zeros((batch, prompt), dtype=torch.long)
+    mask = torch.zeros((batch, prompt), dtype=torch.long)
+    for row, n in enumerate(lengths):
+        ids[row, prompt - n:] = torch.tensor([(7919 * (i + 31 * row)) % vocab + 1 for i in range(n)])
+        mask[row, prompt - n:] = 1
+    return ids, mask
+
+
+def positions(mask: torch.Tensor) -> torch.Tensor:
+    """Position ids of a left-padded batch: counted from each row's first real token."""
+    return (mask.cumsum(-1) - 1).clamp(min=0)
+
+
+def round_of_steps(model, batch: int, prompt: int, steps: int, warmup: int) -> list[float]:
+    """Prefill one batch, then time `steps` decode forwards (after `warmup` untimed ones)."""
+    from transformers import DynamicCache
+
+    ids, mask = batch_inputs(batch, prompt, model.config.vocab_size - 1)
+    cache_arg = _cache_arg(model)
+    with torch.inference_mode():
+        out = model(input_ids=ids, attention_mask=mask, position_ids=positions(mask),
+                    use_cache=True, logits_to_keep=1, **{cache_arg: DynamicCache()})
+        times = []
+        for i in range(warmup + steps):
+            token = out.logits[:, -1].argmax(-1, keepdim=True)
+            mask = torch.cat([mask, torch.ones((batch, 1), dtype=mask.dtype)], dim=1)
+            started = time.perf_counter()
+            out = model(input_ids=token, attention_mask=mask, position_ids=positions(mask)[:, -1:],
+                        use_cache=True, logits_to_keep=1, **{cache_arg: getattr(out, cache_arg)})
+            if i >= warmup:
+                times.append(time.perf_counter() - started)
+    return times
+
+
+def profile(model, batches: list[int], prompt: int, steps: int, warmup: int, repeats: int) -> dict[int, float]:
+    result = {}
+    for batch in batches:
+        medians = [statistics.median(round_of_steps(model, batch, prompt, steps, warmup)) for _ in range(repeats)]
+        result[batch] = statistics.median(medians)
+        print(f"batch {batch:3d}: {result[batch] * 1000:8.1f} ms/step  {batch / result[batch]:7.1f} tok/s "
+              f"(rounds: {', '.join(f'{m * 1000:.1f}' for m in medians)} ms)", file=sys.stderr)
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default=DEFAULT_CHAT_MODEL)
+    parser.add_argument("--batches", default="1,2,4,8,16,32", help="batch sizes, comma-separated")
+    parser.add_argument("--prompt", type=int, default=256, help="tokens in the longest prompt of a batch")
+    parser.add_argument("--steps", type=int, default=16, help="timed decode steps per round")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed decode steps per round")
+    parser.add_argument("--repeats", type=int, default=3, help="rounds per batch size (median of medians)")
+    parser.add_argument("--threads", type=int, default=os.cpu_count(), help="torch threads (default: all cores)")
+    parser.add_argument("--out", help="JSON file (default: docs/bench/step-profile-<model>-cpu.json)")
+    args = parser.parse_args(argv)
+
+    torch.set_num_threads(args.threads)
+    batches = [int(b) for b in args.batches.split(",")]
+    load_before = os.getloadavg()
+    started = datetime.now(timezone.utc)
+    model = load(args.model)
+    steps = profile(model, batches, args.prompt, args.steps, args.warmup, args.repeats)
+    record = {
+        "model": args.model, "device": "cpu", "dtype": "float32",
+        "date": started.strftime("%Y-%m-%d %H:%M UTC"),
+        "host": {"machine": platform.machine(), "cpu": cpu_model(), "cores": os.cpu_count(),
+                 "torch": torch.__version__, "isa": torch.backends.cpu.get_cpu_capability(),
+                 "threads": args.threads, "load_before": load_before, "load_after": os.getloadavg()},
+        "settings": {"prompt": args.prompt, "steps": args.steps, "warmup": args.warmup, "repeats": args.repeats},
+        "steps_s": {str(b): s for b, s in steps.items()},
+        "tok_s": {str(b): b / s for b, s in steps.items()},
+    }
+    out = Path(args.out or Path(__file__).resolve().parent.parent / "docs" / "bench"
+               / f"step-profile-{args.model}-cpu.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(record, indent=1) + "\n")
+    print(f"{args.model}, {record['date']}, {record['host']['cpu']} ({record['host']['isa']}), "
+          f"{args.threads} threads, load {load_before[0]:.2f} -> {record['host']['load_after'][0]:.2f}\n")
+    print("| batch | ms per step | tok/s | vs batch 1 |\n|---|---|---|---|")
+    for b, s in steps.items():
+        print(f"| {b} | {s * 1000:.1f} | {b / s:.1f} | {(b / s) / (batches[0] / steps[batches[0]]):.2f}x |")
+    print(f"\nwritten to {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

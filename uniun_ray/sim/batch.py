@@ -1,0 +1,103 @@
+"""The jobs computing together on one device, advanced a step at a time (SPEC §6, continuous
+batching), as the simulator models it.
+
+Each step (one batched forward) gives every *decoding* job its next token and, when a job is
+still prefilling, reads one prefill chunk of the earliest such job (the others wait their
+turn, in the order they joined). A step costs ``step_s(decoders)`` for the decoding jobs plus
+the chunk's prefill time (``chunk x prefill_s_per_token``): the chunk rides in the same forward
+pass, and a device pays for its tokens on top of the step. A job's last chunk yields its first
+token, and it decodes from the next step on. With one job this is exactly the one-job run of
+`device`: a prefill in chunks, then one decode step per token.
+
+Jobs join and leave only at step boundaries. Between two changes of the batch every step is
+the same, so the simulator does not visit each step: an `Epoch` is a run of identical steps,
+`plan` finds how many come before the batch changes (a chunk shorter than the others, a job's
+first token, a job's last token), and `advance` applies the steps up to a boundary. A device
+with a batch of 16 is visited a few times per job, not once per token.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from .device import ModelSpeed
+
+#: Slack, in steps, when rounding a time to a step boundary (float noise).
+_EPS = 1e-9
+
+
+@dataclass
+class Progress:
+    """One job's progress in one run on a device."""
+
+    prompt: int     # the job's prompt tokens
+    context: int    # prompt + the tokens produced before this run: what the run must have read
+    goal: int       # the job's output tokens
+    to_read: int    # context tokens this run has still to prefill
+    tokens: int     # tokens the job has produced so far, before this run and in it
+
+    @property
+    def decoding(self) -> bool:
+        return self.to_read == 0
+
+    @property
+    def done(self) -> bool:
+        return self.tokens >= self.goal
+
+    def kv_tokens(self) -> int:
+        """Tokens whose KV exists: the context read so far, or, once decoding, the prompt and
+        every produced token but the last (its KV is written by the step that reads it)."""
+        return self.context - self.to_read if self.to_read else self.prompt + self.tokens - 1
+
+
+@dataclass(frozen=True)
+class Epoch:
+    """`count` identical steps of `length` seconds from `start`: each gives `decoders` a token
+    and, when `reader` is set, reads `chunk` of its context."""
+
+    start: float
+    length: float
+    count: int
+    decoders: tuple[Progress, ...]
+    reader: Progress | None
+    chunk: int
+
+    @property
+    def end(self) -> float:
+        return self.start + self.count * self.length
+
+    def boundary_after(self, t: float) -> float:
+        """The first step boundary at or after `t` (the epoch's end at the latest)."""
+        steps = math.ceil((t - self.start) / self.length - _EPS)
+        return self.start + min(self.count, max(0, steps)) * self.length
+
+    def advance(self, t: float) -> list[Progress]:
+        """Apply the steps up to the boundary `t`; return the jobs whose prefill ended (each
+        produced its first token of the run)."""
+        steps = min(self.count, max(0, round((t - self.start) / self.length)))
+        for job in self.decoders:
+            job.tokens += steps
+        if self.reader is None or steps == 0:
+            return []
+        self.reader.to_read -= steps * self.chunk
+        if self.reader.to_read:
+            return []
+        self.reader.tokens += 1
+        return [self.reader]
+
+
+def plan(batch: list[Progress], start: float, speed: ModelSpeed, chunk: int) -> Epoch | None:
+    """The steps from `start` until the batch (in joining order) next changes; None if empty."""
+    if not batch:
+        return None
+    decoders = tuple(job for job in batch if job.decoding)
+    reader = next((job for job in batch if not job.decoding), None)
+    count, length, read = math.inf, 0.0, 0
+    if decoders:
+        count = min(job.goal - job.tokens for job in decoders)
+        length = speed.step_s(len(decoders))
+    if reader is not None:
+        read = min(chunk, reader.to_read)
+        count = min(count, max(1, reader.to_read // chunk))
+        length += speed.prefill_s(read)
+    return Epoch(start, length, count, decoders, reader, read)
