@@ -19,7 +19,7 @@ from .schema import Event
 
 @dataclass
 class Run:
-    """The device held by one job from dispatch to finish (R7's charge)."""
+    """A slot of a device held by one job from dispatch to finish (R7's charge)."""
 
     job: str
     kind: str
@@ -28,10 +28,14 @@ class Run:
     start: float
     tier: int
     device: str = "dev0"
+    slot: int = 0
+    batch: int = 1        # jobs on the device at the dispatch, this one included (SPEC §6)
     swap_s: float = 0.0
     end: float | None = None
     outcome: str | None = None
     revoked_at: float | None = None
+    revoke_batch: int | None = None   # jobs on the device at the revoke, this one included
+    revoke_cause: str | None = None   # the policy's RevokeCause, where the log names it
 
     @property
     def held(self) -> float:
@@ -91,7 +95,8 @@ class Trace:
                 rec = self.jobs[ev["job"]]
                 tier = ev.get("tier")
                 tier = int(tier_of(rec.job, self.foreground_at(t), t)) if tier is None else tier
-                run = Run(rec.job.id, rec.kind, rec.producer, ev["model"], t, tier, ev.get("device", "dev0"))
+                run = Run(rec.job.id, rec.kind, rec.producer, ev["model"], t, tier, ev.get("device", "dev0"),
+                          ev.get("slot", 0), ev.get("batch", 1))
                 self.devices.setdefault(run.device, None)
                 rec.runs.append(run)
                 self.runs.append(run)
@@ -105,7 +110,8 @@ class Trace:
                 self.jobs[ev["job"]].first_token = t
             elif kind == "revoke":
                 self.revokes.append((t, ev["job"]))
-                self.jobs[ev["job"]].runs[-1].revoked_at = t
+                run = self.jobs[ev["job"]].runs[-1]
+                run.revoked_at, run.revoke_batch, run.revoke_cause = t, ev.get("batch", 1), ev.get("cause")
             elif kind == "finish":
                 rec = self.jobs[ev["job"]]
                 run = rec.runs[-1]

@@ -2,8 +2,9 @@
 batching), as the simulator models it.
 
 Each step (one batched forward) gives every *decoding* job its next token and, when a job is
-still prefilling, reads one prefill chunk of the earliest such job (the others wait their
-turn, in the order they joined). A step costs ``step_s(decoders)`` for the decoding jobs plus
+still prefilling, reads one prefill chunk of one such job: the one of the best tier at its
+dispatch (a chat first), the earliest joined among equals; the others wait their turn. A step
+costs ``step_s(decoders)`` for the decoding jobs plus
 the chunk's prefill time (``chunk x prefill_s_per_token``): the chunk rides in the same forward
 pass, and a device pays for its tokens on top of the step. A job's last chunk yields its first
 token, and it decodes from the next step on. With one job this is exactly the one-job run of
@@ -35,6 +36,7 @@ class Progress:
     goal: int       # the job's output tokens
     to_read: int    # context tokens this run has still to prefill
     tokens: int     # tokens the job has produced so far, before this run and in it
+    tier: int = 0   # its tier at dispatch: who prefills first
 
     @property
     def decoding(self) -> bool:
@@ -91,7 +93,7 @@ def plan(batch: list[Progress], start: float, speed: ModelSpeed, chunk: int) -> 
     if not batch:
         return None
     decoders = tuple(job for job in batch if job.decoding)
-    reader = next((job for job in batch if not job.decoding), None)
+    reader = min((job for job in batch if not job.decoding), key=lambda job: job.tier, default=None)
     count, length, read = math.inf, 0.0, 0
     if decoders:
         count = min(job.goal - job.tokens for job in decoders)

@@ -116,8 +116,14 @@ GEMMA3 = "gemma-3-270m"
 TINY = "tiny"
 
 
+#: Step time per batch size relative to batch 1 on the CPU (see "Where the numbers come from").
+CPU_BATCH_COST = ((1, 1.0), (2, 1.3), (4, 2.0), (8, 3.5), (16, 6.5), (32, 12.5))  # placeholder
+#: The same on one datacenter GPU, an estimate from published figures (see above).
+GPU_BATCH_COST = ((1, 1.0), (128, (128 / 1737) / (1 / 65)))
+
+
 def _from_rates(decode_tok_s: float, prefill_tok_s: float, swap_s: float) -> ModelSpeed:
-    return ModelSpeed(1.0 / decode_tok_s, 1.0 / prefill_tok_s, swap_s)
+    return ModelSpeed(1.0 / decode_tok_s, 1.0 / prefill_tok_s, swap_s, CPU_BATCH_COST)
 
 
 PROFILES: dict[str, DeviceProfile] = {
@@ -127,7 +133,7 @@ PROFILES: dict[str, DeviceProfile] = {
         TINY: _from_rates(834.55, 1188 / 0.03, 0.47),
     }),
     "gpu": DeviceProfile("gpu", {
-        SMOLLM2: ModelSpeed(0.015, 0.00002, 0.4),
-        GEMMA3: ModelSpeed(0.010, 0.00002, 0.6),
+        SMOLLM2: ModelSpeed(0.015, 0.00002, 0.4, GPU_BATCH_COST),
+        GEMMA3: ModelSpeed(0.010, 0.00002, 0.6, GPU_BATCH_COST),
     }),
 }

@@ -240,7 +240,7 @@ class Simulator:
         context = state.spec.prompt_tokens + state.produced
         cached = device.kv.take(state.job.id, self._conversation(state), context)
         progress = Progress(state.spec.prompt_tokens, context, state.spec.output_tokens, context - cached,
-                            state.produced)
+                            state.produced, int(action.tier))
         run = _Run(state, device, action.slot, self.now, cached, progress)
         self._running[action.job_id] = device.runs[action.slot] = run
         self._log("dispatch", state, swap=action.swap, tier=int(action.tier), slot=action.slot,
@@ -286,7 +286,7 @@ class Simulator:
         if run.revoked:
             raise ContractError(f"t={self.now}: second Revoke of {action.job_id!r}")
         run.revoked = True
-        self._log("revoke", run.state, batch=len(run.device.runs))
+        self._log("revoke", run.state, cause=action.cause.value, batch=len(run.device.runs))
         self._wake_at(run.device, self._boundary(run.device))
 
     # -- the batch on a device ---------------------------------------------------------
