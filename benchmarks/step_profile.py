@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/step_profile.py                       # SmolLM2, batch 1..32, both cores
     .venv/bin/python benchmarks/step_profile.py --batches 1,2,4 --steps 4 --repeats 1   # a quick check
+    .venv/bin/python benchmarks/step_profile.py --threads 1 --clock cpu   # on a busy machine: see below
 
 What SPEC §6 (R23, R25) and the simulator's step-time profiles (`uniun_ray/sim/device.py`)
 need: one decode step of B sequences at once, as a continuous-batching engine runs it with
@@ -9,7 +10,8 @@ transformers. For each batch size B: B prompts of different lengths (``--prompt`
 shortest 3/4 of that), left-padded into one batch with an attention mask, one prefill forward into a
 ``DynamicCache``, then ``--steps`` decode forwards of one token per row (the mask and position
 ids grown by one each step), timed one by one after ``--warmup`` untimed ones; the step time is the
-median over ``--repeats`` such rounds. float32 (the dtype the engine chose on the 2-core AVX2 hosts,
+median over ``--repeats`` such rounds. The rounds go round-robin over the batch sizes, so a load
+that comes and goes beside the probe stretches every size alike. float32 (the dtype the engine chose on the 2-core AVX2 hosts,
 `uniun_ray/models/MEASURED.md`), ``torch.inference_mode``, the model from the embedded registry
 (the converted copy in ``UNIUN_CACHE_DIR``, converted on first use).
 
@@ -18,7 +20,10 @@ host (CPU model, torch's ISA, threads, load average before and after), the date,
 ``steps_s`` {batch: seconds} with tokens per second beside it. Prints a markdown table.
 
 Measure on a quiet machine: anything running beside it (other processes on the same cores)
-stretches the larger batches most, and the figures are then not the host's.
+stretches the steps by whatever share of the cores it takes, and the figures are then not the
+host's. Where the machine cannot be had alone, ``--threads 1 --clock cpu`` times each step in the
+CPU seconds the process spent (``time.process_time``), which time-slicing does not stretch: the
+shape of the curve at one thread, not the host's wall-clock speed with every core.
 """
 from __future__ import annotations
 
@@ -65,7 +70,7 @@ def positions(mask: torch.Tensor) -> torch.Tensor:
     return (mask.cumsum(-1) - 1).clamp(min=0)
 
 
-def round_of_steps(model, batch: int, prompt: int, steps: int, warmup: int) -> list[float]:
+def round_of_steps(model, batch: int, prompt: int, steps: int, warmup: int, clock) -> list[float]:
     """Prefill one batch, then time `steps` decode forwards (after `warmup` untimed ones)."""
     from transformers import DynamicCache
 
@@ -78,22 +83,22 @@ def round_of_steps(model, batch: int, prompt: int, steps: int, warmup: int) -> l
         for i in range(warmup + steps):
             token = out.logits[:, -1].argmax(-1, keepdim=True)
             mask = torch.cat([mask, torch.ones((batch, 1), dtype=mask.dtype)], dim=1)
-            started = time.perf_counter()
+            started = clock()
             out = model(input_ids=token, attention_mask=mask, position_ids=positions(mask)[:, -1:],
                         use_cache=True, logits_to_keep=1, **{cache_arg: getattr(out, cache_arg)})
             if i >= warmup:
-                times.append(time.perf_counter() - started)
+                times.append(clock() - started)
     return times
 
 
-def profile(model, batches: list[int], prompt: int, steps: int, warmup: int, repeats: int) -> dict[int, float]:
-    result = {}
-    for batch in batches:
-        medians = [statistics.median(round_of_steps(model, batch, prompt, steps, warmup)) for _ in range(repeats)]
-        result[batch] = statistics.median(medians)
-        print(f"batch {batch:3d}: {result[batch] * 1000:8.1f} ms/step  {batch / result[batch]:7.1f} tok/s "
-              f"(rounds: {', '.join(f'{m * 1000:.1f}' for m in medians)} ms)", file=sys.stderr)
-    return result
+def profile(model, batches: list[int], prompt: int, steps: int, warmup: int, repeats: int,
+            clock) -> dict[int, float]:
+    rounds: dict[int, list[float]] = {batch: [] for batch in batches}
+    for _ in range(repeats):
+        for batch in batches:
+            rounds[batch].append(statistics.median(round_of_steps(model, batch, prompt, steps, warmup, clock)))
+            print(f"batch {batch:3d}: {rounds[batch][-1] * 1000:8.1f} ms/step", file=sys.stderr)
+    return {batch: statistics.median(medians) for batch, medians in rounds.items()}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -105,6 +110,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=2, help="untimed decode steps per round")
     parser.add_argument("--repeats", type=int, default=3, help="rounds per batch size (median of medians)")
     parser.add_argument("--threads", type=int, default=os.cpu_count(), help="torch threads (default: all cores)")
+    parser.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                        help="wall: elapsed seconds (default); cpu: the process's CPU seconds (with --threads 1)")
     parser.add_argument("--out", help="JSON file (default: docs/bench/step-profile-<model>-cpu.json)")
     args = parser.parse_args(argv)
 
@@ -113,14 +120,16 @@ def main(argv: list[str] | None = None) -> int:
     load_before = os.getloadavg()
     started = datetime.now(timezone.utc)
     model = load(args.model)
-    steps = profile(model, batches, args.prompt, args.steps, args.warmup, args.repeats)
+    clock = time.perf_counter if args.clock == "wall" else time.process_time
+    steps = profile(model, batches, args.prompt, args.steps, args.warmup, args.repeats, clock)
     record = {
         "model": args.model, "device": "cpu", "dtype": "float32",
         "date": started.strftime("%Y-%m-%d %H:%M UTC"),
         "host": {"machine": platform.machine(), "cpu": cpu_model(), "cores": os.cpu_count(),
                  "torch": torch.__version__, "isa": torch.backends.cpu.get_cpu_capability(),
                  "threads": args.threads, "load_before": load_before, "load_after": os.getloadavg()},
-        "settings": {"prompt": args.prompt, "steps": args.steps, "warmup": args.warmup, "repeats": args.repeats},
+        "settings": {"prompt": args.prompt, "steps": args.steps, "warmup": args.warmup, "repeats": args.repeats,
+                     "clock": args.clock},
         "steps_s": {str(b): s for b, s in steps.items()},
         "tok_s": {str(b): b / s for b, s in steps.items()},
     }
@@ -129,7 +138,8 @@ def main(argv: list[str] | None = None) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(record, indent=1) + "\n")
     print(f"{args.model}, {record['date']}, {record['host']['cpu']} ({record['host']['isa']}), "
-          f"{args.threads} threads, load {load_before[0]:.2f} -> {record['host']['load_after'][0]:.2f}\n")
+          f"{args.threads} threads, {args.clock} clock, "
+          f"load {load_before[0]:.2f} -> {record['host']['load_after'][0]:.2f}\n")
     print("| batch | ms per step | tok/s | vs batch 1 |\n|---|---|---|---|")
     for b, s in steps.items():
         print(f"| {b} | {s * 1000:.1f} | {b / s:.1f} | {(b / s) / (batches[0] / steps[batches[0]]):.2f}x |")

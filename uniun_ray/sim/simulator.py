@@ -1,12 +1,13 @@
 """A discrete-event simulation of a pool of accelerators (one by default), driving any
-object with the policy API of SPEC §1 and §5 (the real `SchedulerPolicy` or a baseline) on
-a virtual clock. Every device has the same `DeviceProfile`.
+object with the policy API of SPEC §1, §5 and §6 (the real `SchedulerPolicy` or a baseline)
+on a virtual clock. Every device has the same `DeviceProfile` and its own number of slots.
 
-Entry point: ``simulate(policy, workload, device, devices=("dev0",)) -> SimResult``, the
-policy built with the same `devices`; ``SimResult.events`` is the event log of
+Entry point: ``simulate(policy, workload, device, devices=("dev0",), slots=1) -> SimResult``,
+the policy built with the same `devices` and `slots`; ``SimResult.events`` is the event log of
 `uniun_ray.events.schema`, every job event on a device naming it.
 
-The simulator plays the runtime's part of the contract, and checks the policy's: it
+The simulator plays the runtime's part of the contract, and checks the policy's: it gives
+the policy each model's step times per batch size (`set_step_profile`, R23) at the start,
 submits jobs, reports foreground changes, calls `tick(now)` at `next_wakeup()`, runs each
 Dispatch (swap first when asked, then prefill, then decode, costs from the
 `DeviceProfile`), stops a revoked job at its next token boundary plus the revoke delay
@@ -14,19 +15,28 @@ and reports ``finish(..., "revoked")``, and reports ``"done"`` otherwise. A revo
 that the policy answers with `Requeued` stays with it (R6) and is later dispatched to
 resume: it re-prefills prompt + produced tokens and decodes the rest; any other revoked
 job is over (a chat failed as preempted). A policy that breaks the contract (a job
-dispatched to a busy or unknown device, a revoke of a job that is not running, a second
-revoke) raises `ContractError`.
+dispatched to an unknown device, to a slot it does not have or that holds an unfinished job,
+a swap on a device that holds any, a revoke of a job that is not running, a second revoke)
+raises `ContractError`.
 
 Costs the simulator charges, for one run of a job that has produced k of its n tokens:
 ``swap_s`` (when the Dispatch says swap), ``prefill_s`` of the context (prompt + k) less what
-the device's prefix KV cache holds, after which the next token exists, then ``decode_s`` per
-further token. Boundaries, where a revoke takes effect, are the end of the swap (no token
+the device's prefix KV cache holds, after which the next token exists, then one decode step
+per further token. Boundaries, where a revoke takes effect, are the end of the swap (no token
 yet: a revoked load stops there), the end of every prefill chunk (`DeviceProfile.chunk_tokens`;
 no new token before the last one: the chunks read stay cached for the resume), and every
 decode step. A revoke whose next boundary is
 the job's last token lets the job finish "done".
 A swap is charged whenever the Dispatch asks for one; a Dispatch without swap for a model
 that is not loaded on its device is a contract error. Every device starts empty.
+
+On a device with slots (SPEC §6) the jobs dispatched to it compute together, as `batch`
+describes: a job joins at the next step boundary after its Dispatch (at the end of the swap
+while one is under way; at once on an idle device), a step gives every decoding job a token in
+``step_s(b)`` of the b decoding and carries one prefill chunk of a joiner; a revoke stops that
+job at the next step boundary (+ the revoke delay before its finish) and the others go on.
+With one job on the device this is the one-job run above, to the float: S = 1 gives the event
+log of a one-slot simulator, with ``slot`` and ``batch`` added.
 """
 from __future__ import annotations
 
