@@ -3,21 +3,24 @@
     .venv/bin/python benchmarks/step_profile.py                       # SmolLM2, batch 1..32, both cores
     .venv/bin/python benchmarks/step_profile.py --batches 1,2,4 --steps 4 --repeats 1   # a quick check
     .venv/bin/python benchmarks/step_profile.py --threads 1 --clock cpu   # on a busy machine: see below
+    .venv/bin/python benchmarks/step_profile.py --device cuda --dtype bfloat16 --batches 1,2,4,8,16,32,64,128
 
 What SPEC §6 (R23, R25) and the simulator's step-time profiles (`uniun_ray/sim/device.py`)
 need: one decode step of B sequences at once, as a continuous-batching engine runs it with
 transformers. For each batch size B: B prompts of different lengths (``--prompt`` tokens, the
-shortest 3/4 of that), left-padded into one batch with an attention mask, one prefill forward into a
-``DynamicCache``, then ``--steps`` decode forwards of one token per row (the mask and position
-ids grown by one each step), timed one by one after ``--warmup`` untimed ones; the step time is the
-median over ``--repeats`` such rounds. The rounds go round-robin over the batch sizes, so a load
-that comes and goes beside the probe stretches every size alike. float32 (the dtype the engine chose on the 2-core AVX2 hosts,
-`uniun_ray/models/MEASURED.md`), ``torch.inference_mode``, the model from the embedded registry
-(the converted copy in ``UNIUN_CACHE_DIR``, converted on first use).
+shortest 3/4 of that), left-padded into one batch with an attention mask, one prefill forward
+into a ``DynamicCache``, then ``--steps`` decode forwards of one token per row (the mask and
+position ids grown by one each step), timed one by one after ``--warmup`` untimed ones; the
+step time is the median over ``--repeats`` such rounds. The rounds go round-robin over the
+batch sizes, so a load that comes and goes beside the probe stretches every size alike.
+``torch.inference_mode``; float32 by default (the dtype the engine chose on the 2-core AVX2
+hosts, `uniun_ray/models/MEASURED.md`); the model from the embedded registry (the converted
+copy in ``UNIUN_CACHE_DIR``, converted on first use); ``--device cuda`` on a GPU.
 
-Writes the profile as JSON (``--out``, default ``docs/bench/step-profile-<model>-cpu.json``): the
-host (CPU model, torch's ISA, threads, load average before and after), the date, the settings, and
-``steps_s`` {batch: seconds} with tokens per second beside it. Prints a markdown table.
+Writes the profile as JSON (``--out``, default ``docs/bench/step-profile-<model>-<device>.json``):
+the host (CPU model, torch's ISA, threads, load average before and after), the date, the
+settings, and ``steps_s`` {batch: seconds} with tokens per second beside it. Prints a markdown
+table.
 
 Measure on a quiet machine: anything running beside it (other processes on the same cores)
 stretches the steps by whatever share of the cores it takes, and the figures are then not the
@@ -46,15 +49,15 @@ from uniun_ray.models.registry import DEFAULT_CHAT_MODEL, materialize, resolve  
 from uniun_ray.models.tuning import cpu_model  # noqa: E402
 
 
-def load(model_id: str):
+def load(model_id: str, dtype: str, device: str):
     from transformers import AutoModelForCausalLM
 
     folder = materialize(resolve(model_id))
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(torch, dtype), device_map=device)
     return model.eval()
 
 
-def batch_inputs(batch: int, prompt: int, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+def batch_inputs(batch: int, prompt: int, vocab: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """`batch` prompts of lengths spread over [3/4 prompt, prompt], left-padded: (ids, mask)."""
     lengths = [prompt - (prompt // 4) * i // max(1, batch - 1) for i in range(batch)]
     ids = torch.zeros((batch, prompt), dtype=torch.long)
@@ -62,7 +65,19 @@ def batch_inputs(batch: int, prompt: int, vocab: int) -> tuple[torch.Tensor, tor
     for row, n in enumerate(lengths):
         ids[row, prompt - n:] = torch.tensor([(7919 * (i + 31 * row)) % vocab + 1 for i in range(n)])
         mask[row, prompt - n:] = 1
-    return ids, mask
+    return ids.to(device), mask.to(device)
+
+
+def clock_of(kind: str, device: str):
+    """Seconds now: elapsed (after the GPU's queued work, on CUDA) or the process's CPU time."""
+    if kind == "cpu":
+        return time.process_time
+    if device.startswith("cuda"):
+        def synced() -> float:
+            torch.cuda.synchronize()
+            return time.perf_counter()
+        return synced
+    return time.perf_counter
 
 
 def positions(mask: torch.Tensor) -> torch.Tensor:
@@ -74,7 +89,7 @@ def round_of_steps(model, batch: int, prompt: int, steps: int, warmup: int, cloc
     """Prefill one batch, then time `steps` decode forwards (after `warmup` untimed ones)."""
     from transformers import DynamicCache
 
-    ids, mask = batch_inputs(batch, prompt, model.config.vocab_size - 1)
+    ids, mask = batch_inputs(batch, prompt, model.config.vocab_size - 1, model.device)
     cache_arg = _cache_arg(model)
     with torch.inference_mode():
         out = model(input_ids=ids, attention_mask=mask, position_ids=positions(mask),
@@ -82,7 +97,7 @@ def round_of_steps(model, batch: int, prompt: int, steps: int, warmup: int, cloc
         times = []
         for i in range(warmup + steps):
             token = out.logits[:, -1].argmax(-1, keepdim=True)
-            mask = torch.cat([mask, torch.ones((batch, 1), dtype=mask.dtype)], dim=1)
+            mask = torch.cat([mask, torch.ones((batch, 1), dtype=mask.dtype, device=mask.device)], dim=1)
             started = clock()
             out = model(input_ids=token, attention_mask=mask, position_ids=positions(mask)[:, -1:],
                         use_cache=True, logits_to_keep=1, **{cache_arg: getattr(out, cache_arg)})
@@ -112,18 +127,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=os.cpu_count(), help="torch threads (default: all cores)")
     parser.add_argument("--clock", choices=("wall", "cpu"), default="wall",
                         help="wall: elapsed seconds (default); cpu: the process's CPU seconds (with --threads 1)")
-    parser.add_argument("--out", help="JSON file (default: docs/bench/step-profile-<model>-cpu.json)")
+    parser.add_argument("--device", default="cpu", help="cpu (default) or cuda")
+    parser.add_argument("--dtype", default="float32", help="float32 (default: what the engine runs on these CPUs), "
+                                                            "bfloat16, float16")
+    parser.add_argument("--out", help="JSON file (default: docs/bench/step-profile-<model>-<device>.json)")
     args = parser.parse_args(argv)
 
     torch.set_num_threads(args.threads)
     batches = [int(b) for b in args.batches.split(",")]
     load_before = os.getloadavg()
     started = datetime.now(timezone.utc)
-    model = load(args.model)
-    clock = time.perf_counter if args.clock == "wall" else time.process_time
+    model = load(args.model, args.dtype, args.device)
+    clock = clock_of(args.clock, args.device)
     steps = profile(model, batches, args.prompt, args.steps, args.warmup, args.repeats, clock)
     record = {
-        "model": args.model, "device": "cpu", "dtype": "float32",
+        "model": args.model, "device": args.device, "dtype": args.dtype,
         "date": started.strftime("%Y-%m-%d %H:%M UTC"),
         "host": {"machine": platform.machine(), "cpu": cpu_model(), "cores": os.cpu_count(),
                  "torch": torch.__version__, "isa": torch.backends.cpu.get_cpu_capability(),
@@ -134,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
         "tok_s": {str(b): b / s for b, s in steps.items()},
     }
     out = Path(args.out or Path(__file__).resolve().parent.parent / "docs" / "bench"
-               / f"step-profile-{args.model}-cpu.json")
+               / f"step-profile-{args.model}-{args.device.split(':')[0]}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(record, indent=1) + "\n")
     print(f"{args.model}, {record['date']}, {record['host']['cpu']} ({record['host']['isa']}), "

@@ -8,13 +8,14 @@ import pytest
 from uniun_ray.policy import Dispatch, Job, Kind, Requeued, Revoke, RevokeCause, SchedulerPolicy, Tier
 from uniun_ray.sim import bench, plots
 from uniun_ray.sim.baselines import Fifo, StrictPriority, TwoLaneQueue
+from uniun_ray.sim.batch import Progress, plan
 from uniun_ray.sim.device import DeviceProfile, ModelSpeed
 from uniun_ray.events.schema import read_jsonl, validate, write_jsonl
 from uniun_ray.sim.metrics import T2Window, jain_of, measure, t2_windows
 from uniun_ray.sim.simulator import ContractError, simulate
 from uniun_ray.events.trace import Trace
 from uniun_ray.sim.workload import Arrival, Flow, FlowStep, SimJob, Workload
-from uniun_ray.sim.workloads import WORKLOADS, generate
+from uniun_ray.sim.workloads import SLOT_WORKLOADS, WORKLOADS, generate
 
 # -- metrics on a hand-checked log ----------------------------------------------------------
 JOBS = {  # id: (kind, producer, model, deadline)
@@ -222,7 +223,7 @@ def test_strict_priority_preempts_and_requeues_in_place():
 
 
 # -- workloads ------------------------------------------------------------------------------
-@pytest.mark.parametrize("name", list(WORKLOADS))
+@pytest.mark.parametrize("name", list({**WORKLOADS, **SLOT_WORKLOADS}))
 def test_workloads_are_reproducible_from_their_seed(name):
     w = generate(name, 7)
     assert w.to_json() == generate(name, 7).to_json()
@@ -369,13 +370,16 @@ def test_a_device_never_holds_more_jobs_than_its_slots():
 def test_a_revoke_stops_one_job_at_the_next_step_and_the_others_go_on():
     extract = Arrival(3.0, SimJob(Job("E", "extract", "m1"), 1, 5))
     events = slotted(nataraj(2) + (extract,), slots=2)
-    # N0 and N1 step together from 2.12 (0.1333 s a step at batch 2); the extract outranks them
-    # with no slot free: one revoke, of the last dispatched, which stops at the step under way.
+    # N1's one-token prefill rides in N0's step from 2.01: one pass, 0.01 s of chunk plus what N0's
+    # row adds to a pass, step(1) less the curve's fixed part (2 step(1) - step(2) = 0.0667 s).
+    assert times(events, "first_token", "N1") == [pytest.approx(2.01 + 0.01 + 0.1 - 0.2 / 3)]
+    # Then they step together (0.1333 s a step at batch 2); the extract outranks them with no slot
+    # free: one revoke, of the last dispatched, which stops at the end of the step under way.
     revokes = [(e["job"], e["batch"], e["cause"]) for e in events if e["ev"] == "revoke"]
     assert revokes == [("N1", 2, "arrival")]
-    stop = 2.12 + 7 * (0.1 + 0.1 / 3)
+    stop = times(events, "first_token", "N1")[0] + 8 * (0.1 + 0.1 / 3)
     n1 = [(e["t"], e["outcome"], e["tokens"]) for e in events if e["ev"] == "finish" and e["job"] == "N1"]
-    assert n1[0] == (pytest.approx(stop + 0.05), "revoked", 8)
+    assert n1[0] == (pytest.approx(stop + 0.05), "revoked", 1 + 8)
     assert times(events, "dispatch", "E") == [pytest.approx(stop + 0.05)]
     n0 = [(e["outcome"], e["tokens"]) for e in events if e["ev"] == "finish" and e["job"] == "N0"]
     assert n0 == [("done", 101)]   # never stopped: its tokens kept coming beside the stop and the join
@@ -420,3 +424,11 @@ def test_bench_slots_writes_the_slot_table_and_goals(tmp_path, capsys):
     assert "| slots | background tok/h |" in text and "\n| 2 |" in text
     assert "issue118: chat TTFT p99 at 2 slots <= the first's + one step" in text
     assert "swaps per device-hour at 2 slots no more" in text
+
+
+def test_a_step_reads_the_chunk_of_the_best_tier_joiner_first():
+    speed = BATCHED.speed("m1")
+    background, chat = Progress(500, 500, 10, 500, 0, tier=4), Progress(50, 50, 10, 50, 0, tier=0)
+    epoch = plan([background, chat], 0.0, speed, 256)
+    assert (epoch.reader, epoch.chunk, epoch.count) == (chat, 50, 1)
+    assert epoch.advance(epoch.end) == [chat] and (chat.tokens, background.to_read) == (1, 500)

@@ -4,11 +4,13 @@ batching), as the simulator models it.
 Each step (one batched forward) gives every *decoding* job its next token and, when a job is
 still prefilling, reads one prefill chunk of one such job: the one of the best tier at its
 dispatch (a chat first), the earliest joined among equals; the others wait their turn. A step
-costs ``step_s(decoders)`` for the decoding jobs plus
-the chunk's prefill time (``chunk x prefill_s_per_token``): the chunk rides in the same forward
-pass, and a device pays for its tokens on top of the step. A job's last chunk yields its first
-token, and it decodes from the next step on. With one job this is exactly the one-job run of
-`device`: a prefill in chunks, then one decode step per token.
+of b decoding jobs alone costs ``step_s(b)``; a chunk alone costs its prefill time
+(``chunk x prefill_s_per_token``); a step that carries both is one forward pass, which reads
+the weights once: the chunk's time plus what the b decoding rows add to a pass,
+``step_s(b) - fixed_s`` (the step curve's intercept, the part of a step that does not grow
+with the batch; with no batching gain it is 0 and the two simply add up). A job's last chunk
+yields its first token, and it decodes from the next step on. With one job this is exactly the
+one-job run of `device`: a prefill in chunks, then one decode step per token.
 
 Jobs join and leave only at step boundaries. Between two changes of the batch every step is
 the same, so the simulator does not visit each step: an `Epoch` is a run of identical steps,
@@ -101,5 +103,5 @@ def plan(batch: list[Progress], start: float, speed: ModelSpeed, chunk: int) -> 
     if reader is not None:
         read = min(chunk, reader.to_read)
         count = min(count, max(1, reader.to_read // chunk))
-        length += speed.prefill_s(read)
+        length += speed.prefill_s(read) - (speed.fixed_s if decoders else 0.0)
     return Epoch(start, length, count, decoders, reader, read)

@@ -48,6 +48,25 @@ by per-layer launch and Python overhead, roughly 0.4-0.5 ms per layer and token,
 prefill of a few thousand tokens costs tens of ms (0.02 ms/token); a swap is a load
 from the page cache plus a host-to-device copy of <1 GB (0.4-0.6 s). Replace it with
 measured numbers (the ModelActor times its loads) when a GPU run is available.
+
+Batches (SPEC §6): step(b) / step(1), per profile
+--------------------------------------------------
+``cpu``: CPU_BATCH_COST_PLACEHOLDER
+
+``gpu``: an estimate from published figures, not a measurement. vLLM serving Qwen2.5-0.5B on
+one datacenter GPU decodes ~65 tok/s for one sequence and ~1,737 tok/s for 128 (the figures
+issue 24 quotes; the page they come from is not among this project's references), so a step
+of 128 sequences takes (128 / 1737) / (1 / 65) = 4.79 steps of one: the weights are read once
+per step whatever the batch, and each sequence adds its attention and its share of the
+matrix products. The curve is linear between the two points (and past 128, as the policy
+extrapolates): 1 + 0.0298 (b - 1), i.e. 11x the tokens per second of one sequence at 16, 17x
+at 32; R23 then keeps 8 jobs beside one chat (step(9) = 1.24 step(1) <= 1.25). Other public
+reports have the same shape: vLLM issue #5567 (55 tok/s at batch 1, 1,275 at 256: 23x) and
+GPULlama3.java PR #129 (41x aggregate for Llama-3.2-1B in fp16 on an RTX 4090, large B). The
+batch-1 step stays the estimate above (15 ms SmolLM2, 10 ms Gemma): a transformers engine in
+eager mode, slower per step than vLLM's 65 tok/s, gains the same factor from batching only if
+its per-step overhead is shared as vLLM's is; replace both with a `benchmarks/step_profile.py`
+run on a GPU when one is lent.
 """
 from __future__ import annotations
 
@@ -84,6 +103,13 @@ class ModelSpeed:
         """Seconds per decode step of `batch` jobs together (exactly `decode_s` for one)."""
         return self.decode_s if batch == 1 else step_time(self.steps, batch)
 
+    @cached_property
+    def fixed_s(self) -> float:
+        """The part of a step that does not grow with the batch (the weights read once per
+        forward pass, the kernels launched): the step curve's intercept, 2 step(1) - step(2).
+        0 without a batching gain."""
+        return max(0.0, 2 * self.step_s(1) - self.step_s(2))
+
 
 @dataclass(frozen=True)
 class DeviceProfile:
@@ -117,8 +143,9 @@ TINY = "tiny"
 
 
 #: Step time per batch size relative to batch 1 on the CPU (see "Where the numbers come from").
-CPU_BATCH_COST = ((1, 1.0), (2, 1.3), (4, 2.0), (8, 3.5), (16, 6.5), (32, 12.5))  # placeholder
-#: The same on one datacenter GPU, an estimate from published figures (see above).
+CPU_BATCH_COST = ((1, 1.0), (2, 1.13), (4, 1.77), (8, 2.61), (16, 4.08), (32, 7.5))  # placeholder
+#: The same on one datacenter GPU, an estimate from published figures (see above): vLLM,
+#: Qwen2.5-0.5B, 65 tok/s at one sequence and 1,737 at 128.
 GPU_BATCH_COST = ((1, 1.0), (128, (128 / 1737) / (1 / 65)))
 
 
