@@ -51,7 +51,17 @@ measured numbers (the ModelActor times its loads) when a GPU run is available.
 
 Batches (SPEC §6): step(b) / step(1), per profile
 --------------------------------------------------
-``cpu``: CPU_BATCH_COST_PLACEHOLDER
+``cpu``: SmolLM2-135M-Instruct measured by ``benchmarks/step_profile.py --threads 1 --clock cpu
+--steps 8 --repeats 5`` on 2026-12-03 08:17 UTC, on this turn's host (x86_64 "Intel(R) Xeon(R)
+Processor", 2 cores, torch 2.13.0+cpu, AVX-512), float32, 256-token prompts, in CPU seconds
+because the machine ran other sessions' work beside it (load average 10-23): 82.9, 96.5, 164.1,
+211.8, 337.0, 415.3 ms per step at batch 1, 2, 4, 8, 16, 32, i.e. 1.0, 1.7, 2.0, 3.1, 3.9, 6.4x
+the tokens per second of one sequence (`docs/bench/step-profile-smollm2-135m-instruct-cpu.json`).
+PROVISIONAL: one thread, not both cores, and not a quiet machine; rerun the probe alone (both
+cores, wall clock) and replace the curve. Only its shape is used: the batch-1 step stays the
+profile's 22.33 tok/s above, so that one slot's tables do not move, and every cpu model takes
+SmolLM2's curve (Gemma and tiny are not measured). R23 then keeps one job beside a chat
+(step(2) = 1.165 step(1) <= 1.25).
 
 ``gpu``: an estimate from published figures, not a measurement. vLLM serving Qwen2.5-0.5B on
 one datacenter GPU decodes ~65 tok/s for one sequence and ~1,737 tok/s for 128 (the figures
@@ -142,8 +152,9 @@ GEMMA3 = "gemma-3-270m"
 TINY = "tiny"
 
 
-#: Step time per batch size relative to batch 1 on the CPU (see "Where the numbers come from").
-CPU_BATCH_COST = ((1, 1.0), (2, 1.13), (4, 1.77), (8, 2.61), (16, 4.08), (32, 7.5))  # placeholder
+#: Step time per batch size relative to batch 1 on the CPU: SmolLM2 measured beside other work,
+#: provisional (see "Batches" above).
+CPU_BATCH_COST = ((1, 1.0), (2, 1.165), (4, 1.981), (8, 2.556), (16, 4.067), (32, 5.012))  # provisional
 #: The same on one datacenter GPU, an estimate from published figures (see above): vLLM,
 #: Qwen2.5-0.5B, 65 tok/s at one sequence and 1,737 at 128.
 GPU_BATCH_COST = ((1, 1.0), (128, (128 / 1737) / (1 / 65)))
