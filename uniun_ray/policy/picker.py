@@ -105,7 +105,12 @@ def place(ctx: PickContext, free: list[Device], ceiling: Callable[[Device], Tier
     same = _same_model(ctx, free, ceiling, tiers)
     if same is not None:
         return same
-    return (best, swap_target(empty, ctx.queues.count_on)) if empty else None
+    if empty:
+        return best, swap_target(empty, ctx.queues.count_on)
+    # R11 is work-conserving per slot: an over-budget T2 job takes a slot that no T3/T4 job
+    # may take (theirs are on other models and the device is not empty)
+    undrained = [d for d in free if d.drain_for is None]
+    return _same_model(ctx, undrained, ceiling, (Tier.EXTRACT,)) if Tier.EXTRACT not in tiers else None
 
 
 def _admits(ctx: PickContext, ceiling: Tier | None, entry: Entry) -> bool:

@@ -368,18 +368,19 @@ class SchedulerPolicy:
         running chat's step within its bound (R23)."""
         ctx = self._context(now)
         actions: list[Action] = []
-        while (free := self._pool.free()) and (choice := self._next(ctx, free)) is not None:
+        while (choice := self._next(ctx)) is not None:
             actions.append(self._dispatch(*choice, now))
         fresh = {a.job_id for a in actions}
         if event is not None:
             actions += self._preempt(ctx, event, fresh)
-        actions += self._hold_chat_steps(ctx, fresh)
+        actions += self._empty_for_urgent(ctx) + self._hold_chat_steps(ctx, fresh)
         self._settle(ctx)
         return actions
 
-    def _next(self, ctx: PickContext, free: list[Device]) -> tuple[Entry, Device] | None:
+    def _next(self, ctx: PickContext) -> tuple[Entry, Device] | None:
+        free = self._pool.free()
         self._plan_drain(ctx, free)
-        return place(ctx, free, lambda d: self._ceiling(ctx, d))
+        return place(ctx, free, lambda d: self._ceiling(ctx, d)) if free else None
 
     def _ceiling(self, ctx: PickContext, device: Device) -> Tier | None:
         """The tier from which a device's free slot is closed (`place`): beside chats whose
@@ -410,6 +411,21 @@ class SchedulerPolicy:
             target = drain_target(ctx, waiting, list(self._pool))
             if target is not None:
                 target.drain_for = waiting.job.id
+
+    def _empty_for_urgent(self, ctx: PickContext) -> list[Action]:
+        """R13, R22: a device draining for a T0/T1 job is emptied as soon as that job outranks
+        every job left on it (a chat there that it could not revoke has ended), so that the
+        urgent job waits for no background job to end."""
+        actions: list[Action] = []
+        for device in self._pool.busy():
+            waiting = self._queues.get(device.drain_for) if device.drain_for else None
+            if waiting is None or ctx.tier(waiting) > Tier.FOREGROUND:
+                continue
+            live = device.live()
+            if live and all(ctx.tier(waiting) < ctx.tier(e) for e in live):
+                for entry in live:
+                    actions += self._revoke(entry, RevokeCause.ARRIVAL)
+        return actions
 
     def _hold_chat_steps(self, ctx: PickContext, fresh: set[str]) -> list[Action]:
         """R23: beside a device's running chats keep only the k highest-ranked other jobs for
@@ -445,8 +461,10 @@ class SchedulerPolicy:
             device, revoked, entry = choice
             for running in revoked:
                 actions += self._revoke(running, event)
-            if entry.job.model_id != device.loaded:
-                device.drain_for = entry.job.id  # emptied for it: no refill meanwhile (R21, R22)
+            if entry.job.model_id != device.loaded:  # emptied for it: no refill meanwhile (R21, R22)
+                for other in self._pool:
+                    other.drain_for = None if other.drain_for == entry.job.id else other.drain_for
+                device.drain_for = entry.job.id
             self._queues.remove(entry)
             aside.append(entry)
             victims += 1

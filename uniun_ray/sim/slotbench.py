@@ -18,7 +18,7 @@ no more than one slot's.
 from __future__ import annotations
 
 from .device import DeviceProfile
-from .metrics import drain_s
+from .metrics import Goal, drain_s, goals_table
 from .poolbench import PoolOutcome, fmt, run
 from .workload import Workload
 from .workloads import CHAT_MODEL
@@ -58,46 +58,44 @@ def table(workload: Workload, profile: DeviceProfile, runs: list[PoolOutcome]) -
     return "\n".join(lines)
 
 
-def goals(workloads: list[Workload], results: dict[str, list[PoolOutcome]], profile: DeviceProfile) -> str:
-    rows = ["| goal (issue 24, against the first slot count) | result | measured |", "|---|---|---|"]
-
-    def check(name: str, ok: bool | None, detail: str) -> None:
-        rows.append(f"| {name} | {'n/a' if ok is None else 'PASS' if ok else 'FAIL'} | {detail} |")
-
+def goals(workloads: list[Workload], results: dict[str, list[PoolOutcome]], profile: DeviceProfile) -> list[Goal]:
+    """Issue 24's goals, each slot count against the first."""
+    checked: list[Goal] = []
     throughput, drain = THROUGHPUT_GOALS.get(profile.name), DRAIN_GOALS.get(profile.name)
     if SATURATING in results:
         runs = results[SATURATING]
         best = max(runs, key=lambda o: o.background_tok_h)
         ratio = best.background_tok_h / runs[0].background_tok_h
-        check(f"{SATURATING}: background throughput at the best slot count >= {fmt(throughput, 1)}x",
-              None if throughput is None else ratio >= throughput, f"{ratio:.2f}x at {best.slots} slots")
+        checked.append(Goal(f"{SATURATING}: background throughput at the best slot count >= {fmt(throughput, 1)}x",
+                            None if throughput is None else ratio >= throughput, f"{ratio:.2f}x at {best.slots} slots"))
     for name, runs in results.items():
         drains = [(drain_s(o.trace, BACKFILL), o.slots) for o in runs]
         if drains[0][0] is None:
             continue
         fastest, slots = min((d, s) for d, s in drains if d is not None)
-        check(f"{name}: backfill drains in <= {fmt(drain, 3)} of the first's time at the best slot count",
-              None if drain is None else fastest <= drain * drains[0][0],
-              f"{fastest:.0f} s at {slots} slots vs {drains[0][0]:.0f} s ({fastest / drains[0][0]:.3f})")
+        checked.append(Goal(f"{name}: backfill drains in <= {fmt(drain, 3)} of the first's time at the best slot count",
+                            None if drain is None else fastest <= drain * drains[0][0],
+                            f"{fastest:.0f} s at {slots} slots vs {drains[0][0]:.0f} s ({fastest / drains[0][0]:.3f})"))
     for workload in workloads:
         name, runs = workload.name, results[workload.name]
         base = runs[0]
         for o in runs[1:]:
             if base.chat_ttft_p99 is not None and o.chat_ttft_p99 is not None:
                 step = profile.speed(CHAT_MODEL).step_s(o.slots)
-                check(f"{name}: chat TTFT p99 at {o.slots} slots <= the first's + one step",
-                      o.chat_ttft_p99 <= base.chat_ttft_p99 + step,
-                      f"{o.chat_ttft_p99:.3f} s vs {base.chat_ttft_p99:.3f} + {step:.3f} s")
-            check(f"{name}: swaps per device-hour at {o.slots} slots no more", o.swaps <= base.swaps,
-                  f"{swaps_per_hour(workload, o):.2f} vs {swaps_per_hour(workload, base):.2f}")
-    return "\n".join(rows)
+                checked.append(Goal(f"{name}: chat TTFT p99 at {o.slots} slots <= the first's + one step",
+                                    o.chat_ttft_p99 <= base.chat_ttft_p99 + step,
+                                    f"{o.chat_ttft_p99:.3f} s vs {base.chat_ttft_p99:.3f} + {step:.3f} s"))
+            checked.append(Goal(f"{name}: swaps per device-hour at {o.slots} slots no more", o.swaps <= base.swaps,
+                                f"{swaps_per_hour(workload, o):.2f} vs {swaps_per_hour(workload, base):.2f}"))
+    return checked
 
 
 def report(workloads: list[Workload], profile: DeviceProfile, counts: list[int]) -> str:
     results = {w.name: outcomes(w, profile, counts) for w in workloads}
     tables = [table(w, profile, results[w.name]) for w in workloads]
     return "\n\n".join([f"## Slots on one device (profile `{profile.name}`)", *tables,
-                        f"### Goals (profile `{profile.name}`)\n\n" + goals(workloads, results, profile)])
+                        f"### Goals (profile `{profile.name}`)\n\n"
+                        + goals_table(goals(workloads, results, profile), "goal (issue 24, against the first slot count)")])
 
 
 def _ratio(value: float | None, base: float | None) -> str:
