@@ -26,6 +26,8 @@ step "runtime tests, the ModelActor on the GPU" "$python" -m pytest -q -p no:cac
 step "engine benchmark" "$python" benchmarks/engine_bench.py --device cuda --trials 5
 step "prefix cache benchmark (two KV tiers on the GPU)" "$python" benchmarks/kv_cache_bench.py
 step "runtime benchmark" "$python" benchmarks/runtime_bench.py --repeat 3
+step "step profile: a batched decode step by batch size (the simulator's gpu curve)" \
+  "$python" benchmarks/step_profile.py --device cuda --dtype bfloat16 --batches 1,2,4,8,16,32,64,128
 step "BENCHMARKS.md from the records" "$python" benchmarks/render.py
 echo "gpu-check: tables in $out (exit $status)"
 exit $status

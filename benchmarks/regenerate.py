@@ -47,6 +47,7 @@ class Step:
 PLAN = (
     Step("pick_cost.py"),
     Step("sim_bench.py"),
+    Step("step_profile.py"),
     Step("engine_bench.py", ("--trials", "5")),
     Step("runtime_bench.py", ("--repeat", "5")),
     Step("runtime_bench.py", ("--control-only",), ("--control-only", "--quick")),

@@ -1,7 +1,7 @@
 """The step-time profile of a model on this host: seconds per batched decode step, per batch size.
 
     .venv/bin/python benchmarks/step_profile.py                       # SmolLM2, batch 1..32, both cores
-    .venv/bin/python benchmarks/step_profile.py --batches 1,2,4 --steps 4 --repeats 1   # a quick check
+    .venv/bin/python benchmarks/step_profile.py --quick              # batch 1, 2, 4, one short round: it runs
     .venv/bin/python benchmarks/step_profile.py --threads 1 --clock cpu   # on a busy machine: see below
     .venv/bin/python benchmarks/step_profile.py --device cuda --dtype bfloat16 --batches 1,2,4,8,16,32,64,128
 
@@ -19,8 +19,9 @@ copy in ``UNIUN_CACHE_DIR``, converted on first use); ``--device cuda`` on a GPU
 
 Writes the profile as JSON (``--out``, default ``docs/bench/step-profile-<model>-<device>.json``):
 the host (CPU model, torch's ISA, threads, load average before and after), the date, the
-settings, and ``steps_s`` {batch: seconds} with tokens per second beside it. Prints a markdown
-table.
+settings, and ``steps_s`` {batch: seconds} with tokens per second beside it; and its rows for
+BENCHMARKS.md (`record.py`, section "slots-sim"). The simulator's curves are copied from the
+profile by hand (`uniun_ray/sim/device.py`, "Batches"), with its date and host.
 
 Measure on a quiet machine: anything running beside it (other processes on the same cores)
 stretches the steps by whatever share of the cores it takes, and the figures are then not the
@@ -31,6 +32,7 @@ shape of the curve at one thread, not the host's wall-clock speed with every cor
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import os
 import platform
@@ -44,7 +46,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-from uniun_ray.models.engine import _cache_arg  # noqa: E402  (the forward's name for the KV cache)
+from record import Record  # noqa: E402
+
 from uniun_ray.models.registry import DEFAULT_CHAT_MODEL, materialize, resolve  # noqa: E402
 from uniun_ray.models.tuning import cpu_model  # noqa: E402
 
@@ -90,7 +93,8 @@ def round_of_steps(model, batch: int, prompt: int, steps: int, warmup: int, cloc
     from transformers import DynamicCache
 
     ids, mask = batch_inputs(batch, prompt, model.config.vocab_size - 1, model.device)
-    cache_arg = _cache_arg(model)
+    # the forward's keyword for the KV cache: transformers 5 renamed past_key_values (as the engine reads it)
+    cache_arg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
     with torch.inference_mode():
         out = model(input_ids=ids, attention_mask=mask, position_ids=positions(mask),
                     use_cache=True, logits_to_keep=1, **{cache_arg: DynamicCache()})
@@ -131,7 +135,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", default="float32", help="float32 (default: what the engine runs on these CPUs), "
                                                             "bfloat16, float16")
     parser.add_argument("--out", help="JSON file (default: docs/bench/step-profile-<model>-<device>.json)")
+    parser.add_argument("--quick", action="store_true", help="batch 1, 2, 4, one round of 4 steps: proves it runs")
     args = parser.parse_args(argv)
+    if args.quick:
+        args.batches, args.steps, args.repeats = "1,2,4", 4, 1
 
     torch.set_num_threads(args.threads)
     batches = [int(b) for b in args.batches.split(",")]
@@ -158,10 +165,15 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{args.model}, {record['date']}, {record['host']['cpu']} ({record['host']['isa']}), "
           f"{args.threads} threads, {args.clock} clock, "
           f"load {load_before[0]:.2f} -> {record['host']['load_after'][0]:.2f}\n")
-    print("| batch | ms per step | tok/s | vs batch 1 |\n|---|---|---|---|")
-    for b, s in steps.items():
-        print(f"| {b} | {s * 1000:.1f} | {b / s:.1f} | {(b / s) / (batches[0] / steps[batches[0]]):.2f}x |")
-    print(f"\nwritten to {out}")
+    record = Record("slots-sim", quick=args.quick, note=f"{args.clock} clock")
+    record.runs_on(threads=args.threads, dtype=args.dtype, engine="transformers")
+    first = batches[0]
+    for b, seconds in steps.items():
+        record.row(f"`{args.model}`: one decode step of {b} sequences ({args.prompt}-token prompts)",
+                   f"{seconds * 1000:.1f} ms: {b / seconds:.1f} tok/s, "
+                   f"{(b / seconds) / (first / steps[first]):.2f}× batch {first}'s")
+    record.save()
+    print(f"\nprofile written to {out}")
     return 0
 
 

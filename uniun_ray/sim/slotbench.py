@@ -40,21 +40,29 @@ def swaps_per_hour(workload: Workload, o: PoolOutcome) -> float:
     return o.swaps / (max(f.stop for f in workload.flows if f.stop is not None) / 3600.0)
 
 
+def figures(workload: Workload, o: PoolOutcome, base: PoolOutcome) -> list[tuple[str, str]]:
+    """One run's figures, named, the ratios against `base` (the first slot count)."""
+    drain = drain_s(o.trace, BACKFILL)
+    return [
+        ("background tok/h", f"{o.background_tok_h:,.0f}"),
+        ("throughput vs first", f"{o.background_tok_h / base.background_tok_h:.2f}x"),
+        ("chat TTFT p99 s", fmt(o.chat_ttft_p99)),
+        ("backfill drain s", fmt(drain, 0)),
+        ("drain vs first", _ratio(drain, drain_s(base.trace, BACKFILL))),
+        ("swaps per device-hour", f"{swaps_per_hour(workload, o):.2f}"),
+        ("revokes (R23's)", f"{o.revokes} ({sum(1 for r in o.trace.runs if r.revoke_cause == 'step')})"),
+        ("mean batch", fmt(o.metrics.batch_mean, 2)),
+        ("idle while waiting s", f"{o.idle_while_waiting_s:.3f}"),
+    ]
+
+
 def table(workload: Workload, profile: DeviceProfile, runs: list[PoolOutcome]) -> str:
-    base = runs[0]
+    names = [name for name, _ in figures(workload, runs[0], runs[0])] + ["sim wall s"]
     lines = [f"### {workload.name} (profile `{profile.name}`, seed {workload.seed}): {workload.description}", "",
-             "| slots | background tok/h | vs first | chat TTFT p99 s | backfill drain s | vs first | swaps | "
-             "swaps per device-hour | revokes (step) | mean batch | idle while waiting s | sim wall s |",
-             "|---" * 12 + "|"]
-    base_drain = drain_s(base.trace, BACKFILL)
+             "| slots | " + " | ".join(names) + " |", "|---" * (len(names) + 1) + "|"]
     for o in runs:
-        drain = drain_s(o.trace, BACKFILL)
-        step_revokes = sum(1 for r in o.trace.runs if r.revoke_cause == "step")
-        lines.append(
-            f"| {o.slots} | {o.background_tok_h:.0f} | {o.background_tok_h / base.background_tok_h:.2f}x | "
-            f"{fmt(o.chat_ttft_p99)} | {fmt(drain, 0)} | {_ratio(drain, base_drain)} | {o.swaps} | "
-            f"{swaps_per_hour(workload, o):.2f} | {o.revokes} ({step_revokes}) | {fmt(o.metrics.batch_mean, 2)} | "
-            f"{o.idle_while_waiting_s:.3f} | {o.wall_s:.1f} |")
+        values = [value for _, value in figures(workload, o, runs[0])] + [f"{o.wall_s:.1f}"]
+        lines.append(f"| {o.slots} | " + " | ".join(values) + " |")
     return "\n".join(lines)
 
 
