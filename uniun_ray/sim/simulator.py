@@ -86,8 +86,6 @@ class _Run:
     state: _JobState
     device: "_Device"
     slot: int
-    start: float
-    cached: int                # context tokens taken from the KV cache (not prefilled)
     progress: Progress
     revoked: bool = False
     stopped: bool = False      # by its revoke, at a boundary; its finish follows the delay
@@ -251,7 +249,7 @@ class Simulator:
         cached = device.kv.take(state.job.id, self._conversation(state), context)
         progress = Progress(state.spec.prompt_tokens, context, state.spec.output_tokens, context - cached,
                             state.produced, int(action.tier))
-        run = _Run(state, device, action.slot, self.now, cached, progress)
+        run = _Run(state, device, action.slot, progress)
         self._running[action.job_id] = device.runs[action.slot] = run
         self._log("dispatch", state, swap=action.swap, tier=int(action.tier), slot=action.slot,
                   batch=len(device.runs), cached_tokens=cached, prefill_tokens=context - cached,
@@ -280,8 +278,8 @@ class Simulator:
         if action.model_id != state.job.model_id:
             raise ContractError(f"{where} on {action.model_id!r}, the job wants {state.job.model_id!r}")
         if action.swap and device.runs:
-            raise ContractError(f"{where} with a swap while {', '.join(sorted(r.state.job.id for r in device.runs.values()))} "
-                                f"hold(s) it: a device swaps only when empty")
+            held = ", ".join(sorted(repr(r.state.job.id) for r in device.runs.values()))
+            raise ContractError(f"{where} with a swap while {held} hold(s) it: a device swaps only when empty")
         if not action.swap and action.model_id != device.model:
             raise ContractError(f"{where} without swap, but {device.model!r} is loaded there")
         return device

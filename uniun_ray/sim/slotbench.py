@@ -103,7 +103,8 @@ def report(workloads: list[Workload], profile: DeviceProfile, counts: list[int])
     tables = [table(w, profile, results[w.name]) for w in workloads]
     return "\n\n".join([f"## Slots on one device (profile `{profile.name}`)", *tables,
                         f"### Goals (profile `{profile.name}`)\n\n"
-                        + goals_table(goals(workloads, results, profile), "goal (issue 24, against the first slot count)")])
+                        + goals_table(goals(workloads, results, profile),
+                                      "goal (issue 24, against the first slot count)")])
 
 
 def _ratio(value: float | None, base: float | None) -> str:
