@@ -83,17 +83,17 @@ def main() -> None:
     engine = Engine(device=args.device, dtype=args.dtype, kv_cache_mb=0)
     engine.load(MODEL)
     described = engine.describe()
-    record = Record("batch", quick=args.quick)
+    record = Record("slots", quick=args.quick)
     record.runs_on(threads=described["threads"], dtype=described["dtype"], engine="uniun Batch")
     alone = None
     for rows in map(int, args.sizes.split(",")):
         rate, step = batch_tokens_per_s(engine, rows, steps)
         alone = alone or rate
-        record.row(f"{MODEL} decode, {rows} rows: tokens/s (step p50), vs 1 row",
+        record.row(f"{MODEL} decode through Batch, rows={rows}: tokens/s (step p50), vs rows=1",
                    f"{rate:.1f} tok/s ({step * 1e3:.0f} ms), {rate / alone:.2f}×")
         if args.library:
             library = library_tokens_per_s(engine, rows, steps)
-            record.row(f"{MODEL}, {rows} requests: transformers generate_batch, tokens/s (prefill included)",
+            record.row(f"{MODEL}, {rows} requests through transformers generate_batch: tokens/s (prefill included)",
                        f"{library:.1f} tok/s", engine="transformers ContinuousBatchingManager")
     record.save()
 
