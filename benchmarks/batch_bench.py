@@ -25,6 +25,7 @@ from record import Record  # noqa: E402
 
 from uniun_ray.models import Engine, GenerateRequest  # noqa: E402
 from uniun_ray.models.batch import Batch  # noqa: E402
+from uniun_ray.models.vocabulary import context_of  # noqa: E402
 
 MODEL = "smollm2-135m-instruct"
 TOPICS = ["rivers", "mountains", "bridges", "clocks", "lighthouses", "gardens", "trains", "libraries"]
@@ -60,7 +61,6 @@ def library_tokens_per_s(engine: Engine, rows: int, tokens: int) -> float:
 
     loaded = engine._loaded
     tokenizer = loaded.vocabulary.tokenizer
-    from uniun_ray.models.vocabulary import context_of
     inputs = [context_of(loaded.vocabulary, request) for request in requests(rows, tokens)]
     config = GenerationConfig(max_new_tokens=tokens, do_sample=False, eos_token_id=-1,
                               pad_token_id=tokenizer.pad_token_id or 0)
@@ -88,9 +88,9 @@ def main() -> None:
     alone = None
     for rows in map(int, args.sizes.split(",")):
         rate, step = batch_tokens_per_s(engine, rows, steps)
-        alone = alone or rate
+        alone = rate if rows == 1 else alone
         record.row(f"{MODEL} decode through Batch, rows={rows}: tokens/s (step p50), vs rows=1",
-                   f"{rate:.1f} tok/s ({step * 1e3:.0f} ms), {rate / alone:.2f}×")
+                   f"{rate:.1f} tok/s ({step * 1e3:.0f} ms)" + (f", {rate / alone:.2f}×" if alone else ""))
         if args.library:
             library = library_tokens_per_s(engine, rows, steps)
             record.row(f"{MODEL}, {rows} requests through transformers generate_batch: tokens/s (prefill included)",

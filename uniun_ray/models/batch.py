@@ -38,7 +38,6 @@ from .kvcache import fork
 from .request import GenerateRequest, GenerationResult
 from .sequence import Sequence
 from .tuning import CHUNK_DECODE_STEPS, MAX_CHUNK, MIN_CHUNK
-from .weights import Loaded
 
 #: Rows a batch decodes together unless told otherwise.
 DEFAULT_SLOTS = 8
