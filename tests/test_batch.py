@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers import MistralConfig
 
-from test_models import LONG_PROMPT, PROMPT, engine, loaded_engine, run, tiny_cache  # noqa: F401 (fixtures)
+from test_models import LONG_PROMPT, PROMPT, engine, forwards, loaded_engine, run, tiny_cache  # noqa: F401 (fixtures)
 from uniun_ray.models import GenerateRequest
 from uniun_ray.models.batch import Batch, batchable
 from uniun_ray.models.decoding import Decoding
@@ -170,3 +170,28 @@ def test_only_plain_full_attention_caches_are_batched(engine):
                                num_key_value_heads=2, intermediate_size=64)
 
     assert not batchable(SlidingModel())
+
+
+def test_a_long_prompt_joins_one_chunk_per_step_while_the_others_decode(engine, monkeypatch, forwards):
+    monkeypatch.setattr(engine, "prefill_chunk", 16)
+    batch = Batch(engine)
+    decoding = batch.add(GenerateRequest(prompt=PROMPT, max_new_tokens=60), threading.Event())
+    batch.step()
+    batch.add(GenerateRequest(prompt=LONG_PROMPT, max_new_tokens=4), threading.Event())
+    joining_steps = 0
+    while batch.rows < 2:
+        before, passes = decoding.sequence.length, forwards.count
+        batch.step()
+        assert decoding.sequence.length == before + 1 and forwards.count - passes == 2   # a chunk, a step
+        joining_steps += 1
+    assert joining_steps == -(-engine.check(GenerateRequest(prompt=LONG_PROMPT)) // 16)
+    batch.close()
+
+
+def test_a_seeded_sampled_job_draws_in_a_batch_what_it_draws_alone(engine):
+    sampled = GenerateRequest(prompt=PROMPT, max_new_tokens=30, temperature=0.8, top_k=40, seed=7)
+    expected = alone(engine, [sampled])[0]
+    batch = Batch(engine)
+    jobs = [batch.add(request, threading.Event()) for request in (REQUESTS[2], sampled, REQUESTS[0])]
+    batch.run()
+    assert jobs[1].result.token_ids == expected
