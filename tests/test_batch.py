@@ -195,3 +195,22 @@ def test_a_seeded_sampled_job_draws_in_a_batch_what_it_draws_alone(engine):
     jobs = [batch.add(request, threading.Event()) for request in (REQUESTS[2], sampled, REQUESTS[0])]
     batch.run()
     assert jobs[1].result.token_ids == expected
+
+
+def test_a_chat_reads_its_prompt_in_one_pass_and_a_background_prompt_in_short_chunks(engine, monkeypatch, forwards):
+    clock = engine._loaded.clock
+    monkeypatch.setattr(clock, "_chunk", 320.0)                            # a gated model's chunk, alone
+    monkeypatch.setattr(clock, "observe", lambda tokens, seconds: None)    # and it stays so
+    batch = Batch(engine)
+    batch.add(GenerateRequest(prompt=PROMPT, max_new_tokens=200), threading.Event())
+    batch.step()
+    prompts = [" ".join(f"{word}{i}" for i in range(120)) for word in ("north", "south")]    # never cached
+    chat = batch.add(GenerateRequest(prompt=prompts[0], max_new_tokens=4), threading.Event(), revocable=False)
+    passes = forwards.count
+    batch.step()
+    assert batch.rows == 2 and forwards.count - passes == 2    # its whole prompt, then a step with it
+    batch.step()
+    background = batch.add(GenerateRequest(prompt=prompts[1], max_new_tokens=2), threading.Event())
+    batch.step()
+    assert 0 < background.sequence.fed <= 320 / 4          # cut to a few decode steps: the others wait
+    batch.close()

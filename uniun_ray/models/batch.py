@@ -196,15 +196,18 @@ class Batch:
             self._join(job)
 
     def _chunk(self, job: Job) -> int:
-        """Prompt tokens in this step's chunk: the engine's fixed size if set; while others
-        decode, about CHUNK_DECODE_STEPS decode steps' worth (they wait for it); alone, the
-        engine's choice (a run nothing else may revoke reads its prompt in one pass)."""
+        """Prompt tokens in this step's chunk: the engine's fixed size if set; a run nothing but
+        its own cancel may stop (chat) reads its prompt in one pass, the others waiting for it
+        (its time to first token is the goal, R23); otherwise the engine's time-sized chunk, cut
+        to about CHUNK_DECODE_STEPS decode steps while others decode (they wait for it)."""
         clock = self.loaded.clock
         if self.engine.prefill_chunk:
             return self.engine.prefill_chunk
+        if not job.revocable:
+            return MAX_CHUNK
         if self._rows:
             return max(MIN_CHUNK, int(clock.chunk * CHUNK_DECODE_STEPS / clock.decode_steps))
-        return clock.chunk if job.revocable else MAX_CHUNK
+        return clock.chunk
 
     def _join(self, job: Job) -> None:
         """Add the job's KV to the batch as a new row, padded on the left to the batch's length."""
