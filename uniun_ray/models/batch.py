@@ -108,7 +108,7 @@ class Batch:
 
     def add(self, request: GenerateRequest, cancel: CancelFlag, revocable: bool = True) -> Job:
         """Queue a run; checked here, eagerly, as ``Engine.generate`` checks it. A run that is
-        not ``revocable`` reads its prompt in one pass when no other job is decoding."""
+        not ``revocable`` (chat) reads its prompt in one pass (see ``_chunk``)."""
         if not callable(getattr(cancel, "is_set", None)):
             raise ValueError(f"cancel must have an is_set() method (a threading.Event), got {cancel!r}")
         loaded, context = self.engine._prepare(request)
@@ -163,14 +163,15 @@ class Batch:
         """Start the prefill of the next waiting job, if none is running and a row is free."""
         if self._joining is not None or len(self._rows) >= self.slots:
             return
-        with self._lock:
-            job = self._waiting.popleft() if self._waiting else None
-        if job is None:
-            return
-        sequence = job.sequence
-        if sequence.cancelled:
+        while True:
+            with self._lock:
+                job = self._waiting.popleft() if self._waiting else None
+            if job is None:
+                return
+            if not job.sequence.cancelled:
+                break
             self._end(job, "cancel", None)     # revoked while it waited: no work done
-            return
+        sequence = job.sequence
         sequence.hit = self.loaded.prefix.take(sequence.context)
         job.cache, sequence.fed = sequence.hit.cache, sequence.hit.tokens
         self._joining = job
@@ -241,7 +242,7 @@ class Batch:
                                        **shaping, **self.loaded.forward_kwargs)
         self.loaded.clock.observe(1, time.perf_counter() - started)
         self._cache = getattr(output, self.loaded.cache_arg)
-        logits = output.logits[:, -1]
+        logits = output.logits[:, -1].to(dtype=torch.float32, device="cpu")   # one copy, not one per row
         for row, job in enumerate(rows):
             job.sequence.fed += 1
             job.sequence.accept(logits[row])
