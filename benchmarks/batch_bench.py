@@ -85,6 +85,7 @@ def main() -> None:
     described = engine.describe()
     record = Record("slots", quick=args.quick)
     record.runs_on(threads=described["threads"], dtype=described["dtype"], engine="uniun Batch")
+    batch_tokens_per_s(engine, 2, 4)     # warm-up, not recorded: the first steps of a process are slow
     alone = None
     for rows in map(int, args.sizes.split(",")):
         rate, step = batch_tokens_per_s(engine, rows, steps)
