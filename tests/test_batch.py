@@ -214,3 +214,14 @@ def test_a_chat_reads_its_prompt_in_one_pass_and_a_background_prompt_in_short_ch
     batch.step()
     assert 0 < background.sequence.fed <= 320 / 4          # cut to a few decode steps: the others wait
     batch.close()
+
+
+def test_a_model_that_cannot_be_batched_runs_its_jobs_one_at_a_time(engine, monkeypatch):
+    import uniun_ray.models.batch as batch_module
+
+    expected = alone(engine, REQUESTS[:3])
+    monkeypatch.setattr(batch_module, "batchable", lambda model: False)     # as a sliding-window model
+    batch = Batch(engine, slots=8)
+    assert batch.slots == 1 and not batch.batched
+    jobs, widths = drive(batch, {0: [(request, threading.Event()) for request in REQUESTS[:3]]})
+    assert [job.result.token_ids for job in jobs] == expected and max(widths.values()) == 1
