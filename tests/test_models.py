@@ -263,6 +263,31 @@ def test_failed_conversion_leaves_nothing_behind(fake_conversion, monkeypatch):
     assert sorted(path.name for path in root.iterdir()) == ["tiny.lock"]
 
 
+def test_prepared_converts_in_the_background_once_and_reports_a_failure(fake_conversion, monkeypatch):
+    """What a server asks before holding a request for a model (issue 27): not ready while one
+    background conversion runs, however often it is asked; ready after; a failure raised once."""
+    from uniun_ray.models.registry import prepared
+
+    root, calls = fake_conversion
+    spec = resolve("tiny")
+    assert prepared(spec) is False and prepared(spec) is False
+    deadline = time.monotonic() + 30
+    while not prepared(spec):
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    assert calls == ["tiny"] and (root / "tiny" / "model.safetensors").read_bytes() == b"weights"
+
+    def broken(spec, out):
+        raise OSError("disk full")
+    monkeypatch.setattr(registry, "_convert_gguf", broken)
+    monkeypatch.setenv(CACHE_ENV, str(root / "other"))
+    assert prepared(spec) is False
+    with pytest.raises(OSError, match="disk full"):
+        while not prepared(spec):
+            assert time.monotonic() < deadline + 30
+            time.sleep(0.05)
+
+
 def test_stale_conversion_is_rebuilt(fake_conversion):
     root, calls = fake_conversion
     folder = materialize(resolve("tiny"))

@@ -3,8 +3,8 @@ job with `uniun_ray.astream`, and gathers the facts an OpenAI answer reports abo
 
 Every fact an OpenAI answer reports comes from the client's `Completion`: the job id, the
 prompt's token count as the model read it, the tier of the job's first dispatch (the policy's
-`Dispatch.tier`, carried by the lease), the finish reason. Sampling fields (`temperature`,
-`top_p`, `stop`, `seed`, and vLLM's `top_k`, `repetition_penalty`) are the client's own.
+`Dispatch.tier`, carried by the lease), the finish reason. The generation fields (sampling,
+penalties, logit bias, structured output, tools) are the client's own: GenerateRequest's.
 
 Cancellation. When an HTTP client goes away, Serve cancels the request's Ray task, and Ray
 cancels every Ray call made in that task's context with it (recursive cancellation, ray
@@ -29,13 +29,6 @@ from .schemas import JobFields
 
 #: max_tokens when the request gives none (the client API's default).
 DEFAULT_MAX_TOKENS = 128
-#: OpenAI's sampling fields (and vLLM's top_k, repetition_penalty): the client API's own.
-SAMPLING_FIELDS = ("temperature", "top_p", "stop", "seed", "top_k", "repetition_penalty")
-
-
-def sampling_kwargs(body: JobFields) -> dict:
-    """The sampling fields the request gave, as the client API takes them."""
-    return {name: getattr(body, name) for name in SAMPLING_FIELDS if getattr(body, name, None) is not None}
 
 
 def producer_of(body: JobFields) -> str | None:
@@ -98,7 +91,7 @@ class Job:
     body: JobFields
     stream: object                      # the client's GenerationStream
     max_tokens: int
-    prompt: str | None = None
+    prompt: str | list[int] | None = None
     messages: list[dict] | None = None
     created: int = field(default_factory=lambda: int(time.time()))
     _pieces: Detached | None = None
@@ -145,13 +138,12 @@ class Job:
                 "ttft_s": done.ttft_s, "revokes": done.revokes}
 
 
-def open_job(body: JobFields, *, prompt: str | None = None, messages: list[dict] | None = None) -> Job:
+def open_job(body: JobFields, *, prompt: str | list[int] | None = None, messages: list[dict] | None = None) -> Job:
     """Validate and open the job (nothing is queued until it is iterated). ValueError and
     the client's other errors propagate to the caller, which maps them to OpenAI errors."""
-    sampling = sampling_kwargs(body)
     max_tokens = body.new_tokens() or DEFAULT_MAX_TOKENS
     stream = uniun_ray.astream(body.kind, prompt, messages=messages, model_id=body.model_id(),
                                producer=producer_of(body), deadline=body.deadline,
                                foreground_hint=body.foreground_hint, subject=body.subject,
-                               max_new_tokens=max_tokens, **sampling)
+                               max_new_tokens=max_tokens, **body.request_fields())
     return Job(body, stream, max_tokens, prompt=prompt, messages=messages)

@@ -215,20 +215,24 @@ def prepared(spec: ModelSpec) -> bool:
     server answers "come back later" meanwhile rather than holding a request for the minute a
     first conversion can take. A conversion that failed raises its error here, once (the next
     call starts it again)."""
-    if spec.origin is not Origin.EMBEDDED or _is_current(cache_dir() / spec.id, _fingerprint(spec)):
+    if spec.origin is not Origin.EMBEDDED:
         return True
+    target = cache_dir() / spec.id
     with _PREPARING_LOCK:
-        running = _PREPARING.get(spec.id)
+        running = _PREPARING.get(target)
         if running is not None and running.done():
-            del _PREPARING[spec.id]
+            del _PREPARING[target]
             running.result()   # raises the conversion's error; else it has just finished
             return True
-        if running is None:
-            _PREPARING[spec.id] = _converter().submit(materialize, spec)
+        if running is not None:
+            return False
+        if _is_current(target, _fingerprint(spec)):
+            return True
+        _PREPARING[target] = _converter().submit(materialize, spec)
     return False
 
 
-_PREPARING: dict[str, Future] = {}
+_PREPARING: dict[Path, Future] = {}
 _PREPARING_LOCK = threading.Lock()
 
 
