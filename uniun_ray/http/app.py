@@ -22,8 +22,6 @@ import base64
 import functools
 import json
 import secrets
-from typing import AsyncIterator
-
 from dataclasses import dataclass
 from typing import Callable
 
@@ -37,7 +35,7 @@ import uniun_ray
 
 from . import errors, openapi
 from .errors import APIError, bad_request, from_client, unauthorized, unavailable
-from .jobs import Job, open_job
+from .jobs import Detached, Job, open_job, pieces, run_all
 from .schemas import ChatCompletionRequest, CompletionRequest, EmbeddingRequest, ForegroundRequest, JobFields
 
 #: The embedding model's id, as /v1/models and /v1/embeddings name it.
@@ -119,21 +117,32 @@ async def scheduler_answers() -> bool:
 
 
 #: Models this process found ready: they stay so (a conversion is never undone).
-_READY: set[str | None] = set()
+_READY: set[str] = set()
+#: The question to the device about a model, while it is out: a burst of requests asks once.
+_ASKING: dict[str | None, asyncio.Future] = {}
+
+
+async def _prepared(model_id: str | None) -> bool:
+    asking = _ASKING.get(model_id)
+    if asking is None:
+        asking = _ASKING[model_id] = asyncio.ensure_future(uniun_ray.aprepare(model_id))
+        asking.add_done_callback(lambda _: _ASKING.pop(model_id, None))
+    return await asyncio.shield(asking)   # one request that goes away does not cancel the others' question
 
 
 async def require_ready(model_id: str | None) -> None:
     """503 with Retry-After while the model's weights are being converted (its first use);
-    404 for a model nothing resolves."""
+    404 for a model nothing resolves. `model_id` None: the active chat model."""
+    model_id = model_id or _active_chat_model()
     if model_id in _READY:
         return
     try:
-        ready = await uniun_ray.aprepare(model_id)
+        ready = await _prepared(model_id)
     except Exception as error:
         raise from_client(error) from error
     if not ready:
-        raise APIError(503, f"model {model_id or 'default'!r} is being prepared for its first use (its weights are "
-                            f"converted once, which can take a minute): retry in {CONVERTING_RETRY_S} s",
+        raise APIError(503, f"model {model_id!r} is being prepared for its first use (its weights are converted "
+                            f"once, which can take a minute): retry in {CONVERTING_RETRY_S} s",
                        type="service_unavailable", code="model_not_ready", param="model",
                        headers={"Retry-After": str(CONVERTING_RETRY_S)})
     if model_id is not None:
@@ -170,11 +179,11 @@ async def generate(body: JobFields, prompts: list[dict], shape: Shape):
     except Exception as error:
         raise from_client(error) from error
     if body.stream:
-        pieces = Merged([job.pieces() for job in jobs])
-        first = await _first_piece(pieces)
-        return _stream(jobs, first, pieces, shape, body.include_usage())
+        running = pieces(jobs)
+        first = await _first_piece(running)
+        return _stream(jobs, first, running, shape, body.include_usage())
     try:
-        await asyncio.gather(*(job.run() for job in jobs))
+        await run_all(jobs)
     except Exception as error:
         raise from_client(error) from error
     head = jobs[0]
@@ -195,58 +204,16 @@ async def _usage(jobs: list[Job]) -> dict:
     return {key: sum(u[key] or 0 for u in usages) for key in ("prompt_tokens", "completion_tokens", "total_tokens")}
 
 
-class Merged:
-    """The pieces of several jobs as they come, as (choice index, piece); (index, None) when
-    that job has ended. `aclose` withdraws every job still running."""
-
-    def __init__(self, streams: list) -> None:
-        self._streams = streams
-        self._queue: asyncio.Queue = asyncio.Queue()
-        self._open = len(streams)
-        self._tasks = [asyncio.get_running_loop().create_task(self._pump(i, s)) for i, s in enumerate(streams)]
-
-    async def _pump(self, index: int, stream) -> None:
-        try:
-            async for piece in stream:
-                self._queue.put_nowait((index, piece))
-        except Exception as error:
-            self._queue.put_nowait((index, error))
-            return
-        self._queue.put_nowait((index, None))
-
-    def __aiter__(self) -> "Merged":
-        return self
-
-    async def __anext__(self) -> tuple[int, str | None]:
-        if not self._open:
-            raise StopAsyncIteration
-        try:
-            index, item = await self._queue.get()
-        except BaseException:
-            await self.aclose()
-            raise
-        if isinstance(item, BaseException):
-            raise item
-        self._open -= item is None
-        return index, item
-
-    async def aclose(self) -> None:
-        for task in self._tasks:
-            task.cancel()
-        for stream in self._streams:
-            await stream.aclose()
-
-
-async def _first_piece(pieces: Merged) -> tuple[int, str | None] | None:
+async def _first_piece(running: Detached) -> tuple[int, str | None] | None:
     """Wait for the first piece, so that an error found before the job ran (full queue,
     unknown model, prompt too long, no scheduler) is answered with its status code rather
     than inside a 200 stream."""
     try:
-        return await pieces.__anext__()
+        return await running.__anext__()
     except StopAsyncIteration:
         return None
     except Exception as error:
-        await pieces.aclose()
+        await running.aclose()
         raise from_client(error) from error
 
 
@@ -269,7 +236,7 @@ class JobEventStream(EventSourceResponse):
             await self._events.aclose()
 
 
-def _stream(jobs: list[Job], first, pieces: Merged, shape: Shape, include_usage: bool) -> JobEventStream:
+def _stream(jobs: list[Job], first, running: Detached, shape: Shape, include_usage: bool) -> JobEventStream:
     """The SSE answer: a role chunk per choice, the pieces as they come, then per choice a
     chunk with its finish reason and uniun's facts; usage when asked, then `[DONE]`."""
     head = jobs[0]
@@ -289,7 +256,7 @@ def _stream(jobs: list[Job], first, pieces: Merged, shape: Shape, include_usage:
         try:
             for index in range(len(jobs)):
                 yield _sse(chunk(index, text="", role="assistant"))
-            items = pieces if first is None else _chained(first, pieces)
+            items = running if first is None else _chained(first, running)
             async for index, piece in items:
                 yield _sse(chunk(index, text=piece)) if piece is not None else await finished(index)
             if include_usage:
@@ -297,7 +264,7 @@ def _stream(jobs: list[Job], first, pieces: Merged, shape: Shape, include_usage:
         except Exception as error:  # the status line is gone: report it in the stream, as OpenAI does
             yield _sse(from_client(error).body())
         finally:
-            await pieces.aclose()
+            await running.aclose()
         yield _sse("[DONE]")
     return JobEventStream(events(), headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 

@@ -40,48 +40,65 @@ def producer_of(body: JobFields) -> str | None:
 
 
 class Detached:
-    """The job's pieces, produced by a task outside the request's Ray task context (see the
-    module's note on cancellation), consumed here. `aclose` (or the consumer's cancellation)
-    cancels the producing task and waits until the client API has withdrawn the job."""
+    """The pieces of one or more jobs' streams, produced by tasks outside the request's Ray
+    task context (see the module's note on cancellation), consumed here as (index, piece), and
+    (index, None) when that stream has ended. `aclose` (or the consumer's cancellation)
+    cancels the producing tasks and waits until the client API has withdrawn the jobs."""
 
-    _END = object()
-
-    def __init__(self, stream) -> None:
+    def __init__(self, streams: list) -> None:
         self._queue: asyncio.Queue = asyncio.Queue()
-        self._task = asyncio.get_running_loop().create_task(self._pump(stream), context=contextvars.Context())
+        self._open = len(streams)
+        loop = asyncio.get_running_loop()
+        self._tasks = [loop.create_task(self._pump(index, stream), context=contextvars.Context())
+                       for index, stream in enumerate(streams)]
 
-    async def _pump(self, stream) -> None:
+    async def _pump(self, index: int, stream) -> None:
         try:
             async for piece in stream:
-                self._queue.put_nowait(piece)
+                self._queue.put_nowait((index, piece))
         except Exception as error:  # for the consumer to raise (a cancellation just ends the task)
-            self._queue.put_nowait(error)
+            self._queue.put_nowait((index, error))
             return
-        self._queue.put_nowait(self._END)
+        self._queue.put_nowait((index, None))
 
     def __aiter__(self) -> "Detached":
         return self
 
-    async def __anext__(self) -> str:
+    async def __anext__(self) -> tuple[int, str | None]:
+        if not self._open:
+            raise StopAsyncIteration
         try:
-            item = await self._queue.get()
+            index, item = await self._queue.get()
         except BaseException:
             await self.aclose()
             raise
-        if item is self._END:
-            raise StopAsyncIteration
         if isinstance(item, BaseException):
             raise item
-        return item
+        self._open -= item is None
+        return index, item
 
     async def aclose(self) -> None:
-        if self._task.done():
-            return
-        self._task.cancel()
-        try:
-            await asyncio.shield(self._task)
-        except BaseException:  # its own CancelledError, or the error it ended with
+        running = [task for task in self._tasks if not task.done()]
+        for task in running:
+            task.cancel()
+        if running:  # each task's own CancelledError, or the error it ended with
+            await asyncio.shield(asyncio.gather(*running, return_exceptions=True))
+
+
+def pieces(jobs: list["Job"]) -> Detached:
+    """The jobs' pieces as they come; iterating them runs the jobs."""
+    return Detached([job.stream for job in jobs])
+
+
+async def run_all(jobs: list["Job"]) -> None:
+    """Run the jobs to their ends (each one's Completion is then its `completion`); the first
+    error withdraws the others."""
+    running = pieces(jobs)
+    try:
+        async for _ in running:
             pass
+    finally:
+        await running.aclose()
 
 
 @dataclass
@@ -94,18 +111,6 @@ class Job:
     prompt: str | list[int] | None = None
     messages: list[dict] | None = None
     created: int = field(default_factory=lambda: int(time.time()))
-    _pieces: Detached | None = None
-
-    def pieces(self) -> Detached:
-        """The job's text pieces; iterating them runs the job (once)."""
-        if self._pieces is None:
-            self._pieces = Detached(self.stream)
-        return self._pieces
-
-    async def run(self) -> None:
-        """Run the job to its end (its Completion is then `completion`)."""
-        async for _ in self.pieces():
-            pass
 
     @property
     def id(self) -> str:

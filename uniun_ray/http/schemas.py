@@ -226,6 +226,15 @@ class StreamOptions(Strict):
 
 
 # -- the generation routes ----------------------------------------------------------------------
+def _given_only_with(field: str, other: str):
+    """A validator: `field` may be set only where `other` (declared before it) is set and true."""
+    def check(cls, value, info: ValidationInfo):
+        if value is not None and not info.data.get(other):
+            raise PydanticCustomError("unsupported_value", ONLY[field])
+        return value
+    return field_validator(field)(classmethod(check))
+
+
 class JobFields(Strict):
     """What makes a request a job of the policy (SPEC §1), and OpenAI's generation fields
     common to both generation routes."""
@@ -264,12 +273,7 @@ class JobFields(Strict):
     def _stop_list(cls, value):
         return [value] if isinstance(value, str) else value or None
 
-    @field_validator("stream_options")
-    @classmethod
-    def _options_need_a_stream(cls, value, info: ValidationInfo):
-        if value is not None and not info.data.get("stream"):
-            raise _only("stream_options")
-        return value
+    _options_need_a_stream = _given_only_with("stream_options", "stream")
 
     def model_id(self) -> str | None:
         """None means the active chat model (SPEC §4: omitted or "default")."""
@@ -289,10 +293,6 @@ class JobFields(Strict):
         return {name: value for name, value in fields.items() if value is not None}
 
 
-def _only(field: str) -> PydanticCustomError:
-    return PydanticCustomError("unsupported_value", ONLY[field])
-
-
 class ChatCompletionRequest(JobFields):
     messages: Annotated[list[Message], Field(min_length=1)]
     max_completion_tokens: PositiveTokens | None = None
@@ -310,13 +310,7 @@ class ChatCompletionRequest(JobFields):
     reasoning_effort: Nothing = None
     verbosity: Nothing = None
     web_search_options: Nothing = None
-
-    @field_validator("parallel_tool_calls")
-    @classmethod
-    def _parallel_calls_need_tools(cls, value, info: ValidationInfo):
-        if value is not None and not info.data.get("tools"):
-            raise _only("parallel_tool_calls")
-        return value
+    _parallel_calls_need_tools = _given_only_with("parallel_tool_calls", "tools")
 
     def new_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
