@@ -24,6 +24,9 @@ def _error(description: str, retry_after: bool = False) -> dict:
     return answer
 
 
+#: One server-sent event of a stream: a chunk object as JSON, an error object, or "[DONE]".
+SSE_EVENT = {"type": "object", "required": ["data"],
+             "properties": {"data": {"type": "string"}, "event": {"type": "string"}}}
 #: Every route's errors.
 ERRORS = {
     400: _error("invalid_request_error: the body or a parameter is invalid (`param` names it)"),
@@ -36,7 +39,7 @@ ERRORS = {
 GENERATION = ERRORS | {
     200: {"description": "the answer; with `stream: true`, server-sent events of chunks ending in `data: [DONE]`",
           "content": {"application/json": {"schema": {"type": "object"}},
-                      "text/event-stream": {"schema": {"type": "string"}}}},
+                      "text/event-stream": {"schema": SSE_EVENT}}},
     429: _error("queue_full: the scheduler's queue for this kind is full", retry_after=True),
 }
 HEALTH = {
