@@ -770,5 +770,7 @@ def test_scheduler_gone_is_503_and_back_when_it_returns(server, ray_cluster):
                        ("/v1/foreground", {"kind": None})):
         error_of(server.post(path, body), 503, code="scheduler_unavailable")
     error_of(server.get("/v1/status"), 503, code="scheduler_unavailable")
+    error_of(requests.get(server.url + "/health", timeout=30), 503)     # what a probe sees
     start(runtime_config())
     assert server.post("/v1/completions", CHAT).status_code == 200
+    assert requests.get(server.url + "/health", timeout=30).status_code == 200
