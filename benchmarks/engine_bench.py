@@ -1,7 +1,8 @@
 """Engine benchmark: what a swap, a token and a revoke cost for each embedded model.
 
-    .venv/bin/python benchmarks/engine_bench.py                  # all embedded models, CPU
+    .venv/bin/python benchmarks/engine_bench.py --trials 5       # section "engine" of BENCHMARKS.md
     .venv/bin/python benchmarks/engine_bench.py --models tiny --device cuda
+    .venv/bin/python benchmarks/engine_bench.py --quick          # tiny and SmolLM2, two trials
 
 Per model it measures, in a fresh temporary cache (so the one-time GGUF conversion is timed,
 and the user's cache is left alone):
@@ -18,14 +19,13 @@ and the user's cache is left alone):
 
 The prefix KV cache is off here (every prefill is a cold one); ``kv_cache_bench.py`` measures it.
 
-Prints a markdown table (the one in uniun_ray/models/MEASURED.md).
+Records a row per model and figure (section "engine" of BENCHMARKS.md).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import platform
 import random
 import statistics
 import sys
@@ -36,11 +36,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import torch  # noqa: E402
+from record import Record  # noqa: E402
 
 from uniun_ray.models import Engine, GenerateRequest, known_ids  # noqa: E402
 from uniun_ray.models.registry import CACHE_ENV  # noqa: E402
-from uniun_ray.models.tuning import cpu_model  # noqa: E402
 
 LONG_PROMPT = " ".join(f"Item {i} costs {i * 7 % 50} coins." for i in range(110))
 
@@ -108,24 +107,15 @@ def bench_model(engine: Engine, model_id: str, trials: int) -> dict:
     ]
     described = engine.describe()
     return {
-        "model": model_id,
-        "dtype (chunk)": f"{described['dtype']} ({described['prefill_chunk']})",
-        "first load s": first_load,
-        "cached load s": statistics.median(cached),
-        "decode tok/s": decode_tok_s,
-        "prefill s (prompt tokens)": f"{prefill_s:.2f} ({prefill.result.prompt_tokens})",
-        "cancel in decode ms (med / max)": summary(in_decode),
-        "cancel in prefill ms (med / max)": summary(in_prefill),
+        "on": {"threads": described["threads"], "dtype": described["dtype"], "engine": "transformers"},
+        "first load (GGUF conversion + load)": f"{first_load:.2f} s",
+        "cached load (median of 3)": f"{statistics.median(cached):.2f} s",
+        "decode": f"{decode_tok_s:.2f} tok/s",
+        f"prefill of {prefill.result.prompt_tokens} tokens, one cold run "
+        f"(chunks of {described['prefill_chunk']})": f"{prefill_s:.2f} s",
+        "cancel to stop while decoding, ms (median / max)": summary(in_decode),
+        "cancel to stop inside a prefill, ms (median / max)": summary(in_prefill),
     }
-
-
-def table(rows: list[dict]) -> str:
-    header = list(rows[0])
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    for row in rows:
-        cells = [f"{row[key]:.2f}" if isinstance(row[key], float) else str(row[key]) for key in header]
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
 
 
 def main() -> None:
@@ -137,17 +127,19 @@ def main() -> None:
                         "bfloat16, float16 or float32")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: this process's cores)")
     parser.add_argument("--trials", type=int, default=10, help="cancel trials per model and phase")
+    parser.add_argument("--quick", action="store_true", help="tiny and SmolLM2, two trials")
     args = parser.parse_args()
+    models, trials = (["tiny", "smollm2-135m-instruct"], 2) if args.quick else (args.models, args.trials)
     os.environ[CACHE_ENV] = tempfile.mkdtemp(prefix="uniun-bench-cache-")
     engine = Engine(device=args.device, dtype=args.dtype, num_threads=args.threads, kv_cache_mb=0)
-    rows = []
-    for model_id in args.models:
-        rows.append(bench_model(engine, model_id, args.trials))
+    record = Record("engine", quick=args.quick)
+    for model_id in models:
+        figures = bench_model(engine, model_id, trials)
         engine.unload()
-    print(f"{platform.machine()}, {cpu_model()}, {os.cpu_count()} cores, torch {torch.__version__} "
-          f"(CPU capability {torch.backends.cpu.get_cpu_capability()}), {torch.get_num_threads()} threads, "
-          f"device {engine.device}, dtype setting {args.dtype}\n")
-    print(table(rows))
+        record.runs_on(**figures.pop("on"))
+        for figure, measured in figures.items():
+            record.row(f"`{model_id}`: {figure}", measured)
+    record.save()
 
 
 if __name__ == "__main__":

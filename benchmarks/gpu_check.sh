@@ -2,7 +2,8 @@
 # `make gpu-check`: everything in this project that a CUDA GPU changes, in one run, ready for the
 # day a GPU is lent (nothing else in the suite needs CUDA). Writes every table to one file
 # (GPU_CHECK_OUT, default gpu-check.md): the engine tests on the GPU, the runtime tests with the
-# ModelActor placed on the GPU, and the engine, prefix-cache and runtime benchmarks.
+# ModelActor placed on the GPU, and the engine, prefix-cache and runtime benchmarks, whose records
+# (benchmarks/results/*-gpu.json, beside the CPU ones) `benchmarks/render.py` puts in BENCHMARKS.md.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 python=${PYTHON:-.venv/bin/python}
@@ -25,5 +26,6 @@ step "runtime tests, the ModelActor on the GPU" "$python" -m pytest -q -p no:cac
 step "engine benchmark" "$python" benchmarks/engine_bench.py --device cuda --trials 5
 step "prefix cache benchmark (two KV tiers on the GPU)" "$python" benchmarks/kv_cache_bench.py
 step "runtime benchmark" "$python" benchmarks/runtime_bench.py --repeat 3
+step "BENCHMARKS.md from the records" "$python" benchmarks/render.py
 echo "gpu-check: tables in $out (exit $status)"
 exit $status

@@ -1,6 +1,7 @@
 """The OpenAI-compatible endpoint (issue 14) on a private local Ray, the same run:
 
     .venv/bin/python benchmarks/http_bench.py [--requests 60] [--turns 10]
+    .venv/bin/python benchmarks/http_bench.py --quick      # 10 requests, 3 turns
 
 - HTTP overhead per request: the same small job (`tiny`, 1 new token, chat kind) through
   the Python client (`agenerate`, in the driver) and through `POST /v1/completions`
@@ -12,16 +13,14 @@
   goal: busy p50 <= idle p50 + one decode step + 100 ms. One decode step is measured in the
   same run: an idle chat's (total - TTFT) / (tokens - 1).
 
-Prints the host (CPU model, cores, torch threads, dtype) and a markdown table.
+Records a row per figure (section "HTTP" of BENCHMARKS.md).
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
 import os
-import platform
 import statistics
-import subprocess
 import threading
 import time
 
@@ -29,6 +28,7 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
 import ray  # noqa: E402
 import requests  # noqa: E402
+from record import Record  # noqa: E402
 
 from uniun_ray.client import agenerate, astatus  # noqa: E402
 from uniun_ray.client import await_generating  # noqa: E402
@@ -44,18 +44,6 @@ PROMPT = "Say hello."
 def pct(values, q):
     values = sorted(values)
     return values[min(len(values) - 1, int(round(q * (len(values) - 1))))]
-
-
-def host(engine: dict) -> str:
-    """The CPU (lscpu's model name), its cores, and the ModelActor's torch threads and dtype
-    on the chat model (its own report, `state()["engine"]`)."""
-    try:
-        lines = subprocess.run(["lscpu"], capture_output=True, text=True).stdout.splitlines()
-        name = next(line.split(":", 1)[1].strip() for line in lines if line.startswith("Model name"))
-    except Exception:
-        name = platform.processor() or platform.machine()
-    return (f"{name}, {os.cpu_count()} cores, {engine.get('device', 'cpu')}; ModelActor torch threads "
-            f"{engine.get('threads')}, {engine.get('model', CHAT)} in {engine.get('dtype')}")
 
 
 def overhead(url: str, n: int) -> tuple[list[float], list[float]]:
@@ -122,7 +110,10 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=60)
     ap.add_argument("--turns", type=int, default=10)
     ap.add_argument("--chat-tokens", type=int, default=8)
+    ap.add_argument("--quick", action="store_true", help="10 requests, 3 turns")
     args = ap.parse_args()
+    if args.quick:
+        args.requests, args.turns = 10, 3
 
     ray.init(address="local", namespace=NAMESPACE, resources=LOCAL_RESOURCES, include_dashboard=False,
              log_to_driver=False)
@@ -138,21 +129,22 @@ def main() -> None:
 
     diff = [b - a for a, b in zip(python, http)]
     idle, busy, step = statistics.median(t["idle"]), statistics.median(t["busy"]), t["step"]
-    ms = lambda v: f"{v * 1000:.1f} ms"  # noqa: E731
-    print(host(engine))
-    print(f"--requests {args.requests} --turns {args.turns} --chat-tokens {args.chat_tokens}\n")
-    print("| measurement | p50 | p99 / max |")
-    print("|---|---|---|")
-    print(f"| `tiny`, 1 token, Python client (`agenerate`) | {ms(statistics.median(python))} | {ms(pct(python, .99))} |")
-    print(f"| the same, `POST /v1/completions` | {ms(statistics.median(http))} | {ms(pct(http, .99))} |")
-    print(f"| HTTP overhead per request (paired difference) | {ms(statistics.median(diff))} | {ms(pct(diff, .99))} |")
-    print(f"| chat TTFT over HTTP, device idle (n={len(t['idle'])}) | {ms(idle)} | {ms(max(t['idle']))} |")
-    print(f"| chat TTFT over HTTP, while a Nataraj streams over HTTP (n={len(t['busy'])}) | {ms(busy)} | "
-          f"{ms(max(t['busy']))} |")
-    print(f"| one decode step of {CHAT} (idle) | {ms(step)} | |")
+    ms = lambda v: f"{v * 1000:.1f}"  # noqa: E731
+    record = Record("http", quick=args.quick)
+    record.row(f"`tiny`, 1 token, through the Python client (`agenerate`), p50 / p99 (n={len(python)})",
+               f"{ms(statistics.median(python))} / {ms(pct(python, .99))} ms")
+    record.row("the same through `POST /v1/completions`, p50 / p99", f"{ms(statistics.median(http))} / {ms(pct(http, .99))} ms")
+    record.row("HTTP overhead per request (paired difference), p50 / p99",
+               f"{ms(statistics.median(diff))} / {ms(pct(diff, .99))} ms")
+    record.runs_on(threads=engine.get("threads"), dtype=engine.get("dtype"), engine="transformers")
+    record.row(f"chat TTFT over HTTP ({CHAT}), device idle, p50 / max (n={len(t['idle'])})",
+               f"{ms(idle)} / {ms(max(t['idle']))} ms")
+    record.row(f"one decode step of {CHAT} (idle)", f"{ms(step)} ms")
     bound = idle + step + 0.100
-    print(f"\ngoal: busy p50 {ms(busy)} <= idle p50 + one decode step + 100 ms = {ms(bound)}: "
-          f"{'met' if busy <= bound else 'NOT met'}")
+    record.row(f"chat TTFT over HTTP while a Nataraj streams over HTTP, p50 / max (n={len(t['busy'])})",
+               f"{ms(busy)} / {ms(max(t['busy']))} ms", goal=f"≤ idle + one decode step + 100 ms = {ms(bound)} ms "
+               f"(issue 14)", met=busy <= bound)
+    record.save()
 
 
 if __name__ == "__main__":

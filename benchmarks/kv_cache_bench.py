@@ -23,8 +23,8 @@ and once without (UNIUN_KV_CACHE_MB=0; ``--quick`` skips it):
 
 Every turn reports its prompt tokens, how many of them were prefilled (the rest came from the
 cache) and the engine's time for that, from the runs' own results (``Completion.prefills``);
-TTFT is the client's, submit to first piece. Prints markdown tables, with the host (CPU
-model, torch capability, threads, dtype, KV tiers).
+TTFT is the client's, submit to first piece. Records a row per figure (section "KV cache" of
+BENCHMARKS.md), the KV tiers in the rows' words.
 """
 from __future__ import annotations
 
@@ -32,13 +32,13 @@ import argparse
 import asyncio
 import math
 import os
-import platform
 import statistics
 
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
+from record import Record  # noqa: E402
+
 from uniun_ray.client import Completion, agenerate, astatus, astream, await_generating  # noqa: E402
-from uniun_ray.models.tuning import cpu_model  # noqa: E402
 from uniun_ray.runtime.launch import local_cluster, start  # noqa: E402
 
 #: A user message of about 180 tokens: five turns of it and the replies pass 1,000 tokens.
@@ -146,28 +146,32 @@ def run(kv_cache_mb: str | None, work) -> dict:
         return asyncio.run(work())
 
 
-def turn_rows(name: str, key: str, runs: list[dict]) -> list[str]:
-    rows = []
+def uncached(runs: list[dict], cell) -> str:
+    """The same figure from the run without the cache, where there was one."""
+    return f"; without the cache: {cell(runs[1])}" if len(runs) > 1 else ""
+
+
+def turn_rows(record: Record, name: str, key: str, runs: list[dict]) -> None:
     for turn in range(len(runs[0][key])):
-        cells = [f"{r[key][turn]['ttft']:.2f} s ({r[key][turn]['prefilled']} prefilled in "
-                 f"{r[key][turn]['prefill_s']:.2f} s)" for r in runs]
-        rows.append(f"| {name}, turn {turn + 1} TTFT ({runs[0][key][turn]['prompt']} prompt tokens) | "
-                    + " | ".join(cells) + " |")
-    if rows:
-        ratios = [f"{r[key][-1]['ttft'] / r['single']:.2f}x" for r in runs]
-        rows.append(f"| {name}: last turn / one-message chat (goal <= 1.2x) | " + " | ".join(ratios) + " |")
-    return rows
+        def cell(r: dict) -> str:
+            t = r[key][turn]
+            return f"{t['ttft']:.2f} s ({t['prefilled']} prefilled in {t['prefill_s']:.2f} s)"
+        record.row(f"{name}, turn {turn + 1}: TTFT ({runs[0][key][turn]['prompt']:,} prompt tokens)",
+                   cell(runs[0]) + uncached(runs, cell))
+    if runs[0][key]:
+        ratio = runs[0][key][-1]["ttft"] / runs[0]["single"]
+        record.row(f"{name}: the last turn's TTFT / a one-message chat's", f"{ratio:.2f}×"
+                   + uncached(runs, lambda r: f"{r[key][-1]['ttft'] / r['single']:.2f}×"),
+                   **({"goal": "≤ 1.2× (issue 11)", "met": ratio <= 1.2} if key == "one_line" else {}))
 
 
-def card_row(name: str, key: str, runs: list[dict]) -> str:
-    cells = []
-    for r in runs:
+def card_row(record: Record, name: str, key: str, runs: list[dict], **goal) -> None:
+    def cell(r: dict) -> str:
         card, step_ms = r[key], r["engine"]["decode_ms"]
         seconds = "" if card["prefill_s"] is None else f", {card['prefill_s'] * 1000:.0f} ms = " \
                                                         f"{card['prefill_s'] * 1000 / step_ms:.1f} decode steps"
-        cells.append(f"{card['prefilled']} of {card['prompt']} tokens{seconds} ({card['revokes']} revoke, "
-                     f"{card['landed']})")
-    return f"| {name} | " + " | ".join(cells) + " |"
+        return f"{card['prefilled']} of {card['prompt']} tokens{seconds} ({card['revokes']} revoke, {card['landed']})"
+    record.row(name, cell(runs[0]) + uncached(runs, cell), **goal)
 
 
 def main() -> None:
@@ -179,27 +183,24 @@ def main() -> None:
     budget = str(math.ceil(1.5 * runs[0]["history_mb"]))
     tiers = run(budget, lambda: taking_turns(2 if args.quick else 3, 8 if args.quick else 48))
     engine = runs[0]["engine"]
-    print(f"{platform.machine()}, {cpu_model()}, torch CPU capability {engine['cpu_capability']}, "
-          f"{engine['threads']} threads, {engine['model']} in {engine['dtype']} on {engine['device']} "
-          f"(decode {engine['decode_ms']:.0f} ms/token); KV tiers: {engine['kv_cache']['tiers']}"
-          f"{'; --quick' if args.quick else ''}\n")
-    print("| measurement | with the prefix cache |" + ("" if args.quick else " without (UNIUN_KV_CACHE_MB=0) |"))
-    print("|---|---|" + ("" if args.quick else "---|"))
-    print("| one-message chat TTFT (p50) | " + " | ".join(f"{r['single']:.2f} s" for r in runs) + " |")
-    for row in turn_rows("one-line turns", "one_line", runs) + turn_rows("long turns", "long", runs):
-        print(row)
-    print(card_row("Nataraj card revoked by a chat mid-decode, its resume prefilled "
-                   "(goal: <= one decode step)", "decode", runs))
-    print(card_row("a card with a ~750-token prompt revoked 0.5 s in, its resume prefilled", "prefill", runs))
+    record = Record("kv-cache", quick=args.quick)
+    record.runs_on(threads=engine["threads"], dtype=engine["dtype"], engine=f"transformers, KV tiers: "
+                   f"{engine['kv_cache']['tiers'].split(':')[0]}")
+    record.row(f"one-message chat TTFT, {engine['model']} (p50)",
+               f"{runs[0]['single']:.2f} s" + uncached(runs, lambda r: f"{r['single']:.2f} s"))
+    turn_rows(record, "one-line turns", "one_line", runs)
+    turn_rows(record, "long turns (~200 new tokens each)", "long", runs)
+    decode = runs[0]["decode"]
+    card_row(record, "a Nataraj card revoked by a chat mid-decode: what its resume prefilled", "decode", runs,
+             goal="≤ one decode step (issue 11)",
+             met=decode["prefill_s"] is not None and decode["prefill_s"] * 1000 <= engine["decode_ms"])
+    card_row(record, "a card with a ~750-token prompt revoked 0.5 s in: what its resume prefilled", "prefill", runs)
     kv = tiers["kv"]
-    print(f"\nTwo conversations taking turns, UNIUN_KV_CACHE_MB={budget} (~1.5 histories of "
-          f"{runs[0]['history_mb']:.0f} MB); KV tiers: {kv['tiers']}; {kv['offloads']} offloads, "
-          f"{kv['restores']} restores, {kv['evictions']} evictions\n")
-    print("| turn | TTFT | prompt tokens | prefilled |")
-    print("|---|---|---|---|")
-    for number, record in enumerate(tiers["turns"]):
-        print(f"| {'AB'[number % 2]}{number // 2 + 1} | {record['ttft']:.2f} s | {record['prompt']} | "
-              f"{record['prefilled']} in {record['prefill_s']:.2f} s |")
+    record.row(f"two conversations taking turns, UNIUN_KV_CACHE_MB={budget} (~1.5 histories of "
+               f"{runs[0]['history_mb']:.0f} MB): prefilled per turn",
+               ", ".join(f"{'AB'[n % 2]}{n // 2 + 1} {t['prefilled']} of {t['prompt']}" for n, t in enumerate(tiers["turns"]))
+               + f"; {kv['offloads']} offloads, {kv['restores']} restores, {kv['evictions']} evictions")
+    record.save()
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """Overload (issue 6): 10,000 queued jobs from 100 producers against the real SchedulerActor.
 
     .venv/bin/python benchmarks/overload.py [--jobs 10000] [--producers 100] [--clients 4]
+    .venv/bin/python benchmarks/overload.py --quick     # 300 jobs from 30 producers, 2 clients
 
 A private local Ray (never a running cluster) and fresh actors. The producers are spread
 over `--clients` Ray actors (separate processes, as real producers are); each producer
@@ -15,14 +16,14 @@ ping beside one to a bare actor (the control: what a round trip costs on this ho
 moment, whatever else runs on it). At the end the scheduler's event log is read back: every
 job must end exactly once (one final finish "done", no drop, no duplicate dispatch).
 
-Prints a markdown table. `run_load` is what tests/test_robustness.py runs at a smaller size.
+Records a row per figure (section "runtime" of BENCHMARKS.md). `run_load` is what
+tests/test_robustness.py runs at a smaller size.
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
 import os
-import platform
 import sys
 import tempfile
 import time
@@ -177,11 +178,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--producers", type=int, default=100)
     parser.add_argument("--clients", type=int, default=4, help="processes the producers are spread over")
     parser.add_argument("--no-session", action="store_true", help="poll per job, without a session heartbeat")
+    parser.add_argument("--quick", action="store_true", help="300 jobs from 30 producers in 2 client processes")
     args = parser.parse_args(argv)
+    if args.quick:
+        args.jobs, args.producers, args.clients = 300, 30, 2
     if args.jobs < 1 or args.producers < 1 or args.clients < 1 or args.jobs % args.producers:
         parser.error("--jobs, --producers and --clients must be >= 1, and --jobs a multiple of --producers")
 
-    from uniun_ray.runtime.eventlog import read
+    from record import Record
+
+    from uniun_ray.events.log import read
     from uniun_ray.runtime.launch import init_local, start
     from uniun_ray.runtime.service import RuntimeConfig
 
@@ -199,26 +205,25 @@ def main(argv: list[str] | None = None) -> None:
     def rtt(values, digits=1):
         return " / ".join(f"{1000 * pct(values, q):.{digits}f}" for q in (0.5, 0.99, 1.0)) + f" ms (n={len(values)})"
 
-    rows = [
-        ("jobs / producers / client processes", f"{figures['jobs']:,} / {args.producers} / {args.clients}"),
-        ("waiters' liveness", "per job polls (no session)" if args.no_session else "session heartbeat, 60 s polls"),
-        ("submit burst: all jobs queued in", f"{submit['wall_s']:.1f} s"),
-        ("deepest queue seen by the probe", f"{max(submit['deepest'], drain['deepest']):,}"),
-        ("drain: every job granted and released in", f"{drain['wall_s']:.1f} s "
-                                                     f"({figures['jobs'] / drain['wall_s']:,.0f} jobs/s)"),
-        ("grant calls (incl. the granting one)", f"{figures['polls']:,}"),
-        ("`ping` round trip during the submit burst (p50 / p99 / max)", rtt(submit["ping"])),
-        ("`ping` round trip while draining (p50 / p99 / max)", rtt(drain["ping"])),
-        ("the control's round trip while draining (p50 / p99 / max)", rtt(drain["control"])),
-        ("`status()` round trip while draining (p50 / p99 / max)", rtt(drain["status"], 0)),
-        ("jobs granted exactly once", f"{sum(1 for n in figures['leases'].values() if n == 1):,}"),
-        ("event log: jobs ended exactly once (done) / anomalies",
-         f"{once['finished']:,} / {len(once['bad']) + len(once['missing'])}"),
-    ]
-    print(f"{platform.machine()}, {os.cpu_count()} cores, Python {sys.version.split()[0]}\n")
-    print("| measurement | result |\n|---|---|")
-    for name, value in rows:
-        print(f"| {name} | {value} |")
+    granted_once = sum(1 for n in figures["leases"].values() if n == 1)
+    record = Record("runtime", quick=args.quick)
+    what = f"{figures['jobs']:,} jobs from {args.producers} producers in {args.clients} processes"
+    record.row(f"{what}: all queued in (the submit burst)", f"{submit['wall_s']:.1f} s")
+    record.row(f"{what}: drained (every job granted and released) in",
+               f"{drain['wall_s']:.1f} s ({figures['jobs'] / drain['wall_s']:,.0f} jobs/s); deepest queue "
+               f"{max(submit['deepest'], drain['deepest']):,}; {figures['polls']:,} grant calls")
+    record.row(f"{what}: `ping` to the scheduler during the submit burst, p50 / p99 / max", rtt(submit["ping"]))
+    record.row(f"{what}: `ping` to the scheduler while draining, p50 / p99 / max", rtt(drain["ping"]))
+    record.row(f"{what}: a bare actor's round trip while draining (the control), p50 / p99 / max",
+               rtt(drain["control"]))
+    record.row(f"{what}: `status()` while draining, p50 / p99 / max", rtt(drain["status"], 0))
+    record.row(f"{what}: jobs granted exactly once; ended exactly once in the event log (one finish "
+               f"\"done\", no drop)", f"{granted_once:,}; {once['finished']:,} ({len(once['bad']) + len(once['missing'])} "
+               f"anomalies)", goal="every job (issue 6)",
+               met=granted_once == once["finished"] == figures["jobs"] and not once["bad"] and not once["missing"])
+    if args.no_session:
+        record.row(f"{what}: waiters' liveness", "per job polls (no session)")
+    record.save()
     if once["bad"] or once["missing"] or len(figures["leases"]) != figures["jobs"]:
         sys.exit(f"NOT exactly once: {list(once['bad'].items())[:5]} missing {list(once['missing'])[:5]}")
 

@@ -2,7 +2,8 @@
 for SchedulerPolicy on pools of 1, 4 and 16 devices and for the notes' scan-and-sort
 picker (one device), in the same run.
 
-    .venv/bin/python benchmarks/pick_cost.py            # prints a markdown table
+    .venv/bin/python benchmarks/pick_cost.py            # section "policy cost" of BENCHMARKS.md
+    .venv/bin/python benchmarks/pick_cost.py --quick    # two queue sizes, fewer cycles
 
 The queue holds a mix of kinds, models, producers and deadlines; every cycle finishes one
 running job (the devices take turns), which dispatches the next onto the freed device, and
@@ -14,10 +15,10 @@ from __future__ import annotations
 
 import argparse
 import gc
-import platform
 import time
 
 from notes_picker import NotesJob, NotesScheduler
+from record import Record
 
 from uniun_ray.policy import Job, SchedulerPolicy
 
@@ -78,17 +79,25 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--sizes", default="100,1000,10000,100000")
     ap.add_argument("--devices", default="1,4,16", help="pool sizes for SchedulerPolicy (default: 1,4,16)")
+    ap.add_argument("--quick", action="store_true", help="100 and 10,000 queued jobs, 1 and 4 devices, fewer cycles")
     args = ap.parse_args()
-    pools = [int(d) for d in args.devices.split(",")]
-    print(f"python {platform.python_version()} on {platform.machine()}, {platform.processor() or 'cpu'}\n")
-    print("| queued jobs | " + " | ".join(f"SchedulerPolicy, {d} device{'s' * (d > 1)} (µs/cycle)" for d in pools)
-          + " | notes' picker, 1 device (µs/cycle) | speed-up, 1 device |")
-    print("|---:" * (len(pools) + 3) + "|")
-    for n in map(int, args.sizes.split(",")):
-        ours = [_policy_cycle_cost(n, cycles=2000, devices=d) for d in pools]
-        notes = _notes_cycle_cost(n, cycles=max(3, 200_000 // n))
-        print(f"| {n:,} | " + " | ".join(f"{c * 1e6:,.1f}" for c in ours)
-              + f" | {notes * 1e6:,.0f} | {notes / ours[0]:,.0f}× |")
+    sizes = [100, 10_000] if args.quick else [int(n) for n in args.sizes.split(",")]
+    pools = [1, 4] if args.quick else [int(d) for d in args.devices.split(",")]
+    cycles = 500 if args.quick else 2000
+    record = Record("policy-cost", quick=args.quick)
+    one_device = {}
+    for n in sizes:
+        ours = [_policy_cycle_cost(n, cycles=cycles, devices=d) for d in pools]
+        notes = _notes_cycle_cost(n, cycles=max(3, cycles * 100 // n))
+        one_device[n] = ours[0]
+        record.row(f"finish → dispatch → submit cycle, {n:,} queued: SchedulerPolicy on "
+                   f"{' / '.join(map(str, pools))} device(s)", " / ".join(f"{c * 1e6:,.1f}" for c in ours) + " µs")
+        record.row(f"the same, {n:,} queued: the notes' picker (rescans and sorts), 1 device",
+                   f"{notes * 1e6:,.0f} µs ({notes / ours[0]:,.{0 if notes >= 10 * ours[0] else 1}f}× SchedulerPolicy)")
+    growth = one_device[max(sizes)] / one_device[min(sizes)]
+    record.row(f"SchedulerPolicy's cycle at {max(sizes):,} queued / at {min(sizes):,}, 1 device",
+               f"{growth:.2f}×", goal="flat in queued jobs (R15): ≤ 2×", met=growth <= 2)
+    record.save()
 
 
 if __name__ == "__main__":

@@ -1,33 +1,34 @@
 """Runtime measurements on a real local Ray with the embedded models (issue 3):
 
-    .venv/bin/python benchmarks/runtime_bench.py [--repeat 5]
+    .venv/bin/python benchmarks/runtime_bench.py --repeat 5           # section "runtime" of BENCHMARKS.md
+    .venv/bin/python benchmarks/runtime_bench.py --control-only
+    .venv/bin/python benchmarks/runtime_bench.py --stream-only --repeat 3
+    ... --quick                                                        # fewer runs, no Gemma
 
 - swap time per model (load into the ModelActor from another resident model, cache warm);
 - revoke-to-stop latency (chat arrives while Nataraj generates on smollm2: from the
   ModelActor's revoke to the generation's end);
 - chat TTFT with the device idle vs while Nataraj generates (smollm2, submit to first piece);
-- control-plane cost per job (submit + grant + release, `run` with empty work) next to a
-  bare actor call;
 - embedding throughput with one caller vs two (the actor's max_concurrency=2);
+- with --control-only: the control-plane cost per job (submit + grant + release, `run` with
+  empty work) next to a bare actor call, and the request check before queueing;
 - with --stream-only: a fast model's stream, 1,800 tokens of `tiny` through the runtime (per
   token from the first piece on, and how many pieces carried them) against the bare engine
   in this process, with the same cluster beside it.
 
-Prints a markdown table; numbers are medians (p50) and p99/max where noted.
+Records a row per figure (`record.py`); numbers are medians (p50) and p99/max where noted.
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
 import os
-import platform
 import statistics
-import subprocess
 import time
 
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
-import ray  # noqa: E402
+from record import Record  # noqa: E402
 
 from uniun_ray.client import agenerate, arun, astream, await_generating  # noqa: E402
 from uniun_ray.runtime.launch import local_cluster, start  # noqa: E402
@@ -41,7 +42,7 @@ def pct(values, q):
     return values[min(len(values) - 1, int(round(q * (len(values) - 1))))]
 
 
-async def control_plane(h, n: int = 300, warmup: int = 20) -> dict:
+async def control_plane(h, n: int = 300, warmup: int = 20, checks_n: int = 50) -> dict:
     """Per job, through the client: `arun` with empty work (submit + grant + release, the
     lease loop's whole protocol), interleaved with a bare actor call (`ping`) so both see the
     same machine load."""
@@ -70,11 +71,11 @@ async def control_plane(h, n: int = 300, warmup: int = 20) -> dict:
             await h.model.check.remote("tiny", request)
             out.append(time.perf_counter() - t)
         return out
-    idle = await checks(50)
+    idle = await checks(checks_n)
     card = asyncio.ensure_future(agenerate("nataraj", "Write a long story about the sea.", model_id="tiny",
                                            max_new_tokens=1800))
     assert await await_generating("nataraj", min_held_s=0.2), "no nataraj job got the device"
-    busy = await checks(50)
+    busy = await checks(checks_n)
     await card
     return {"control": control, "bare": bare, "check_idle": idle, "check_busy": busy}
 
@@ -87,8 +88,7 @@ async def stream(h, tokens: int = 1800, repeat: int = 3) -> dict:
         async for _ in generation:
             first, pieces = first or time.perf_counter(), pieces + 1
         runs.append(((time.perf_counter() - first) / (generation.completion.tokens - 1), pieces))
-    engine = (await h.model.state.remote())["engine"]
-    return {"runtime": runs, "runtime_engine": f"{engine['dtype']}, {engine['threads']} thread(s)"}
+    return {"runtime": runs, "runtime_engine": (await h.model.state.remote())["engine"]}
 
 
 def bare_stream(tokens: int = 1800, repeat: int = 3) -> dict:
@@ -106,28 +106,15 @@ def bare_stream(tokens: int = 1800, repeat: int = 3) -> dict:
             first = first or time.perf_counter()
         if trial:  # the first is the warm-up run
             runs.append((time.perf_counter() - first) / (generation.result.tokens - 1))
-    described = engine.describe()
-    return {"bare": runs, "bare_engine": f"{described['dtype']}, {described['threads']} thread(s)"}
+    return {"bare": runs, "bare_engine": engine.describe()}
 
 
-def host() -> str:
-    """`lscpu`'s model name and the core count (what BENCHMARKS.md names the host by)."""
-    model = platform.processor() or platform.machine()
-    try:
-        for line in subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout.splitlines():
-            if line.startswith("Model name:"):
-                model = line.split(":", 1)[1].strip()
-    except (OSError, subprocess.CalledProcessError):
-        pass
-    return f"{model}, {os.cpu_count()} cores"
-
-
-async def measure(h, repeat: int) -> dict:
+async def measure(h, repeat: int, models: tuple[str, ...]) -> dict:
     out = {}
     # swaps: cycle through the models so each load replaces another one
-    swaps = {m: [] for m in MODELS}
+    swaps = {m: [] for m in models}
     for _ in range(repeat):
-        for model in MODELS:
+        for model in models:
             swaps[model].append(await h.model.load.remote(model))
     out["swap"] = {m: statistics.median(v) for m, v in swaps.items()}
 
@@ -140,9 +127,8 @@ async def measure(h, repeat: int) -> dict:
         busy.append((await agenerate("chat", "Say hello.", max_new_tokens=8)).ttft_s)
         await card
     out["ttft_idle"], out["ttft_busy"] = idle, busy
-    out["stop"] = (await h.model.state.remote())["stop_latency_s"]
-
-    out |= await control_plane(h)
+    state = await h.model.state.remote()
+    out["stop"], out["engine"] = state["stop_latency_s"], state["engine"]
 
     texts = [f"note number {i} about the weather and the sea" for i in range(256)]
     batches = [texts[i:i + 8] for i in range(0, len(texts), 8)]
@@ -162,53 +148,81 @@ async def measure(h, repeat: int) -> dict:
     return out
 
 
+def on(engine: dict) -> dict:
+    """What an engine's figures ran on, from its own report (`Engine.describe`)."""
+    return {"threads": engine["threads"], "dtype": engine.get("dtype"), "engine": "transformers"}
+
+
+def ms(values, q: float) -> str:
+    return f"{pct(values, q) * 1e3:.1f}"
+
+
+def record_stream(r: dict, quick: bool) -> None:
+    record = Record("runtime", quick=quick, name="runtime_bench-stream")
+    per_token = [t for t, _ in r["runtime"]]
+    record.row(f"{r['tokens']:,} tokens of `tiny` through the runtime: ms/token p50 / max (pieces)",
+               f"{statistics.median(per_token) * 1e3:.2f} / {max(per_token) * 1e3:.2f} "
+               f"({statistics.median(p for _, p in r['runtime']):.0f} pieces)", **on(r["runtime_engine"]))
+    record.row("the same, the bare engine in the driver process: ms/token p50 / max",
+               f"{statistics.median(r['bare']) * 1e3:.2f} / {max(r['bare']) * 1e3:.2f}", **on(r["bare_engine"]))
+    record.row("runtime / bare engine, per token (p50)",
+               f"{statistics.median(per_token) / statistics.median(r['bare']):.2f}×", **on(r["runtime_engine"]))
+    record.save()
+
+
+def record_control(r: dict, quick: bool) -> None:
+    record = Record("runtime", quick=quick, name="runtime_bench-control")
+    ratio = pct(r["control"], .5) / pct(r["bare"], .5)
+    record.row(f"control plane per job: submit + grant + release, p50 / p99 (n={len(r['control'])})",
+               f"{ms(r['control'], .5)} / {ms(r['control'], .99)} ms")
+    record.row("a bare actor call beside it, p50 / p99", f"{ms(r['bare'], .5)} / {ms(r['bare'], .99)} ms")
+    record.row("control plane / bare call (p50)", f"{ratio:.1f}×", goal="≤ 3× (issue 12)", met=ratio <= 3)
+    for key, what in (("check_idle", "device idle"), ("check_busy", "while a Nataraj generates")):
+        record.row(f"request check `ModelActor.check`, {what}, p50 / p99", f"{ms(r[key], .5)} / {ms(r[key], .99)} ms")
+    record.save()
+
+
+def record_runtime(r: dict, quick: bool) -> None:
+    record = Record("runtime", quick=quick)
+    for model, s in r["swap"].items():
+        record.row(f"swap in `{model}` (p50)", f"{s:.2f} s")
+    record.runs_on(**on(r["engine"]))
+    stop = r["stop"]
+    record.row(f"revoke to stop, {CHAT} decoding (p50 / max, n={len(stop)})",
+               f"{statistics.median(stop) * 1e3:.0f} / {max(stop) * 1e3:.0f} ms")
+    record.row("chat TTFT, submit to first piece, device idle (p50 / max)",
+               f"{statistics.median(r['ttft_idle']):.2f} / {max(r['ttft_idle']):.2f} s")
+    record.row("chat TTFT while a Nataraj generates (p50 / max)",
+               f"{statistics.median(r['ttft_busy']):.2f} / {max(r['ttft_busy']):.2f} s")
+    one, two = r["embed"]
+    record.row("embeddings, 1 caller / 2 callers (batches of 8)", f"{one:.0f} / {two:.0f} texts/s",
+               threads=None, dtype=None, engine="sentence-transformers")
+    record.save()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--control-only", action="store_true", help="only the control plane against a bare call")
     ap.add_argument("--stream-only", action="store_true", help="only a fast model's stream against the bare engine")
+    ap.add_argument("--quick", action="store_true", help="fewer runs and jobs; swaps without Gemma")
     args = ap.parse_args()
+    repeat = 1 if args.quick else args.repeat
     with local_cluster():
         h = start()
         if args.stream_only:
-            r = asyncio.run(stream(h, repeat=args.repeat)) | bare_stream(repeat=args.repeat)
+            tokens = 400 if args.quick else 1800
+            r = asyncio.run(stream(h, tokens, repeat)) | bare_stream(tokens, repeat) | {"tokens": tokens}
+        elif args.control_only:
+            r = asyncio.run(control_plane(h, *((50, 5, 10) if args.quick else ())))
         else:
-            r = asyncio.run(control_plane(h) if args.control_only else measure(h, args.repeat))
-    print(f"{host()}, CPU only; --repeat {args.repeat}\n")
-    print("| measurement | result |")
-    print("|---|---|")
+            r = asyncio.run(measure(h, max(repeat, 2), MODELS[:2] if args.quick else MODELS))
     if args.stream_only:
-        per_token = [t for t, _ in r["runtime"]]
-        print(f"| 1,800 tokens of tiny through the runtime ({r['runtime_engine']}): ms/token p50 / max | "
-              f"{statistics.median(per_token) * 1e3:.2f} / {max(per_token) * 1e3:.2f} "
-              f"({statistics.median(p for _, p in r['runtime']):.0f} pieces) |")
-        print(f"| the same, bare engine in this process ({r['bare_engine']}): ms/token p50 / max | "
-              f"{statistics.median(r['bare']) * 1e3:.2f} / {max(r['bare']) * 1e3:.2f} |")
-        print(f"| runtime / bare (p50) | {statistics.median(per_token) / statistics.median(r['bare']):.2f}x |")
-        return
-    ratio = pct(r["control"], .5) / pct(r["bare"], .5)
-    if args.control_only:
-        print(f"| control plane per job: submit+grant+release (p50 / p99, n={len(r['control'])}) | "
-              f"{pct(r['control'], .5) * 1e3:.1f} / {pct(r['control'], .99) * 1e3:.1f} ms |")
-        print(f"| bare actor call (p50 / p99) | {pct(r['bare'], .5) * 1e3:.1f} / {pct(r['bare'], .99) * 1e3:.1f} ms |")
-        print(f"| control plane / bare call (p50) | {ratio:.1f}x (goal <= 3x) |")
-        for key, what in (("check_idle", "device idle"), ("check_busy", "while Nataraj generates")):
-            print(f"| request check `ModelActor.check`, {what} (p50 / p99) | "
-                  f"{pct(r[key], .5) * 1e3:.1f} / {pct(r[key], .99) * 1e3:.1f} ms |")
-        return
-    for model, s in r["swap"].items():
-        print(f"| swap in `{model}` (p50) | {s:.2f} s |")
-    stop = r["stop"]
-    print(f"| revoke-to-stop, smollm2 (p50 / max, n={len(stop)}) | "
-          f"{statistics.median(stop) * 1e3:.0f} / {max(stop) * 1e3:.0f} ms |")
-    print(f"| chat TTFT, device idle (p50 / max) | {statistics.median(r['ttft_idle']):.2f} / {max(r['ttft_idle']):.2f} s |")
-    print(f"| chat TTFT, while Nataraj generates (p50 / max) | {statistics.median(r['ttft_busy']):.2f} / {max(r['ttft_busy']):.2f} s |")
-    print(f"| control plane per job: submit+grant+release (p50 / p99) | "
-          f"{pct(r['control'], .5) * 1e3:.1f} / {pct(r['control'], .99) * 1e3:.1f} ms |")
-    print(f"| bare actor call (p50 / p99) | {pct(r['bare'], .5) * 1e3:.1f} / {pct(r['bare'], .99) * 1e3:.1f} ms |")
-    print(f"| control plane / bare call (p50) | {ratio:.1f}x (goal <= 3x) |")
-    one, two = r["embed"]
-    print(f"| embeddings, 1 caller / 2 callers (batches of 8) | {one:.0f} / {two:.0f} texts/s |")
+        record_stream(r, args.quick)
+    elif args.control_only:
+        record_control(r, args.quick)
+    else:
+        record_runtime(r, args.quick)
 
 
 if __name__ == "__main__":

@@ -1,15 +1,16 @@
 """Chat TTFT against the niceness of Ray's workers, with busy programs beside (issue 9).
 
     .venv/bin/python benchmarks/worker_niceness.py [--turns 8] [--burners 2] [--niceness 15 0]
+    .venv/bin/python benchmarks/worker_niceness.py --quick    # niceness 0 only, one burner, two chats
 
 Ray starts its workers, so every actor, at niceness 15 unless `RAY_worker_niceness` says
 otherwise; uniun-ray's clusters set 0 (`runtime/head.py`). For each niceness asked, a private
 local Ray with that setting (in a child process of its own), the default chat model in its
 ModelActor, a warm-up chat, then `--turns` chats with the device idle, while `--burners`
 CPU-bound programs at niceness 0 run beside it (a compile, a browser tab: the user's other
-work). Prints the time from the start to the first chat's end (the model's load included),
-each chat's TTFT and its prefill in the ModelActor; a setting gets `--budget` seconds, and
-what it finished by then is its figure.
+work). Records, per setting (section "runtime" of BENCHMARKS.md), the time from the start to
+the first chat's end (the model's load included) and the chats' TTFT; a setting gets
+`--budget` seconds, and what it finished by then is its figure.
 """
 from __future__ import annotations
 
@@ -17,7 +18,6 @@ import argparse
 import asyncio
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -64,14 +64,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--niceness", type=int, nargs="+", default=[15, 0], help="RAY_worker_niceness values")
     parser.add_argument("--budget", type=float, default=240.0, help="seconds each setting may take; what is "
                         "done by then is reported")
+    parser.add_argument("--quick", action="store_true", help="niceness 0 only, one burner, two chats in 90 s")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
         return child(args.turns, args.budget)
-    print(f"{platform.machine()}, {os.cpu_count()} cores, {args.burners} CPU burners at niceness 0\n")
-    print("| RAY_worker_niceness | actor niceness | dtype, threads | start to first chat | chats done | "
-          "TTFT p50 / max | each TTFT (s) | prefill in the ModelActor (s) |")
-    print("|---|---|---|---|---|---|---|---|")
+    from record import Record
+
+    if args.quick:   # proves it runs, and takes one core from the host's other work, not two
+        args.turns, args.budget, args.burners, args.niceness = 2, 90.0, 1, [0]
+    record = Record("runtime", quick=args.quick)
     for niceness in args.niceness:
         burners = [subprocess.Popen([sys.executable, "-c", BURN]) for _ in range(args.burners)]
         try:
@@ -84,12 +86,13 @@ def main(argv: list[str] | None = None) -> None:
                 burner.kill()
         r = json.loads(out.strip().splitlines()[-1])
         ttft = r["ttft"]
-        print(f"| {niceness} | {r['niceness']} | {r['dtype']}, {r['threads']} ({r['cpu_capability']}) | "
-              + (f"{r['warm_up_s']:.1f} s" if r["warm_up_s"] is not None else f"over {args.budget:.0f} s")
-              + f" | {len(ttft)} of {args.turns} | "
-              + (f"{statistics.median(ttft):.3f} / {max(ttft):.3f} s" if ttft else "-")
-              + f" | {', '.join(f'{t:.2f}' for t in ttft) or '-'} | {', '.join(f'{p:.2f}' for p in r['prefill']) or '-'} |",
-              flush=True)
+        record.row(f"RAY_worker_niceness={niceness} (actors at {r['niceness']}), {args.burners} CPU burners at 0 "
+                   f"beside: start to the warm-up chat's end; chats done; TTFT p50 / max",
+                   (f"{r['warm_up_s']:.1f} s" if r["warm_up_s"] is not None else f"over {args.budget:.0f} s")
+                   + f"; {len(ttft)} of {args.turns}; "
+                   + (f"{statistics.median(ttft):.2f} / {max(ttft):.2f} s" if ttft else "–"),
+                   threads=r["threads"], dtype=r["dtype"], engine="transformers")
+    record.save()
 
 
 if __name__ == "__main__":

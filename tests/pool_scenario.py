@@ -22,7 +22,7 @@ import time
 import ray
 
 from uniun_ray.client import agenerate, arun, astatus
-from uniun_ray.runtime.eventlog import read
+from uniun_ray.events.log import read
 from uniun_ray.runtime.launch import local_cluster, start
 from uniun_ray.runtime.protocol import NAMESPACE, model_actor_name
 from uniun_ray.runtime.service import RuntimeConfig

@@ -105,7 +105,7 @@ def error_of(response: requests.Response, status: int, code: str | None = None, 
 
 
 def events_of(server: Server) -> list[dict]:
-    from uniun_ray.runtime.eventlog import read
+    from uniun_ray.events.log import read
     return read(server.status()["event_log"])
 
 

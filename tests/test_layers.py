@@ -1,13 +1,19 @@
 """Layers run one way (issue 12): policy and the event schema at the bottom, the simulator
-on them only; models, runtime, client, then producers/jobs/CLI above. The bottom imports
-neither Ray nor torch, which a fresh interpreter shows."""
+on them only; models (and the engines beside them), runtime, client, then producers/jobs/
+CLI/HTTP above. The bottom imports neither Ray nor torch, which a fresh interpreter shows;
+what a package may not import is read from its source, lazy imports inside functions included."""
 from __future__ import annotations
 
+import ast
+import importlib.util
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "uniun_ray"
 
 PROBE = """
 import importlib, pkgutil, sys
@@ -21,21 +27,57 @@ upper = sorted(m for m in sys.modules if m.startswith(("uniun_ray.runtime", "uni
 print(heavy, upper)
 """
 
+#: What the runtime names of the models layer: the engine seam, a request, its result and
+#: the refusal of one too long; none may cost torch (the runtime's driver process has none).
+SEAM_PROBE = """
+import sys
+import uniun_ray.engines
+from uniun_ray.models import GenerateRequest, GenerationResult, PromptTooLong, inspect_request
+print(sorted(m for m in sys.modules if m.split(".")[0] in ("ray", "torch", "transformers")))
+"""
+
+#: What sits above the client: nothing below it may name these.
+TOP = {"producers", "replay", "cli", "demo", "http"}
+
+#: A package, and the packages of uniun_ray it must not import.
+FORBIDDEN = {
+    # runtime -> client was a cycle (producers lived in runtime/)
+    "runtime": {"client"} | TOP,
+    # the engine runs a model for whatever drives it: it knows no lease, queue or client
+    "models": {"runtime", "policy", "client"} | TOP,
+    # the engines sit at the models layer (SPEC §7): a ModelActor drives one, not the reverse
+    "engines": {"runtime", "policy", "client"} | TOP,
+}
+
 
 def test_policy_events_and_sim_load_no_ray_no_torch_in_a_fresh_interpreter():
     out = subprocess.run([sys.executable, "-c", PROBE], cwd=ROOT, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[] []", out.stdout
 
 
-def test_runtime_never_imports_the_client_or_what_sits_above_it():
-    """runtime -> client was a cycle (producers lived in runtime/); the runtime's modules
-    name neither the client nor the producers, the replay, the CLI or the demo."""
-    above = ("client", "producers", "replay", "cli", "demo")
-    offenders = []
-    for path in sorted((ROOT / "uniun_ray" / "runtime").glob("*.py")):
-        for line in path.read_text().splitlines():
-            stripped = line.strip()
-            if stripped.startswith(("from ..", "import uniun_ray", "from uniun_ray")) and \
-                    any(f".{name} import" in stripped or f"uniun_ray.{name}" in stripped for name in above):
-                offenders.append(f"{path.name}: {stripped}")
+def test_the_engine_seam_requests_results_and_their_checks_load_no_torch():
+    out = subprocess.run([sys.executable, "-c", SEAM_PROBE], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout
+
+
+@pytest.mark.parametrize("package", sorted(FORBIDDEN))
+def test_a_layer_never_imports_what_sits_above_it(package):
+    offenders = sorted(f"{path.relative_to(PACKAGE)} imports uniun_ray.{name}"
+                       for path in sorted((PACKAGE / package).rglob("*.py"))
+                       for name in _imported_packages(path) & FORBIDDEN[package])
     assert offenders == []
+
+
+def _imported_packages(path: Path) -> set[str]:
+    """The packages of uniun_ray (`runtime`, `client`...) that a module imports anywhere in it."""
+    module = ".".join(path.relative_to(ROOT).with_suffix("").parts)
+    package = module.removesuffix(".__init__") if path.name == "__init__.py" else module.rpartition(".")[0]
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = importlib.util.resolve_name("." * node.level + (node.module or ""), package) \
+                if node.level else node.module
+            names |= {base} | {f"{base}.{alias.name}" for alias in node.names}
+    return {name.split(".")[1] for name in names if name.startswith("uniun_ray.")}

@@ -13,7 +13,7 @@ from conftest import FakeDevice, lease_of, spec
 
 from uniun_ray.observe.explain import explain, replayable
 from uniun_ray.observe.statusview import render
-from uniun_ray.runtime.eventlog import EventLog, read, tail
+from uniun_ray.events.log import EventLog, read, tail
 from uniun_ray.runtime.service import RuntimeConfig, SchedulerService
 
 
@@ -171,7 +171,7 @@ def test_the_scheduler_feeds_its_metrics_sink_every_logged_event(tmp_path):
 def test_revoke_events_carry_the_policys_cause_and_finish_says_requeued(tmp_path):
     """The log's (and the metrics') revoke cause is the policy's RevokeCause, not parsed
     from text; `requeued` is the policy's Requeued, not "a chat is never re-queued"."""
-    from uniun_ray.runtime.eventlog import read
+    from uniun_ray.events.log import read
 
     async def go():
         s = SchedulerService(FakeDevice(), RuntimeConfig(event_log=str(tmp_path / "ev.jsonl"), lease_timeout_s=0.3,

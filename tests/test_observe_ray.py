@@ -17,7 +17,7 @@ from waits import started
 from uniun_ray.client import agenerate, arun, astatus
 from uniun_ray.observe.explain import explain
 from uniun_ray.observe.statusview import render
-from uniun_ray.runtime.eventlog import read
+from uniun_ray.events.log import read
 from uniun_ray.events.trace import Trace
 
 pytestmark = pytest.mark.ray

@@ -26,7 +26,7 @@ import ray
 import uniun_ray
 from uniun_ray import client
 from uniun_ray.client import agenerate, arun, astatus
-from uniun_ray.runtime.eventlog import read as read_events
+from uniun_ray.events.log import read as read_events
 from uniun_ray.runtime.protocol import (EMBEDDER_NAME, NAMESPACE, JobDropped, LeaseRevoked, QueueFull,
                                         SchedulerUnavailable, UnknownJob)
 from uniun_ray.runtime.service import RuntimeConfig, SchedulerService
@@ -601,7 +601,7 @@ def unprobed_model(tmp_path) -> str:
 def test_revoke_during_a_real_model_load(live_runtime, unprobed_model):
     """A Gana's swap to another model is under way when a chat on tiny arrives: the load
     completes, the Gana ends its turn unserved, the chat runs (swapping back), then the Gana."""
-    from uniun_ray.runtime.eventlog import tail
+    from uniun_ray.events.log import tail
 
     async def go():
         await agenerate("chat", "warm", model_id="tiny", max_new_tokens=2)

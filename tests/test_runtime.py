@@ -12,7 +12,7 @@ import uniun_ray
 from uniun_ray.client import agenerate, astatus
 from uniun_ray.models import PromptTooLong, UnknownModel
 from uniun_ray.policy import PolicyConfig
-from uniun_ray.runtime.eventlog import read as read_events
+from uniun_ray.events.log import read as read_events
 
 from waits import started
 

@@ -189,7 +189,7 @@ def test_bounded_queue_raises_queue_full_naming_the_limit():
 
 
 def test_event_log_tells_the_story_in_the_simulator_schema(tmp_path):
-    from uniun_ray.runtime.eventlog import read
+    from uniun_ray.events.log import read
     from uniun_ray.events.schema import validate
 
     async def go():
@@ -215,7 +215,7 @@ def test_event_log_tells_the_story_in_the_simulator_schema(tmp_path):
 
 
 def test_event_log_rotates_and_reads_back_in_order(tmp_path):
-    from uniun_ray.runtime.eventlog import EventLog, read
+    from uniun_ray.events.log import EventLog, read
 
     log = EventLog(tmp_path / "ev.jsonl", max_bytes=2_000, backups=50)
     for i in range(300):
@@ -246,7 +246,7 @@ def pool(n: int = 2, **fake) -> dict:
 
 
 def test_two_jobs_on_two_models_run_at_once_each_on_its_own_device(tmp_path):
-    from uniun_ray.runtime.eventlog import read
+    from uniun_ray.events.log import read
 
     async def go():
         devices = pool()
@@ -300,7 +300,7 @@ def test_a_restarted_scheduler_fences_above_what_each_device_saw():
 
 
 def test_a_device_gone_for_good_leaves_the_pool_and_its_job_completes_on_another(tmp_path):
-    from uniun_ray.runtime.eventlog import read
+    from uniun_ray.events.log import read
 
     async def go():
         devices = pool()

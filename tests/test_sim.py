@@ -9,7 +9,8 @@ from uniun_ray.policy import Dispatch, Job, Kind, Requeued, Revoke, RevokeCause,
 from uniun_ray.sim import bench, plots
 from uniun_ray.sim.baselines import Fifo, StrictPriority, TwoLaneQueue
 from uniun_ray.sim.device import DeviceProfile, ModelSpeed
-from uniun_ray.events.schema import read_jsonl, validate, write_jsonl
+from uniun_ray.events import log
+from uniun_ray.events.schema import validate
 from uniun_ray.sim.metrics import T2Window, jain_of, measure, t2_windows
 from uniun_ray.sim.simulator import ContractError, simulate
 from uniun_ray.events.trace import Trace
@@ -247,8 +248,8 @@ def test_a_simulated_day_runs_in_seconds():
 # -- pictures and the bench ------------------------------------------------------------------
 def test_pictures_render_from_a_jsonl_log(tmp_path):
     result = simulate(SchedulerPolicy(), generate("issue118", 1))
-    write_jsonl(result.events, tmp_path / "run.jsonl")
-    trace = Trace(read_jsonl(tmp_path / "run.jsonl"))
+    log.write(result.events, tmp_path / "run.jsonl")
+    trace = Trace(log.read(tmp_path / "run.jsonl"))
     plots.timeline(trace, tmp_path / "timeline.png", "issue118")
     plots.service(trace, tmp_path / "service.png")
     plots.ttft_cdf({"uniun": trace}, tmp_path / "ttft.png")

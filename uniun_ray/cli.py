@@ -91,7 +91,7 @@ def _status(args) -> int:
 def _explain(args) -> int:
     """Offline: reads the log file only, so it works after the cluster is gone."""
     from .observe.explain import explain
-    from .runtime.eventlog import default_path, read
+    from .events.log import default_path, read
 
     path = args.log or default_path()
     if not os.path.exists(path):
@@ -150,7 +150,7 @@ def _up(args) -> int:
     from .runtime.head import HeadError, HeadState, start_head, state_path
     from .runtime.launch import chat_model_setting, start
     from .runtime.service import RuntimeConfig
-    from .producers import error_text
+    from .client import error_text
     from .runtime.protocol import NAMESPACE
 
     state = HeadState.load()
@@ -216,7 +216,7 @@ def _actor_names() -> list[str]:
 
 def _down(args) -> int:
     from .runtime.head import HeadState, state_path, stop_head
-    from .producers import error_text
+    from .client import error_text
 
     state = HeadState.load()
     if state is None:
@@ -357,12 +357,11 @@ def _report(error: Exception) -> int:
     """Map expected errors to one line and an exit code; let the unexpected ones raise."""
     from ray.exceptions import RayError
 
+    from .client import error_cause, error_text
     from .runtime.head import HeadError
-    from .producers import error_text
     from .runtime.protocol import UniunError
 
-    cause = getattr(error, "cause", None)  # a RayTaskError carries the remote exception
-    cause = cause if isinstance(cause, BaseException) else error
+    cause = error_cause(error)  # a RayTaskError carries the remote exception
     if isinstance(cause, ValueError):  # bad input: unknown kind or model, prompt too long...
         return _fail(str(cause), 2)
     if isinstance(cause, (NoCluster, HeadError)):

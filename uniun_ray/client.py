@@ -109,8 +109,7 @@ async def _check(model_id: str, request: GenerateRequest) -> int:
     Why a round trip and not the tokenizer here: a local check imports torch and
     transformers into every client process (seconds for a one-shot `uniun-ray chat`,
     hundreds of MB per producer actor) and, for an embedded GGUF model, converts it on the
-    client's node; the round trip costs about a bare actor call (BENCHMARKS.md, "Control
-    plane"), also while the actor generates, since the check runs beside the decode thread."""
+    client's node; the round trip costs about a bare actor call (BENCHMARKS.md, "Runtime"), also while the actor generates, since the check runs beside the decode thread."""
     from ray.exceptions import ActorUnavailableError, RayActorError
     deadline = time.monotonic() + RECONNECT_S
     while True:
@@ -130,9 +129,17 @@ def _scheduler_lost(error: BaseException) -> bool:
     return isinstance(error, (RayActorError, UnknownJob))
 
 
-def _error_text(error: BaseException) -> str:
+def error_cause(error: BaseException) -> BaseException:
+    """The error a Ray task raised, unwrapped from its RayTaskError (which subclasses the
+    cause's class, so isinstance works on either, but whose text carries a traceback)."""
     cause = getattr(error, "cause", None)
-    error = cause if isinstance(cause, BaseException) else error
+    return cause if isinstance(cause, BaseException) else error
+
+
+def error_text(error: BaseException) -> str:
+    """One line for an error (a job's failure in a producer's state, a CLI message): its class
+    and the first line of its text, without the remote traceback a RayTaskError carries."""
+    error = error_cause(error)
     return f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
 
 
@@ -245,7 +252,7 @@ class Turn:
                 self.stopped()
             return True
         if isinstance(error, RayActorError):  # the model actor died under the work
-            self.lost(_error_text(error))
+            self.lost(error_text(error))
             return True
         if isinstance(error, Exception):
             await self.loop.release(self.lease, "failed")

@@ -98,7 +98,8 @@ def simulated_two_lane() -> dict[str, float]:
             for name, policy in (("two-lane", TwoLaneQueue), ("uniun", SchedulerPolicy))}
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> dict:
+    """Prints the figures, and returns them (benchmarks/demo_bench.py records them)."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--turns", type=int, default=5)
     ap.add_argument("--deck", type=int, default=3)
@@ -161,6 +162,7 @@ def main(argv: list[str] | None = None) -> None:
     print("The same moment, simulated on the issue-118 workload (uniun-ray bench):")
     print(f"  old two-lane queue: chat TTFT p50 {sim['two-lane']:6.2f} s   "
           f"this scheduler: {sim['uniun']:6.2f} s")
+    return {"bare": bare, "runtime": r}
 
 
 if __name__ == "__main__":

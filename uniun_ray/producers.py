@@ -27,7 +27,7 @@ from collections import deque
 
 import ray
 
-from .client import Completion, agenerate, aset_foreground, astatus
+from .client import Completion, agenerate, aset_foreground, astatus, error_text
 from .policy import Kind
 from .runtime.protocol import NAMESPACE
 
@@ -37,13 +37,6 @@ RETRY_S = 1.0
 
 CARD_TOPICS = ("patience", "curiosity", "rivers", "small habits", "old friends", "the night sky",
                "starting over", "quiet mornings")
-
-
-def error_text(error: BaseException) -> str:
-    """One line for an error, without the remote traceback a RayTaskError carries."""
-    cause = getattr(error, "cause", None)
-    error = cause if isinstance(cause, BaseException) else error
-    return f"{type(error).__name__}: {error}"
 
 
 def producer_name(kind: Kind | str, producer_id: str) -> str:

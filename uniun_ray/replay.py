@@ -25,13 +25,14 @@ import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from .events.schema import Event, validate, write_jsonl
+from .events import log
+from .events.schema import Event, validate
 from .events.trace import Trace
 from .policy import SchedulerPolicy
 from .sim import plots
 from .sim.device import DeviceProfile, ModelSpeed
 from .sim.metrics import measure, percentile
-from .sim.simulator import simulate
+from .sim.simulator import SimResult, simulate
 from .sim.workload import Arrival, Flow, FlowStep, SimJob, Workload
 from .sim.workloads import generate
 
@@ -166,9 +167,7 @@ async def play(workload: Workload, timeout_s: float | None = None) -> Played:
     except asyncio.TimeoutError:
         errors.append(f"timed out after {timeout_s:.0f} s: the jobs still out were cancelled")
     wall = now()
-    from uniun_ray.runtime.eventlog import read
-
-    events = [{**e, "t": e["t"] - t0} for e in read(status["event_log"]) if e["t"] >= t0]
+    events = [{**e, "t": e["t"] - t0} for e in log.read(status["event_log"]) if e["t"] >= t0]
     validate(events)
     return Played(events, realized(workload, sizes), errors, wall, (load_start, os.getloadavg()[0]))
 
@@ -230,13 +229,31 @@ def _stops(trace: Trace) -> list[float]:
     return [run.end - run.revoked_at for run in trace.runs if run.outcome == "revoked" and run.revoked_at is not None]
 
 
-def _fmt(v) -> str:
+def cell(v) -> str:
+    """A figure of the comparison as its tables show it."""
     return "–" if v is None else f"{v:.3f}" if isinstance(v, float) else str(v)
 
 
 def compare(played: Played, device: DeviceProfile) -> tuple[str, list[Event]]:
     """Markdown, measured vs predicted for one play, at the profile's speeds and at the
     speeds the run showed; and the event log predicted at the profile's speeds."""
+    rows, predicted = comparison(played, device)
+    lines = ["| | measured (real Ray) | predicted (profile) | predicted (the run's speeds) |",
+             "|---|---:|---:|---:|"]
+    lines += [f"| {name} | " + " | ".join(map(cell, values)) + " |" for name, values in rows]
+    w = played.realized
+    lines += ["", f"Real run: {played.wall_s:.0f} s wall, 1-min load average {played.load_avg[0]:.1f} at "
+              f"the start and {played.load_avg[1]:.1f} at the end (2 cores: above 2, the engine shares "
+              f"them with other work). Simulated in {predicted.wall_s:.2f} s, profile `{device.name}`; "
+              f"{sum(len(f.steps) for f in w.flows) + len(w.arrivals)} jobs at their real sizes."]
+    if played.errors:
+        lines += ["", "Errors in the real run: " + "; ".join(played.errors)]
+    return "\n".join(lines), predicted.events
+
+
+def comparison(played: Played, device: DeviceProfile) -> tuple[list[tuple[str, list]], SimResult]:
+    """Rows of (figure, [measured, predicted at the profile's speeds, predicted at the run's]),
+    and the simulation at the profile's speeds."""
     real = Trace(played.events)
     observed = speeds(real, played.realized)
     predicted = simulate(SchedulerPolicy(), played.realized, device)
@@ -256,7 +273,7 @@ def compare(played: Played, device: DeviceProfile) -> tuple[str, list[Event]]:
         ("chat TTFT p99 s", each(lambda m: m.ttft_p99)),
         ("chat delay p99 s (TTFT less own prefill)", each(lambda m: m.chat_delay_p99)),
         ("revokes", each(lambda m: m.revokes)),
-        ("revoke to stop s, median / max", [" / ".join(_fmt(v) for v in (percentile(s, 50), max(s, default=None)))
+        ("revoke to stop s, median / max", [" / ".join(cell(v) for v in (percentile(s, 50), max(s, default=None)))
                                             for s in map(_stops, traces)]),
         ("swaps", each(lambda m: m.swaps)),
         ("swap time s", each(lambda m: m.swap_s)),
@@ -270,37 +287,19 @@ def compare(played: Played, device: DeviceProfile) -> tuple[str, list[Event]]:
             values = [s.get(model, {}).get(key) for s in seen]
             if any(v is not None for v in values):
                 rows.append((f"{model}: {key} (median)", values))
-    lines = ["| | measured (real Ray) | predicted (profile) | predicted (the run's speeds) |",
-             "|---|---:|---:|---:|"]
-    lines += [f"| {name} | " + " | ".join(map(_fmt, values)) + " |" for name, values in rows]
-    w = played.realized
-    lines += ["", f"Real run: {played.wall_s:.0f} s wall, 1-min load average {played.load_avg[0]:.1f} at "
-              f"the start and {played.load_avg[1]:.1f} at the end (2 cores: above 2, the engine shares "
-              f"them with other work). Simulated in {predicted.wall_s:.2f} s, profile `{device.name}`; "
-              f"{sum(len(f.steps) for f in w.flows) + len(w.arrivals)} jobs at their real sizes."]
-    if played.errors:
-        lines += ["", "Errors in the real run: " + "; ".join(played.errors)]
-    return "\n".join(lines), predicted.events
+    return rows, predicted
 
 
 def main(out: Path, seed: int, device: DeviceProfile, names: list[str]) -> int:
     """`uniun-ray bench --real`: each workload on its own private local Ray, fresh actors."""
-    from uniun_ray.runtime.launch import local_cluster, start
-    from uniun_ray.runtime.service import RuntimeConfig
-
     out.mkdir(parents=True, exist_ok=True)
     report = [f"# real runtime vs simulator (profile `{device.name}`, seed {seed})", ""]
     for name in names:
         workload = generate(name, seed)
-        log = out / f"events-{name}.jsonl"
-        log.unlink(missing_ok=True)
-        span = max([f.stop or f.start for f in workload.flows] + [a.t for a in workload.arrivals])
-        with local_cluster():
-            start(RuntimeConfig(event_log=str(log)))
-            played = asyncio.run(play(workload, timeout_s=3 * span + 120))
+        played = play_fresh(workload, out / f"events-{name}.jsonl")
         text, predicted = compare(played, device)
-        write_jsonl(played.events, out / f"real-{name}.jsonl")
-        write_jsonl(predicted, out / f"sim-{name}.jsonl")
+        log.write(played.events, out / f"real-{name}.jsonl")
+        log.write(predicted, out / f"sim-{name}.jsonl")
         real, sim = Trace(played.events), Trace(predicted)
         window = (0.0, max(real.end, sim.end))
         plots.timeline(real, out / f"timeline-real-{name}.png", f"{name}: real Ray, measured", window)
@@ -309,3 +308,15 @@ def main(out: Path, seed: int, device: DeviceProfile, names: list[str]) -> int:
         print("\n".join(report[-4:]), flush=True)
     (out / "real-vs-sim.md").write_text("\n".join(report))
     return 0
+
+
+def play_fresh(workload: Workload, event_log: Path) -> Played:
+    """`play` on a private local Ray with fresh actors, whose scheduler logs to `event_log`."""
+    from uniun_ray.runtime.launch import local_cluster, start
+    from uniun_ray.runtime.service import RuntimeConfig
+
+    event_log.unlink(missing_ok=True)
+    span = max([f.stop or f.start for f in workload.flows] + [a.t for a in workload.arrivals])
+    with local_cluster():
+        start(RuntimeConfig(event_log=str(event_log)))
+        return asyncio.run(play(workload, timeout_s=3 * span + 120))

@@ -2,6 +2,7 @@
 simulator writes this log, the runtime's scheduler writes it too, and metrics, pictures and
 `explain` read it. Pure Python (no Ray, no torch).
 
-`schema` defines the events (`validate`, `read_jsonl`, `write_jsonl`); `trace` replays a log
+`schema` defines the events (`validate`); `log` is the file (`EventLog` appends and
+rotates, `write` writes a whole run, `read` and `tail` read one back); `trace` replays a log
 into jobs, runs, swaps and tiers over time (`Trace`).
 """

@@ -1,7 +1,7 @@
 """The event log: one schema for a simulated run and a real one.
 
 The metrics and the pictures read only this log, so a JSONL file that the runtime writes
-in this shape is scored and drawn by the same code as a simulation. One event per line,
+in this shape is scored and drawn by the same code as a simulation (the file: `log`). One event per line,
 a JSON object; events are in time order (ties keep the order they happened in).
 
 Every event has ``t`` (seconds, float, any origin but one clock for the whole log) and
@@ -49,8 +49,6 @@ the time R7 charges to its flow.
 """
 from __future__ import annotations
 
-import json
-from pathlib import Path
 from typing import Iterable
 
 Event = dict
@@ -87,14 +85,3 @@ def validate(events: Iterable[Event]) -> None:
         if kind == "finish" and ev["outcome"] not in OUTCOMES:
             raise ValueError(f"event {i}: outcome {ev['outcome']!r} is not one of {OUTCOMES}")
         last = ev["t"]
-
-
-def write_jsonl(events: Iterable[Event], path: str | Path) -> None:
-    with open(path, "w") as f:
-        for ev in events:
-            f.write(json.dumps(ev, separators=(",", ":")) + "\n")
-
-
-def read_jsonl(path: str | Path) -> list[Event]:
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]

@@ -1,14 +1,16 @@
 """Models: the registry of model ids, and the Ray-free engine the ModelActor wraps.
 
-Attributes load lazily: the registry and `GenerateRequest` are light, the engine pulls in
-torch, and a client that only builds requests should not pay for that.
+Attributes load lazily: the registry, `GenerateRequest`, `GenerationResult` and the request
+checks are light (no torch), the engine and its weights pull in torch, and a client that only
+builds requests should not pay for that.
 """
 from importlib import import_module
 
 _WHERE = {
-    "Engine": "engine", "Generation": "engine", "GenerationResult": "engine", "PromptTooLong": "engine",
-    "default_dtype": "engine", "inspect_request": "engine",
-    "GenerateRequest": "request",
+    "Engine": "engine", "Generation": "engine",
+    "default_dtype": "weights",
+    "PromptTooLong": "vocabulary", "inspect_request": "vocabulary",
+    "GenerateRequest": "request", "GenerationResult": "request",
     "DEFAULT_CHAT_MODEL": "registry", "ModelSpec": "registry", "Origin": "registry",
     "UnknownModel": "registry", "cache_dir": "registry", "known_ids": "registry",
     "materialize": "registry", "resolve": "registry",

@@ -15,7 +15,7 @@ from typing import Any
 from .request import GenerateRequest, InvalidRequest
 
 
-def prompt_ids(tokenizer: Any, chat: bool, model_id: str, request: GenerateRequest) -> list[int]:
+def encode(tokenizer: Any, chat: bool, model_id: str, request: GenerateRequest) -> list[int]:
     """Token ids of the prompt (templated for a chat model) followed by the resumed output. A
     prompt of token ids is read as it is."""
     if request.messages is not None and not chat:

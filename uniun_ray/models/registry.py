@@ -43,7 +43,7 @@ _CONVERSION_VERSION = 1
 
 # The dtype converted weights are stored in. The chat models' GGUFs hold 4-bit quantized
 # weights, so bf16 loses nothing that matters against their quantization error; it halves disk
-# and load cost against float32 and is what the engine runs in by default (engine.default_dtype).
+# and load cost against float32 and is what the engine runs in by default (weights.default_dtype).
 # (tiny's float16 weights are rounded too: harmless for an untrained test fixture.)
 _STORAGE_DTYPE = "bfloat16"
 

@@ -1,7 +1,7 @@
-"""What a generation asks for, validated where it is built.
+"""What a generation asks for, validated where it is built, and how it ended.
 
-Kept apart from the engine (and from torch) so that clients, producers and the CLI can
-build and check requests without importing the model stack.
+Kept apart from the engine (and from torch) so that clients, producers, the CLI and the
+runtime can build requests and read results without importing the model stack.
 """
 from __future__ import annotations
 
@@ -128,6 +128,41 @@ class GenerateRequest:
         fields = {"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k,
                   "repetition_penalty": self.repetition_penalty}
         return {name: value for name, value in fields.items() if value is not None}
+
+
+@dataclass(frozen=True)
+class GenerationResult:
+    """How a run ended. Set on ``Generation.result`` once its iterator is exhausted or closed.
+
+    ``text`` is the concatenation of the pieces yielded. ``token_ids`` are the tokens behind that
+    text (the end-of-sequence token excluded); pass them as ``resume_tokens`` to continue after a
+    revoke. On cancel, a token or two whose text was still incomplete (a multi-byte character
+    split across tokens) is left out of both, so the resumed run recomputes it instead of the
+    text losing a character. ``finish_reason`` is "eos", "length" (max_new_tokens reached),
+    "stop" (a stop string; the text ends before it), "cancel" (the flag was set, or the
+    consumer closed the iterator) or "error" (the model raised; the exception reached the
+    consumer). ``ttft_s`` is the time from
+    the start of the run (its first ``next``) to the first sampled token, None if none was.
+    ``cached_tokens`` of the ``prompt_tokens`` came from the prefix cache; the rest were
+    prefilled, in ``prefill_s`` (the cache lookup included; None: cancelled before the end).
+    """
+
+    text: str
+    token_ids: tuple[int, ...]
+    prompt_tokens: int
+    finish_reason: str
+    ttft_s: float | None
+    total_s: float
+    cached_tokens: int = 0
+    prefill_s: float | None = None
+
+    @property
+    def tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def stopped_by_cancel(self) -> bool:
+        return self.finish_reason == "cancel"
 
 
 def _is_int(value: Any) -> bool:

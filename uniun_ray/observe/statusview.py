@@ -19,7 +19,7 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
-from ..runtime.eventlog import tail
+from ..events.log import tail
 
 #: Events the "recent" list shows: what changed who holds the device, or what it holds.
 NOTABLE = ("revoke", "swap_end", "reclaim", "drop", "foreground", "device")

@@ -34,7 +34,7 @@ START_TIME_SLACK_S = 2.0
 
 #: Ray starts its workers, and so every actor (the scheduler, the ModelActors), at niceness 15
 #: (its `worker_niceness`): below every ordinary program of the host. Measured on the 2-core
-#: box (BENCHMARKS.md, "Ray's worker niceness"): with two busy programs at niceness 0 beside
+#: box (BENCHMARKS.md, "Runtime"): with two busy programs at niceness 0 beside
 #: it, the chat model did not finish loading in 200 s at 15 (other runs: the first chats
 #: waited 8-43 s for a first token), against 23 s and a TTFT p50 of 0.5 s at 0. The clusters
 #: this project starts set it to 0; an explicit setting wins.

@@ -127,7 +127,7 @@ class ModelActor:
         """Validate a request against a model without loading its weights (tokenizer and
         config only): prompt too long, messages to a model without a chat template... Returns
         the prompt's token count. Clients call this before queueing."""
-        from ..models.engine import inspect_request
+        from ..models.vocabulary import inspect_request
 
         return await asyncio.to_thread(inspect_request, resolve(model_id), request)
 

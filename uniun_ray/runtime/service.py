@@ -28,7 +28,7 @@ from typing import Mapping
 from ..models.registry import DEFAULT_CHAT_MODEL
 from ..policy import Dispatch, Job, Outcome, PolicyConfig, Requeued, Revoke, RevokeCause, SchedulerPolicy
 from .driver import Device, DeviceDriver, EpochClock
-from .eventlog import EventLog
+from ..events.log import EventLog
 from .leases import LeaseTable, Tracked
 from .protocol import DeviceGone, DeviceLost, JobDropped, Lease, Preempted
 from .reaper import Reaper
@@ -145,7 +145,10 @@ class SchedulerService:
         return self.config.waiter_timeout_s / 3
 
     async def renew(self, job_id: str, epoch: int) -> bool:
-        """A holder's heartbeat. False: the lease was revoked; stop at once and release."""
+        """A holder's heartbeat; False once the lease was revoked. The client's work stops at
+        the device (the revoke reaches the ModelActor and fences its epoch, R4), so its
+        heartbeat ignores the answer; `LeaseLoop.still_held` reads it to tell a revoke from a
+        device that restarted. A holder whose work no device fences would stop on False."""
         tracked = self.leases.holder(job_id, epoch)
         tracked.last_seen = time.monotonic()
         return not tracked.revoke_requested

@@ -16,23 +16,24 @@ Where the numbers come from
 ---------------------------
 ``cpu`` (the default) is the project's 2-core x86_64 development box with the embedded
 models in bfloat16 (transformers, batch 1, 2 torch threads), as measured by
-``benchmarks/engine_bench.py`` (`uniun_ray/models/MEASURED.md`) and
-``benchmarks/runtime_bench.py`` (BENCHMARKS.md, "Runtime on real Ray"):
+``benchmarks/engine_bench.py`` and ``benchmarks/runtime_bench.py`` on the earlier AVX-512
+host (BENCHMARKS.md keeps the newest figures, on other hosts; these are in its history and in
+that of the engine's `uniun_ray/models/MEASURED.md`, now folded into it):
 
-* decode: SmolLM2-135M-Instruct 22.33 tok/s, Gemma-3-270M 19.48 tok/s (MEASURED.md);
+* decode: SmolLM2-135M-Instruct 22.33 tok/s, Gemma-3-270M 19.48 tok/s;
 * prefill: 1107 tokens in 1.61 s (SmolLM2, 688 tok/s) and 1078 in 1.14 s (Gemma, 946 tok/s;
   Gemma keeps only the last position's logits, and its 18 layers are fewer than SmolLM2's
-  30), in 256-token chunks (MEASURED.md). Per-token cost is flat from ~150 to ~1000
+  30), in 256-token chunks. Per-token cost is flat from ~150 to ~1000
   tokens on this machine, so prefill is modelled as linear in the context length;
 * swap: `ModelActor.load` of a model while another is resident, p50 over 5: SmolLM2
-  0.43 s, Gemma 3.29 s (its 33 MB tokenizer), `tiny` 0.47 s (BENCHMARKS.md);
+  0.43 s, Gemma 3.29 s (its 33 MB tokenizer), `tiny` 0.47 s;
 * revoke delay, 10 ms: the revoke-to-stop latency is 17 ms p50 *including* the wait for
-  the forward pass under way (BENCHMARKS.md), and after the stop the holder's release,
+  the forward pass under way, and after the stop the holder's release,
   the next grant and its first model call are a few actor calls at 1-3 ms each (the
-  control plane costs 7 ms p50 per job, BENCHMARKS.md).
+  control plane cost 7 ms p50 per job then).
 
 The machine is shared, so these are typical, not guaranteed: under load every figure
-stretches (see the real-vs-simulated section of BENCHMARKS.md).
+stretches (the real runtime beside the simulator: BENCHMARKS.md, "Simulator").
 
 ``gpu`` is an estimate, not a measurement, for one datacenter GPU running the same
 models with transformers in eager mode at batch 1. Decode of such small models is bound

@@ -280,3 +280,18 @@ def _t2_shares(trace: Trace, window_s: float) -> tuple[list[float], list[float]]
     """T2 share of every window that saw held time, and of the backlogged ones."""
     windows = t2_windows(trace, window_s)
     return [w.share for w in windows], [w.share for w in windows if w.backlogged]
+
+
+@dataclass(frozen=True)
+class Goal:
+    """A goal of an issue checked against the metrics: met (True), missed (False) or not
+    applicable (None: nothing in the run to judge it by), and what was measured."""
+
+    name: str
+    ok: bool | None
+    detail: str
+
+
+def goals_table(goals: Iterable[Goal], heading: str = "goal") -> str:
+    rows = [f"| {g.name} | {'n/a' if g.ok is None else 'PASS' if g.ok else 'FAIL'} | {g.detail} |" for g in goals]
+    return "\n".join([f"| {heading} | result | measured |", "|---|---|---|", *rows])

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from uniun_ray.policy import SchedulerPolicy
 
 from .device import DeviceProfile
-from .metrics import measure
+from .metrics import Goal, goals_table, measure
 from .simulator import simulate
 from ..events.trace import Trace
 from .workload import Workload
@@ -57,26 +57,26 @@ def report(workload: Workload, profile: DeviceProfile, counts: list[int]) -> str
         lines.append(f"| {o.devices} | {o.background_tok_h:.0f} | {o.background_tok_h / base.background_tok_h:.2f}x | "
                      f"{_s(o.chat_ttft_p99)} | {o.swaps} | {o.swaps_per_device_h:.2f} | {o.revokes} | "
                      f"{o.idle_while_waiting_s:.3f} | {o.wall_s:.2f} |")
-    lines += ["", "| goal (against the first row) | result | measured |", "|---|---|---|"]
+    return "\n".join(lines + ["", goals_table(goals(outcomes), "goal (against the first row)")])
+
+
+def goals(outcomes: list[PoolOutcome]) -> list[Goal]:
+    """The goals of issue 16, each pool against the first."""
+    base, checked = outcomes[0], []
     for o in outcomes[1:]:
         ratio = o.background_tok_h / base.background_tok_h
         goal = SPEEDUP_GOALS.get(o.devices)
         if goal is not None:
-            lines.append(f"| background throughput >= {goal}x at {o.devices} devices | "
-                         f"{_verdict(ratio >= goal)} | {ratio:.2f}x |")
+            checked.append(Goal(f"background throughput >= {goal}x at {o.devices} devices", ratio >= goal,
+                                f"{ratio:.2f}x"))
         if o.chat_ttft_p99 is not None and base.chat_ttft_p99 is not None:
-            lines.append(f"| chat TTFT p99 at {o.devices} devices no worse | "
-                         f"{_verdict(o.chat_ttft_p99 <= base.chat_ttft_p99)} | "
-                         f"{o.chat_ttft_p99:.3f} s vs {base.chat_ttft_p99:.3f} s |")
-        lines.append(f"| swaps per device-hour at {o.devices} devices no more | "
-                     f"{_verdict(o.swaps_per_device_h <= base.swaps_per_device_h)} | "
-                     f"{o.swaps_per_device_h:.2f} vs {base.swaps_per_device_h:.2f} |")
-    return "\n".join(lines)
+            checked.append(Goal(f"chat TTFT p99 at {o.devices} devices no worse", o.chat_ttft_p99 <= base.chat_ttft_p99,
+                                f"{o.chat_ttft_p99:.3f} s vs {base.chat_ttft_p99:.3f} s"))
+        checked.append(Goal(f"swaps per device-hour at {o.devices} devices no more",
+                            o.swaps_per_device_h <= base.swaps_per_device_h,
+                            f"{o.swaps_per_device_h:.2f} vs {base.swaps_per_device_h:.2f}"))
+    return checked
 
 
 def _s(value: float | None) -> str:
     return "–" if value is None else f"{value:.3f}"
-
-
-def _verdict(ok: bool) -> str:
-    return "PASS" if ok else "FAIL"

@@ -1,10 +1,11 @@
-"""The scheduler's event log: append-only JSONL of every decision, size-bounded.
+"""The event log as a file: JSONL, one event of `schema` a line, and the one reader of it.
 
-One line per event in the schema of `uniun_ray.events.schema` (so the simulator's metrics
-and timeline read a real run's log exactly as they read a simulation's), plus the
-runtime's own `reclaim` and `drop` events. Rotation is the standard library's
-RotatingFileHandler: when the file passes `max_bytes` it is renamed `.1` (older ones
-shift up to `backups`) and a new file starts, so the log never grows without bound.
+The runtime's scheduler appends every decision (`EventLog`, size-bounded); the simulator and
+the replay write a whole run at once (`write`); metrics, pictures, `explain`, the status view
+and the CLI read either back (`read`, or `tail` for the newest events), so none of them needs
+the runtime to read a file. Rotation is the standard library's RotatingFileHandler: when the
+file passes `max_bytes` it is renamed `.1` (older ones shift up to `backups`) and a new file
+starts, so the log never grows without bound. Pure Python (no Ray, no torch).
 """
 from __future__ import annotations
 
@@ -13,6 +14,9 @@ import logging
 import logging.handlers
 import os
 from pathlib import Path
+from typing import Iterable
+
+from .schema import Event
 
 DEFAULT_MAX_BYTES = 20 * 1024 * 1024
 DEFAULT_BACKUPS = 3
@@ -32,16 +36,22 @@ class EventLog:
                                                              backupCount=backups, encoding="utf-8")
         self._handler.setFormatter(logging.Formatter("%(message)s"))
 
-    def write(self, event: dict) -> None:
-        record = logging.LogRecord("uniun.events", logging.INFO, "", 0,
-                                   json.dumps(event, separators=(",", ":")), None, None)
+    def write(self, event: Event) -> None:
+        record = logging.LogRecord("uniun.events", logging.INFO, "", 0, _line(event), None, None)
         self._handler.emit(record)
 
     def close(self) -> None:
         self._handler.close()
 
 
-def read(path: str | Path) -> list[dict]:
+def write(events: Iterable[Event], path: str | Path) -> None:
+    """A whole log at once (a simulation's, a replay's), replacing the file."""
+    with open(path, "w", encoding="utf-8") as f:
+        for event in events:
+            f.write(_line(event) + "\n")
+
+
+def read(path: str | Path) -> list[Event]:
     """Every event of a log and its rotated backups, oldest first."""
     path = Path(path)
     files = sorted((p for p in path.parent.glob(path.name + ".*") if p.suffix[1:].isdigit()),
@@ -50,11 +60,11 @@ def read(path: str | Path) -> list[dict]:
     for file in [*files, path]:
         if file.exists():
             with open(file, encoding="utf-8") as f:
-                events.extend(json.loads(line) for line in f if line.strip())
+                events.extend(_events(f))
     return events
 
 
-def tail(path: str | Path, max_bytes: int = 256 * 1024) -> list[dict]:
+def tail(path: str | Path, max_bytes: int = 256 * 1024) -> list[Event]:
     """The newest events, cheaply (a live view polls this every second; `read` would parse
     up to the whole rotated history): about the last `max_bytes` of the log, reaching into
     the newest backup when the current file was just rotated. Oldest first."""
@@ -73,4 +83,12 @@ def tail(path: str | Path, max_bytes: int = 256 * 1024) -> list[dict]:
         max_bytes -= len(data)
         if max_bytes <= 0:
             break
-    return [json.loads(line) for lines in chunks for line in lines if line.strip()]
+    return _events(line for lines in chunks for line in lines)
+
+
+def _line(event: Event) -> str:
+    return json.dumps(event, separators=(",", ":"))
+
+
+def _events(lines: Iterable[str | bytes]) -> list[Event]:
+    return [json.loads(line) for line in lines if line.strip()]

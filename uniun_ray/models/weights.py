@@ -1,0 +1,217 @@
+"""Weights and tuning: how this host reads a model and runs its forward passes.
+
+* The dtype: bfloat16 as converted (float16 on GPUs without bf16); on CPU, "auto" measures it
+  against float32, once per host and model (cached), and keeps the faster.
+* torch's threads: on CPU, every core of the budget against half of them, unless fixed.
+* Placement: all on the device, or where accelerate fits the weights in ``max_memory``.
+* The step clock that sizes prefill chunks by the time they take here (``tuning.StepClock``).
+"""
+from __future__ import annotations
+
+import dataclasses
+import inspect
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .gate import LayerGate, layer_gate
+from .kvcache import PrefixCache
+from .registry import cache_dir
+from .request import _is_int
+from .settings import DTYPES, EngineSettings, check_max_memory
+from .tuning import (CHUNK_DECODE_STEPS, GATED_CHUNK_DECODE_STEPS, ProbeCache, Speed, StepClock,
+                     fastest, host_signature, measure, thread_options)
+from .vocabulary import Vocabulary, read_vocabulary
+
+#: CPU memory for the KV a GPU's cache pushes out, per GPU: a node with eight takes 32 GiB.
+DEFAULT_KV_OFFLOAD_MB = 4096
+
+
+def default_kv_cache_mb(device: torch.device) -> int:
+    """The prefix cache's budget when none is set: 1 GiB of host memory on CPU (about 22k tokens
+    of SmolLM2 in float32), 4 GiB on a GPU."""
+    return 4096 if device.type == "cuda" else 1024
+
+
+def default_dtype(device: torch.device) -> torch.dtype:
+    """The dtype a model is loaded in before any measurement: bfloat16 (the converted weights'
+    own), or float16 on GPUs without bf16. On CPU, "auto" then measures it against float32."""
+    if device.type == "cuda" and not torch.cuda.is_bf16_supported():
+        return torch.float16
+    return torch.bfloat16
+
+
+def dtype_choice(dtype: str | torch.dtype | None) -> str:
+    """"auto", or the name of a dtype the engine runs in."""
+    if dtype is None:
+        return "auto"
+    name = str(dtype).removeprefix("torch.") if isinstance(dtype, torch.dtype) else dtype
+    if name not in DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; use one of {', '.join(DTYPES)}")
+    return name
+
+
+@dataclass
+class Loaded:
+    """The resident model and what the decode loop needs to know about it."""
+
+    vocabulary: Vocabulary
+    model: Any
+    eos_ids: frozenset[int]
+    cache_arg: str
+    forward_kwargs: dict = field(default_factory=dict)
+    dtype: str = ""
+    speeds: list[Speed] = field(default_factory=list)   # what the choice of dtype was made on
+    clock: StepClock | None = None
+    prefix: PrefixCache = field(default_factory=lambda: PrefixCache(0))
+    gate: LayerGate | None = None
+
+
+class Weights:
+    """How an engine reads a model's weights and runs them on this host.
+
+    ``dtype``: one of ``settings.DTYPES`` or a torch dtype; "auto" measures bf16 against
+    float32 on CPU. ``num_threads`` fixes torch's intra-op threads for the whole process; None:
+    the probe measures every core of ``thread_budget`` (None: every core this process may run
+    on) against half of them on CPU and keeps the faster; on a GPU the budget is used. Never
+    Ray's OMP_NUM_THREADS=1, which actors inherit. ``max_memory`` lets accelerate place the
+    weights (``device_map="auto"``) and offload what does not fit.
+    """
+
+    def __init__(
+        self,
+        device: str | torch.device,
+        dtype: str | torch.dtype | None,
+        num_threads: int | None,
+        thread_budget: int | None,
+        max_memory: dict[str, str] | None,
+    ) -> None:
+        self.device = torch.device(device)
+        if self.device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"device {device!r} requested, but CUDA is not available")
+        self.dtype = dtype_choice(dtype)
+        for name, value in (("num_threads", num_threads), ("thread_budget", thread_budget)):
+            if value is not None and (not _is_int(value) or value < 1):
+                raise ValueError(f"{name} must be an int >= 1 or None, got {value!r}")
+        self.threads_fixed = num_threads is not None
+        self.thread_budget = num_threads or EngineSettings(threads=thread_budget).resolved_threads()
+        torch.set_num_threads(self.thread_budget)
+        if max_memory is not None:
+            check_max_memory(max_memory)
+        self.max_memory = max_memory
+        self._probes = ProbeCache(cache_dir() / "tuning.json")
+
+    def describe(self, loaded: Loaded | None) -> dict:
+        """The host choices, and for a loaded model its dtype (and the measurements it was
+        chosen on) and where its weights went."""
+        described = {"device": str(self.device), "threads": torch.get_num_threads(),
+                     "threads_setting": self.thread_budget if self.threads_fixed else f"auto, up to {self.thread_budget}",
+                     "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+                     "dtype_setting": self.dtype}
+        if loaded is None:
+            return described
+        placement = getattr(loaded.model, "hf_device_map", None)
+        return described | {"model": loaded.vocabulary.model_id, "dtype": loaded.dtype, "placement": placement,
+                            "measured": [dataclasses.asdict(speed) for speed in loaded.speeds]}
+
+    def load(self, model_id: str, folder: Any, prefix: PrefixCache) -> Loaded:
+        """Read the model in ``folder``, then measure it and keep the fastest dtype and threads."""
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(folder)
+        dtype = default_dtype(self.device) if self.dtype == "auto" else getattr(torch, self.dtype)
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, **self._placement(model_id))
+        model.eval()
+        loaded = Loaded(
+            vocabulary=read_vocabulary(model_id, tokenizer, model.config),
+            model=model,
+            eos_ids=_eos_ids(model, tokenizer),
+            cache_arg=_cache_arg(model),
+            # Prefill needs logits for the last position only; Gemma's 262k vocabulary would
+            # otherwise cost a quarter GB of logits per 256-token chunk.
+            forward_kwargs={"logits_to_keep": 1} if model._supports_logits_to_keep() else {},
+            dtype=str(dtype).removeprefix("torch."),
+            prefix=prefix,
+            gate=layer_gate(model),
+        )
+        self._tune(loaded, folder)
+        return loaded
+
+    def _placement(self, model_id: str) -> dict:
+        """Where the weights go: all on the device, or where accelerate fits them in ``max_memory``."""
+        if self.max_memory is None:
+            return {"device_map": str(self.device)}
+        return {"device_map": "auto", "offload_folder": str(cache_dir() / "offload" / model_id),
+                "max_memory": {int(k) if k.isdigit() else k: v for k, v in self.max_memory.items()}}
+
+    def _tune(self, loaded: Loaded, folder: Any) -> None:
+        """Measure the loaded model (once per host, model and setting; cached) and keep the
+        fastest dtype and thread count: on CPU with "auto", bf16 against float32, each with the
+        whole thread budget and with half of it unless threads are fixed; otherwise the dtype
+        as loaded, measured only to size prefill chunks."""
+        dtypes = [loaded.dtype]
+        offloaded = self.max_memory is not None   # offloaded weights are not cast in place
+        if self.dtype == "auto" and self.device.type == "cpu" and loaded.dtype != "float32" and not offloaded:
+            dtypes.append("float32")
+        threads = ([self.thread_budget] if self.threads_fixed or self.device.type != "cpu"
+                   else thread_options(self.thread_budget))
+        candidates = [(dtype, n) for dtype in dtypes for n in threads]
+        key = f"{host_signature()}|{folder}|{'+'.join(dtypes)}|threads {'+'.join(map(str, threads))}"
+        speeds = self._probes.get(key)
+        if speeds is None or sorted((s.dtype, s.threads) for s in speeds) != sorted(candidates):
+            speeds = []
+            for dtype, n in candidates:
+                _cast(loaded, dtype)
+                torch.set_num_threads(n)
+                speeds.append(measure(lambda ids, cache: _synced(forward(loaded, ids, cache, self.device)),
+                                      len(loaded.vocabulary.tokenizer), dtype, n))
+            self._probes.put(key, speeds)
+        best = fastest(speeds)
+        _cast(loaded, best.dtype)
+        torch.set_num_threads(best.threads)
+        steps = GATED_CHUNK_DECODE_STEPS if loaded.gate is not None else CHUNK_DECODE_STEPS
+        loaded.speeds, loaded.clock = speeds, StepClock(best, steps)
+
+
+def forward(loaded: Loaded, ids: list[int], cache: Any, device: torch.device) -> tuple[torch.Tensor, Any]:
+    """One forward pass over ``ids`` extending ``cache``: the last position's logits and the cache."""
+    with torch.inference_mode():
+        output = loaded.model(
+            input_ids=torch.tensor([ids], device=device),
+            use_cache=True,
+            **{loaded.cache_arg: cache},
+            **loaded.forward_kwargs,
+        )
+    return output.logits[0, -1], getattr(output, loaded.cache_arg)
+
+
+def _synced(step: tuple[torch.Tensor, Any]) -> tuple[torch.Tensor, Any]:
+    """Wait for the device to finish the step: CUDA runs asynchronously, and a probe must time
+    the work, not its launch."""
+    if step[0].device.type == "cuda":
+        torch.cuda.synchronize()
+    return step
+
+
+def _cast(loaded: Loaded, dtype: str) -> None:
+    """bf16 -> float32 -> bf16 is exact (every bf16 value is a float32), so trying float32
+    and going back costs no accuracy."""
+    if loaded.dtype != dtype:
+        loaded.model.to(getattr(torch, dtype))
+        loaded.dtype = dtype
+
+
+def _cache_arg(model: Any) -> str:
+    """The forward() keyword (and output field) of the KV cache: transformers 5.x renamed
+    ``past_key_values`` to ``cache`` along the way, and the old name now warns."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+def _eos_ids(model: Any, tokenizer: Any) -> frozenset[int]:
+    """Every token that ends a turn: the generation config may list several (chat models do)."""
+    configured = model.generation_config.eos_token_id
+    ids = set(configured if isinstance(configured, list) else [configured])
+    ids.add(tokenizer.eos_token_id)
+    ids.discard(None)
+    return frozenset(ids)
