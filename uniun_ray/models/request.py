@@ -86,6 +86,9 @@ class GenerateRequest:
         if (self.prompt is None) == (self.messages is None):
             raise ValueError("give exactly one of prompt and messages")
         if self.prompt is not None and not isinstance(self.prompt, str):
+            if isinstance(self.prompt, bytes) or not isinstance(self.prompt, Sequence):
+                raise InvalidRequest(f"prompt must be a str or a sequence of token ids, got "
+                                     f"{type(self.prompt).__name__}", "prompt")
             object.__setattr__(self, "prompt", _token_tuple(self.prompt, "prompt"))
             if not self.prompt:
                 raise InvalidRequest("prompt holds no token ids", "prompt")
