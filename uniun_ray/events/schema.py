@@ -19,14 +19,17 @@ submit         job, kind ("chat"|"nataraj"|"gana"|"extract"), producer, model,
                subject (str|null); optional: prompt_tokens, output_tokens (ints)
 foreground     kind (str|null: nothing in front), subject (str|null)
 dispatch       job, kind, producer, model, swap (bool); optional: tier (0-4, the job's
-               tier at dispatch; readers derive it from R1 when absent)
+               tier at dispatch; readers derive it from R1 when absent), slot (int, the
+               device's slot it takes, SPEC §6; 0 when absent), batch (int, the jobs
+               dispatched to the device and not finished, this one included; 1 when absent)
 swap_start     job, kind, producer, model (being loaded), from (model unloaded, or null)
 swap_end       job, kind, producer, model
 first_token    job, kind, producer, model: the job's first generated token (once per job;
                a resumed job does not emit it again)
 revoke         job, kind, producer, model: the scheduler revoked the running job; optional:
                cause (the policy's RevokeCause: "arrival"|"foreground"|"deadline"|
-               "affinity"|"cancel"|"reclaim")
+               "affinity"|"step"|"cancel"|"reclaim"), batch (int, the jobs on the device
+               when it was revoked, this one included; 1 when absent)
 finish         job, kind, producer, model, outcome ("done"|"failed"|"revoked"),
                tokens (int, tokens produced so far, optional), requeued (bool, optional:
                the policy put the job back in its queue, R6; it is dispatched later).
@@ -45,10 +48,10 @@ node           node (Ray's node id), address, change ("joined"|"left"); optional
 =============  ==========================================================================
 
 ``revoke`` may carry ``reason``, the runtime's words for its ``cause`` ("arrival of chat job
-c-1"); the runtime writes both, the simulator neither.
+c-1"); the runtime writes both, the simulator the cause alone.
 
-A job holds the device from its ``dispatch`` to its ``finish`` (swap included), which is
-the time R7 charges to its flow.
+A job holds its slot of the device from its ``dispatch`` to its ``finish`` (swap included),
+which is the time R7 charges to its flow (slot-seconds, R24: the same whatever the batch).
 """
 from __future__ import annotations
 
