@@ -351,3 +351,24 @@ def test_status_and_explain_name_the_devices_of_a_pool(tmp_path):
     told = "\n".join(explain(read(tmp_path / "ev.jsonl"), "c"))
     assert "dispatched at T0 on b, device cpu1" in told
     assert "behind g (gana from gana, T4, model b, device cpu1)" in told
+
+
+def test_a_background_job_its_caller_withdrew_while_running_is_told_as_withdrawn_not_requeued():
+    """Issue 27: a client that went away revokes its running nataraj; the log says `requeued`
+    false, so the job is over there, not "still queued" until the log ends."""
+    from uniun_ray.events.trace import Trace
+
+    events = [submit(100.0, "n1", "nataraj", "nataraj:http"),
+              job(100.0, "dispatch", "n1", "nataraj", "nataraj:http", swap=False, tier=4),
+              job(101.0, "revoke", "n1", "nataraj", "nataraj:http", cause="cancel", reason="cancelled by its caller"),
+              job(101.1, "finish", "n1", "nataraj", "nataraj:http", outcome="revoked", requeued=False),
+              submit(119.6, "c1", "chat"), job(119.6, "dispatch", "c1", "chat", swap=False, tier=0),
+              job(120.0, "finish", "c1", "chat", outcome="done")]
+    rec = Trace(events).jobs["n1"]
+    assert (rec.end, rec.outcome) == (101.1, "revoked") and list(Trace(events).waits(rec)) == []
+    text = story(events, "n1")
+    assert "revoked: cancelled by its caller" in text and "withdrawn by its caller, not re-queued" in text
+    assert "re-queued" not in text.replace("not re-queued", "") and "still queued" not in text
+    assert "in all: 1.100s from submit, 0.000s waiting" in text
+    lost = events[:3] + [job(101.1, "finish", "n1", "nataraj", "nataraj:http", outcome="failed", requeued=True)]
+    assert Trace(lost).jobs["n1"].end is None   # a job whose device was lost runs again elsewhere

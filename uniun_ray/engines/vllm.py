@@ -38,7 +38,7 @@ from .venvs import has_cuda_gpu, vllm_python
 from ..models.request import GenerationResult
 from ..models.vocabulary import inspect_request, prompt_ids
 from ..models.registry import cache_dir, materialize, resolve
-from ..models.request import GenerateRequest
+from ..models.request import GenerateRequest, InvalidRequest
 
 #: The name vLLM serves every model under; the engine holds one model at a time.
 SERVED = "uniun"
@@ -89,6 +89,11 @@ def sampling_fields(request: GenerateRequest, defaults: dict) -> dict:
               "max_tokens": request.max_new_tokens, "stop": list(request.stop)}
     if request.seed is not None:
         fields["seed"] = request.seed
+    for name in ("presence_penalty", "frequency_penalty"):   # OpenAI's, as vLLM takes them
+        if getattr(request, name) is not None:
+            fields[name] = getattr(request, name)
+    if request.logit_bias:
+        fields["logit_bias"] = {str(token): bias for token, bias in request.logit_bias.items()}
     return fields
 
 
@@ -284,7 +289,11 @@ class VllmEngine:
         return time.perf_counter() - started
 
     def check(self, model_id: str, request: GenerateRequest) -> int:
-        """The prefill token count; ValueError (PromptTooLong) for what the model cannot run."""
+        """The prefill token count; ValueError (PromptTooLong) for what the model cannot run.
+        A JSON Schema is refused here: this engine does not pass it to vLLM's own grammar yet."""
+        if request.json_schema is not None:
+            raise InvalidRequest("json_schema is not followed by the vllm engine (use the transformers engine)",
+                                 "json_schema")
         return inspect_request(resolve(model_id), request)
 
     def start(self, job_id: str, request: GenerateRequest) -> VllmRun:

@@ -68,6 +68,16 @@ class Swap:
     model: str
 
 
+def _ends_the_job(finish: Event, job: Job) -> bool:
+    """Whether a run's finish is its job's end: the runtime's ``requeued`` says so where it
+    wrote one (a revoked job its caller withdrew is not re-queued; a job whose device was lost
+    is); without it (a simulator's log), a revoked chat fails as preempted and any other kind
+    is re-queued (R6)."""
+    if "requeued" in finish:
+        return not finish["requeued"]
+    return finish["outcome"] != "revoked" or job.kind is Kind.CHAT
+
+
 class Trace:
     def __init__(self, events: Iterable[Event]) -> None:
         self.jobs: dict[str, JobRecord] = {}
@@ -116,7 +126,7 @@ class Trace:
                 rec = self.jobs[ev["job"]]
                 run = rec.runs[-1]
                 run.end, run.outcome = t, ev["outcome"]
-                if ev["outcome"] != "revoked" or rec.job.kind is Kind.CHAT:
+                if _ends_the_job(ev, rec.job):
                     rec.end, rec.outcome = t, ev["outcome"]
         # A run still open when the log ends held the device until then.
         for run in self.runs:

@@ -19,7 +19,7 @@ import time
 from collections import deque
 from dataclasses import asdict
 
-from ..models.registry import resolve
+from ..models.registry import prepared, resolve
 from ..models.request import GenerateRequest
 from ..models.settings import EngineSettings
 from .metrics import ModelMetrics
@@ -130,6 +130,11 @@ class ModelActor:
         from ..models.vocabulary import inspect_request
 
         return await asyncio.to_thread(inspect_request, resolve(model_id), request)
+
+    async def prepare(self, model_id: str) -> bool:
+        """Whether the model's weights are ready here; if not, their one-time conversion starts
+        in the background (`registry.prepared`). UnknownModel for an id nothing resolves."""
+        return await asyncio.to_thread(prepared, resolve(model_id))
 
     async def generate(self, epoch: int, request: GenerateRequest, revocable: bool = True):
         """Stream {"piece": text, "tokens": n} items (n: the run's tokens streamed so far, text
