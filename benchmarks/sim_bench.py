@@ -79,15 +79,17 @@ def main() -> None:
 
 def slots(quick: bool) -> None:
     """Each slot workload on one device with 1, 4, 8, 16 slots, per profile; issue 24's goals."""
-    record = Record("slots-sim", quick=quick, name="sim_bench-slots", note=NOTE)
+    counts = QUICK_SLOTS if quick else SLOTS
+    profiles = (PROFILES["cpu"], PROFILES["gpu"])
+    record = Record("slots-sim", quick=quick, name="sim_bench-slots",
+                    note="; ".join([NOTE, *(f"{p.name}: {p.batch_source}" for p in profiles)]))
     workloads = [generate(name, SEED) for name in (("issue118",) if quick else SLOT_WORKLOADS)]
-    for profile in (PROFILES["cpu"], PROFILES["gpu"]):
-        results = {w.name: slotbench.outcomes(w, profile, list(QUICK_SLOTS if quick else SLOTS)) for w in workloads}
+    for profile in profiles:
+        results = {w.name: slotbench.outcomes(w, profile, list(counts)) for w in workloads}
         for w in workloads:
-            for o in results[w.name]:
-                shown = [(name, value) for name, value in slotbench.figures(w, o, results[w.name][0]) if value != "–"]
-                record.row(f"simulator, `{w.name}`, profile {profile.name}, {o.slots} slot(s): "
-                           + "; ".join(name for name, _ in shown), "; ".join(value for _, value in shown))
+            for figure, measured in slotbench.summary(w, results[w.name]):
+                record.row(f"simulator, `{w.name}`, profile {profile.name}, {' / '.join(map(str, counts))} slots: "
+                           f"{figure}", measured)
         for goal in slotbench.goals(workloads, results, profile):
             record.row(f"{goal.name} (profile {profile.name})", goal.detail, goal="issue 24, against 1 slot",
                        met=goal.ok)

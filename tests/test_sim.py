@@ -423,8 +423,8 @@ def test_bench_slots_writes_the_slot_table_and_goals(tmp_path, capsys):
     assert bench.main(["--slots", "1,2", "--workloads", "issue118", "--out", str(tmp_path)]) == 0
     text = (tmp_path / "slots.md").read_text()
     assert "| slots | background tok/h |" in text and "\n| 2 |" in text
-    assert "issue118: chat TTFT p99 at 2 slots <= the first's + one step" in text
-    assert "swaps per device-hour at 2 slots no more" in text
+    assert "issue118: chat TTFT p99 <= the first's + one step, at 2 slots" in text
+    assert "issue118: swaps per device-hour no more, at 2 slots" in text
 
 
 def test_a_step_reads_the_chunk_of_the_best_tier_joiner_first():

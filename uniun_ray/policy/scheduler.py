@@ -307,8 +307,8 @@ class SchedulerPolicy:
         an outranking job ends (R4, R5): `next_wakeup` reports it, and the next call's
         `_advance` finds out whether it passed. Computed once per call, with the call's
         context (its T2 budget reading included)."""
-        times = [affinity_wakeup(ctx, d.loaded, self.tier(e.job))
-                 for d, e in self._pool.running() if not e.revoke_sent]
+        runners = {(d.loaded, self.tier(e.job)) for d, e in self._pool.running() if not e.revoke_sent}
+        times = [affinity_wakeup(ctx, loaded, tier) for loaded, tier in runners]  # once per model and tier
         self._affinity_at = min((t for t in times if t is not None), default=None)
 
     def _require_running(self, job_id: str, verb: str) -> Device:

@@ -53,16 +53,17 @@ measured numbers (the ModelActor times its loads) when a GPU run is available.
 Batches (SPEC §6): step(b) / step(1), per profile
 --------------------------------------------------
 ``cpu``: SmolLM2-135M-Instruct measured by ``benchmarks/step_profile.py --threads 1 --clock cpu
---steps 8 --repeats 5`` on 2026-12-03 08:17 UTC, on this turn's host (x86_64 "Intel(R) Xeon(R)
+--steps 8 --repeats 5`` on 2026-12-03 08:57 UTC, on this turn's host (x86_64 "Intel(R) Xeon(R)
 Processor", 2 cores, torch 2.13.0+cpu, AVX-512), float32, 256-token prompts, in CPU seconds
-because the machine ran other sessions' work beside it (load average 10-23): 82.9, 96.5, 164.1,
-211.8, 337.0, 415.3 ms per step at batch 1, 2, 4, 8, 16, 32, i.e. 1.0, 1.7, 2.0, 3.1, 3.9, 6.4x
-the tokens per second of one sequence (`docs/bench/step-profile-smollm2-135m-instruct-cpu.json`).
-PROVISIONAL: one thread, not both cores, and not a quiet machine; rerun the probe alone (both
-cores, wall clock) and replace the curve. Only its shape is used: the batch-1 step stays the
-profile's 22.33 tok/s above, so that one slot's tables do not move, and every cpu model takes
-SmolLM2's curve (Gemma and tiny are not measured). R23 then keeps one job beside a chat
-(step(2) = 1.165 step(1) <= 1.25).
+because the machine ran other sessions' work beside it (load average 8-12): 60.2, 71.2, 109.8,
+155.2, 197.4, 292.7 ms per step at batch 1, 2, 4, 8, 16, 32, i.e. 1.0, 1.7, 2.2, 3.1, 4.9, 6.6x
+the tokens per second of one sequence (`docs/bench/step-profile-smollm2-135m-instruct-cpu.json`;
+a run an hour earlier under heavier load gave 1.0, 1.7, 2.0, 3.1, 3.9, 6.4x: the figures move by
+a fifth). PROVISIONAL: one thread, not both cores, and not a quiet machine; rerun the probe
+alone (both cores, wall clock) and replace the curve. Only its shape is used: the batch-1 step
+stays the profile's 22.33 tok/s above, so that one slot's tables do not move, and every cpu
+model takes SmolLM2's curve (Gemma and tiny are not measured). R23 then keeps one job beside a
+chat (step(2) = 1.181 step(1) <= 1.25).
 
 ``gpu``: an estimate from published figures, not a measurement. vLLM serving Qwen2.5-0.5B on
 one datacenter GPU decodes ~65 tok/s for one sequence and ~1,737 tok/s for 128 (the figures
@@ -131,6 +132,8 @@ class DeviceProfile:
     #: The prefix KV cache per device, in tokens (0: none). The runtime's default budget
     #: (UNIUN_KV_CACHE_MB=1024) holds about 22k tokens of SmolLM2 in float32.
     kv_cache_tokens: int = 20_000
+    #: Where the models' batch curves come from, in a few words, for the figures that use them.
+    batch_source: str = ""
 
     def chunk_tokens(self, speed: ModelSpeed) -> int:
         """Tokens per prefill pass: fixed, or as many as fit in CHUNK_DECODE_STEPS decode steps."""
@@ -155,7 +158,7 @@ TINY = "tiny"
 
 #: Step time per batch size relative to batch 1 on the CPU: SmolLM2 measured beside other work,
 #: provisional (see "Batches" above).
-CPU_BATCH_COST = ((1, 1.0), (2, 1.165), (4, 1.981), (8, 2.556), (16, 4.067), (32, 5.012))  # provisional
+CPU_BATCH_COST = ((1, 1.0), (2, 1.181), (4, 1.822), (8, 2.575), (16, 3.277), (32, 4.858))  # provisional
 #: The same on one datacenter GPU, an estimate from published figures (see above): vLLM,
 #: Qwen2.5-0.5B, 65 tok/s at one sequence and 1,737 at 128.
 GPU_BATCH_COST = ((1, 1.0), (128, (128 / 1737) / (1 / 65)))
@@ -170,9 +173,9 @@ PROFILES: dict[str, DeviceProfile] = {
         SMOLLM2: _from_rates(22.33, 1107 / 1.61, 0.43),
         GEMMA3: _from_rates(19.48, 1078 / 1.14, 3.29),
         TINY: _from_rates(834.55, 1188 / 0.03, 0.47),
-    }),
+    }, batch_source="SmolLM2's batch curve measured beside other work, one thread, CPU seconds: provisional"),
     "gpu": DeviceProfile("gpu", {
         SMOLLM2: ModelSpeed(0.015, 0.00002, 0.4, GPU_BATCH_COST),
         GEMMA3: ModelSpeed(0.010, 0.00002, 0.6, GPU_BATCH_COST),
-    }),
+    }, batch_source="batch curve estimated from published vLLM figures, not measured"),
 }
