@@ -735,6 +735,35 @@ def _sliding_cache(window: int, full: int, sliding: int):
     return cache
 
 
+@pytest.mark.parametrize("new_tokens", [1, 7])
+def test_grouped_attention_over_a_cache_equals_transformers_sdpa_to_the_bit(new_tokens):
+    """`attention.grouped_sdpa` reads the grouped K/V heads as they are where transformers copies
+    them per query head (a CPU pass of several new tokens over a cache, with its mask); the
+    result must not change, nor where it defers to transformers (one new token)."""
+    from types import SimpleNamespace
+
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from uniun_ray.models.attention import grouped_sdpa
+
+    generator = torch.Generator().manual_seed(0)
+    cached, heads, groups, dim = 40, 6, 3, 16
+    query = torch.randn(1, heads, new_tokens, dim, generator=generator)
+    key, value = (torch.randn(1, heads // groups, cached + new_tokens, dim, generator=generator) for _ in "kv")
+    positions = torch.arange(cached + new_tokens)
+    mask = (positions[None, :] <= positions[cached:, None])[None, None]   # each new token sees what precedes it
+    module = SimpleNamespace(num_key_value_groups=groups, is_causal=True, training=False)
+    ours, _ = grouped_sdpa(module, query, key, value, mask, scaling=0.3)   # not the default 1/sqrt(dim)
+    theirs, _ = sdpa_attention_forward(module, query, key, value, mask, scaling=0.3)
+    assert ours.shape == (1, new_tokens, heads, dim) and torch.equal(ours, theirs)
+
+
+def test_models_load_with_the_grouped_attention(engine):
+    from uniun_ray.models.attention import NAME
+
+    assert engine._loaded.model.config._attn_implementation == NAME
+
+
 def test_a_sliding_window_layer_past_its_window_is_not_cropped_and_its_entry_is_reused_only_whole():
     """transformers calls such a layer croppable and then raises in `crop`: a revoke inside a
     Gemma prefill past its 512-token window failed the run instead of stopping it."""
