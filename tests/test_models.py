@@ -735,6 +735,35 @@ def _sliding_cache(window: int, full: int, sliding: int):
     return cache
 
 
+def test_forks_of_one_entry_grow_in_place_one_at_a_time_and_never_write_over_each_other():
+    """A fork writes its new tokens into the room after its layer's tokens only while no other
+    view has written there; every other fork copies. Each must read back what it was given."""
+    from transformers.cache_utils import DynamicCache, DynamicLayer
+
+    from uniun_ray.models.kvcache import fork
+
+    def states(value: float, tokens: int) -> torch.Tensor:
+        return torch.full((1, 1, tokens, 2), value)
+
+    def held(cache) -> list[float]:
+        return cache.layers[0].keys[0, 0, :, 0].tolist()
+
+    entry = DynamicCache()
+    entry.layers = [DynamicLayer()]
+    entry.layers[0].update(states(1, 3), states(1, 3))
+    first, other = fork(entry), fork(entry)
+    first.layers[0].update(states(2, 2), states(2, 2))        # into a buffer with room
+    next_turn = fork(first)
+    next_turn.layers[0].update(states(3, 1), states(3, 1))    # where `first` ends: in place
+    other.layers[0].update(states(4, 2), states(4, 2))
+    late = fork(first)
+    late.layers[0].update(states(5, 1), states(5, 1))         # `next_turn` wrote there: a copy
+    assert held(entry) == [1, 1, 1] and held(first) == [1, 1, 1, 2, 2] and held(other) == [1, 1, 1, 4, 4]
+    assert held(next_turn) == [1, 1, 1, 2, 2, 3] and held(late) == [1, 1, 1, 2, 2, 5]
+    assert next_turn.layers[0].keys.data_ptr() == first.layers[0].keys.data_ptr()
+    assert late.layers[0].keys.data_ptr() != first.layers[0].keys.data_ptr()
+
+
 @pytest.mark.parametrize("new_tokens", [1, 7])
 def test_grouped_attention_over_a_cache_equals_transformers_sdpa_to_the_bit(new_tokens):
     """`attention.grouped_sdpa` reads the grouped K/V heads as they are where transformers copies
@@ -796,10 +825,13 @@ def test_a_swap_drops_the_cache_and_a_bad_budget_is_refused(engine):
 
 
 def equal_entries(engine, count: int) -> list:
-    """``count`` entries of the same size, from the model: equal-length prompts of 2 new tokens."""
+    """``count`` entries of the same size, from the model: equal-length prompts of 2 new tokens,
+    each read from nothing (a run from a cache hit keeps room to grow in its entry)."""
+    entries = []
     for i in range(count):
+        engine._loaded.prefix.clear()
         run(engine, GenerateRequest(prompt=f"{i}: " + PROMPT * 3, max_new_tokens=2))
-    entries = list(engine._loaded.prefix._entries.values())[-count:]
+        entries += engine._loaded.prefix._entries.values()
     assert len({e.nbytes for e in entries}) == 1
     return entries
 
