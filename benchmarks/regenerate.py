@@ -51,6 +51,7 @@ PLAN = (
     Step("overload.py", ("--jobs", "10000", "--producers", "100", "--clients", "4")),
     Step("worker_niceness.py", ("--niceness", "15", "0", "--budget", "200")),
     Step("kv_cache_bench.py"),
+    Step("turn_cost.py"),
     Step("http_bench.py", ("--requests", "60", "--turns", "10")),
     Step("real_vs_sim.py"),
 )

@@ -13,7 +13,8 @@ this per block; one engine here runs one sequence, so whole sequences are the un
   with room after them, and a fork whose view ends where the buffer's written part ends writes
   its new tokens there, past everything an entry holds; any other fork copies, as transformers'
   ``DynamicLayer`` copies on every update. A decode step over a long history no longer copies
-  the whole history in every layer (SmolLM2 in float32, 1,177 cached tokens: 99 -> 70 ms CPU).
+  the whole history in every layer (SmolLM2 in float32, one thread, 1,177 cached tokens: 72–90 ->
+  66–70 ms CPU; `benchmarks/turn_cost.py`).
 * Memory is bounded (``UNIUN_KV_CACHE_MB``): least recently used entries go first, and a
   revoked job's entry only after every other one, since its resume is the one hit that is
   certain. Its resume (a hit that covers the revoked run's whole prompt) takes it out of the
