@@ -55,7 +55,9 @@ def fork(cache: Any) -> Any:
 
 
 def _growing(layer: Any) -> Any:
-    if type(layer) is DynamicLayer and layer.is_initialized:
+    """A plain layer as a growing one (an empty one too: a fork of a new cache grows from its
+    first token); any other kind of layer (sliding windows) as it is, copied."""
+    if type(layer) is DynamicLayer:
         twin = GrowingLayer.__new__(GrowingLayer)
         twin.__dict__.update(layer.__dict__)
         return twin
