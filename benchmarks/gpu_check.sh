@@ -21,11 +21,14 @@ step() {  # step TITLE COMMAND...: run it, its output into the file under a head
   echo '```' >> "$out"
 }
 { echo "# gpu-check, $(date -u +%Y-%m-%dT%H:%MZ)"; echo; nvidia-smi -L; "$python" -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda)'; } > "$out"
-step "engine tests on cuda" env UNIUN_TEST_DEVICE=cuda "$python" -m pytest -q -p no:cacheprovider tests/test_models.py
+step "engine tests on cuda" env UNIUN_TEST_DEVICE=cuda "$python" -m pytest -q -p no:cacheprovider tests/test_models.py tests/test_batch.py
 step "runtime tests, the ModelActor on the GPU" "$python" -m pytest -q -p no:cacheprovider tests/test_runtime.py
 step "engine benchmark" "$python" benchmarks/engine_bench.py --device cuda --trials 5
+step "batched decode benchmark (issue 25)" "$python" benchmarks/batch_bench.py --device cuda --dtype auto --sizes 1,2,4,8,16,32
 step "prefix cache benchmark (two KV tiers on the GPU)" "$python" benchmarks/kv_cache_bench.py
 step "runtime benchmark" "$python" benchmarks/runtime_bench.py --repeat 3
+step "step profile: a batched decode step by batch size (the simulator's gpu curve)" \
+  "$python" benchmarks/step_profile.py --device cuda --dtype bfloat16 --batches 1,2,4,8,16,32,64,128
 step "BENCHMARKS.md from the records" "$python" benchmarks/render.py
 echo "gpu-check: tables in $out (exit $status)"
 exit $status

@@ -43,6 +43,7 @@ class Step:
 PLAN = (
     Step("pick_cost.py"),
     Step("sim_bench.py"),
+    Step("step_profile.py"),
     Step("engine_bench.py", ("--trials", "5")),
     Step("runtime_bench.py", ("--repeat", "5")),
     Step("runtime_bench.py", ("--control-only",), ("--control-only", "--quick")),
@@ -52,8 +53,10 @@ PLAN = (
     Step("worker_niceness.py", ("--niceness", "15", "0", "--budget", "200")),
     Step("kv_cache_bench.py"),
     Step("turn_cost.py"),
+    Step("batch_bench.py"),
     Step("http_bench.py", ("--requests", "60", "--turns", "10")),
     Step("real_vs_sim.py"),
+    Step("node_loss.py"),
 )
 
 

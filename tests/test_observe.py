@@ -351,3 +351,51 @@ def test_status_and_explain_name_the_devices_of_a_pool(tmp_path):
     told = "\n".join(explain(read(tmp_path / "ev.jsonl"), "c"))
     assert "dispatched at T0 on b, device cpu1" in told
     assert "behind g (gana from gana, T4, model b, device cpu1)" in told
+
+
+def test_status_shows_each_device_on_its_node_and_the_pool_changes_of_a_cluster():
+    """Several nodes (issue 29): the summary lists them with their devices, each device says
+    on which it runs, and a node that died and the devices it took are in the recent list."""
+    snap = {"now": 100.0, "loaded_model": "m", "foreground": {"kind": None, "subject": None}, "running": None,
+            "queued": 0, "vruntime": {"kinds": {}, "producers": {}}, "next_wakeup": None,
+            "t2": {"share": 0.0, "limit": 0.6, "over_budget": False}, "tiers": {t: [] for t in ("T0", "T1", "T2", "T3", "T4")},
+            "devices": [{"device": "cpu0", "loaded_model": "m", "running": None, "node": "aa" * 28},
+                        {"device": "cpu3", "loaded_model": None, "running": None, "node": "cc" * 28}],
+            "nodes": [{"node": "aa" * 28, "address": "10.0.0.1", "head": True, "devices": ["cpu0"]},
+                      {"node": "cc" * 28, "address": "10.0.0.3", "head": False, "devices": ["cpu3"]}]}
+    events = [{"t": 95.0, "ev": "node", "node": "bb" * 28, "address": "10.0.0.2", "change": "left",
+               "reason": "died unexpectedly"},
+              {"t": 95.0, "ev": "device", "device": "cpu1", "change": "removed",
+               "reason": "its node 10.0.0.2 (bbbbbbbb) died unexpectedly"}]
+    console = Console(record=True, width=200)
+    console.print(render(snap, events))
+    text = console.export_text()
+    assert "nodes          10.0.0.1 (head): cpu0; 10.0.0.3: cpu3" in text
+    assert "▶ cpu0 [m] on 10.0.0.1" in text and "▶ cpu3 [empty] on 10.0.0.3" in text
+    assert "node 10.0.0.2 (bbbbbbbb) left: died unexpectedly" in text
+    assert "cpu1 removed: its node 10.0.0.2 (bbbbbbbb) died unexpectedly" in text
+    del snap["nodes"][1:]                               # one node: nothing to tell apart
+    console = Console(record=True, width=200)
+    console.print(render(snap))
+    assert " on 10.0.0" not in console.export_text() and "nodes " not in console.export_text()
+
+
+def test_a_background_job_its_caller_withdrew_while_running_is_told_as_withdrawn_not_requeued():
+    """Issue 27: a client that went away revokes its running nataraj; the log says `requeued`
+    false, so the job is over there, not "still queued" until the log ends."""
+    from uniun_ray.events.trace import Trace
+
+    events = [submit(100.0, "n1", "nataraj", "nataraj:http"),
+              job(100.0, "dispatch", "n1", "nataraj", "nataraj:http", swap=False, tier=4),
+              job(101.0, "revoke", "n1", "nataraj", "nataraj:http", cause="cancel", reason="cancelled by its caller"),
+              job(101.1, "finish", "n1", "nataraj", "nataraj:http", outcome="revoked", requeued=False),
+              submit(119.6, "c1", "chat"), job(119.6, "dispatch", "c1", "chat", swap=False, tier=0),
+              job(120.0, "finish", "c1", "chat", outcome="done")]
+    rec = Trace(events).jobs["n1"]
+    assert (rec.end, rec.outcome) == (101.1, "revoked") and list(Trace(events).waits(rec)) == []
+    text = story(events, "n1")
+    assert "revoked: cancelled by its caller" in text and "withdrawn by its caller, not re-queued" in text
+    assert "re-queued" not in text.replace("not re-queued", "") and "still queued" not in text
+    assert "in all: 1.100s from submit, 0.000s waiting" in text
+    lost = events[:3] + [job(101.1, "finish", "n1", "nataraj", "nataraj:http", outcome="failed", requeued=True)]
+    assert Trace(lost).jobs["n1"].end is None   # a job whose device was lost runs again elsewhere

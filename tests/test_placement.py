@@ -100,12 +100,27 @@ def test_one_gpu_takes_the_model_the_embedder_stays_on_the_cpu_and_a_taken_gpu_f
     assert placed["after_s"] < 8      # the grace for a seat freed a moment ago (3 s), then the refusal
 
 
+def fake_cluster(monkeypatch, device, create, cluster: dict) -> None:
+    """The SchedulerActor's Ray around it, faked: its devices are `device(name)`, it makes an
+    actor with `create(fleet, device, resources)`, the cluster declares `cluster["declared"]`
+    with `cluster["free"]` free, and no GCS publishes nodes."""
+    import asyncio
+
+    import ray
+
+    from uniun_ray.runtime import actors
+
+    monkeypatch.setattr(actors, "RayDevice", device)
+    monkeypatch.setattr(actors.ModelFleet, "create", create)
+    monkeypatch.setattr(actors.SchedulerActor, "_follow_nodes", lambda self: asyncio.sleep(0))
+    monkeypatch.setattr(ray, "cluster_resources", lambda: cluster["declared"])
+    monkeypatch.setattr(ray, "available_resources", lambda: cluster["free"])
+
+
 def test_the_scheduler_applies_reconcile_gone_idle_devices_leave_free_seats_get_actors(monkeypatch, tmp_path):
     """The thin shell over `reconcile` (SchedulerActor.watch_pool), with fake model actors
     (alive while their name is held) and a cluster that declares stand-in seats."""
     import asyncio
-
-    import ray
 
     from conftest import FakeDevice, lease_of, spec
     from uniun_ray.models.settings import EngineSettings
@@ -123,14 +138,14 @@ def test_the_scheduler_applies_reconcile_gone_idle_devices_leave_free_seats_get_
         async def alive(self) -> bool:
             return self.name in named
 
+        async def locate(self) -> None:
+            return None
+
     def create(fleet, device, resources):
         named.add(f"model:{device}")
         made.append(device)
 
-    monkeypatch.setattr(actors, "RayDevice", NamedActor)
-    monkeypatch.setattr(actors.ModelFleet, "create", create)
-    monkeypatch.setattr(ray, "cluster_resources", lambda: cluster["declared"])
-    monkeypatch.setattr(ray, "available_resources", lambda: cluster["free"])
+    fake_cluster(monkeypatch, NamedActor, create, cluster)
 
     async def go():
         s = actors.SchedulerActor(["cpu0", "cpu1"], actors.ModelFleet(EngineSettings()),
@@ -147,7 +162,100 @@ def test_the_scheduler_applies_reconcile_gone_idle_devices_leave_free_seats_get_
         third = await s.watch_pool()
         return first, second, third, s.policy.devices
     first, second, third, pool = asyncio.run(asyncio.wait_for(go(), 10))
-    assert first == {"removed": ["cpu1"], "added": ["cpu1"]}     # its seat is free again: a new actor
-    assert second == {"removed": [], "added": ["cpu2"]}
-    assert third == {"removed": [], "added": ["cpu3"]} and pool == ("cpu0", "cpu1", "cpu2", "cpu3")
+    assert first == {"removed": ["cpu1"], "added": ["cpu1"], "waiting": ["cpu2"]}   # its seat is free again: a new actor
+    assert second == {"removed": [], "added": ["cpu2"], "waiting": []}
+    assert third == {"removed": [], "added": ["cpu3"], "waiting": []} and pool == ("cpu0", "cpu1", "cpu2", "cpu3")
     assert made == ["cpu1", "cpu2"]
+
+
+def test_a_node_that_dies_takes_its_devices_out_of_the_pool_and_one_that_joins_adds_its_own(monkeypatch, tmp_path):
+    """The scheduler's side of Ray's node events (`SchedulerActor.node_changed`), with fake
+    model actors that know their node: a dead node's devices leave at once, busy ones too (the
+    job goes back and runs on a surviving device), and their actors are killed for good (no
+    look at the cluster adopts them meanwhile, even one that still counts the node's seats); a
+    node that joins gets a device per seat it declares."""
+    import asyncio
+
+    from conftest import FakeDevice, lease_of, spec
+    from uniun_ray.models.settings import EngineSettings
+    from uniun_ray.runtime import actors
+    from uniun_ray.events.log import read
+    from uniun_ray.runtime.nodes import Node
+    from uniun_ray.runtime.service import RuntimeConfig
+
+    where = {"model:cpu0": "head", "model:cpu1": "w1", "model:cpu2": "w1"}
+    retired, cluster, killing = [], {"declared": {DEVICE_RESOURCE: 3}, "free": {}}, asyncio.Event()
+
+    class PlacedActor(FakeDevice):
+        def __init__(self, name: str) -> None:
+            super().__init__()
+            self.name, self.node = name, where.get(name)
+
+        async def alive(self) -> bool:
+            return self.name in where
+
+        async def locate(self) -> str | None:
+            return self.node
+
+        async def retire(self) -> None:
+            retired.append(self.name)
+            await killing.wait()                          # Ray takes its time
+            where.pop(self.name)
+
+    def create(fleet, device, resources):
+        where[f"model:{device}"] = "w2"
+
+    fake_cluster(monkeypatch, PlacedActor, create, cluster)
+
+    async def go():
+        s = actors.SchedulerActor(["cpu0", "cpu1", "cpu2"], actors.ModelFleet(EngineSettings()),
+                                  RuntimeConfig(event_log=str(tmp_path / "ev.jsonl")))
+        for job, kind in (("g", "gana"), ("n", "nataraj"), ("m", "nataraj")):
+            await s.submit(spec(job, kind))
+        leases = {job: await lease_of(s, job) for job in ("g", "n", "m")}
+        assert {j: lease.device for j, lease in leases.items()} == {"g": "cpu0", "n": "cpu1", "m": "cpu2"}
+        await s.release("m", leases["m"].epoch, "done")       # cpu2 idle, cpu1 busy with n
+        assert await s.node_changed(Node("w1", "10.0.0.2", alive=True)) == {"added": [], "removed": [],
+                                                                            "waiting": []}
+        dying = asyncio.ensure_future(s.node_changed(Node("w1", "", alive=False, death="died unexpectedly")))
+        await asyncio.sleep(0.01)                            # as Ray words it: the id, no address
+        assert s.policy.devices == ("cpu0",) and retired == ["model:cpu1", "model:cpu2"]   # out before the kill
+        assert await s.watch_pool() == {"added": [], "removed": [], "waiting": ["cpu1", "cpu2"]}  # not adopted
+        killing.set()
+        assert await dying == {"added": [], "removed": ["cpu1", "cpu2"]}
+        cluster.update(declared={DEVICE_RESOURCE: 1})
+        assert s.policy.devices == ("cpu0",) and await s.device_lost("n", leases["n"].epoch, "node died") is True
+        await s.release("g", leases["g"].epoch, "done")
+        assert (await lease_of(s, "n")).device == "cpu0"         # n resumes on the surviving device
+        cluster.update(declared={DEVICE_RESOURCE: 2}, free={DEVICE_RESOURCE: 1})
+        joined = await s.node_changed(Node("w2", "10.0.0.3", alive=True))
+        again = await s.node_changed(Node("w2", "10.0.0.3", alive=True))   # the same news twice
+        return joined, again, s.policy.devices
+    joined, again, devices = asyncio.run(asyncio.wait_for(go(), 10))
+    assert joined == {"added": ["cpu1"], "removed": [], "waiting": []} and where["model:cpu1"] == "w2"
+    assert again == {"added": [], "removed": []} and devices == ("cpu0", "cpu1")
+    events = read(tmp_path / "ev.jsonl")
+    assert [(e["node"], e["address"], e["change"]) for e in events if e["ev"] == "node"] == \
+        [("w1", "10.0.0.2", "joined"), ("w1", "10.0.0.2", "left"), ("w2", "10.0.0.3", "joined")]
+    removed = [e["reason"] for e in events if e["ev"] == "device" and e["change"] == "removed"]
+    assert removed == ["its node 10.0.0.2 (w1) died unexpectedly"] * 2
+
+
+def test_nodes_read_from_ray_s_node_table_and_its_published_changes():
+    from ray.core.generated import gcs_pb2
+
+    from uniun_ray.runtime.nodes import Node, describe, from_info, from_row
+
+    dead = gcs_pb2.GcsNodeInfo(node_id=bytes.fromhex("ab" * 28), node_manager_address="10.0.0.2",
+                               state=gcs_pb2.GcsNodeInfo.DEAD)
+    dead.death_info.reason = 2
+    dead.death_info.reason_message = "missed too many heartbeats\nmore"
+    assert from_info(dead) == Node("ab" * 28, "10.0.0.2", False, False,
+                                   "died unexpectedly (its raylet stopped answering): missed too many heartbeats")
+    head = from_row({"NodeID": "cd" * 28, "NodeManagerAddress": "10.0.0.1", "Alive": True,
+                     "Resources": {"CPU": 2.0, "node:__internal_head__": 1.0}})
+    assert head == Node("cd" * 28, "10.0.0.1", True, True)
+    worker = Node("ef" * 28, "10.0.0.3", True)
+    assert describe([worker, from_info(dead), head], {"cpu0": head.id, "cpu1": worker.id, "cpu2": None}) == [
+        {"node": head.id, "address": "10.0.0.1", "head": True, "devices": ["cpu0"]},
+        {"node": worker.id, "address": "10.0.0.3", "head": False, "devices": ["cpu1"]}]

@@ -699,7 +699,7 @@ def test_fuzz_client_validation_accepts_only_valid_jobs(kind, prompt, messages, 
 @pytest.mark.parametrize("call, error", [
     (lambda: client.astream("video", "hi"), "unknown kind 'video'"),
     (lambda: client.astream(None, "hi"), "unknown kind None"),
-    (lambda: client.astream("chat", 42), "prompt must be a str"),
+    (lambda: client.astream("chat", 42), "prompt must be a str or a sequence of token ids, got int"),
     (lambda: client.astream("chat", ""), "prompt is empty"),
     (lambda: client.astream("chat", "   "), "prompt is empty"),
     (lambda: client.astream("chat", "x" * 1_000_001), "prompt is 1,000,001 characters; the limit is 1,000,000"),

@@ -374,3 +374,70 @@ def test_a_device_added_takes_waiting_work_at_once():
         with pytest.raises(ValueError, match="already in the pool"):
             s.add_device("cpu1", FakeDevice())
     run(go())
+
+
+# -- a device that leaves under its running job (its node died, issue 29) ----------------------
+def test_a_busy_device_removed_puts_its_job_back_and_its_holder_resumes_elsewhere(tmp_path):
+    from uniun_ray.events.log import read
+
+    async def go():
+        devices = pool()
+        s = SchedulerService(devices, RuntimeConfig(event_log=str(tmp_path / "ev.jsonl")))
+        for job in ("n", "g", "q"):
+            await s.submit(spec(job, {"n": "nataraj", "g": "gana", "q": "nataraj"}[job]))
+        n, g = await lease_of(s, "n"), await lease_of(s, "g")
+        s.remove_device(n.device, "its node died")               # n runs there: back at its place
+        assert await s.renew("g", g.epoch) is True
+        assert await s.device_lost("n", n.epoch, "ActorDiedError") is True   # its calls failed with the node
+        with pytest.raises(JobDropped):
+            await s.renew("n", n.epoch)                          # that lease is over
+        await s.release("g", g.epoch, "done")
+        again = await lease_of(s, "n")                           # before q, queued after it (R6)
+        assert again.device == g.device and again.epoch > g.epoch
+        await s.release("n", again.epoch, "done")
+        await s.release("q", (await lease_of(s, "q")).epoch, "done")
+        assert s.policy.devices == (g.device,) and s.leases.jobs == {}
+    run(go())
+    finishes = [(e["job"], e["outcome"], e.get("requeued")) for e in read(tmp_path / "ev.jsonl") if e["ev"] == "finish"]
+    assert finishes == [("n", "failed", True), ("g", "done", False), ("n", "done", False), ("q", "done", False)]
+
+
+def test_a_holder_that_finished_as_its_device_left_ends_its_job_once():
+    """The work completed, but the scheduler had already put the job back (its node died
+    between the last token and the release): the job ends there, and is not run again."""
+    async def go():
+        devices = pool()
+        s = SchedulerService(devices, FAST)
+        await s.submit(spec("n", "nataraj"))
+        n = await lease_of(s, "n")
+        s.remove_device(n.device, "its node died")
+        elsewhere = await lease_of(s, "n")                       # dispatched again at once ...
+        assert await s.release("n", n.epoch, "done") is False    # ... and withdrawn: it was done
+        await asyncio.sleep(0.01)
+        assert devices[elsewhere.device].revoked == [elsewhere.epoch] and s.leases.jobs == {}
+        assert s.policy.snapshot()["queued"] == 0 and not s.policy.running_jobs
+    run(go())
+
+
+def test_a_device_removed_while_loading_leaves_its_job_to_the_next_dispatch():
+    """The load on a device that left the pool fails late: the job, already back in the queue
+    and dispatched elsewhere, is neither failed by it nor counted a device fault."""
+    import gc
+
+    async def go():
+        errors = []
+        asyncio.get_running_loop().set_exception_handler(lambda loop, context: errors.append(context))
+        devices = pool(load_s=0.1)
+        s = SchedulerService(devices, FAST)
+        await s.submit(spec("n", "nataraj", model="a"))
+        await asyncio.sleep(0.02)                                # loading on cpu0 ...
+        devices["cpu0"].fail = {"a"}                             # ... which will fail
+        s.remove_device("cpu0", "its node died")
+        lease = await lease_of(s, "n")
+        await asyncio.sleep(0.2)                                 # the stale load has failed by now
+        assert lease.device == "cpu1" and s.leases.jobs["n"].lease == lease
+        assert s.leases.jobs["n"].device_faults == 0
+        await s.release("n", lease.epoch, "done")
+        gc.collect()                                             # a task that raised says so now
+        assert errors == []                                      # the stale load ended quietly
+    run(go())

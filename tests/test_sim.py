@@ -8,6 +8,7 @@ import pytest
 from uniun_ray.policy import Dispatch, Job, Kind, Requeued, Revoke, RevokeCause, SchedulerPolicy, Tier
 from uniun_ray.sim import bench, plots
 from uniun_ray.sim.baselines import Fifo, StrictPriority, TwoLaneQueue
+from uniun_ray.sim.batch import Progress, plan
 from uniun_ray.sim.device import DeviceProfile, ModelSpeed
 from uniun_ray.events import log
 from uniun_ray.events.schema import validate
@@ -15,7 +16,7 @@ from uniun_ray.sim.metrics import T2Window, jain_of, measure, t2_windows
 from uniun_ray.sim.simulator import ContractError, simulate
 from uniun_ray.events.trace import Trace
 from uniun_ray.sim.workload import Arrival, Flow, FlowStep, SimJob, Workload
-from uniun_ray.sim.workloads import WORKLOADS, generate
+from uniun_ray.sim.workloads import SLOT_WORKLOADS, WORKLOADS, generate
 
 # -- metrics on a hand-checked log ----------------------------------------------------------
 JOBS = {  # id: (kind, producer, model, deadline)
@@ -223,7 +224,7 @@ def test_strict_priority_preempts_and_requeues_in_place():
 
 
 # -- workloads ------------------------------------------------------------------------------
-@pytest.mark.parametrize("name", list(WORKLOADS))
+@pytest.mark.parametrize("name", list({**WORKLOADS, **SLOT_WORKLOADS}))
 def test_workloads_are_reproducible_from_their_seed(name):
     w = generate(name, 7)
     assert w.to_json() == generate(name, 7).to_json()
@@ -314,3 +315,121 @@ def test_prefill_chunks_are_sized_by_time_unless_fixed():
                                           Arrival(2.25, spec("C", "chat", "m1", 10, 2))))
     finish = next(e for e in simulate(StrictPriority(), w, timed).events if e["ev"] == "finish")
     assert finish["t"] == pytest.approx(2.4 + 0.05)   # the 20-token chunk under way (2.2-2.4) ends first
+
+
+# -- slots: several jobs decoding together on one device (SPEC §6) ----------------------------
+#: m1 steps 4 jobs in 0.2 s (twice one job's 0.1 s): 4 jobs get 20 tok/s where one gets 10.
+BATCHED = DeviceProfile("batched", {"m1": ModelSpeed(0.1, 0.01, 2.0, ((1, 1.0), (4, 2.0))),
+                                    "m2": ModelSpeed(0.1, 0.01, 3.0)}, revoke_delay_s=0.05, prefill_chunk=256)
+
+
+def nataraj(n, prompt=1, out=101, at=0.0, model="m1", first=0):
+    return tuple(Arrival(at, SimJob(Job(f"N{i}", "nataraj", model, f"nataraj:{i}"), prompt, out))
+                 for i in range(first, first + n))
+
+
+def slotted(arrivals, slots, device=BATCHED, devices=("dev0",)):
+    w = Workload("slots", 0, "", arrivals=tuple(sorted(arrivals, key=lambda a: a.t)))
+    events = simulate(SchedulerPolicy(devices=devices, slots=slots), w, device, devices, slots).events
+    validate(events)
+    return events
+
+
+def test_one_job_on_a_device_with_slots_runs_as_on_a_device_with_one():
+    w = Workload("one", 0, "", arrivals=nataraj(1, prompt=300, out=20))
+    one, four = (simulate(SchedulerPolicy(slots=s), w, BATCHED, slots=s).events for s in (1, 4))
+    assert [(e["ev"], e["t"]) for e in one] == [(e["ev"], pytest.approx(e["t"])) for e in four]
+
+
+def test_a_batch_decodes_each_job_a_token_per_step_of_the_batch_size():
+    events = slotted(nataraj(4), slots=4)
+    assert [(e["job"], e["slot"], e["swap"]) for e in events if e["ev"] == "dispatch"] == [
+        ("N0", 0, True), ("N1", 1, False), ("N2", 2, False), ("N3", 3, False)]
+    # After the 2 s load the four prefills (1 token each) ride one per step; once N3 has its first
+    # token, N0 has 4 and every step of 0.2 s gives each job one: 4 tokens per 0.2 s, 20 tok/s.
+    assert times(events, "first_token", "N0") == [pytest.approx(2.01)]
+    last_joined = times(events, "first_token", "N3")[0]
+    assert times(events, "finish", "N0") == [pytest.approx(last_joined + (101 - 4) * 0.2)]
+    alone = slotted(nataraj(1), slots=4)          # one job: 10 tok/s
+    assert times(alone, "finish", "N0") == [pytest.approx(2.01 + 100 * 0.1)]
+
+
+def test_a_device_never_holds_more_jobs_than_its_slots():
+    events = slotted(nataraj(7, prompt=50, out=30) + nataraj(3, prompt=50, out=30, model="m2", first=7), slots=3,
+                     devices=("d0", "d1"))
+    held, most = {"d0": 0, "d1": 0}, 0
+    for e in events:
+        if e["ev"] == "dispatch":
+            held[e["device"]] += 1
+            assert e["batch"] == held[e["device"]] <= 3 and 0 <= e["slot"] < 3
+        elif e["ev"] == "finish":
+            held[e["device"]] -= 1
+        most = max(most, *held.values())
+    assert most == 3 and measure(events).batch_max == 3
+
+
+def test_a_revoke_stops_one_job_at_the_next_step_and_the_others_go_on():
+    extract = Arrival(3.0, SimJob(Job("E", "extract", "m1"), 1, 5))
+    events = slotted(nataraj(2) + (extract,), slots=2)
+    # N1's one-token prefill rides in N0's step from 2.01: one pass, 0.01 s of chunk plus what N0's
+    # row adds to a pass, step(1) less the curve's fixed part (2 step(1) - step(2) = 0.0667 s).
+    assert times(events, "first_token", "N1") == [pytest.approx(2.01 + 0.01 + 0.1 - 0.2 / 3)]
+    # Then they step together (0.1333 s a step at batch 2); the extract outranks them with no slot
+    # free: one revoke, of the last dispatched, which stops at the end of the step under way.
+    revokes = [(e["job"], e["batch"], e["cause"]) for e in events if e["ev"] == "revoke"]
+    assert revokes == [("N1", 2, "arrival")]
+    stop = times(events, "first_token", "N1")[0] + 8 * (0.1 + 0.1 / 3)
+    n1 = [(e["t"], e["outcome"], e["tokens"]) for e in events if e["ev"] == "finish" and e["job"] == "N1"]
+    assert n1[0] == (pytest.approx(stop + 0.05), "revoked", 1 + 8)
+    assert times(events, "dispatch", "E") == [pytest.approx(stop + 0.05)]
+    n0 = [(e["outcome"], e["tokens"]) for e in events if e["ev"] == "finish" and e["job"] == "N0"]
+    assert n0 == [("done", 101)]   # never stopped: its tokens kept coming beside the stop and the join
+    trace = Trace(events)
+    assert [(r.job, r.revoke_batch, r.revoke_cause) for r in trace.runs if r.revoked_at] == [("N1", 2, "arrival")]
+    assert {(r.job, r.batch) for r in trace.runs} >= {("N0", 1), ("N1", 2), ("E", 2)}
+
+
+def test_the_contract_with_slots_is_checked():
+    class Cramming(Fifo):   # dispatches every job at once, in slot 0
+        def submit(self, job, now):
+            return [Dispatch(job.id, job.model_id, job.id == "N0", Tier.FAIR)]
+
+    with pytest.raises(ContractError, match="slot 0 while 'N0' is running"):
+        simulate(Cramming(), Workload("cram", 0, "", arrivals=nataraj(2)), BATCHED, slots=2)
+
+    class Swapping(Fifo):   # swaps a device that still holds a job
+        def submit(self, job, now):
+            return [Dispatch(job.id, job.model_id, True, Tier.FAIR, slot=int(job.id[1:]))]
+
+    with pytest.raises(ContractError, match="a device swaps only when empty"):
+        simulate(Swapping(), Workload("swap", 0, "", arrivals=nataraj(2)), BATCHED, slots=2)
+    with pytest.raises(ContractError, match="slot 2: it has 2 slot"):
+        simulate(Swapping(), Workload("far", 0, "", arrivals=nataraj(1, first=2)), BATCHED, slots=2)
+
+
+def test_idle_while_waiting_counts_a_device_idle_beside_a_full_one():
+    log = [ev(0.0, "submit", "A"), ev(0.0, "submit", "B"), ev(0.0, "submit", "E"),
+           ev(0.0, "dispatch", "A", swap=True, device="d0"), ev(0.0, "dispatch", "B", swap=False, device="d0", batch=2),
+           ev(0.0, "dispatch", "E", swap=True, device="d1"), ev(1.0, "finish", "E", outcome="done", device="d1"),
+           ev(2.0, "submit", "F"), ev(5.0, "finish", "A", outcome="done", device="d0"),
+           ev(5.0, "dispatch", "F", swap=True, device="d0"), ev(6.0, "finish", "F", outcome="done", device="d0"),
+           ev(6.0, "finish", "B", outcome="done", device="d0")]
+    m = measure(log)
+    assert m.idle_while_waiting_s == pytest.approx(3.0)   # F waited [2, 5) while d1 held nothing
+    assert (m.batch_mean, m.batch_max) == (pytest.approx(5 / 4), 2)
+
+
+def test_bench_slots_writes_the_slot_table_and_goals(tmp_path, capsys):
+    assert bench.main(["--slots", "1,2", "--workloads", "issue118", "--out", str(tmp_path)]) == 0
+    text = (tmp_path / "slots.md").read_text()
+    assert "| slots | background tok/h |" in text and "\n| 2 |" in text
+    assert "issue118: chat TTFT p99 at 2 slots <= the first's + one step" in text
+    assert "swaps per device-hour at 2 slots no more" in text
+
+
+def test_a_step_reads_the_chunk_of_the_best_tier_joiner_first():
+    speed = BATCHED.speed("m1")
+    background, chat = Progress(500, 500, 10, 500, 0, tier=4), Progress(50, 50, 10, 50, 0, tier=0)
+    epoch = plan([background, chat], 0.0, speed, 256)
+    assert (epoch.reader, epoch.chunk, epoch.count) == (chat, 50, 1)
+    assert epoch.advance(epoch.end) == [chat] and (chat.tokens, background.to_read) == (1, 500)

@@ -1,8 +1,12 @@
-"""The wait for a generating job, shared by the test modules and the subprocess scenarios
-(which cannot import conftest: it sets the test session's environment)."""
+"""The waits of the runtime tests, shared by the test modules, the subprocess scenarios (which
+cannot import conftest: it sets the test session's environment) and the cluster benchmark: a
+generating job, a pool of so many devices."""
 from __future__ import annotations
 
-from uniun_ray.client import await_generating
+import asyncio
+import time
+
+from uniun_ray.client import astatus, await_generating
 
 #: How long a test waits for a job to be generating. Room for the worst case a test itself
 #: causes: its job may be the session's first use of a model in an empty cache (a conversion
@@ -17,3 +21,22 @@ async def started(kind: str) -> dict:
     running = await await_generating(kind, timeout_s=STARTED_TIMEOUT_S, min_held_s=0.3)
     assert running is not None, f"no {kind} job started"
     return running
+
+
+async def until(check, what: str):
+    """Poll `check()` (a coroutine function) until its value is truthy, and return that; fail,
+    naming `what`, after STARTED_TIMEOUT_S."""
+    deadline = time.monotonic() + STARTED_TIMEOUT_S
+    while not (value := await check()):
+        assert time.monotonic() < deadline, f"never: {what}"
+        await asyncio.sleep(0.05)
+    return value
+
+
+async def pool_of(devices: int, located: bool = True) -> dict:
+    """The status once the pool has `devices` devices (and, if `located`, each knows its node)."""
+    async def look():
+        status = await astatus()
+        found = status["devices"]
+        return status if len(found) == devices and (not located or all(d["node"] for d in found)) else None
+    return await until(look, f"a pool of {devices} devices")

@@ -6,7 +6,7 @@ without importing Ray or torch.
 from importlib import import_module
 
 _CLIENT = {"generate", "stream", "run", "embed", "set_foreground", "status", "agenerate", "astream",
-           "arun", "aembed", "aset_foreground", "astatus", "Completion", "LeaseHandle", "wait_generating",
+           "arun", "aembed", "aset_foreground", "astatus", "aprepare", "Completion", "LeaseHandle", "wait_generating",
            "await_generating"}
 _LAUNCH = {"connect", "start", "local_cluster"}
 _PROTOCOL = {"Preempted", "JobDropped", "LeaseRevoked", "QueueFull", "UniunError", "SchedulerUnavailable", "DeviceLost",

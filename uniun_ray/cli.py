@@ -187,7 +187,7 @@ def _up(args) -> int:
     if http_url:
         key = "bearer UNIUN_API_KEY required" if os.environ.get("UNIUN_API_KEY") else "no API key"
         print(f"http: {http_url}/v1 (OpenAI-compatible; {key})")
-        print(f"live page: {http_url}/")
+        print(f"live page: {http_url}/   health: {http_url}/health")
     if state.dashboard_url:
         print(f"jobs: ray job submit --address {state.dashboard_url} --working-dir . -- python jobs/chat.py")
     print(f"state: {state_path()}; stop with `uniun-ray down`")

@@ -489,20 +489,25 @@ class GenerationStream:
             pass  # for the log only; a lost scheduler shows at release
 
 
-def astream(kind: Kind | str, prompt: str | None = None, *, messages: list[dict] | None = None,
+def astream(kind: Kind | str, prompt: str | list[int] | None = None, *, messages: list[dict] | None = None,
             model_id: str | None = None, producer: str | None = None, deadline: float | None = None,
             foreground_hint: bool = False, subject: str | None = None, max_new_tokens: int = 128,
-            temperature: float | None = None, top_p: float | None = None, top_k: int | None = None,
-            repetition_penalty: float | None = None, stop: str | list[str] = (),
-            seed: int | None = None) -> GenerationStream:
-    """Validated here, before anything is queued; runs when iterated. Sampling fields left None
-    take the model's generation_config (greedy for the embedded models); see GenerateRequest."""
+            **generation) -> GenerationStream:
+    """Validated here, before anything is queued; runs when iterated. ``generation``: the other
+    fields of GenerateRequest (temperature, top_p, top_k, repetition_penalty, stop, seed,
+    presence_penalty, frequency_penalty, logit_bias, json_schema, tools). Sampling fields left
+    None take the model's generation_config (greedy for the embedded models)."""
     job = _job(kind, model_id, producer, deadline, foreground_hint, subject)
-    request = GenerateRequest(prompt=prompt, messages=messages, max_new_tokens=max_new_tokens,
-                              temperature=temperature, top_p=top_p, top_k=top_k,
-                              repetition_penalty=repetition_penalty, stop=stop, seed=seed)
+    request = GenerateRequest(prompt=prompt, messages=messages, max_new_tokens=max_new_tokens, **generation)
     _check_prompt(prompt, messages)
     return GenerationStream(job, request, follows_chat_model=model_id is None)
+
+
+async def aprepare(model_id: str | None = None) -> bool:
+    """Whether the model's weights are ready on the device; if not, their one-time conversion
+    (an embedded GGUF: up to a minute) starts there in the background, and a server can tell its
+    client to come back rather than hold the request. UnknownModel for an id nothing resolves."""
+    return await handles().model.prepare.remote(model_id or active_chat_model())
 
 
 async def agenerate(kind, prompt=None, **kwargs) -> Completion:

@@ -218,9 +218,9 @@ def fitted(device: DeviceProfile, observed: dict[str, dict[str, float]]) -> Devi
     of the system, not the machine's load."""
     def fit(model: str, speed: ModelSpeed) -> ModelSpeed:
         seen = observed.get(model, {})
-        return ModelSpeed(seen.get("decode s/tok", speed.decode_s),
-                          seen.get("prefill s/1k tok", 1000 * speed.prefill_s_per_token) / 1000,
-                          seen.get("swap s", speed.swap_s))
+        return replace(speed, decode_s=seen.get("decode s/tok", speed.decode_s),
+                       prefill_s_per_token=seen.get("prefill s/1k tok", 1000 * speed.prefill_s_per_token) / 1000,
+                       swap_s=seen.get("swap s", speed.swap_s))
     return replace(device, name=f"{device.name} fitted", models={m: fit(m, s) for m, s in device.models.items()})
 
 

@@ -19,14 +19,17 @@ submit         job, kind ("chat"|"nataraj"|"gana"|"extract"), producer, model,
                subject (str|null); optional: prompt_tokens, output_tokens (ints)
 foreground     kind (str|null: nothing in front), subject (str|null)
 dispatch       job, kind, producer, model, swap (bool); optional: tier (0-4, the job's
-               tier at dispatch; readers derive it from R1 when absent)
+               tier at dispatch; readers derive it from R1 when absent), slot (int, the
+               device's slot it takes, SPEC §6; 0 when absent), batch (int, the jobs
+               dispatched to the device and not finished, this one included; 1 when absent)
 swap_start     job, kind, producer, model (being loaded), from (model unloaded, or null)
 swap_end       job, kind, producer, model
 first_token    job, kind, producer, model: the job's first generated token (once per job;
                a resumed job does not emit it again)
 revoke         job, kind, producer, model: the scheduler revoked the running job; optional:
                cause (the policy's RevokeCause: "arrival"|"foreground"|"deadline"|
-               "affinity"|"cancel"|"reclaim")
+               "affinity"|"step"|"cancel"|"reclaim"), batch (int, the jobs on the device
+               when it was revoked, this one included; 1 when absent)
 finish         job, kind, producer, model, outcome ("done"|"failed"|"revoked"),
                tokens (int, tokens produced so far, optional), requeued (bool, optional:
                the policy put the job back in its queue, R6; it is dispatched later).
@@ -39,13 +42,16 @@ drop           job, kind, producer, model, reason: a queued job ended without ru
 device         device, change ("added"|"removed"); optional: reason. The pool changed
                (SPEC §5, R20): a device joined it, or left it for good; the job it ran,
                if any, finishes "failed" with ``requeued`` and runs elsewhere
+node           node (Ray's node id), address, change ("joined"|"left"); optional: reason.
+               A node of the cluster joined it (its devices follow as ``device`` "added")
+               or died (its devices leave as ``device`` "removed")
 =============  ==========================================================================
 
 ``revoke`` may carry ``reason``, the runtime's words for its ``cause`` ("arrival of chat job
-c-1"); the runtime writes both, the simulator neither.
+c-1"); the runtime writes both, the simulator the cause alone.
 
-A job holds the device from its ``dispatch`` to its ``finish`` (swap included), which is
-the time R7 charges to its flow.
+A job holds its slot of the device from its ``dispatch`` to its ``finish`` (swap included),
+which is the time R7 charges to its flow (slot-seconds, R24: the same whatever the batch).
 """
 from __future__ import annotations
 
@@ -66,6 +72,7 @@ REQUIRED: dict[str, tuple[str, ...]] = {
     "reclaim": JOB_FIELDS + ("reason",),
     "drop": JOB_FIELDS + ("reason",),
     "device": ("device", "change"),
+    "node": ("node", "address", "change"),
 }
 OUTCOMES = ("done", "failed", "revoked")
 

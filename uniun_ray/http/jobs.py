@@ -3,8 +3,8 @@ job with `uniun_ray.astream`, and gathers the facts an OpenAI answer reports abo
 
 Every fact an OpenAI answer reports comes from the client's `Completion`: the job id, the
 prompt's token count as the model read it, the tier of the job's first dispatch (the policy's
-`Dispatch.tier`, carried by the lease), the finish reason. Sampling fields (`temperature`,
-`top_p`, `stop`, `seed`, and vLLM's `top_k`, `repetition_penalty`) are the client's own.
+`Dispatch.tier`, carried by the lease), the finish reason. The generation fields (sampling,
+penalties, logit bias, structured output, tools) are the client's own: GenerateRequest's.
 
 Cancellation. When an HTTP client goes away, Serve cancels the request's Ray task, and Ray
 cancels every Ray call made in that task's context with it (recursive cancellation, ray
@@ -29,13 +29,6 @@ from .schemas import JobFields
 
 #: max_tokens when the request gives none (the client API's default).
 DEFAULT_MAX_TOKENS = 128
-#: OpenAI's sampling fields (and vLLM's top_k, repetition_penalty): the client API's own.
-SAMPLING_FIELDS = ("temperature", "top_p", "stop", "seed", "top_k", "repetition_penalty")
-
-
-def sampling_kwargs(body: JobFields) -> dict:
-    """The sampling fields the request gave, as the client API takes them."""
-    return {name: getattr(body, name) for name in SAMPLING_FIELDS if getattr(body, name, None) is not None}
 
 
 def producer_of(body: JobFields) -> str | None:
@@ -47,48 +40,65 @@ def producer_of(body: JobFields) -> str | None:
 
 
 class Detached:
-    """The job's pieces, produced by a task outside the request's Ray task context (see the
-    module's note on cancellation), consumed here. `aclose` (or the consumer's cancellation)
-    cancels the producing task and waits until the client API has withdrawn the job."""
+    """The pieces of one or more jobs' streams, produced by tasks outside the request's Ray
+    task context (see the module's note on cancellation), consumed here as (index, piece), and
+    (index, None) when that stream has ended. `aclose` (or the consumer's cancellation)
+    cancels the producing tasks and waits until the client API has withdrawn the jobs."""
 
-    _END = object()
-
-    def __init__(self, stream) -> None:
+    def __init__(self, streams: list) -> None:
         self._queue: asyncio.Queue = asyncio.Queue()
-        self._task = asyncio.get_running_loop().create_task(self._pump(stream), context=contextvars.Context())
+        self._open = len(streams)
+        loop = asyncio.get_running_loop()
+        self._tasks = [loop.create_task(self._pump(index, stream), context=contextvars.Context())
+                       for index, stream in enumerate(streams)]
 
-    async def _pump(self, stream) -> None:
+    async def _pump(self, index: int, stream) -> None:
         try:
             async for piece in stream:
-                self._queue.put_nowait(piece)
+                self._queue.put_nowait((index, piece))
         except Exception as error:  # for the consumer to raise (a cancellation just ends the task)
-            self._queue.put_nowait(error)
+            self._queue.put_nowait((index, error))
             return
-        self._queue.put_nowait(self._END)
+        self._queue.put_nowait((index, None))
 
     def __aiter__(self) -> "Detached":
         return self
 
-    async def __anext__(self) -> str:
+    async def __anext__(self) -> tuple[int, str | None]:
+        if not self._open:
+            raise StopAsyncIteration
         try:
-            item = await self._queue.get()
+            index, item = await self._queue.get()
         except BaseException:
             await self.aclose()
             raise
-        if item is self._END:
-            raise StopAsyncIteration
         if isinstance(item, BaseException):
             raise item
-        return item
+        self._open -= item is None
+        return index, item
 
     async def aclose(self) -> None:
-        if self._task.done():
-            return
-        self._task.cancel()
-        try:
-            await asyncio.shield(self._task)
-        except BaseException:  # its own CancelledError, or the error it ended with
+        running = [task for task in self._tasks if not task.done()]
+        for task in running:
+            task.cancel()
+        if running:  # each task's own CancelledError, or the error it ended with
+            await asyncio.shield(asyncio.gather(*running, return_exceptions=True))
+
+
+def pieces(jobs: list["Job"]) -> Detached:
+    """The jobs' pieces as they come; iterating them runs the jobs."""
+    return Detached([job.stream for job in jobs])
+
+
+async def run_all(jobs: list["Job"]) -> None:
+    """Run the jobs to their ends (each one's Completion is then its `completion`); the first
+    error withdraws the others."""
+    running = pieces(jobs)
+    try:
+        async for _ in running:
             pass
+    finally:
+        await running.aclose()
 
 
 @dataclass
@@ -98,21 +108,9 @@ class Job:
     body: JobFields
     stream: object                      # the client's GenerationStream
     max_tokens: int
-    prompt: str | None = None
+    prompt: str | list[int] | None = None
     messages: list[dict] | None = None
     created: int = field(default_factory=lambda: int(time.time()))
-    _pieces: Detached | None = None
-
-    def pieces(self) -> Detached:
-        """The job's text pieces; iterating them runs the job (once)."""
-        if self._pieces is None:
-            self._pieces = Detached(self.stream)
-        return self._pieces
-
-    async def run(self) -> None:
-        """Run the job to its end (its Completion is then `completion`)."""
-        async for _ in self.pieces():
-            pass
 
     @property
     def id(self) -> str:
@@ -145,13 +143,12 @@ class Job:
                 "ttft_s": done.ttft_s, "revokes": done.revokes}
 
 
-def open_job(body: JobFields, *, prompt: str | None = None, messages: list[dict] | None = None) -> Job:
+def open_job(body: JobFields, *, prompt: str | list[int] | None = None, messages: list[dict] | None = None) -> Job:
     """Validate and open the job (nothing is queued until it is iterated). ValueError and
     the client's other errors propagate to the caller, which maps them to OpenAI errors."""
-    sampling = sampling_kwargs(body)
     max_tokens = body.new_tokens() or DEFAULT_MAX_TOKENS
     stream = uniun_ray.astream(body.kind, prompt, messages=messages, model_id=body.model_id(),
                                producer=producer_of(body), deadline=body.deadline,
                                foreground_hint=body.foreground_hint, subject=body.subject,
-                               max_new_tokens=max_tokens, **sampling)
+                               max_new_tokens=max_tokens, **body.request_fields())
     return Job(body, stream, max_tokens, prompt=prompt, messages=messages)

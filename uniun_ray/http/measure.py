@@ -2,16 +2,11 @@
 from __future__ import annotations
 
 import json
-import socket
 import time
 
 import requests
 
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as probe:
-        probe.bind((host, 0))
-        return probe.getsockname()[1]
+from ..engines.server import free_port  # noqa: F401  (the demo and the benchmarks take it from here)
 
 
 def stream_ttft(url: str, body: dict, path: str = "/v1/chat/completions", api_key: str | None = None,

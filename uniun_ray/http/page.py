@@ -27,6 +27,7 @@ from fastapi.responses import FileResponse
 from fastapi.staticfiles import StaticFiles
 
 from .errors import APIError, from_client
+from .openapi import ERRORS
 
 STATIC = Path(__file__).parent / "static"
 #: The timeline's span, and the most the events route returns.
@@ -117,7 +118,7 @@ def install(app: FastAPI, require_scheduler) -> None:
     app.router.routes.extend(public.routes)   # outside the app-wide auth dependency
     app.mount("/static", StaticFiles(directory=STATIC), name="static")
 
-    @app.get("/v1/events")
+    @app.get("/v1/events", responses=ERRORS)
     async def events(since: float = Query(default=0.0, ge=0)):
         require_scheduler()
         path = await event_log()
@@ -127,7 +128,7 @@ def install(app: FastAPI, require_scheduler) -> None:
         found = await asyncio.to_thread(events_since, path, max(since, now - WINDOW_S))
         return {"now": now, "window_s": WINDOW_S, "events": found}
 
-    @app.get("/v1/explain/{job_id}")
+    @app.get("/v1/explain/{job_id}", responses=ERRORS)
     async def explain(job_id: str):
         path = await event_log()
         if path is None:

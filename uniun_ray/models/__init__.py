@@ -7,7 +7,7 @@ builds requests should not pay for that.
 from importlib import import_module
 
 _WHERE = {
-    "Engine": "engine", "Generation": "engine",
+    "Engine": "engine", "Generation": "engine", "Batch": "batch", "Job": "batch",
     "default_dtype": "weights",
     "PromptTooLong": "vocabulary", "inspect_request": "vocabulary",
     "GenerateRequest": "request", "GenerationResult": "request",

@@ -19,6 +19,7 @@ from transformers import (EosTokenCriteria, LogitsProcessorList, MaxLengthCriter
                           RepetitionPenaltyLogitsProcessor, StoppingCriteria, StoppingCriteriaList,
                           StopStringCriteria, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper)
 
+from .logits import shaping
 from .request import GenerateRequest
 
 
@@ -72,8 +73,11 @@ class Decoding:
 
 def decoding(model: Any, tokenizer: Any, request: GenerateRequest, prompt_tokens: int,
              eos_ids: frozenset[int], cancel_flag: Any, device: torch.device) -> Decoding:
-    """Everything that decides one run's tokens and its end, for a prompt of ``prompt_tokens``."""
+    """Everything that decides one run's tokens and its end, for a context of ``prompt_tokens``
+    (a resumed run's ``resume_tokens`` included: they are output to OpenAI's processors)."""
     config = generation_config(model, request)
+    output_start = prompt_tokens - len(request.resume_tokens)
+    chain = processors(config, shaping(request, tokenizer, eos_ids, output_start))
     cancel = CancelCriteria(cancel_flag)
     stopping = StoppingCriteriaList([cancel, EosTokenCriteria(sorted(eos_ids)),
                                      MaxLengthCriteria(prompt_tokens + request.max_new_tokens)])
@@ -82,7 +86,7 @@ def decoding(model: Any, tokenizer: Any, request: GenerateRequest, prompt_tokens
     generator = None
     if config.do_sample and request.seed is not None:   # sampling runs on the CPU (see next_token)
         generator = torch.Generator().manual_seed(request.seed)
-    return Decoding(processors(config), bool(config.do_sample), generator, stopping, cancel)
+    return Decoding(chain, bool(config.do_sample), generator, stopping, cancel)
 
 
 def generation_config(model: Any, request: GenerateRequest) -> Any:
@@ -100,12 +104,14 @@ def generation_config(model: Any, request: GenerateRequest) -> Any:
     return config
 
 
-def processors(config: Any) -> LogitsProcessorList:
+def processors(config: Any, shaping: list = ()) -> LogitsProcessorList:
     """As ``GenerationMixin._get_logits_processor`` builds them for these fields, in its order:
-    penalties first, then (sampling only) temperature, top-k, top-p."""
+    penalties first, then the request's OpenAI ``shaping`` (``logits.shaping``), then (sampling
+    only) temperature, top-k, top-p."""
     chain = LogitsProcessorList()
     if config.repetition_penalty is not None and config.repetition_penalty != 1.0:
         chain.append(RepetitionPenaltyLogitsProcessor(penalty=config.repetition_penalty))
+    chain.extend(shaping)
     if config.do_sample:
         if config.temperature is not None and config.temperature != 1.0:
             chain.append(TemperatureLogitsWarper(config.temperature))

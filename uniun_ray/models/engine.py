@@ -31,12 +31,11 @@ from typing import Any, Iterator
 
 import torch
 
-from .decoding import StopText, decoding
-from .detokenizer import Detokenizer
 from .gate import CancelFlag, Interrupted
 from .kvcache import Hit, PrefixCache, crop_layers
 from .registry import materialize, resolve
 from .request import GenerateRequest, GenerationResult, _is_int
+from .sequence import Sequence
 from .settings import check_megabytes
 from .tuning import MAX_CHUNK
 from .vocabulary import context_of
@@ -267,97 +266,72 @@ class Generation(Iterator[str]):
         chunk: int | None,
     ) -> Iterator[str]:
         engine._begin(loaded)
-        started = time.perf_counter()
-        detokenizer = Detokenizer(loaded.vocabulary.tokenizer, context)
-        stop_text = StopText(request.stop)
-        pieces: list[str] = []
-        first_token_at = prefilled_at = None
-        reason = "error"  # what an exception from the model leaves
-        cache, fed, hit = None, 0, Hit(None, 0)
+        sequence, cache = None, None
         try:
-            run = decoding(loaded.model, loaded.vocabulary.tokenizer, request, len(context),
-                           loaded.eos_ids, cancel, engine.device)
-            sequence = torch.empty((1, len(context) + request.max_new_tokens), dtype=torch.long)
-            sequence[0, : len(context)] = torch.tensor(context)
-            length = len(context)
-            hit = loaded.prefix.take(context)
-            logits, cache, fed = _prefill(loaded, context, hit, chunk, engine.device, run.cancel)
+            sequence = Sequence(loaded, context, request, cancel, engine.device)
+            sequence.hit = loaded.prefix.take(context)
+            logits, cache, sequence.fed = _prefill(loaded, context, sequence.hit, chunk, engine.device,
+                                                   sequence.decoding.cancel)
             if logits is not None:
-                prefilled_at = time.perf_counter()
+                sequence.prefilled_at = time.perf_counter()
             while logits is not None:
-                token = run.next_token(sequence[:, :length], logits)
-                if first_token_at is None:
-                    first_token_at = time.perf_counter()
-                sequence[0, length] = token
-                length += 1
-                ended = run.finish_reason(sequence[:, :length])
-                if token not in loaded.eos_ids:
-                    piece = stop_text.push(detokenizer.push(token))
-                    if piece:
-                        pieces.append(piece)
-                        self.emitted_tokens = len(detokenizer.committed)
-                        yield piece
-                if stop_text.stopped:
-                    ended = "stop"  # seen in the text at a token boundary the criterion had not
-                if ended is not None:
-                    reason = ended
+                piece = sequence.accept(logits)
+                if piece:
+                    self.emitted_tokens = sequence.emitted_tokens
+                    yield piece
+                if sequence.ended:
                     break
-                logits, cache = _step(loaded, [token], cache, engine.device, run.cancel)
-                fed += logits is not None
-            else:
-                reason = "cancel"  # the flag was seen in prefill or before a decode step
-            # A cancelled run leaves out text still held for an incomplete character (its tokens
-            # are not committed: the resumed run recomputes them), but not text held back as a
-            # possible stop string, whose tokens are.
-            tail = stop_text.flush() if reason == "cancel" else stop_text.push(detokenizer.flush())
-            if not stop_text.stopped:
-                tail += stop_text.flush()
+                logits, cache = _step(loaded, [sequence.last_token], cache, engine.device, sequence.decoding.cancel)
+                sequence.fed += logits is not None
+            tail = sequence.finish(None if sequence.ended else "cancel")  # the flag was seen before a pass
             if tail:
-                pieces.append(tail)
                 yield tail
         except GeneratorExit:
-            reason = "cancel"  # the consumer closed the iterator
+            if sequence is not None:
+                sequence.reason = "cancel"  # the consumer closed the iterator
             raise
         finally:
-            if reason != "error" and fed:  # keep the KV for the next turn, or for the resume
-                loaded.prefix.put(sequence[0, :fed].tolist(), cache, preempted=reason == "cancel",
-                                  prompt=len(context))
+            if sequence is not None:
+                sequence.keep(loaded.prefix, cache)
             engine._end()
-            self.result = GenerationResult(
-                text="".join(pieces),
-                token_ids=tuple(detokenizer.committed),
-                prompt_tokens=len(context),
-                finish_reason=reason,
-                ttft_s=None if first_token_at is None else first_token_at - started,
-                total_s=time.perf_counter() - started,
-                cached_tokens=hit.tokens,
-                prefill_s=None if prefilled_at is None else prefilled_at - started,
-            )
+            if sequence is not None:
+                self.result = sequence.result()
 
 
 def _prefill(
     loaded: Loaded, context: list[int], hit: Hit, fixed_chunk: int | None, device: torch.device,
     cancel: CancelFlag,
 ) -> tuple[torch.Tensor | None, Any, int]:
-    """Read the context after the cached prefix in chunks, checking ``cancel`` before each
-    and, where the model has a layer gate, before each of its layers. Returns the last logits
-    (None when cancelled), the cache and how many tokens it holds: the chunks that completed
-    (a chunk cut short is cropped away; a cache that cannot be cropped back is dropped).
-    Unless fixed, each chunk is sized anew from the step times measured so far."""
+    """Read the context after the cached prefix in chunks (``prefill_chunk``). Returns the last
+    logits (None when cancelled), the cache and how many tokens it holds. Unless fixed, each
+    chunk is sized anew from the step times measured so far."""
     logits, cache, start = None, hit.cache, hit.tokens
     while start < len(context):
-        chunk = fixed_chunk or loaded.clock.chunk
-        try:
-            with loaded.gate.armed(cancel) if loaded.gate is not None else nullcontext():
-                step_logits, cache = _step(loaded, context[start : start + chunk], cache, device, cancel)
-        except Interrupted:
-            if cache is None or not crop_layers(cache, start):
-                return None, None, 0
-            return None, cache, start
-        if step_logits is None:
-            return None, cache, start
-        logits, start = step_logits, min(start + chunk, len(context))
+        logits, cache, start = prefill_chunk(loaded, context, cache, start, fixed_chunk or loaded.clock.chunk,
+                                             device, cancel)
+        if logits is None:
+            break
     return logits, cache, start
+
+
+def prefill_chunk(
+    loaded: Loaded, context: list[int], cache: Any, start: int, chunk: int, device: torch.device,
+    cancel: CancelFlag,
+) -> tuple[torch.Tensor | None, Any, int]:
+    """Read ``context[start:start + chunk]`` into ``cache`` (which holds ``context[:start]``),
+    checking ``cancel`` before the pass and, where the model has a layer gate, before each of
+    its layers. Returns the last logits (None when cancelled), the cache and how many tokens it
+    holds: a chunk cut short is cropped away; a cache that cannot be cropped back is dropped."""
+    try:
+        with loaded.gate.armed(cancel) if loaded.gate is not None else nullcontext():
+            logits, extended = _step(loaded, context[start : start + chunk], cache, device, cancel)
+    except Interrupted:
+        if cache is None or not crop_layers(cache, start):
+            return None, None, 0
+        return None, cache, start
+    if logits is None:
+        return None, cache, start
+    return logits, extended, min(start + chunk, len(context))
 
 
 def _step(

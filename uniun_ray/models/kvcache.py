@@ -59,7 +59,10 @@ def _growing(layer: Any) -> Any:
     first token); any other kind of layer (sliding windows) as it is, copied."""
     if type(layer) is DynamicLayer:
         twin = GrowingLayer.__new__(GrowingLayer)
-        twin.__dict__.update(layer.__dict__)
+        state = dict(layer.__dict__)
+        keys = state.pop("keys", None)
+        twin.__dict__.update(state)
+        twin.keys = keys
         return twin
     return copy.copy(layer)
 
@@ -91,9 +94,21 @@ class _Room:
 
 class GrowingLayer(DynamicLayer):
     """transformers' ``DynamicLayer``, but an update writes into room after the layer's tokens
-    when it may (``_Room.claim``) instead of concatenating a copy of all of them."""
+    when it may (``_Room.claim``) instead of concatenating a copy of all of them. Keys set to
+    anything but a view of its room (offloaded, stacked into a batch, cut out of one, copied)
+    let the room go, so that a kept layer never holds memory its keys do not use."""
 
     _room: _Room | None = None
+
+    @property
+    def keys(self) -> Any:
+        return self.__dict__.get("_keys")
+
+    @keys.setter
+    def keys(self, keys: Any) -> None:
+        self.__dict__["_keys"] = keys
+        if self._room is not None and (keys is None or keys.data_ptr() != self._room.keys.data_ptr()):
+            self._room = None
 
     def update(self, key_states: Any, value_states: Any, *args, **kwargs) -> tuple[Any, Any]:
         if not self.is_initialized:
@@ -106,11 +121,6 @@ class GrowingLayer(DynamicLayer):
         room.keys[..., held:end, :], room.values[..., held:end, :] = key_states, value_states
         self.keys, self.values = room.keys[..., :end, :], room.values[..., :end, :]
         return self.keys, self.values
-
-    def offload(self) -> None:
-        """The copy in CPU memory holds only the layer's tokens: the device's buffer is let go."""
-        self._room = None
-        super().offload()
 
 
 def croppable(cache: Any, tokens: int) -> bool:

@@ -26,6 +26,8 @@ import json
 import os
 import shutil
 import tempfile
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 from enum import Enum
@@ -205,6 +207,38 @@ def materialize(spec: ModelSpec) -> Path:
             raise UnknownModel(f"{spec.source!r} is no longer in the local Hugging Face cache")
         return snapshot
     return _converted(spec)
+
+
+def prepared(spec: ModelSpec) -> bool:
+    """Whether ``spec``'s weights are ready to read now; if not, their conversion starts in a
+    background thread (one per model, however often this is asked) and False is returned. A
+    server answers "come back later" meanwhile rather than holding a request for the minute a
+    first conversion can take. A conversion that failed raises its error here, once (the next
+    call starts it again)."""
+    if spec.origin is not Origin.EMBEDDED:
+        return True
+    target = cache_dir() / spec.id
+    with _PREPARING_LOCK:
+        running = _PREPARING.get(target)
+        if running is not None and running.done():
+            del _PREPARING[target]
+            running.result()   # raises the conversion's error; else it has just finished
+            return True
+        if running is not None:
+            return False
+        if _is_current(target, _fingerprint(spec)):
+            return True
+        _PREPARING[target] = _converter().submit(materialize, spec)
+    return False
+
+
+_PREPARING: dict[Path, Future] = {}
+_PREPARING_LOCK = threading.Lock()
+
+
+@functools.lru_cache(maxsize=1)
+def _converter() -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(max_workers=1, thread_name_prefix="uniun-convert")
 
 
 def _converted(spec: ModelSpec) -> Path:

@@ -6,9 +6,27 @@ runtime can build requests and read results without importing the model stack.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
+
+#: OpenAI's ranges: presence and frequency penalties, and a logit bias.
+PENALTY_RANGE = (-2.0, 2.0)
+LOGIT_BIAS_RANGE = (-100.0, 100.0)
+#: The JSON Schema of OpenAI's ``response_format: json_object``: any JSON object.
+JSON_OBJECT = {"type": "object"}
+
+
+class InvalidRequest(ValueError):
+    """A field of a request that cannot be served; ``field`` names it (a ``GenerateRequest``
+    field), so that an API can point its client at the parameter it sent."""
+
+    def __init__(self, message: str, field: str | None = None) -> None:
+        super().__init__(message)
+        self.field = field
+
+    def __reduce__(self):  # crosses Ray with its field
+        return type(self), (self.args[0], self.field)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -17,7 +35,11 @@ class GenerateRequest:
 
     Exactly one of ``prompt`` and ``messages`` is given. ``messages`` needs a model with a chat
     template. A plain ``prompt`` sent to a chat model is wrapped as a single user turn, because
-    chat models answer raw text poorly; on a completion model it is continued as is.
+    chat models answer raw text poorly; on a completion model it is continued as is. A prompt of
+    token ids (the model's own) is read exactly as given: no template, no BOS added. A message's
+    ``content`` may be None for an assistant turn that only called tools; other keys
+    (``tool_calls``, ``tool_call_id``, ``name``) go to the template as they are. ``tools``
+    (OpenAI's function tools) are rendered by a chat template that takes them.
 
     Resuming a revoked job, the engine prefills prompt + what the job already produced and
     returns only the new text. Give that output as one of:
@@ -35,9 +57,15 @@ class GenerateRequest:
     config says ``do_sample`` samples by default; the embedded ones are greedy). ``seed`` makes a
     sampled run repeatable. ``stop``: strings that end the run; the text returned stops before
     the first of them (OpenAI's ``stop``).
+
+    OpenAI's logit shaping, applied to the logits before sampling: ``presence_penalty`` and
+    ``frequency_penalty`` (-2..2) lower a token's logit once if it already appears in the output,
+    and once per appearance; ``logit_bias`` ({token id: -100..100}) is added to the logits.
+    ``json_schema``: the output is JSON valid against this JSON Schema by construction (a
+    grammar masks every token that would break it); ``JSON_OBJECT`` is OpenAI's json_object.
     """
 
-    prompt: str | None = None
+    prompt: str | tuple[int, ...] | None = None
     messages: list[dict] | None = None
     max_new_tokens: int = 128
     resume_text: str = ""
@@ -48,19 +76,29 @@ class GenerateRequest:
     repetition_penalty: float | None = None
     stop: tuple[str, ...] = ()
     seed: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: Mapping[int, float] | None = None
+    json_schema: Mapping | None = None
+    tools: tuple[dict, ...] = ()
 
     def __post_init__(self) -> None:
         if (self.prompt is None) == (self.messages is None):
             raise ValueError("give exactly one of prompt and messages")
         if self.prompt is not None and not isinstance(self.prompt, str):
-            raise ValueError(f"prompt must be a str, got {type(self.prompt).__name__}")
+            if isinstance(self.prompt, bytes) or not isinstance(self.prompt, Sequence):
+                raise InvalidRequest(f"prompt must be a str or a sequence of token ids, got "
+                                     f"{type(self.prompt).__name__}", "prompt")
+            object.__setattr__(self, "prompt", _token_tuple(self.prompt, "prompt"))
+            if not self.prompt:
+                raise InvalidRequest("prompt holds no token ids", "prompt")
         if self.messages is not None:
             _check_messages(self.messages)
         if not _is_int(self.max_new_tokens) or self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be an int >= 1, got {self.max_new_tokens!r}")
+            raise InvalidRequest(f"max_new_tokens must be an int >= 1, got {self.max_new_tokens!r}", "max_new_tokens")
         if not isinstance(self.resume_text, str):
             raise ValueError(f"resume_text must be a str, got {type(self.resume_text).__name__}")
-        object.__setattr__(self, "resume_tokens", _token_tuple(self.resume_tokens))
+        object.__setattr__(self, "resume_tokens", _token_tuple(self.resume_tokens, "resume_tokens"))
         if self.resume_text and self.resume_tokens:
             raise ValueError("give resume_tokens or resume_text, not both")
         _check_optional(self.temperature, "temperature", "a finite number >= 0", lambda v: _is_real(v) and 0 <= v)
@@ -69,7 +107,23 @@ class GenerateRequest:
         _check_optional(self.repetition_penalty, "repetition_penalty", "a finite number > 0",
                         lambda v: _is_real(v) and v > 0)
         _check_optional(self.seed, "seed", "an int >= 0", lambda v: _is_int(v) and v >= 0)
+        for name in ("presence_penalty", "frequency_penalty"):
+            _check_optional(getattr(self, name), name, "a number in [-2, 2]", _within(PENALTY_RANGE))
         object.__setattr__(self, "stop", _stop_tuple(self.stop))
+        if self.logit_bias is not None:
+            object.__setattr__(self, "logit_bias", _logit_bias(self.logit_bias))
+        if self.json_schema is not None:
+            _check_json_schema(self.json_schema)
+        object.__setattr__(self, "tools", _tools(self.tools))
+        if self.tools and self.messages is None:
+            raise InvalidRequest("tools need messages (a chat), not a prompt", "tools")
+
+    def check_vocabulary(self, size: int, model_id: str) -> None:
+        """Raise InvalidRequest for a token id the model's vocabulary of ``size`` lacks."""
+        for name in ("prompt", "resume_tokens", "logit_bias"):
+            ids = getattr(self, name)
+            if isinstance(ids, (tuple, Mapping)) and any(token >= size for token in ids):
+                raise InvalidRequest(f"{name} holds token ids outside {model_id!r}'s vocabulary of {size}", name)
 
     @property
     def sampling(self) -> dict:
@@ -122,9 +176,55 @@ def _is_real(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
+def _within(bounds: tuple[float, float]):
+    return lambda v: _is_real(v) and bounds[0] <= v <= bounds[1]
+
+
 def _check_optional(value: Any, name: str, what: str, valid) -> None:
     if value is not None and not (valid(value) and math.isfinite(value)):
-        raise ValueError(f"{name} must be {what}, got {value!r}")
+        raise InvalidRequest(f"{name} must be {what}, got {value!r}", name)
+
+
+def _logit_bias(bias: Any) -> dict[int, float]:
+    """{token id: bias}; ids may come as JSON's string keys ("50256")."""
+    if not isinstance(bias, Mapping):
+        raise InvalidRequest(f"logit_bias must map token ids to numbers, got {type(bias).__name__}", "logit_bias")
+    out = {}
+    for token, value in bias.items():
+        token = int(token) if isinstance(token, str) and token.isdigit() else token
+        if not (_is_int(token) and token >= 0):
+            raise InvalidRequest(f"logit_bias keys must be token ids (ints >= 0), got {token!r}", "logit_bias")
+        _check_optional(value, "logit_bias", "a map of token ids to numbers in [-100, 100]",
+                        _within(LOGIT_BIAS_RANGE))
+        out[token] = float(value)
+    return out
+
+
+def _check_json_schema(schema: Any) -> None:
+    """A JSON Schema the grammar compiler takes (llguidance's own check, no tokenizer needed)."""
+    from llguidance import LLMatcher
+
+    if not isinstance(schema, Mapping):
+        raise InvalidRequest(f"json_schema must be a JSON Schema object, got {type(schema).__name__}", "json_schema")
+    try:
+        error = LLMatcher.validate_grammar(LLMatcher.grammar_from_json_schema(dict(schema)))
+    except (ValueError, TypeError) as invalid:
+        error = str(invalid)
+    if error:
+        raise InvalidRequest(f"json_schema is not a JSON Schema this server can follow: {error}", "json_schema")
+
+
+def _tools(tools: Any) -> tuple[dict, ...]:
+    """OpenAI's function tools: {"type": "function", "function": {"name": ..., ...}}."""
+    if isinstance(tools, (str, bytes, Mapping)) or not isinstance(tools, Sequence):
+        raise InvalidRequest(f"tools must be a list of function tools, got {type(tools).__name__}", "tools")
+    for index, tool in enumerate(tools):
+        function = tool.get("function") if isinstance(tool, Mapping) else None
+        if not isinstance(function, Mapping) or tool.get("type") != "function" \
+                or not isinstance(function.get("name"), str):
+            raise InvalidRequest(f"tools[{index}] must be {{'type': 'function', 'function': {{'name': str, ...}}}}",
+                                 "tools")
+    return tuple(tools)
 
 
 def _stop_tuple(stop: Any) -> tuple[str, ...]:
@@ -132,29 +232,30 @@ def _stop_tuple(stop: Any) -> tuple[str, ...]:
     if isinstance(stop, str):
         stop = (stop,)
     if not isinstance(stop, Sequence) or not all(isinstance(s, str) and s for s in stop):
-        raise ValueError(f"stop must be a string or a list of non-empty strings, got {stop!r}")
+        raise InvalidRequest(f"stop must be a string or a list of non-empty strings, got {stop!r}", "stop")
     return tuple(stop)
 
 
 def _check_messages(messages: Any) -> None:
     if not isinstance(messages, list) or not messages:
-        raise ValueError("messages must be a non-empty list of {'role': str, 'content': str} dicts")
+        raise InvalidRequest("messages must be a non-empty list of {'role': str, 'content': str} dicts", "messages")
     for index, message in enumerate(messages):
+        content = message.get("content") if isinstance(message, dict) else None
         if (
             not isinstance(message, dict)
             or not isinstance(message.get("role"), str)
-            or not isinstance(message.get("content"), str)
+            or not (isinstance(content, str) or content is None and message["role"] == "assistant")
         ):
-            raise ValueError(
-                f"messages[{index}] must be a dict with str 'role' and str 'content', got {message!r}"
-            )
+            raise InvalidRequest(
+                f"messages[{index}] must be a dict with str 'role' and str 'content' (None only for an "
+                f"assistant), got {message!r}", "messages")
 
 
-def _token_tuple(tokens: Any) -> tuple[int, ...]:
+def _token_tuple(tokens: Any, name: str) -> tuple[int, ...]:
     if isinstance(tokens, (str, bytes)) or not isinstance(tokens, Sequence):
-        raise ValueError(f"resume_tokens must be a sequence of token ids, got {type(tokens).__name__}")
+        raise InvalidRequest(f"{name} must be a sequence of token ids, got {type(tokens).__name__}", name)
     if not all(_is_int(token) and token >= 0 for token in tokens):
-        raise ValueError("resume_tokens must hold non-negative int token ids")
+        raise InvalidRequest(f"{name} must hold non-negative int token ids", name)
     return tuple(tokens)
 
 

@@ -11,6 +11,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
+from .prompt import encode
 from .registry import ModelSpec, materialize
 from .request import GenerateRequest, _is_int
 
@@ -38,7 +39,13 @@ def inspect_request(spec: ModelSpec, request: GenerateRequest) -> int:
     outside the vocabulary, an empty prompt). PromptTooLong: prompt + resumed output +
     max_new_tokens exceed the context window.
     """
-    return len(context_of(_vocabulary_of(spec), request))
+    return len(prompt_ids(spec, request))
+
+
+def prompt_ids(spec: ModelSpec, request: GenerateRequest) -> list[int]:
+    """The token ids a run of ``request`` prefills (template, prompt and resumed output), for an
+    engine that tokenizes outside this process's model (vLLM's server takes token ids)."""
+    return context_of(_vocabulary_of(spec), request)
 
 
 _VOCABULARY_LOCK = threading.Lock()
@@ -77,14 +84,10 @@ def context_of(vocabulary: Vocabulary, request: GenerateRequest) -> list[int]:
     """The token ids to prefill for ``request``; raises if the model cannot run it."""
     if not isinstance(request, GenerateRequest):
         raise ValueError(f"request must be a GenerateRequest, got {type(request).__name__}")
-    context = _encode(vocabulary, request)
+    context = encode(vocabulary.tokenizer, vocabulary.chat, vocabulary.model_id, request)
     if not context:
         raise ValueError("the prompt encodes to zero tokens; there is nothing to continue")
-    size = len(vocabulary.tokenizer)
-    if any(token >= size for token in request.resume_tokens):
-        raise ValueError(
-            f"resume_tokens holds ids outside {vocabulary.model_id!r}'s vocabulary of {size}"
-        )
+    request.check_vocabulary(len(vocabulary.tokenizer), vocabulary.model_id)
     needed = len(context) + request.max_new_tokens
     if needed > vocabulary.context_length:
         resumed = len(request.resume_tokens)
@@ -95,21 +98,3 @@ def context_of(vocabulary: Vocabulary, request: GenerateRequest) -> list[int]:
             f"context length {vocabulary.context_length} of model {vocabulary.model_id!r}"
         )
     return context
-
-
-def _encode(vocabulary: Vocabulary, request: GenerateRequest) -> list[int]:
-    """Token ids of the prompt (templated for a chat model) followed by the resumed output."""
-    tokenizer = vocabulary.tokenizer
-    if request.messages is not None and not vocabulary.chat:
-        raise ValueError(
-            f"model {vocabulary.model_id!r} has no chat template; send a prompt, not messages"
-        )
-    if vocabulary.chat:
-        messages = request.messages or [{"role": "user", "content": request.prompt}]
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        add_special_tokens = False  # the template writes its own BOS where the model wants one
-    else:
-        text = request.prompt
-        add_special_tokens = True
-    ids = tokenizer(text + request.resume_text, add_special_tokens=add_special_tokens)["input_ids"]
-    return list(ids) + list(request.resume_tokens)

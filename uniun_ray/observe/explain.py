@@ -30,7 +30,7 @@ def explain(events: Iterable[dict], job_id: str) -> list[str]:
     if rec is None:
         raise KeyError(f"job {job_id!r} is not in the event log ({_span(trace)})")
     own = [e for e in events if e.get("job") == job_id]
-    reasons = {(e["job"], e["t"]): e.get("reason") or "revoked" for e in events if e["ev"] == "revoke"}
+    reasons = {(e["job"], e["t"]): (e.get("reason") or "revoked", e.get("cause")) for e in events if e["ev"] == "revoke"}
     return _Story(trace, rec, own, reasons).lines()
 
 
@@ -151,7 +151,16 @@ class _Story:
         return f", device {run.device}" if len(self.trace.devices) > 1 else ""
 
     def revoke_reason(self, run: Run) -> str:
-        return self.reasons.get((run.job, run.revoked_at), "revoked")
+        return self.reasons.get((run.job, run.revoked_at), ("revoked", None))[0]
+
+    def after_revoke(self, run: Run) -> str:
+        """What became of the job after a revoked run: back in its queue, or over (its caller
+        withdrew it: a client that went away; or a chat, which fails as preempted)."""
+        if self.rec.end is None or self.rec.end > run.end:
+            return "re-queued at its place (R6)"
+        if self.reasons.get((run.job, run.revoked_at), (None, None))[1] == "cancel":
+            return "withdrawn by its caller, not re-queued"
+        return "ended"
 
     def run(self, run: Run) -> None:
         """One hold of the device: dispatch (with its swap), tier changes, first token,
@@ -171,8 +180,7 @@ class _Story:
             notes.append((run.end, f"still running when the log ends (held {run.held:.3f}s)"))
         elif run.outcome == "revoked":
             stopped = f"stopped {run.end - run.revoked_at:.3f}s after the revoke, " if run.revoked_at else ""
-            after = "re-queued at its place (R6)" if self.rec.end is None or self.rec.end > run.end else "ended"
-            notes.append((run.end, f"{stopped}held {run.held:.3f}s; {after}"))
+            notes.append((run.end, f"{stopped}held {run.held:.3f}s; {self.after_revoke(run)}"))
         else:
             why = next((f": {e['reason']}" for e in self.own if e["ev"] == "finish" and e["t"] == run.end
                         and e.get("reason")), "")

@@ -2,9 +2,10 @@
 
 It answers "who holds each device, why, and what waits behind it" at a glance: the loaded
 model and the running job (kind, producer, tier, held time) of every device of the pool on
-top (each named, with its engine, once there are two or more), then every tier's
-queue with its waits, the fair pool's vruntimes, the T2 budget, the foreground, and the
-latest revokes and swaps with their reasons. `render` is pure (a dict and a list in, a
+top (each named, with its engine, once there are two or more, and with its node's address
+once the cluster has two or more nodes, which the summary lists with their devices), then
+every tier's queue with its waits, the fair pool's vruntimes, the T2 budget, the foreground,
+and the latest revokes, swaps and changes of the pool with their reasons. `render` is pure (a dict and a list in, a
 renderable out), so `--watch` simply re-renders it, and tests and the README screenshot
 render it without a cluster.
 """
@@ -22,7 +23,7 @@ from rich.text import Text
 from ..events.log import tail
 
 #: Events the "recent" list shows: what changed who holds the device, or what it holds.
-NOTABLE = ("revoke", "swap_end", "reclaim", "drop", "foreground", "device")
+NOTABLE = ("revoke", "swap_end", "reclaim", "drop", "foreground", "device", "node")
 TIER_STYLE = {"T0": "bold red", "T1": "bold magenta", "T2": "yellow", "T3": "cyan", "T4": "green"}
 
 
@@ -54,6 +55,9 @@ def _summary(snap: dict, now: float) -> Table:
         grid.add_row("loaded model", str(snap["loaded_model"] or "none"), "foreground (T1)", foreground)
     if snap.get("chat_model"):
         grid.add_row("chat model", snap["chat_model"], "", "")
+    if len(snap.get("nodes") or []) > 1:
+        grid.add_row("nodes", "; ".join(f"{n['address']}{' (head)' if n['head'] else ''}: "
+                                        f"{' '.join(n['devices']) or 'no device'}" for n in snap["nodes"]), "", "")
     budget = Text(f"{_bar(t2['share'] / t2['limit'] if t2['limit'] else 0)} {t2['share']:.0%} of {t2['limit']:.0%}")
     if t2["over_budget"]:
         budget.append("  over budget: T2 yields to waiting T3/T4", style="bold yellow")
@@ -80,14 +84,18 @@ def _running(snap: dict) -> Text:
     devices = snap.get("devices") or [{"running": snap["running"]}]
     if len(devices) == 1:
         return _holder(snap, devices[0]["running"], Text("▶ "))
-    return Text("\n").join(_holder(snap, d["running"], _device_head(d)) for d in devices)
+    nodes = snap.get("nodes") or []
+    addresses = {n["node"]: n["address"] for n in nodes} if len(nodes) > 1 else {}
+    return Text("\n").join(_holder(snap, d["running"], _device_head(d, addresses)) for d in devices)
 
 
-def _device_head(device: dict) -> Text:
+def _device_head(device: dict, addresses: dict[str, str]) -> Text:
+    """The device's name, model and engine; its node's address where the cluster has several."""
     engine = device.get("engine") or {}
     how = " ".join(str(engine[k]) for k in ("device", "dtype") if engine.get(k))
-    return Text(f"▶ {device['device']} [{device['loaded_model'] or 'empty'}{', ' + how if how else ''}] ",
-                style="bold")
+    node = addresses.get(device.get("node"))
+    return Text(f"▶ {device['device']} [{device['loaded_model'] or 'empty'}{', ' + how if how else ''}]"
+                f"{' on ' + node if node else ''} ", style="bold")
 
 
 def _holder(snap: dict, job: dict | None, text: Text) -> Text:
@@ -140,7 +148,7 @@ def _pool(snap: dict) -> Table:
 
 
 def _recent(events: list[dict], now: float) -> Table:
-    table = Table("when", "event", "detail", title="recent revokes, swaps and foreground changes",
+    table = Table("when", "event", "detail", title="recent revokes, swaps, foreground and pool changes",
                   title_justify="left")
     for ev in reversed(events):
         table.add_row(f"{max(0.0, now - ev['t']):.1f}s ago", ev["ev"], Text(describe(ev)))  # text, not markup
@@ -149,8 +157,9 @@ def _recent(events: list[dict], now: float) -> Table:
 
 def describe(ev: dict) -> str:
     """One notable event in a line; a run's event ends with its device, in brackets."""
-    if ev["ev"] == "device":
-        return f"{ev['device']} {ev['change']}" + (f": {ev['reason']}" if ev.get("reason") else "")
+    if ev["ev"] in ("device", "node"):
+        what = ev["device"] if ev["ev"] == "device" else f"node {ev['address']} ({ev['node'][:8]})"
+        return f"{what} {ev['change']}" + (f": {ev['reason']}" if ev.get("reason") else "")
     if ev["ev"] == "foreground":
         return (ev["kind"] or "none") + (f" ({ev['subject']})" if ev.get("subject") else "")
     job = f"{ev.get('job')} ({ev.get('producer')})"

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Callable
 
-from .pool import Device, device_for, swap_target
+from .pool import Device, slot_for, swap_target
 from .queues import Entry, Queues
 from .tiers import Foreground, Tier
 
@@ -73,28 +73,78 @@ def waited_past(entry: Entry, ctx: PickContext) -> bool:
     return ctx.now - entry.submitted > ctx.max_affinity_wait_s
 
 
-def place(ctx: PickContext, free: list[Device]) -> tuple[Entry, Device] | None:
-    """The next job and the free device it runs on (R16: while any job waits, a free device
-    gets one), or None when nothing waits. Called once per free device, in a loop."""
+def place(ctx: PickContext, free: list[Device], ceiling: Callable[[Device], Tier | None]) -> tuple[Entry, Device] | None:
+    """The next job and the device with a free slot it runs on (R16, R21: while a job waits
+    that a free slot may take, the slot gets one), or None. Called once per slot, in a loop.
+
+    A device with jobs takes only jobs on its model; an empty one may swap (R21). `ceiling`
+    closes a device's free slots to jobs of its tier and above: beside a chat whose step is
+    at its bound, to all but chats (R23); on a device draining for another model's job, to
+    all that do not outrank that job (R21)."""
     urgent = ctx.first((Tier.CHAT, Tier.FOREGROUND))
     if urgent is not None:
-        return urgent, device_for(urgent, free, ctx.queues.count_on)  # T0/T1 swap at once (R12, R13)
+        room = [d for d in free if _admits(ctx, ceiling(d), urgent)]
+        device = slot_for(urgent, room, ctx.queues.count_on)  # T0/T1 swap at once (R12, R13)
+        if device is not None:
+            return urgent, device
+        # it waits for a slot or a device emptied for it (R22); other slots take their model's work
+        return _same_model(ctx, free, ceiling, (Tier.CHAT, Tier.FOREGROUND, *ctx.fair_tiers(len(ctx.queues.pool) > 0)))
     tiers = ctx.fair_tiers(lower_work=len(ctx.queues.pool) > 0)
     best = ctx.first(tiers)
     if best is None:
         return None
-    holder = next((d for d in free if d.loaded == best.job.model_id), None)
+    room = [d for d in free if _admits(ctx, ceiling(d), best)]
+    holder = next((d for d in room if d.loaded == best.job.model_id), None)
     if holder is not None:
         return best, holder
-    if waited_past(best, ctx) or any(d.loaded is None for d in free):
-        return best, swap_target(free, ctx.queues.count_on)
+    empty = [d for d in room if not d.jobs]
+    if empty and (waited_past(best, ctx) or any(d.loaded is None for d in empty)):
+        return best, swap_target(empty, ctx.queues.count_on)
     # R12: each free device falls through T2–T4 to the best job on its model while the
     # best job is inside its affinity wait; after a swap this favours the new model.
+    same = _same_model(ctx, free, ceiling, tiers)
+    if same is not None:
+        return same
+    if empty:
+        return best, swap_target(empty, ctx.queues.count_on)
+    # R11 is work-conserving per slot: an over-budget T2 job takes a slot that no T3/T4 job
+    # may take (theirs are on other models and the device is not empty)
+    undrained = [d for d in free if d.drain_for is None]
+    return _same_model(ctx, undrained, ceiling, (Tier.EXTRACT,)) if Tier.EXTRACT not in tiers else None
+
+
+def _admits(ctx: PickContext, ceiling: Tier | None, entry: Entry) -> bool:
+    return ceiling is None or ctx.tier(entry) < ceiling
+
+
+def _same_model(ctx: PickContext, free: list[Device], ceiling: Callable[[Device], Tier | None],
+                tiers: tuple[Tier, ...]) -> tuple[Entry, Device] | None:
+    """The first free device, in pool order, with a job on its own model it admits, and that job."""
     for device in free:
-        same = ctx.first(tiers, device.loaded)
+        if device.loaded is None:
+            continue
+        below = ceiling(device)
+        same = ctx.first((t for t in tiers if below is None or t < below), device.loaded)
         if same is not None:
             return same, device
-    return best, swap_target(free, ctx.queues.count_on)
+    return None
+
+
+def drain_target(ctx: PickContext, entry: Entry, devices: list[Device]) -> Device | None:
+    """R21: the device a waiting job that no slot may take will have once it is empty, when no
+    device holds its model (else it waits for a slot there): none if one already drains for
+    it, else the device whose jobs rank lowest (`device_rank`: a device running a chat
+    last). Draining closes its slots to the jobs that do not outrank this one (`place`)."""
+    if any(d.loaded == entry.job.model_id or d.drain_for == entry.job.id for d in devices):
+        return None
+    open_ = [d for d in devices if d.jobs and d.drain_for is None]
+    return max(open_, key=lambda d: device_rank(ctx, list(d.jobs.values())), default=None)
+
+
+def device_rank(ctx: PickContext, jobs: list[Entry]) -> tuple:
+    """How low a device's jobs rank together, for emptying it (larger: lower): its best job's
+    tier, then fewer jobs, then the most recently dispatched (R18's order for one job)."""
+    return (min(ctx.tier(e) for e in jobs), -len(jobs), max(e.dispatch_no for e in jobs))
 
 
 def _outranking_fair_tiers(ctx: PickContext, running_tier: Tier) -> list[Tier]:
@@ -126,22 +176,33 @@ def preemptor(ctx: PickContext, loaded: str | None, running_tier: Tier) -> Entry
     return None
 
 
-def victim(ctx: PickContext, busy: list[Device]) -> tuple[Device, Entry] | None:
-    """R18: at an event with no device free, the one running job to revoke and the queued
-    job it makes way for: the lowest-ranked running job (the highest tier) that a queued
-    job outranks and may displace (a job on another model inside its affinity wait
-    displaces only a runner on its model); ties: the one holding that job's model (no
-    swap), then the most recently dispatched (the least work lost). A revoked job is
-    already making way; chat never is."""
+def victim(ctx: PickContext, busy: list[Device], spare: set[str]) -> tuple[Device, list[Entry], Entry] | None:
+    """R18, R22: at an event with no slot free for it, the running jobs to revoke and the queued
+    job they make way for. Per device, the queued job `place` would give the slot of its
+    lowest-ranked live job (R18's order: highest tier, then most recently dispatched): on the
+    device's model it takes that one slot (one revoke); on another model it needs the device
+    empty, so it revokes every live job there, and only where it outranks them all (R13,
+    R22). Across devices, the lowest-ranked choice: highest tier, ties the one holding the
+    arriving job's model (no swap), then fewest jobs lost, then most recently dispatched. With
+    one slot per device this is R18 exactly. Revoked jobs already make way, the jobs in
+    `spare` (just dispatched) are never revoked, and chat never is."""
     chosen = None
     for device in busy:
-        if device.running.revoke_sent:
+        live = device.live()
+        if not live or any(e.job.id in spare for e in live):
             continue
-        tier = ctx.tier(device.running)
-        entry = preemptor(ctx, device.loaded, tier)
-        if entry is not None:
-            key = (tier, entry.job.model_id == device.loaded, device.dispatch_no)
-            chosen = (key, device, entry) if chosen is None or key > chosen[0] else chosen
+        worst = max(live, key=lambda e: (ctx.tier(e), e.dispatch_no))
+        entry = preemptor(ctx, device.loaded, ctx.tier(worst))
+        if entry is None:
+            continue
+        if entry.job.model_id == device.loaded:
+            key, revoked = (ctx.tier(worst), True, -1, worst.dispatch_no), [worst]
+        elif all(ctx.tier(entry) < ctx.tier(e) for e in live):
+            best_tier, fewer, latest = device_rank(ctx, live)
+            key, revoked = (best_tier, False, fewer, latest), live
+        else:
+            continue
+        chosen = (key, device, revoked, entry) if chosen is None or key > chosen[0] else chosen
     return chosen[1:] if chosen else None
 
 

@@ -32,6 +32,8 @@ class Entry:
     dispatch_tier: Tier | None = None
     revoke_sent: bool = False
     cancelled: bool = False
+    slot: int = 0            # while running: its slot on the device (R21)
+    dispatch_no: int = -1    # while running: when it was dispatched, in dispatch order
 
     @property
     def flow(self) -> ProducerFlow:
@@ -254,6 +256,8 @@ class Queues:
         self._by_kind = Buckets(lambda e: e.job.kind)
         self._by_subject = Buckets(lambda e: e.job.subject)
         self._by_kind_subject = Tally(lambda e: (e.job.kind, e.job.subject))
+        self._by_kind_model = Buckets(lambda e: (e.job.kind, e.job.model_id))
+        self._by_subject_model = Buckets(lambda e: (e.job.subject, e.job.model_id))
         self._by_model = Tally(lambda e: e.job.model_id)
         self.pool = FairPool(ledger, inflight)
 
@@ -276,6 +280,7 @@ class Queues:
             return
         if job.subject is not None:
             yield self._by_subject
+            yield self._by_subject_model
         if job.kind is Kind.EXTRACT:
             yield self._extract
             if job.foreground_hint:
@@ -302,6 +307,7 @@ class Queues:
 
     def _kind_indexes(self, job: Job) -> Iterator[Buckets | Tally]:
         yield self._by_kind
+        yield self._by_kind_model
         if job.subject is not None:
             yield self._by_kind_subject
 
@@ -329,12 +335,18 @@ class Queues:
         both = self._hoisted_by_both(before, after)
         return self._hoisted_count(before) != both or self._hoisted_count(after) != both
 
-    def hoisted_head(self, foreground: Foreground) -> Entry | None:
+    def hoisted_head(self, foreground: Foreground, model: str | None = None) -> Entry | None:
+        """The first T1 job (among those wanting `model`, when given: a device with free
+        slots takes the best job on its own model, R21)."""
         if foreground.kind is None:
             return None
         if foreground.subject is not None:
-            return self._by_subject.head(foreground.subject)
-        return self._by_kind.head(foreground.kind)
+            if model is None:
+                return self._by_subject.head(foreground.subject)
+            return self._by_subject_model.head((foreground.subject, model))
+        if model is None:
+            return self._by_kind.head(foreground.kind)
+        return self._by_kind_model.head((foreground.kind, model))
 
     def head(self, tier: Tier, foreground: Foreground, now: float, model: str | None = None) -> Entry | None:
         """The first job of `tier` (among jobs wanting `model`, when given). Valid when every
@@ -342,7 +354,7 @@ class Queues:
         if tier is Tier.CHAT:
             return self._chat.head(model)
         if tier is Tier.FOREGROUND:
-            return self.hoisted_head(foreground)
+            return self.hoisted_head(foreground, model)
         if tier is Tier.EXTRACT:
             return self._extract.head(model)
         if tier is Tier.DEADLINE:

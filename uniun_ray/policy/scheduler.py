@@ -1,6 +1,7 @@
 """`SchedulerPolicy`: the state machine of SPEC §1 and §5, with explicit time.
 
-It holds the queues, the pool of devices (each with its loaded model and running job),
+It holds the queues, the pool of devices (each with its loaded model and the jobs in its
+slots, §6),
 the foreground, the vruntime ledger and the T2 window, and turns each event into actions
 (Dispatch, Revoke, Requeued). With one device it is exactly the single-device policy.
 It never sleeps or reads a clock: the SchedulerActor feeds it real time, the simulator
@@ -12,11 +13,13 @@ ValueError leaves the state exactly as it was.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Mapping
 
 from .budget import Run, T2Window
 from .fairness import VruntimeLedger
-from .picker import PickContext, affinity_wakeup, place, victim
+from .picker import PickContext, affinity_wakeup, drain_target, place, slot_for, victim, waited_past
 from .pool import Device, Pool
+from .steps import StepProfiles
 from .queues import Entry, Queues
 from .tiers import Foreground, Tier, tier_of
 from .types import (POOL_KINDS, WITHDRAWALS, Action, Dispatch, Job, Kind, Outcome, PolicyConfig, Requeued,
@@ -27,11 +30,21 @@ _ENDED_MEMORY = 10_000
 
 
 class SchedulerPolicy:
-    def __init__(self, config: PolicyConfig | None = None, devices: tuple[str, ...] | list[str] = ("dev0",)) -> None:
+    def __init__(self, config: PolicyConfig | None = None, devices: tuple[str, ...] | list[str] = ("dev0",),
+                 slots: int | Mapping[str, int] = 1) -> None:
+        """`slots`: each device's slot count (R25), one for all or per device name."""
         if isinstance(devices, str):
             raise ValueError(f"devices is a sequence of device names, got the string {devices!r}")
+        if isinstance(slots, Mapping):
+            unknown = set(slots) - set(devices)
+            if unknown:
+                raise ValueError(f"slots names devices not in the pool: {', '.join(sorted(map(str, unknown)))}")
+            counts = [(d, slots.get(d, 1)) for d in devices]
+        else:
+            counts = [(d, slots) for d in devices]
         self.config = config or PolicyConfig()
-        self._pool = Pool(devices)
+        self._pool = Pool(counts)
+        self._steps = StepProfiles(self.config.chat_step_slack)
         self._ledger = VruntimeLedger(self.config)
         self._queues = Queues(self._ledger, self._inflight)
         self._window = T2Window(self.config.window_s, self.config.t2_share)
@@ -56,18 +69,19 @@ class SchedulerPolicy:
         self._ledger.arrive(entry.flow, now)
         self._queues.add(entry)
         # an arrival is an event (R4); named for a deadline or wait it did not outrank
-        outranks = any(self.tier(job) < self.tier(d.running.job) for d in self._pool.busy())
+        outranks = any(self.tier(job) < self.tier(e.job) for _, e in self._pool.running())
         return self._react(now, passed if passed is not None and not outranks else RevokeCause.ARRIVAL)
 
     def finish(self, job_id: str, now: float, outcome: Outcome | str) -> list[Action]:
         now = self._check_now(now)
         outcome = Outcome.parse(outcome)
         device = self._require_running(job_id, "finish")
-        if outcome is Outcome.REVOKED and not device.running.revoke_sent:
+        entry = device.jobs[job_id]
+        if outcome is Outcome.REVOKED and not entry.revoke_sent:
             raise ValueError(f"finish({job_id!r}, 'revoked'): the policy never revoked this job")
         self._advance(now)
-        requeue = outcome is Outcome.REVOKED and device.running.job.kind is not Kind.CHAT
-        return self._stop(device, now, outcome, requeue) + self._react(now, None)
+        requeue = outcome is Outcome.REVOKED and entry.job.kind is not Kind.CHAT
+        return self._stop(device, entry, now, outcome, requeue) + self._react(now, None)
 
     def cancel(self, job_id: str, now: float, cause: RevokeCause | str = RevokeCause.CANCEL) -> list[Action]:
         """The caller withdrew the job: CANCEL, or RECLAIM when the runtime took back the
@@ -83,8 +97,8 @@ class SchedulerPolicy:
             raise ValueError(self._unknown(job_id, "cancel"))
         passed = self._advance(now)
         if device is not None:
-            device.running.cancelled = True
-            actions = self._revoke(device.running, cause)
+            device.jobs[job_id].cancelled = True
+            actions = self._revoke(device.jobs[job_id], cause)
             self._settle(self._context(now))
             return actions
         self._queues.remove(queued)
@@ -102,7 +116,7 @@ class SchedulerPolicy:
         passed = self._advance(now)
         before, self._foreground = self._foreground, Foreground(kind, subject)
         moved = self._queues.moved_by(before, self._foreground) or any(
-            before.hoists(d.running.job) != self._foreground.hoists(d.running.job) for d in self._pool.busy())
+            before.hoists(e.job) != self._foreground.hoists(e.job) for _, e in self._pool.running())
         return self._react(now, RevokeCause.FOREGROUND if moved else passed)
 
     def tick(self, now: float) -> list[Action]:
@@ -126,13 +140,27 @@ class SchedulerPolicy:
         target.loaded = model_id
         return self._react(now, passed)
 
-    def add_device(self, device: str, now: float) -> list[Action]:
-        """A device joined the pool (R20): it starts empty, and takes waiting work (R16)."""
+    def add_device(self, device: str, now: float, slots: int = 1) -> list[Action]:
+        """A device joined the pool (R20) with `slots` slots (R25): it starts empty, and takes
+        waiting work (R16)."""
         now = self._check_now(now)
-        self._pool.check_new(device)
+        self._pool.check_new(device, slots)
         passed = self._advance(now)
-        self._pool.add(device)
+        self._pool.add(device, slots)
         return self._react(now, passed)
+
+    def set_step_profile(self, model_id: str, device: str, profile: Mapping[int, float],
+                         now: float | None = None) -> list[Action]:
+        """R23: the step time of `model_id` on `device` per batch size, as the runtime measured
+        it. Given `now`, the policy reacts at once (a running chat's bound may have moved);
+        without it the profile counts from the next call."""
+        if now is not None:
+            now = self._check_now(now)
+        self._pool.get(device)
+        self._steps.set(model_id, device, profile)
+        if now is None:
+            return []
+        return self._react(now, self._advance(now))
 
     def remove_device(self, device: str, now: float) -> list[Action]:
         """A device left the pool (R20): its model is forgotten, and its running job, charged
@@ -141,7 +169,8 @@ class SchedulerPolicy:
         now = self._check_now(now)
         gone = self._pool.get(device)
         passed = self._advance(now)
-        actions = self._stop(gone, now, Outcome.REVOKED, requeue=True) if gone.running else []
+        actions = [a for entry in list(gone.jobs.values())
+                   for a in self._stop(gone, entry, now, Outcome.REVOKED, requeue=True)]
         self._pool.remove(device)
         return actions + self._react(now, passed)
 
@@ -161,7 +190,10 @@ class SchedulerPolicy:
         for entry in sorted(self._queues, key=lambda e: e.seq):
             tiers[self.tier(entry.job).label].append(self._describe(entry, now))
         used, held = self._window.usage(now, self._running_runs(now))
-        devices = [{"device": d.name, "loaded_model": d.loaded, "running": self._describe_running(d, now)}
+        devices = [{"device": d.name, "loaded_model": d.loaded, "slots": d.slots,
+                    "running": self._describe_running(d, d.running, now) if d.running else None,
+                    "jobs": [self._describe_running(d, e, now) for e in d.jobs.values()],
+                    "draining_for": d.drain_for}
                    for d in self._pool]
         first = devices[0] if devices else {"loaded_model": None, "running": None}
         return {
@@ -203,8 +235,17 @@ class SchedulerPolicy:
 
     @property
     def running_jobs(self) -> dict[str, Job]:
-        """Device name -> the job it runs, for the busy devices."""
+        """Device name -> its first running job, for the busy devices (one slot: the job)."""
         return {d.name: d.running.job for d in self._pool.busy()}
+
+    @property
+    def slot_jobs(self) -> dict[str, list[Job]]:
+        """Device name -> the jobs in its slots, in dispatch order, for every device."""
+        return {d.name: [e.job for e in d.jobs.values()] for d in self._pool}
+
+    @property
+    def slots(self) -> dict[str, int]:
+        return {d.name: d.slots for d in self._pool}
 
     @property
     def loaded_models(self) -> dict[str, str | None]:
@@ -253,8 +294,7 @@ class SchedulerPolicy:
         instant would otherwise all go to the flow whose jobs were just dispatched (they have
         held nothing yet), and one flow could take the pool for a whole round of its jobs."""
         running: dict = {}
-        for device in self._pool.busy():
-            entry = device.running
+        for _, entry in self._pool.running():
             if entry.job.kind in POOL_KINDS:
                 for flow in (entry.job.kind, entry.flow):
                     held, count = running.get(flow, (0.0, 0))
@@ -267,8 +307,8 @@ class SchedulerPolicy:
         an outranking job ends (R4, R5): `next_wakeup` reports it, and the next call's
         `_advance` finds out whether it passed. Computed once per call, with the call's
         context (its T2 budget reading included)."""
-        times = [affinity_wakeup(ctx, d.loaded, self.tier(d.running.job))
-                 for d in self._pool.busy() if not d.running.revoke_sent]
+        times = [affinity_wakeup(ctx, d.loaded, self.tier(e.job))
+                 for d, e in self._pool.running() if not e.revoke_sent]
         self._affinity_at = min((t for t in times if t is not None), default=None)
 
     def _require_running(self, job_id: str, verb: str) -> Device:
@@ -295,7 +335,7 @@ class SchedulerPolicy:
         return Run(entry.dispatched_at, now, entry.dispatch_tier is Tier.EXTRACT)
 
     def _running_runs(self, now: float) -> list[Run]:
-        return [self._run_of(d.running, now) for d in self._pool.busy()]
+        return [self._run_of(e, now) for _, e in self._pool.running()]
 
     def _t2_over(self, now: float) -> bool:
         return self._window.over(now, self._running_runs(now))
@@ -304,12 +344,12 @@ class SchedulerPolicy:
         return PickContext(self._queues, self._foreground, now, lambda: self._t2_over(now),
                            self.config.max_affinity_wait_s, lambda entry: self.tier(entry.job))
 
-    def _stop(self, device: Device, now: float, outcome: Outcome, requeue: bool) -> list[Action]:
-        """End the run on `device`: charge it (R7, R11) and free the device; the job goes back
-        to its original place (R6) when `requeue` and it was not cancelled, else ends. The
-        caller then reacts (the freed device may be leaving the pool)."""
-        entry = self._pool.stop(device)
-        self._window.record(device.name, self._run_of(entry, now))
+    def _stop(self, device: Device, entry: Entry, now: float, outcome: Outcome, requeue: bool) -> list[Action]:
+        """End the run of `entry` on `device`: charge it (R7, R11; slot-seconds, R24) and free
+        its slot; the job goes back to its original place (R6) when `requeue` and it was not
+        cancelled, else ends. The caller then reacts (the device may be leaving the pool)."""
+        self._pool.stop(device, entry)
+        self._window.record((device.name, entry.slot), self._run_of(entry, now))
         self._ledger.charge(entry.flow, now - entry.dispatched_at)
         if entry.job.kind in POOL_KINDS:
             self._last_run[entry.job.kind] = self._last_run[entry.flow] = now - entry.dispatched_at
@@ -323,15 +363,85 @@ class SchedulerPolicy:
         return []
 
     def _react(self, now: float, event: RevokeCause | None) -> list[Action]:
-        """Give every free device work (R16); then, at an event (R4), revoke the running jobs
-        that queued jobs outrank, one per outranking job (R18)."""
+        """Give every free slot work (R16, R21); then, at an event (R4), revoke the running
+        jobs that queued jobs outrank, one per outranking job (R18, R22); then keep each
+        running chat's step within its bound (R23)."""
         ctx = self._context(now)
         actions: list[Action] = []
-        while (free := self._pool.free()) and (choice := place(ctx, free)) is not None:
+        while (choice := self._next(ctx)) is not None:
             actions.append(self._dispatch(*choice, now))
+        fresh = {a.job_id for a in actions}
         if event is not None:
-            actions += self._preempt(ctx, event, fresh={a.job_id for a in actions})
+            actions += self._preempt(ctx, event, fresh)
+        actions += self._empty_for_urgent(ctx) + self._hold_chat_steps(ctx, fresh)
         self._settle(ctx)
+        return actions
+
+    def _next(self, ctx: PickContext) -> tuple[Entry, Device] | None:
+        free = self._pool.free()
+        self._plan_drain(ctx, free)
+        return place(ctx, free, lambda d: self._ceiling(ctx, d)) if free else None
+
+    def _ceiling(self, ctx: PickContext, device: Device) -> Tier | None:
+        """The tier from which a device's free slot is closed (`place`): beside chats whose
+        step is at its bound only a chat may join (R23); a device draining for another
+        model's job takes only jobs that outrank it (R21). None: open to all."""
+        closed = []
+        if device.drain_for is not None and device.jobs and (waiting := self._queues.get(device.drain_for)):
+            closed.append(ctx.tier(waiting))
+        live = device.live()
+        chats = sum(e.job.kind is Kind.CHAT for e in live)
+        if chats and len(live) - chats >= self._steps.companions(device.loaded, device.name, chats, device.slots):
+            closed.append(Tier.FOREGROUND)
+        return min(closed, default=None)
+
+    def _plan_drain(self, ctx: PickContext, free: list[Device]) -> None:
+        """R21: the job first in pick order that no free slot may take, when no device holds its
+        model (a T0/T1 job, or a T2–T4 job past its affinity wait), drains the device it will
+        take. A drain whose job left the queue ends."""
+        for device in self._pool:
+            if device.drain_for is not None and self._queues.get(device.drain_for) is None:
+                device.drain_for = None
+        waiting = ctx.first((Tier.CHAT, Tier.FOREGROUND))
+        if waiting is None:
+            waiting = ctx.first(ctx.fair_tiers(len(self._queues.pool) > 0))
+            if waiting is None or not waited_past(waiting, ctx):
+                return
+        if slot_for(waiting, free, self._queues.count_on) is None:
+            target = drain_target(ctx, waiting, list(self._pool))
+            if target is not None:
+                target.drain_for = waiting.job.id
+
+    def _empty_for_urgent(self, ctx: PickContext) -> list[Action]:
+        """R13, R22: a device draining for a T0/T1 job is emptied as soon as that job outranks
+        every job left on it (a chat there that it could not revoke has ended), so that the
+        urgent job waits for no background job to end."""
+        actions: list[Action] = []
+        for device in self._pool.busy():
+            waiting = self._queues.get(device.drain_for) if device.drain_for else None
+            if waiting is None or ctx.tier(waiting) > Tier.FOREGROUND:
+                continue
+            live = device.live()
+            if live and all(ctx.tier(waiting) < ctx.tier(e) for e in live):
+                for entry in live:
+                    actions += self._revoke(entry, RevokeCause.ARRIVAL)
+        return actions
+
+    def _hold_chat_steps(self, ctx: PickContext, fresh: set[str]) -> list[Action]:
+        """R23: beside a device's running chats keep only the k highest-ranked other jobs for
+        which step(k + chats) <= slack x step(chats); revoke the rest, lowest-ranked first
+        (they are re-queued, keep their KV and take slots again when the chats end)."""
+        actions: list[Action] = []
+        for device in self._pool.busy():
+            live = device.live()
+            chats = sum(e.job.kind is Kind.CHAT for e in live)
+            if not chats:
+                continue
+            others = sorted((e for e in live if e.job.kind is not Kind.CHAT),
+                            key=lambda e: (self.tier(e.job), e.dispatch_no))
+            keep = self._steps.companions(device.loaded, device.name, chats, device.slots)
+            for entry in reversed(others[keep:]):
+                actions += self._revoke(entry, RevokeCause.STEP)
         return actions
 
     def _preempt(self, ctx: PickContext, event: RevokeCause, fresh: set[str]) -> list[Action]:
@@ -339,24 +449,43 @@ class SchedulerPolicy:
         an arrival revokes one at most. The jobs that devices already revoked will take are
         set aside first, so that one outranking job never revokes twice; a job dispatched in
         this very call is never revoked."""
-        busy = [d for d in self._pool.busy() if d.running.job.id not in fresh]
-        if all(d.running.revoke_sent for d in busy):
+        busy = self._pool.busy()
+        if not any(e.job.id not in fresh for d in busy for e in d.live()):
             return []
         aside = []
         for device in busy:
-            if device.running.revoke_sent and (choice := place(ctx, [device])) is not None:
-                self._queues.remove(choice[0])
-                aside.append(choice[0])
+            aside += self._taken_by_revoked(ctx, device)
         actions: list[Action] = []
-        limit = 1 if event is RevokeCause.ARRIVAL else len(busy)
-        while len(actions) < limit and (choice := victim(ctx, busy)) is not None:
-            device, entry = choice
-            actions += self._revoke(device.running, event)
+        victims, limit = 0, 1 if event is RevokeCause.ARRIVAL else sum(len(d.live()) for d in busy)
+        while victims < limit and (choice := victim(ctx, busy, fresh)) is not None:
+            device, revoked, entry = choice
+            for running in revoked:
+                actions += self._revoke(running, event)
+            if entry.job.model_id != device.loaded:  # emptied for it: no refill meanwhile (R21, R22)
+                for other in self._pool:
+                    other.drain_for = None if other.drain_for == entry.job.id else other.drain_for
+                device.drain_for = entry.job.id
             self._queues.remove(entry)
             aside.append(entry)
+            victims += 1
         for entry in aside:
             self._queues.add(entry)
         return actions
+
+    def _taken_by_revoked(self, ctx: PickContext, device: Device) -> list[Entry]:
+        """The queued jobs that take the slots of `device`'s revoked jobs when they stop, taken
+        out of the queues, so that one outranking job never revokes twice (R18, R22)."""
+        revoked = len(device.jobs) - len(device.live())
+        view = Device(device.name, device.loaded, {e.job.id: e for e in device.live()}, device.slots)
+        taken = []
+        for _ in range(revoked):
+            choice = place(ctx, [view], lambda d: None)
+            if choice is None:
+                break
+            self._queues.remove(choice[0])
+            view.jobs[choice[0].job.id] = choice[0]
+            taken.append(choice[0])
+        return taken
 
     def _dispatch(self, entry: Entry, device: Device, now: float) -> Dispatch:
         self._queues.remove(entry)
@@ -365,7 +494,7 @@ class SchedulerPolicy:
         swap = entry.job.model_id != device.loaded
         self._pool.start(device, entry, self._dispatches)
         self._dispatches += 1
-        return Dispatch(entry.job.id, entry.job.model_id, swap, entry.dispatch_tier, device.name)
+        return Dispatch(entry.job.id, entry.job.model_id, swap, entry.dispatch_tier, device.name, entry.slot)
 
     def _revoke(self, entry: Entry, cause: RevokeCause) -> list[Action]:
         if entry.revoke_sent:
@@ -373,15 +502,13 @@ class SchedulerPolicy:
         entry.revoke_sent = True
         return [Revoke(entry.job.id, cause)]
 
-    def _describe_running(self, device: Device, now: float) -> dict | None:
-        entry = device.running
-        if entry is None:
-            return None
+    def _describe_running(self, device: Device, entry: Entry, now: float) -> dict:
         return self._describe(entry, now) | {
             "tier": self.tier(entry.job).label,
             "held_s": now - entry.dispatched_at,
             "revoked": entry.revoke_sent,
             "device": device.name,
+            "slot": entry.slot,
         }
 
     def _describe(self, entry: Entry, now: float) -> dict:

@@ -125,6 +125,7 @@ class PolicyConfig:
     absence_s: float = 300.0
     max_affinity_wait_s: float = 60.0
     weights: Mapping[str, float] = field(default_factory=dict)
+    chat_step_slack: float = 1.25  # R23: a chat's step beside others <= this x its step alone
 
     def __post_init__(self) -> None:
         for name in ("window_s", "decay_period_s"):
@@ -133,6 +134,8 @@ class PolicyConfig:
         for name in ("absence_s", "max_affinity_wait_s"):
             if check_time(getattr(self, name), name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")
+        if check_time(self.chat_step_slack, "chat_step_slack") < 1.0:
+            raise ValueError(f"chat_step_slack must be >= 1, got {self.chat_step_slack!r}")
         if not 0.0 <= check_time(self.t2_share, "t2_share") <= 1.0:
             raise ValueError(f"t2_share must be within [0, 1], got {self.t2_share!r}")
         if not isinstance(self.weights, Mapping):
@@ -151,7 +154,8 @@ class RevokeCause(str, Enum):
     """Why the policy revoked a running job, so that no caller parses it back out of text.
 
     The first four are the R4 events; CANCEL and RECLAIM are the caller's own withdrawal
-    (`cancel`), RECLAIM when the runtime takes back the lease of a holder that died."""
+    (`cancel`), RECLAIM when the runtime takes back the lease of a holder that died. STEP:
+    a running chat's step would exceed its bound with the job beside it (R23)."""
 
     ARRIVAL = "arrival"
     FOREGROUND = "foreground"
@@ -159,6 +163,7 @@ class RevokeCause(str, Enum):
     AFFINITY = "affinity"  # an outranking queued job's affinity wait ended (R4, R12)
     CANCEL = "cancel"
     RECLAIM = "reclaim"
+    STEP = "step"  # R23: a running chat's step beside it would exceed its bound
 
 
 #: The causes a caller may give to `cancel`.
@@ -168,14 +173,16 @@ WITHDRAWALS = (RevokeCause.CANCEL, RevokeCause.RECLAIM)
 @dataclass(frozen=True)
 class Dispatch:
     """Run `job_id` now on `device`, with `model_id`; when `swap` is true, load that model
-    there first. `tier` is the job's tier at this dispatch: what the T2 budget counts it as
-    (R11). `device` defaults to the name of a one-device pool's device."""
+    there first (only ever on an empty device). `tier` is the job's tier at this dispatch:
+    what the T2 budget counts it as (R11). `device` defaults to the name of a one-device
+    pool's device; `slot` is the device's slot it takes (R21; 0 with one slot)."""
 
     job_id: str
     model_id: str
     swap: bool
     tier: Tier
     device: str = "dev0"
+    slot: int = 0
 
 
 @dataclass(frozen=True)

@@ -10,12 +10,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Mapping
 
 import ray
 
-from . import placement
+from . import nodes, placement
 from .embedding_actor import EmbeddingActor
 from .metrics import SchedulerMetrics
 from .model_actor import ModelActor
@@ -33,6 +33,10 @@ RESTART_WAIT_S = 60.0
 WATCH_PERIOD_S = 3.0
 #: The longest `status` waits for a device to describe its engine (a dead one never answers).
 DESCRIBE_WAIT_S = 2.0
+#: A node that joined: how long its capacity may wait for Ray to show its seats free, and how
+#: often the scheduler looks meanwhile.
+JOIN_PATIENCE_S = 5.0
+JOIN_LOOK_S = 0.2
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +51,7 @@ class RayDevice:
         self._name = name
         self._cached = None
         self._model: str | None = None   # what the last successful load made resident
+        self.node: str | None = None     # the Ray node it runs on, once it said (`locate`)
 
     def _handle(self):
         if self._cached is None:
@@ -98,15 +103,41 @@ class RayDevice:
     async def revoke(self, epoch: int) -> None:
         await self._call("revoke", epoch)
 
+    async def _state(self) -> dict:
+        state = await self._call("state")
+        self.node = state.get("node") or self.node
+        return state
+
     async def current_epoch(self) -> int:
-        return (await self._call("state"))["epoch"]
+        return (await self._state())["epoch"]
 
     async def describe(self) -> dict:
         """How the device runs its model on this host (dtype, threads, prefill chunk), for status."""
         try:
-            return (await asyncio.wait_for(self._call("state"), DESCRIBE_WAIT_S))["engine"]
+            return (await asyncio.wait_for(self._state(), DESCRIBE_WAIT_S))["engine"]
         except (DeviceLost, asyncio.TimeoutError) as error:
             return {"error": str(error) or "no answer"}
+
+    async def locate(self) -> str | None:
+        """The node the ModelActor runs on: asked once it answers (a new one imports torch
+        first); None if it died before it did."""
+        if self.node is None:
+            try:
+                await self._state()
+            except DeviceLost:
+                pass
+        return self.node
+
+    async def retire(self) -> None:
+        """Kill the ModelActor for good: its node died. Ray would keep its name while it waits
+        to restart it on a seat that may never come, and calls to it would wait with it."""
+        def kill() -> None:
+            try:
+                ray.kill(ray.get_actor(self._name, namespace=NAMESPACE), no_restart=True)
+            except ValueError:  # gone already
+                pass
+        await asyncio.to_thread(kill)
+        self._cached = None
 
     async def alive(self) -> bool:
         """False once the ModelActor is gone for good: no actor holds its name any more."""
@@ -148,6 +179,10 @@ class SchedulerActor(SchedulerService):
         super().__init__({d: RayDevice(model_actor_name(d)) for d in devices}, config, SchedulerMetrics())
         self._fleet = fleet
         self._watcher: asyncio.Task | None = None
+        self._follower: asyncio.Task | None = None
+        self._nodes: dict[str, nodes.Node] = {}   # node id -> the node, as the GCS last said
+        self._pool_lock = asyncio.Lock()         # one look at the cluster at a time
+        self._retiring: set[str] = set()         # devices of a dead node whose actors are being killed
 
     def __repr__(self) -> str:
         running = {d: f"{j.kind.value}:{j.id}" for d, j in self.policy.running_jobs.items()}
@@ -162,8 +197,10 @@ class SchedulerActor(SchedulerService):
         engines = await asyncio.gather(*(self.drivers[d["device"]].device.describe() for d in snap["devices"]))
         for device, engine in zip(snap["devices"], engines):
             device["engine"] = engine
+            device["node"] = self.drivers[device["device"]].device.node
+        placed = {d: driver.device.node for d, driver in self.drivers.items()}
         return snap | {"worker_id": ray.get_runtime_context().get_worker_id(),
-                       "engine": engines[0] if engines else {}}
+                       "engine": engines[0] if engines else {}, "nodes": nodes.describe(self._nodes.values(), placed)}
 
     async def ping(self) -> str:
         return "ok"
@@ -176,8 +213,64 @@ class SchedulerActor(SchedulerService):
     # -- the pool follows the cluster ---------------------------------------------------------
     def _keep_running(self) -> None:
         super()._keep_running()
+        loop = asyncio.get_running_loop()
         if self._watcher is None or self._watcher.done():
-            self._watcher = asyncio.get_running_loop().create_task(self._watch())
+            self._watcher = loop.create_task(self._watch())
+        if self._follower is None or self._follower.done():
+            self._follower = loop.create_task(self._follow_nodes())
+
+    async def _follow_nodes(self) -> None:
+        """Ray's node table, as the GCS publishes its changes (`nodes.changes`): each node that
+        dies takes its devices out of the pool, each that joins gets its declared devices."""
+        for driver in list(self.drivers.values()):
+            self._spawn(driver.device.locate())
+        async for changed in nodes.changes(ray.get_runtime_context().gcs_address):
+            for node in changed:
+                try:
+                    await self.node_changed(node)
+                except Exception:  # a GCS hiccup: the periodic watch catches up
+                    log.exception("following node %s failed", node.named())
+
+    async def node_changed(self, node: nodes.Node) -> dict:
+        """One node's news: dead, its devices leave the pool at once (R20: their jobs go back
+        to their places and resume elsewhere); joined, its capacity gets devices. Returns what
+        changed in the pool."""
+        known = self._nodes.get(node.id)
+        if known is not None and not node.address:  # a death notice carries the id, not the rest
+            node = replace(node, address=known.address, head=known.head)
+        self._nodes[node.id] = node
+        if known is not None and known.alive == node.alive:
+            return {"added": [], "removed": []}
+        if not node.alive:
+            if known is not None:
+                self._emit("node", None, node=node.id, address=node.address, change="left", reason=node.death)
+            return {"added": [], "removed": await self._node_left(node)}
+        self._emit("node", None, node=node.id, address=node.address, change="joined")
+        return await self._node_joined()
+
+    async def _node_left(self, node: nodes.Node) -> list[str]:
+        """Remove the devices that ran on `node` at once, busy ones too (their holders' calls
+        fail with the node), whatever a look at the cluster is doing meanwhile; then kill their
+        actors for good, so that Ray frees their names (until then no look adopts them)."""
+        leaving = {d: driver.device for d, driver in self.drivers.items() if driver.device.node == node.id}
+        self._retiring.update(leaving)
+        try:
+            for device in leaving:
+                self.remove_device(device, f"its node {node.named()} {node.death or 'left the cluster'}")
+            await asyncio.gather(*(actor.retire() for actor in leaving.values()))
+        finally:
+            self._retiring.difference_update(leaving)
+        return list(leaving)
+
+    async def _node_joined(self) -> dict:
+        """Place the capacity a joining node declares. Ray may show its resources as free a
+        moment after it registered: look again briefly while a device waits for its seat."""
+        deadline = time.monotonic() + JOIN_PATIENCE_S
+        while True:
+            change = await self.watch_pool()
+            if not change["waiting"] or time.monotonic() >= deadline:
+                return change
+            await asyncio.sleep(JOIN_LOOK_S)
 
     async def _watch(self) -> None:
         while True:
@@ -192,7 +285,11 @@ class SchedulerActor(SchedulerService):
         good and that runs nothing leaves the pool (a busy one leaves through its job's fault
         path, which re-queues the job); declared capacity without a device gets a ModelActor
         as soon as its seat is free, or the one that already holds the name (made before this
-        scheduler restarted). Returns what changed."""
+        scheduler restarted). Returns what changed, and the devices still `waiting` for a seat."""
+        async with self._pool_lock:
+            return await self._reconcile()
+
+    async def _reconcile(self) -> dict:
         resources = await asyncio.to_thread(ray.cluster_resources)
         present = list(self.drivers)
         gone = await asyncio.gather(*(self.drivers[d].gone() for d in present))
@@ -202,23 +299,28 @@ class SchedulerActor(SchedulerService):
         removed = [d for d in change.remove if d not in busy]
         for device in removed:
             self.remove_device(device, "its model actor is gone")
-        added = []
+        added, waiting = [], []
         if change.add:
             available = dict(await asyncio.to_thread(ray.available_resources))
             seat = self._fleet.seat(resources)
             for device in (d for d in change.add if d not in self.drivers):  # a busy gone one stays, for now
                 model = RayDevice(model_actor_name(device))
+                if device in self._retiring:  # its dead node's actor still holds the name
+                    waiting.append(device)
+                    continue
                 if not await model.alive():
                     try:
                         placement.check_free(model_actor_name(device), seat, available)
                     except UniunError:  # its seat is not free (yet): look again next period
+                        waiting.append(device)
                         continue
                     for resource, amount in seat.needs.items():
                         available[resource] -= amount
                     self._fleet.create(device, resources)
                 self.add_device(device, model)
+                self._spawn(model.locate())
                 added.append(device)
-        return {"added": added, "removed": removed}
+        return {"added": added, "removed": removed, "waiting": waiting}
 
 
 def model_actor_options(name: str, seat: Seat) -> dict:

@@ -47,6 +47,20 @@ def worker_niceness() -> str:
     return os.environ.setdefault(WORKER_NICENESS_ENV, "0")
 
 
+#: How soon the GCS declares a silent node dead (its raylet misses this many health checks in a
+#: row, one this often): then the scheduler takes that node's devices out of the pool and their
+#: jobs run elsewhere (runtime/nodes.py). Ray's defaults (every 3 s, 5 missed: ~15 s) left
+#: chats and jobs on a dead node waiting that long; a head that uniun-ray starts checks every
+#: second and gives up after 3 (measured on this machine: a SIGKILLed node is known dead ~1-3 s
+#: later, BENCHMARKS.md). An explicit setting wins. It is the head's (the GCS's) setting only.
+NODE_HEALTH = {"RAY_health_check_period_ms": "1000", "RAY_health_check_failure_threshold": "3"}
+
+
+def node_health() -> dict:
+    """`NODE_HEALTH`, with what the environment sets instead."""
+    return {name: os.environ.get(name, value) for name, value in NODE_HEALTH.items()}
+
+
 class HeadError(RuntimeError):
     """`ray start` failed, or the recorded head cannot be used."""
 
@@ -153,8 +167,9 @@ def _group(pgid: int) -> list[psutil.Process]:
 def start_head(*, port: int, dashboard_host: str, dashboard_port: int, auth_mode: str,
                temp_dir: str | None = None, devices: int = 1, extra: list[str] = ()) -> HeadState:
     """Run `ray start --head` in a new process group with RAY_AUTH_MODE set explicitly, its
-    workers at `worker_niceness()`, declaring the stand-in resources this machine needs
-    (`devices` stand-in devices when it has no GPU). Returns the (unsaved) state."""
+    workers at `worker_niceness()`, dead nodes noticed within seconds (`NODE_HEALTH`),
+    declaring the stand-in resources this machine needs (`devices` stand-in devices when it
+    has no GPU). Returns the (unsaved) state."""
     resources = stand_in_resources(gpu_count(), devices)
     command = [_ray_executable(), "start", "--head", f"--port={port}", f"--dashboard-host={dashboard_host}",
                f"--dashboard-port={dashboard_port}", f"--resources={json.dumps(resources)}",
@@ -162,7 +177,8 @@ def start_head(*, port: int, dashboard_host: str, dashboard_port: int, auth_mode
     # This environment's bin first on PATH: `python` in a job's entrypoint is then the
     # Python that runs Ray and has uniun-ray installed, not whatever the shell had.
     path = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
-    env = {**os.environ, "RAY_AUTH_MODE": auth_mode, WORKER_NICENESS_ENV: worker_niceness(), "PATH": path}
+    env = {**os.environ, **node_health(), "RAY_AUTH_MODE": auth_mode, WORKER_NICENESS_ENV: worker_niceness(),
+           "PATH": path}
     process = subprocess.Popen(command, env=env, start_new_session=True, stdout=subprocess.PIPE,
                                stderr=subprocess.STDOUT, text=True)
     output, _ = process.communicate()

@@ -115,7 +115,7 @@ def local_cluster(namespace: str = NAMESPACE, **options):
 @dataclass(frozen=True)
 class Handles:
     scheduler: object
-    model: object       # the first device's ModelActor (requests are checked there)
+    model: object       # a ModelActor of the pool, requests are checked there (`checking_model`)
     embedder: object
     chat_model: str     # the scheduler's setting, asked once per session
     models: dict = field(default_factory=dict, compare=False)   # device -> its ModelActor, as met
@@ -137,9 +137,16 @@ def chat_model_setting(config: RuntimeConfig | None) -> RuntimeConfig:
     return config
 
 
-def device_name() -> str:
-    """The name of the first device of this cluster's pool (`cpu0` or `gpu0`)."""
-    return placement.device_name(ray.cluster_resources())
+def checking_model():
+    """A ModelActor to check requests with (`Handles.model`): the pool's first device's
+    (`cpu0` or `gpu0`), else any other of the pool that exists, since the first one's node
+    may have left the cluster. ValueError when there is none."""
+    first = model_actor_name(placement.device_name(ray.cluster_resources()))
+    names = sorted(a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+                   if a["namespace"] == NAMESPACE and a["name"].startswith(model_actor_name("")))
+    if not names:
+        raise ValueError("no model actor in the cluster")
+    return ray.get_actor(first if first in names else names[0], namespace=NAMESPACE)
 
 
 def start(config: RuntimeConfig | None = None) -> Handles:
@@ -228,7 +235,7 @@ def handles() -> Handles:
     try:
         get = lambda name: ray.get_actor(name, namespace=NAMESPACE)  # noqa: E731
         scheduler = get(SCHEDULER_NAME)
-        return _remember(Handles(scheduler, get(model_actor_name(device_name())), get(EMBEDDER_NAME),
+        return _remember(Handles(scheduler, checking_model(), get(EMBEDDER_NAME),
                                  ray.get(scheduler.chat_model.remote())))
     except ValueError:
         return start()

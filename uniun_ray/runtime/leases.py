@@ -36,6 +36,7 @@ class Tracked:
     device_faults: int = 0
     device: str | None = None        # the device of its latest dispatch
     session: str | None = None       # the caller's session: its heartbeats keep the job alive
+    moved_from: int | None = None    # the epoch of the lease its device took along when it left the pool
 
 
 def _future() -> asyncio.Future:
@@ -108,6 +109,12 @@ class LeaseTable:
             raise UnknownJob(f"unknown job {job_id!r}: this scheduler has no record of it (it restarted and "
                              f"lost its queue, or the id was never submitted); resubmit it")
         return tracked
+
+    def moved(self, job_id: str, epoch: int) -> bool:
+        """Whether lease `epoch` of the job went with a device that left the pool (R20): the
+        job is queued again (or already runs elsewhere), and that lease's holder is to resume."""
+        tracked = self.jobs.get(job_id)
+        return tracked is not None and tracked.moved_from == epoch
 
     def holder(self, job_id: str, epoch: int) -> Tracked:
         tracked = self.get(job_id)

@@ -19,11 +19,11 @@ import time
 from collections import deque
 from dataclasses import asdict
 
-from ..models.registry import resolve
+from ..models.registry import prepared, resolve
 from ..models.request import GenerateRequest
 from ..models.settings import EngineSettings
 from .metrics import ModelMetrics
-from .placement import DEVICE_RESOURCE, assigned_resources, stand_ins_here
+from .placement import DEVICE_RESOURCE, assigned_resources, node_id, stand_ins_here
 from .protocol import LeaseRevoked
 
 log = logging.getLogger(__name__)
@@ -131,6 +131,11 @@ class ModelActor:
 
         return await asyncio.to_thread(inspect_request, resolve(model_id), request)
 
+    async def prepare(self, model_id: str) -> bool:
+        """Whether the model's weights are ready here; if not, their one-time conversion starts
+        in the background (`registry.prepared`). UnknownModel for an id nothing resolves."""
+        return await asyncio.to_thread(prepared, resolve(model_id))
+
     async def generate(self, epoch: int, request: GenerateRequest, revocable: bool = True):
         """Stream {"piece": text, "tokens": n} items (n: the run's tokens streamed so far, text
         being a batch of them), then one {"result": ...}. Call with
@@ -191,5 +196,5 @@ class ModelActor:
                 "revoked": self._revoked, "generating": sorted(self._running),
                 "context_length": self._engine.context_length,
                 "engine": self._engine.describe() | {"niceness": os.nice(0)},   # its threads run at it
-                "ray_resources": assigned_resources(),
+                "ray_resources": assigned_resources(), "node": node_id(),
                 "stop_latency_s": list(self.stop_latencies)}

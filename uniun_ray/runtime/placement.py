@@ -162,6 +162,16 @@ def assigned_resources() -> dict:
         return {}
 
 
+def node_id() -> str | None:
+    """The Ray node the calling actor runs on (hex), for the scheduler to know which devices a
+    node takes with it when it dies; None outside a Ray worker."""
+    import ray
+
+    if not ray.is_initialized():
+        return None
+    return ray.get_runtime_context().get_node_id()
+
+
 def stand_ins_here() -> int:
     """How many stand-in devices the calling actor's node declares (`uniun_device`; at least 1,
     and 1 outside a Ray worker). Their model actors share that node's cores."""

@@ -162,8 +162,16 @@ class SchedulerService:
 
     async def release(self, job_id: str, epoch: int, outcome: str) -> bool:
         """End a lease. Returns True when the job was re-queued (a revoked background job:
-        poll `grant` again and resume); False when it ended."""
+        poll `grant` again and resume); False when it ended. A lease whose device left the
+        pool under it: the job went back already (True), unless its holder finished the work
+        before it heard (done, failed): then the job ends, so that it never runs twice."""
         outcome = Outcome.parse(outcome)
+        if self.leases.moved(job_id, epoch):
+            if outcome is Outcome.REVOKED:
+                return True
+            self._withdraw(self.leases.jobs[job_id], f"{outcome.value} on a device that then left the pool",
+                           RevokeCause.CANCEL)
+            return False
         tracked = self.leases.holder(job_id, epoch)
         if outcome is Outcome.REVOKED and not tracked.revoke_requested:
             raise ValueError(f"release({job_id!r}, 'revoked'): the scheduler did not revoke this lease")
@@ -173,10 +181,15 @@ class SchedulerService:
         """The holder's model call died with the ModelActor (killed, crashed, restarted). The
         job is re-queued (a generation resumes from the tokens its client kept). A device
         gone for good leaves the pool (R20); one that restarted holds no known model, so the
-        next dispatch there reloads it. Returns True when re-queued (poll `grant` again);
-        False when it failed (too many device faults)."""
+        next dispatch there reloads it. A device that left the pool already (its node died)
+        took the lease with it and re-queued the job. Returns True when re-queued (poll
+        `grant` again); False when it failed (too many device faults)."""
+        if self.leases.moved(job_id, epoch):
+            return True
         device = self.leases.holder(job_id, epoch).device
         gone = await self.drivers[device].gone()
+        if self.leases.moved(job_id, epoch):          # it left the pool during the probe
+            return True
         tracked = self.leases.holder(job_id, epoch)   # still held after the probe?
         if gone:
             return self._remove_device(device, f"device lost: {reason}")
@@ -190,9 +203,9 @@ class SchedulerService:
         self._apply(actions)
 
     def remove_device(self, name: str, reason: str) -> None:
-        """A device that runs nothing left the pool for good (R20). A busy one leaves through
-        its job's own path (`device_lost`, or its load failing), which re-queues the job: its
-        holder is told so."""
+        """A device left the pool for good (R20): its node died, or its actor is gone. Its
+        job, if any, goes back to its place at once; the holder, whose calls to the device
+        fail, is told so when it reports the loss (`device_lost`) or releases."""
         self._remove_device(name, reason)
 
     async def cancel(self, job_id: str) -> None:
@@ -241,7 +254,9 @@ class SchedulerService:
 
     async def _prepare(self, tracked: Tracked, dispatch: Dispatch) -> None:
         """Load the model if asked, fence a new epoch at the device, then hand out the lease,
-        unless the job was revoked meanwhile: then it ends its turn without ever running."""
+        unless the job was revoked meanwhile: then it ends its turn without ever running. A
+        device that left the pool meanwhile (its node died) put the job back already (R20):
+        whatever its calls answer then is not the job's any more."""
         device = dispatch.device
         driver = self.drivers[device]
         try:
@@ -251,16 +266,20 @@ class SchedulerService:
                 swap_s = await driver.load(dispatch.model_id)
                 self._emit_run("swap_end", tracked, seconds=swap_s)
             epoch = await driver.fence()
-        except DeviceGone as error:  # the device left the pool: the job runs on another
-            self._remove_device(device, f"device lost while preparing: {error}")
-            return
-        except Exception as error:  # the load failed: the job fails, the device holds nothing known
-            driver.lost()
+        except Exception as error:
+            if self.drivers.get(device) is not driver:
+                return
+            if isinstance(error, DeviceGone):  # the device leaves the pool: the job runs on another
+                self._remove_device(device, f"device lost while preparing: {error}")
+                return
+            driver.lost()  # the load failed: the job fails, the device holds nothing known
             if isinstance(error, DeviceLost) and not tracked.cancelled:
                 self._lose_device(tracked, device, f"device lost while preparing: {error}")
                 return
             self._apply(self.policy.set_loaded_model(None, self._now(), device=device))
             self._fail(tracked, error)
+            return
+        if self.drivers.get(device) is not driver:
             return
         if tracked.revoke_requested:
             self._finish(tracked, Outcome.REVOKED)
@@ -284,6 +303,8 @@ class SchedulerService:
             tracked = self.leases.jobs[job.id]
             self._emit_run("finish", tracked, outcome="failed", reason=reason, requeued=requeued)
             if requeued:
+                if tracked.lease is not None:   # its holder learns it went back (`moved`)
+                    tracked.moved_from = tracked.lease.epoch
                 self.leases.requeue(tracked)
             else:
                 self.leases.end(tracked, tracked.drop_reason or reason,

@@ -72,6 +72,10 @@ class _Baseline:
     def _preempts(self, job: Job) -> bool:
         return False
 
+    def set_step_profile(self, model_id: str, device: str, profile, now: float | None = None) -> list:
+        """A baseline runs one job at a time: step times at larger batches change nothing."""
+        return []
+
     # -- the API ---------------------------------------------------------------------------
     def submit(self, job: Job, now: float) -> list:
         self._advance(now)

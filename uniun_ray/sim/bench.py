@@ -6,7 +6,8 @@ per workload and the goals checked for the real policy, and PNGs: a device timel
 cumulative-service plot per workload and policy, and a chat TTFT CDF per workload.
 With ``--logs`` it also keeps each run's event log as JSONL. With ``--real`` it plays the
 short workloads on the real runtime instead, beside their simulation (`replay`). With
-``--devices 1,2,4`` it runs the pool benchmark instead (`poolbench`, ``pool.md``).
+``--devices 1,2,4`` it runs the pool benchmark instead (`poolbench`, ``pool.md``); with
+``--slots 1,4,8,16`` the slots benchmark (`slotbench`, ``slots.md``).
 """
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from pathlib import Path
 
 from uniun_ray.policy import PolicyConfig, SchedulerPolicy
 
-from . import plots, poolbench
+from . import plots, poolbench, slotbench
 from .baselines import BASELINES
 from .device import PROFILES, DeviceProfile
 from ..events import log
@@ -25,7 +26,7 @@ from .metrics import Goal, Metrics, goals_table, jain_of, measure, t2_windows
 from .simulator import simulate
 from ..events.trace import Trace
 from .workload import Workload
-from .workloads import CHAT_MODEL, POOL_WORKLOADS, SHORT_WORKLOADS, WORKLOADS, generate
+from .workloads import CHAT_MODEL, POOL_WORKLOADS, SHORT_WORKLOADS, SLOT_WORKLOADS, WORKLOADS, generate
 
 REAL = "uniun"
 T2_SHARE = PolicyConfig().t2_share  # R11's limit, the goal's 60 %
@@ -185,8 +186,9 @@ def main(argv: list[str] | None = None, real=None) -> int:
     parser.add_argument("--out", default="bench-out", help="output directory (default: bench-out)")
     parser.add_argument("--seed", type=int, default=1, help="workload seed (default: 1)")
     parser.add_argument("--profile", choices=sorted(PROFILES), default="cpu", help="device speeds (default: cpu)")
-    parser.add_argument("--workloads", nargs="+", choices=[*WORKLOADS, *SHORT_WORKLOADS],
-                        help=f"default: {' '.join(WORKLOADS)}; with --real: {' '.join(SHORT_WORKLOADS)}")
+    parser.add_argument("--workloads", nargs="+", choices=list({**WORKLOADS, **SHORT_WORKLOADS, **SLOT_WORKLOADS}),
+                        help=f"default: {' '.join(WORKLOADS)}; with --real: {' '.join(SHORT_WORKLOADS)}; "
+                             f"with --slots: {' '.join(SLOT_WORKLOADS)}")
     parser.add_argument("--logs", action="store_true", help="also write each run's event log as JSONL")
     parser.add_argument("--no-plots", action="store_true", help="tables only")
     parser.add_argument("--real", action="store_true",
@@ -195,6 +197,9 @@ def main(argv: list[str] | None = None, real=None) -> int:
     parser.add_argument("--devices", type=_counts, metavar="N,N,...",
                         help="instead, the pool benchmark: the saturating `pool` workload on each number of "
                              "devices, the goals checked against the first (e.g. 1,2,4): pool.md")
+    parser.add_argument("--slots", type=_counts, metavar="N,N,...",
+                        help="instead, the slots benchmark: each workload on one device with each number of "
+                             "slots, the goals checked against the first (e.g. 1,4,8,16): slots.md")
     args = parser.parse_args(argv)
 
     out = Path(args.out)
@@ -204,6 +209,13 @@ def main(argv: list[str] | None = None, real=None) -> int:
         text = "\n\n".join(poolbench.report(generate(name, args.seed), device, args.devices)
                             for name in POOL_WORKLOADS)
         (out / "pool.md").write_text(text + "\n")
+        print(text)
+        return 0
+    if args.slots:
+        out.mkdir(parents=True, exist_ok=True)
+        names = args.workloads or list(SLOT_WORKLOADS)
+        text = slotbench.report([generate(name, args.seed) for name in names], device, args.slots)
+        (out / "slots.md").write_text(text + "\n")
         print(text)
         return 0
     if args.real:
@@ -236,7 +248,7 @@ def _counts(text: str) -> list[int]:
     except ValueError:
         counts = []
     if not counts or min(counts) < 1:
-        raise argparse.ArgumentTypeError(f"expected device counts like 1,2,4, got {text!r}")
+        raise argparse.ArgumentTypeError(f"expected counts like 1,2,4, got {text!r}")
     return counts
 
 

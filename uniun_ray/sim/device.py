@@ -12,6 +12,13 @@ releases the lease, and the next job is granted). A revoke inside a chunk that i
 last one stops with no new token; the chunks read stay in the KV cache for the resume (with
 no cache, the resumed run reads the context again).
 
+Several jobs on one device (slots, SPEC §6) decode together: one step gives each of b
+decoding jobs a token and takes `ModelSpeed.step_s(b)`, the batch-1 decode step scaled by the
+model's `batch_cost` curve (step(b) / step(1)), interpolated linearly between the measured
+sizes and extrapolated from the last two past the largest (`uniun_ray.policy.steps.step_time`,
+the function the policy's R23 uses on the same profile). How the simulator interleaves a
+joining job's prefill with the others' steps is in `batch`.
+
 Where the numbers come from
 ---------------------------
 ``cpu`` (the default) is the project's 2-core x86_64 development box with the embedded
@@ -42,10 +49,42 @@ by per-layer launch and Python overhead, roughly 0.4-0.5 ms per layer and token,
 prefill of a few thousand tokens costs tens of ms (0.02 ms/token); a swap is a load
 from the page cache plus a host-to-device copy of <1 GB (0.4-0.6 s). Replace it with
 measured numbers (the ModelActor times its loads) when a GPU run is available.
+
+Batches (SPEC §6): step(b) / step(1), per profile
+--------------------------------------------------
+``cpu``: SmolLM2-135M-Instruct measured by ``benchmarks/step_profile.py --threads 1 --clock cpu
+--steps 8 --repeats 5`` on 2026-12-03 08:17 UTC, on this turn's host (x86_64 "Intel(R) Xeon(R)
+Processor", 2 cores, torch 2.13.0+cpu, AVX-512), float32, 256-token prompts, in CPU seconds
+because the machine ran other sessions' work beside it (load average 10-23): 82.9, 96.5, 164.1,
+211.8, 337.0, 415.3 ms per step at batch 1, 2, 4, 8, 16, 32, i.e. 1.0, 1.7, 2.0, 3.1, 3.9, 6.4x
+the tokens per second of one sequence (`docs/bench/step-profile-smollm2-135m-instruct-cpu.json`).
+PROVISIONAL: one thread, not both cores, and not a quiet machine; rerun the probe alone (both
+cores, wall clock) and replace the curve. Only its shape is used: the batch-1 step stays the
+profile's 22.33 tok/s above, so that one slot's tables do not move, and every cpu model takes
+SmolLM2's curve (Gemma and tiny are not measured). R23 then keeps one job beside a chat
+(step(2) = 1.165 step(1) <= 1.25).
+
+``gpu``: an estimate from published figures, not a measurement. vLLM serving Qwen2.5-0.5B on
+one datacenter GPU decodes ~65 tok/s for one sequence and ~1,737 tok/s for 128 (the figures
+issue 24 quotes; the page they come from is not among this project's references), so a step
+of 128 sequences takes (128 / 1737) / (1 / 65) = 4.79 steps of one: the weights are read once
+per step whatever the batch, and each sequence adds its attention and its share of the
+matrix products. The curve is linear between the two points (and past 128, as the policy
+extrapolates): 1 + 0.0298 (b - 1), i.e. 11x the tokens per second of one sequence at 16, 17x
+at 32; R23 then keeps 8 jobs beside one chat (step(9) = 1.24 step(1) <= 1.25). Other public
+reports have the same shape: vLLM issue #5567 (55 tok/s at batch 1, 1,275 at 256: 23x) and
+GPULlama3.java PR #129 (41x aggregate for Llama-3.2-1B in fp16 on an RTX 4090, large B). The
+batch-1 step stays the estimate above (15 ms SmolLM2, 10 ms Gemma): a transformers engine in
+eager mode, slower per step than vLLM's 65 tok/s, gains the same factor from batching only if
+its per-step overhead is shared as vLLM's is; replace both with a `benchmarks/step_profile.py`
+run on a GPU when one is lent.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
+
+from ..policy.steps import step_time
 
 #: A prefill chunk takes this many decode steps, as the engine sizes them
 #: (`uniun_ray.models.tuning.CHUNK_DECODE_STEPS`; the simulator does not import the models).
@@ -54,14 +93,33 @@ CHUNK_DECODE_STEPS = 2.0
 
 @dataclass(frozen=True)
 class ModelSpeed:
-    """Per-model costs, all in seconds."""
+    """Per-model costs, all in seconds. `batch_cost` is the step time at each measured batch
+    size relative to batch 1, as (batch, factor) pairs; the default, batch 1 alone, means no
+    gain from batching (b jobs step in b times one job's step)."""
 
-    decode_s: float            # one decode step (one output token after the first)
+    decode_s: float            # one decode step of one job (one output token after the first)
     prefill_s_per_token: float  # prefill cost per context token
     swap_s: float              # unload the current model and load this one
+    batch_cost: tuple[tuple[int, float], ...] = ((1, 1.0),)
 
     def prefill_s(self, tokens: int) -> float:
         return tokens * self.prefill_s_per_token
+
+    @cached_property
+    def steps(self) -> dict[int, float]:
+        """Seconds per decode step at each measured batch size: what the policy is given (R23)."""
+        return {batch: self.decode_s * factor for batch, factor in self.batch_cost}
+
+    def step_s(self, batch: int) -> float:
+        """Seconds per decode step of `batch` jobs together (exactly `decode_s` for one)."""
+        return self.decode_s if batch == 1 else step_time(self.steps, batch)
+
+    @cached_property
+    def fixed_s(self) -> float:
+        """The part of a step that does not grow with the batch (the weights read once per
+        forward pass, the kernels launched): the step curve's intercept, 2 step(1) - step(2).
+        0 without a batching gain."""
+        return max(0.0, 2 * self.step_s(1) - self.step_s(2))
 
 
 @dataclass(frozen=True)
@@ -95,8 +153,16 @@ GEMMA3 = "gemma-3-270m"
 TINY = "tiny"
 
 
+#: Step time per batch size relative to batch 1 on the CPU: SmolLM2 measured beside other work,
+#: provisional (see "Batches" above).
+CPU_BATCH_COST = ((1, 1.0), (2, 1.165), (4, 1.981), (8, 2.556), (16, 4.067), (32, 5.012))  # provisional
+#: The same on one datacenter GPU, an estimate from published figures (see above): vLLM,
+#: Qwen2.5-0.5B, 65 tok/s at one sequence and 1,737 at 128.
+GPU_BATCH_COST = ((1, 1.0), (128, (128 / 1737) / (1 / 65)))
+
+
 def _from_rates(decode_tok_s: float, prefill_tok_s: float, swap_s: float) -> ModelSpeed:
-    return ModelSpeed(1.0 / decode_tok_s, 1.0 / prefill_tok_s, swap_s)
+    return ModelSpeed(1.0 / decode_tok_s, 1.0 / prefill_tok_s, swap_s, CPU_BATCH_COST)
 
 
 PROFILES: dict[str, DeviceProfile] = {
@@ -106,7 +172,7 @@ PROFILES: dict[str, DeviceProfile] = {
         TINY: _from_rates(834.55, 1188 / 0.03, 0.47),
     }),
     "gpu": DeviceProfile("gpu", {
-        SMOLLM2: ModelSpeed(0.015, 0.00002, 0.4),
-        GEMMA3: ModelSpeed(0.010, 0.00002, 0.6),
+        SMOLLM2: ModelSpeed(0.015, 0.00002, 0.4, GPU_BATCH_COST),
+        GEMMA3: ModelSpeed(0.010, 0.00002, 0.6, GPU_BATCH_COST),
     }),
 }

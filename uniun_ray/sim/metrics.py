@@ -29,7 +29,12 @@ Definitions (times in seconds; tiers are R1's, at dispatch for a run, see `trace
 * T3 lateness: for each job with a deadline, its first dispatch minus its deadline
   (negative: started early; never dispatched: the log's end counts as its start).
 * Idle while waiting: time with a device holding no job while some job was queued (the
-  devices are those the log's runs went to).
+  devices are those the log's runs went to). A device with slots (SPEC §6) is idle only
+  when all of its slots are.
+* Batch: the jobs on a device when one is dispatched there, this one included (the
+  ``batch`` of the log's dispatches, SPEC §6): the mean over the dispatches and the largest.
+* Drain time of a producer (e.g. a backfill): from its first job's submit to its last job's
+  end; None while one of its jobs is not over.
 * Longest wait of a flow: the longest stretch one of its jobs stayed queued, from submit
   or from a revoked run's end to its next dispatch.
 """
@@ -83,6 +88,8 @@ class Metrics:
     t3_late_p50: float | None
     t3_late_max: float | None
     idle_while_waiting_s: float
+    batch_mean: float | None = None
+    batch_max: int | None = None
     service: dict[str, float] = field(default_factory=dict)
     longest_wait: dict[str, float] = field(default_factory=dict)
 
@@ -119,9 +126,19 @@ def measure(log: Iterable[Event] | Trace, window_s: float = 300.0) -> Metrics:
         t2_share_max_t34_backlogged=max(t2_backlogged, default=None),
         t3_jobs=len(late), t3_late_p50=percentile(late, 50), t3_late_max=max(late, default=None),
         idle_while_waiting_s=idle_while_waiting(trace),
+        batch_mean=sum(run.batch for run in trace.runs) / len(trace.runs) if trace.runs else None,
+        batch_max=max((run.batch for run in trace.runs), default=None),
         service=dict(service),
         longest_wait=dict(longest),
     )
+
+
+def drain_s(log: Iterable[Event] | Trace, producer: str) -> float | None:
+    trace = log if isinstance(log, Trace) else Trace(log)
+    recs = [rec for rec in trace.jobs.values() if rec.producer == producer]
+    if not recs or any(rec.end is None for rec in recs):
+        return None
+    return max(rec.end for rec in recs) - min(rec.submit for rec in recs)
 
 
 def _chat_delay(rec: JobRecord) -> float:
@@ -153,15 +170,19 @@ def idle_while_waiting(trace: Trace) -> float:
     points = []
     for rec in trace.jobs.values():
         for a, b in trace.waits(rec):
-            points += [(a, ("wait", 1)), (b, ("wait", -1))]
+            points += [(a, (None, 1)), (b, (None, -1))]
     for run in trace.runs:
-        points += [(run.start, ("busy", 1)), (run.end, ("busy", -1))]
-    count = Counter()
+        points += [(run.start, (run.device, 1)), (run.end, (run.device, -1))]
+    waiting, jobs = 0, Counter()   # queued jobs; jobs on each device
     idle = 0.0
     for a, b, batch in _sweep(points):
-        for what, delta in batch:
-            count[what] += delta
-        if count["wait"] > 0 and count["busy"] < max(len(trace.devices), 1):
+        for device, delta in batch:
+            if device is None:
+                waiting += delta
+            else:
+                jobs[device] += delta
+        busy = sum(1 for n in jobs.values() if n > 0)
+        if waiting > 0 and busy < max(len(trace.devices), 1):
             idle += b - a
     return idle
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from uniun_ray.policy import SchedulerPolicy
 
 from .device import DeviceProfile
-from .metrics import Goal, goals_table, measure
+from .metrics import Goal, Metrics, goals_table, measure
 from .simulator import simulate
 from ..events.trace import Trace
 from .workload import Workload
@@ -32,11 +32,15 @@ class PoolOutcome:
     revokes: int
     idle_while_waiting_s: float
     wall_s: float
+    slots: int = 1
+    trace: Trace | None = None      # the run's log and its scores, for more figures (`slotbench`)
+    metrics: Metrics | None = None
 
 
-def run(workload: Workload, profile: DeviceProfile, n: int) -> PoolOutcome:
+def run(workload: Workload, profile: DeviceProfile, n: int, slots: int = 1) -> PoolOutcome:
+    """`workload` on `n` devices of `profile` with `slots` slots each (SPEC §5, §6)."""
     names = tuple(f"dev{i}" for i in range(n))
-    result = simulate(SchedulerPolicy(devices=names), workload, profile, names)
+    result = simulate(SchedulerPolicy(devices=names, slots=slots), workload, profile, names, slots)
     trace = Trace(result.events)
     m = measure(trace)
     horizon = max(f.stop for f in workload.flows if f.stop is not None)
@@ -44,7 +48,7 @@ def run(workload: Workload, profile: DeviceProfile, n: int) -> PoolOutcome:
                  if ev["ev"] == "finish" and ev["outcome"] == "done" and ev["kind"] != "chat" and ev["t"] <= horizon)
     device_h = n * (trace.end - trace.start) / 3600.0
     return PoolOutcome(n, tokens / (horizon / 3600.0), m.ttft_p99, m.swaps, m.swaps / device_h, m.revokes,
-                       m.idle_while_waiting_s, result.wall_s)
+                       m.idle_while_waiting_s, result.wall_s, slots, trace, m)
 
 
 def report(workload: Workload, profile: DeviceProfile, counts: list[int]) -> str:
@@ -55,7 +59,7 @@ def report(workload: Workload, profile: DeviceProfile, counts: list[int]) -> str
              "revokes | idle while waiting s | sim wall s |", "|---" * 9 + "|"]
     for o in outcomes:
         lines.append(f"| {o.devices} | {o.background_tok_h:.0f} | {o.background_tok_h / base.background_tok_h:.2f}x | "
-                     f"{_s(o.chat_ttft_p99)} | {o.swaps} | {o.swaps_per_device_h:.2f} | {o.revokes} | "
+                     f"{fmt(o.chat_ttft_p99)} | {o.swaps} | {o.swaps_per_device_h:.2f} | {o.revokes} | "
                      f"{o.idle_while_waiting_s:.3f} | {o.wall_s:.2f} |")
     return "\n".join(lines + ["", goals_table(goals(outcomes), "goal (against the first row)")])
 
@@ -78,5 +82,5 @@ def goals(outcomes: list[PoolOutcome]) -> list[Goal]:
     return checked
 
 
-def _s(value: float | None) -> str:
-    return "–" if value is None else f"{value:.3f}"
+def fmt(value: float | None, digits: int = 3) -> str:
+    return "–" if value is None else f"{value:.{digits}f}"

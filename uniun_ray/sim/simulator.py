@@ -1,12 +1,13 @@
 """A discrete-event simulation of a pool of accelerators (one by default), driving any
-object with the policy API of SPEC §1 and §5 (the real `SchedulerPolicy` or a baseline) on
-a virtual clock. Every device has the same `DeviceProfile`.
+object with the policy API of SPEC §1, §5 and §6 (the real `SchedulerPolicy` or a baseline)
+on a virtual clock. Every device has the same `DeviceProfile` and its own number of slots.
 
-Entry point: ``simulate(policy, workload, device, devices=("dev0",)) -> SimResult``, the
-policy built with the same `devices`; ``SimResult.events`` is the event log of
+Entry point: ``simulate(policy, workload, device, devices=("dev0",), slots=1) -> SimResult``,
+the policy built with the same `devices` and `slots`; ``SimResult.events`` is the event log of
 `uniun_ray.events.schema`, every job event on a device naming it.
 
-The simulator plays the runtime's part of the contract, and checks the policy's: it
+The simulator plays the runtime's part of the contract, and checks the policy's: it gives
+the policy each model's step times per batch size (`set_step_profile`, R23) at the start,
 submits jobs, reports foreground changes, calls `tick(now)` at `next_wakeup()`, runs each
 Dispatch (swap first when asked, then prefill, then decode, costs from the
 `DeviceProfile`), stops a revoked job at its next token boundary plus the revoke delay
@@ -14,19 +15,28 @@ and reports ``finish(..., "revoked")``, and reports ``"done"`` otherwise. A revo
 that the policy answers with `Requeued` stays with it (R6) and is later dispatched to
 resume: it re-prefills prompt + produced tokens and decodes the rest; any other revoked
 job is over (a chat failed as preempted). A policy that breaks the contract (a job
-dispatched to a busy or unknown device, a revoke of a job that is not running, a second
-revoke) raises `ContractError`.
+dispatched to an unknown device, to a slot it does not have or that holds an unfinished job,
+a swap on a device that holds any, a revoke of a job that is not running, a second revoke)
+raises `ContractError`.
 
 Costs the simulator charges, for one run of a job that has produced k of its n tokens:
 ``swap_s`` (when the Dispatch says swap), ``prefill_s`` of the context (prompt + k) less what
-the device's prefix KV cache holds, after which the next token exists, then ``decode_s`` per
-further token. Boundaries, where a revoke takes effect, are the end of the swap (no token
+the device's prefix KV cache holds, after which the next token exists, then one decode step
+per further token. Boundaries, where a revoke takes effect, are the end of the swap (no token
 yet: a revoked load stops there), the end of every prefill chunk (`DeviceProfile.chunk_tokens`;
 no new token before the last one: the chunks read stay cached for the resume), and every
 decode step. A revoke whose next boundary is
 the job's last token lets the job finish "done".
 A swap is charged whenever the Dispatch asks for one; a Dispatch without swap for a model
 that is not loaded on its device is a contract error. Every device starts empty.
+
+On a device with slots (SPEC §6) the jobs dispatched to it compute together, as `batch`
+describes: a job joins at the next step boundary after its Dispatch (at the end of the swap
+while one is under way; at once on an idle device), a step gives every decoding job a token in
+``step_s(b)`` of the b decoding and carries one prefill chunk of a joiner; a revoke stops that
+job at the next step boundary (+ the revoke delay before its finish) and the others go on.
+With one job on the device this is the one-job run above, to the float: S = 1 gives the event
+log of a one-slot simulator, with ``slot`` and ``batch`` added.
 """
 from __future__ import annotations
 
@@ -34,17 +44,18 @@ import heapq
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 from uniun_ray.policy import Dispatch, Job, Kind, Requeued, Revoke
 
+from .batch import Epoch, Progress, plan
 from .kvcache import KvCache
 from .device import DeviceProfile, PROFILES
 from ..events.schema import Event
 from .workload import Flow, SimJob, Workload
 
-#: Slack when rounding a revoke time up to the next token boundary (float noise).
-_EPS = 1e-9
+#: Slots per device: one count for every device, or a count per device name (others: 1).
+Slots = int | Mapping[str, int]
 
 
 class ContractError(RuntimeError):
@@ -70,48 +81,31 @@ class _JobState:
 
 @dataclass
 class _Run:
-    """One dispatch of a job: the device is held from `start` to its finish."""
+    """One dispatch of a job: it holds its slot from `start` to its finish (R7's charge)."""
 
     state: _JobState
-    device: str
-    start: float
-    compute_start: float   # after the swap
-    first_boundary: float  # end of prefill: produced + 1 tokens exist
-    decode_s: float
-    chunk_s: float         # one full prefill chunk
-    cached: int = 0        # context tokens taken from the KV cache (not prefilled)
+    device: "_Device"
+    slot: int
+    progress: Progress
     revoked: bool = False
-    stop_boundary: float = math.inf  # the boundary a revoke stops at
-    end_version: int = 0             # bumped when the end is rescheduled
+    stopped: bool = False      # by its revoke, at a boundary; its finish follows the delay
 
-    def tokens_at(self, boundary: float) -> int:
-        """Tokens the job has produced at a boundary of this run."""
-        if boundary < self.first_boundary:
-            return self.state.produced
-        steps = round((boundary - self.first_boundary) / self.decode_s)
-        return self.state.produced + 1 + steps
 
-    def tokens_read(self, boundary: float, chunk: int) -> int:
-        """Tokens whose KV exists at a boundary: the prefill chunks read, or the whole context
-        and what was produced after it."""
-        context = self.state.spec.prompt_tokens + self.state.produced
-        if boundary < self.first_boundary:
-            chunks = round((boundary - self.compute_start) / self.chunk_s) if self.chunk_s > 0 else 0
-            return min(context, self.cached + max(0, chunks) * chunk)
-        return context + round((boundary - self.first_boundary) / self.decode_s)
+@dataclass
+class _Device:
+    """One device: its model, its slots, and the batch computing on it (`batch`)."""
 
-    def last_boundary(self) -> float:
-        remaining = self.state.spec.output_tokens - self.state.produced
-        return self.first_boundary + (remaining - 1) * self.decode_s
-
-    def next_boundary(self, t: float) -> float:
-        if t <= self.compute_start:
-            return self.compute_start
-        if t <= self.first_boundary:
-            chunks = math.ceil((t - self.compute_start) / self.chunk_s - _EPS)
-            return min(self.compute_start + chunks * self.chunk_s, self.first_boundary)
-        steps = math.ceil((t - self.first_boundary) / self.decode_s - _EPS)
-        return self.first_boundary + steps * self.decode_s
+    name: str
+    slots: int
+    kv: KvCache
+    model: str | None = None
+    ready: float = 0.0         # the end of the swap under way: nothing computes before it
+    runs: dict[int, _Run] = field(default_factory=dict)      # slot -> its unfinished run
+    joining: list[_Run] = field(default_factory=list)        # dispatched, join at the next boundary
+    batch: list[_Run] = field(default_factory=list)          # computing, in the order they joined
+    epoch: Epoch | None = None
+    wake: float = math.inf     # the next boundary the device is visited at
+    version: int = 0           # bumped when `wake` moves earlier
 
 
 @dataclass
@@ -130,7 +124,7 @@ class _Pending:
 
 class Simulator:
     def __init__(self, policy, workload: Workload, device: DeviceProfile = PROFILES["cpu"],
-                 devices: tuple[str, ...] = ("dev0",)) -> None:
+                 devices: tuple[str, ...] = ("dev0",), slots: Slots = 1) -> None:
         self.policy = policy
         self.workload = workload
         self.device = device
@@ -141,9 +135,13 @@ class Simulator:
         self._jobs: dict[str, _JobState] = {}
         self._outstanding: set[str] = set()
         self._running: dict[str, _Run] = {}  # job id -> its run
-        self._loaded: dict[str, str | None] = dict.fromkeys(devices)  # device -> its model
-        self._kv = {device: KvCache(self.device.kv_cache_tokens) for device in devices}
+        counts = slots if isinstance(slots, Mapping) else dict.fromkeys(devices, slots)
+        self._devices = {name: _Device(name, counts.get(name, 1), KvCache(device.kv_cache_tokens))
+                         for name in devices}
         self._last_wake: float = -math.inf
+        for name in devices:  # R23: the step times the policy bounds a chat's step with
+            for model, speed in device.models.items():
+                policy.set_step_profile(model, name, speed.steps)
 
     # -- the loop ------------------------------------------------------------------------
     def run(self) -> SimResult:
@@ -184,7 +182,7 @@ class Simulator:
             event.update(job=job.id, kind=job.kind.value, producer=job.producer, model=job.model_id)
             run = self._running.get(job.id)
             if run is not None:
-                event["device"] = run.device
+                event["device"] = run.device.name
         event.update(fields)
         self.events.append(event)
 
@@ -241,50 +239,53 @@ class Simulator:
                 raise ContractError(f"unknown action {action!r}")
 
     def _dispatch(self, action: Dispatch) -> None:
-        where = action.device
-        if where not in self._loaded:
-            raise ContractError(f"t={self.now}: Dispatch({action.job_id!r}) to unknown device {where!r}")
-        busy = next((r for r in self._running.values() if r.device == where), None)
+        device = self._check_dispatch(action)
+        state = self._jobs[action.job_id]
+        speed = self.device.speed(action.model_id)
+        if action.swap:
+            device.kv.clear()
+            device.ready = self.now + speed.swap_s
+        context = state.spec.prompt_tokens + state.produced
+        cached = device.kv.take(state.job.id, self._conversation(state), context)
+        progress = Progress(state.spec.prompt_tokens, context, state.spec.output_tokens, context - cached,
+                            state.produced, int(action.tier))
+        run = _Run(state, device, action.slot, progress)
+        self._running[action.job_id] = device.runs[action.slot] = run
+        self._log("dispatch", state, swap=action.swap, tier=int(action.tier), slot=action.slot,
+                  batch=len(device.runs), cached_tokens=cached, prefill_tokens=context - cached,
+                  prefill_s=speed.prefill_s(context - cached))
+        if action.swap:
+            self._log("swap_start", state, **{"from": device.model})
+            device.model = action.model_id
+            self._at(device.ready, self._swap_end, run)
+        device.joining.append(run)
+        self._wake_at(device, self._boundary(device))
+
+    def _check_dispatch(self, action: Dispatch) -> "_Device":
+        """The device the Dispatch may run on, or a ContractError saying why not."""
+        device = self._devices.get(action.device)
+        where = f"t={self.now}: Dispatch({action.job_id!r}) to {action.device}"
+        if device is None:
+            raise ContractError(f"{where}: unknown device")
+        if not 0 <= action.slot < device.slots:
+            raise ContractError(f"{where} slot {action.slot}: it has {device.slots} slot(s)")
+        busy = device.runs.get(action.slot)
         if busy is not None:
-            raise ContractError(f"t={self.now}: Dispatch({action.job_id!r}) to {where} while "
-                                f"{busy.state.job.id!r} is running")
+            raise ContractError(f"{where} slot {action.slot} while {busy.state.job.id!r} is running")
         state = self._jobs.get(action.job_id)
         if state is None or action.job_id not in self._outstanding or action.job_id in self._running:
             raise ContractError(f"t={self.now}: Dispatch of unknown, running or ended job {action.job_id!r}")
         if action.model_id != state.job.model_id:
-            raise ContractError(f"t={self.now}: Dispatch({action.job_id!r}) on {action.model_id!r}, "
-                                f"the job wants {state.job.model_id!r}")
-        if not action.swap and action.model_id != self._loaded[where]:
-            raise ContractError(f"t={self.now}: Dispatch({action.job_id!r}) without swap, "
-                                f"but {self._loaded[where]!r} is loaded on {where}")
-        speed = self.device.speed(action.model_id)
-        swap_s = speed.swap_s if action.swap else 0.0
-        compute_start = self.now + swap_s
-        if action.swap:
-            self._kv[where].clear()
-        context = state.spec.prompt_tokens + state.produced
-        cached = self._kv[where].take(state.job.id, self._conversation(state), context)
-        prefill = speed.prefill_s(context - cached)
-        run = _Run(state, where, self.now, compute_start, compute_start + prefill, speed.decode_s,
-                   speed.prefill_s(self.device.chunk_tokens(speed)), cached)
-        self._running[action.job_id] = run
-        self._log("dispatch", state, swap=action.swap, tier=int(action.tier), cached_tokens=cached,
-                  prefill_tokens=context - cached, prefill_s=prefill)
-        if action.swap:
-            self._log("swap_start", state, **{"from": self._loaded[where]})
-            self._loaded[where] = action.model_id
-            self._at(compute_start, self._swap_end, run)
-        if not state.first_token_done:
-            self._at(run.first_boundary, self._first_token, run)
-        self._at(run.last_boundary(), self._end, (run, run.end_version))
+            raise ContractError(f"{where} on {action.model_id!r}, the job wants {state.job.model_id!r}")
+        if action.swap and device.runs:
+            held = ", ".join(sorted(repr(r.state.job.id) for r in device.runs.values()))
+            raise ContractError(f"{where} with a swap while {held} hold(s) it: a device swaps only when empty")
+        if not action.swap and action.model_id != device.model:
+            raise ContractError(f"{where} without swap, but {device.model!r} is loaded there")
+        return device
 
     def _swap_end(self, run: _Run) -> None:
         self._log("swap_end", run.state)
-
-    def _first_token(self, run: _Run) -> None:
-        if run.first_boundary <= run.stop_boundary:
-            run.state.first_token_done = True
-            self._log("first_token", run.state)
 
     def _revoke(self, action: Revoke) -> None:
         run = self._running.get(action.job_id)
@@ -293,30 +294,60 @@ class Simulator:
         if run.revoked:
             raise ContractError(f"t={self.now}: second Revoke of {action.job_id!r}")
         run.revoked = True
-        self._log("revoke", run.state)
-        boundary = run.next_boundary(self.now)
-        if boundary >= run.last_boundary() - _EPS:
-            return  # the job ends at this boundary anyway: it finishes "done"
-        run.stop_boundary = boundary
-        run.end_version += 1
-        self._at(boundary + self.device.revoke_delay_s, self._end, (run, run.end_version))
+        self._log("revoke", run.state, cause=action.cause.value, batch=len(run.device.runs))
+        self._wake_at(run.device, self._boundary(run.device))
 
-    def _end(self, arg: tuple[_Run, int]) -> None:
-        run, version = arg
-        if version != run.end_version:
+    # -- the batch on a device ---------------------------------------------------------
+    def _boundary(self, device: _Device) -> float:
+        """When a job joins or stops if asked now: at the end of the swap under way, at the end
+        of the step under way, or now if the device computes nothing."""
+        if self.now < device.ready:
+            return device.ready
+        return self.now if device.epoch is None else device.epoch.boundary_after(self.now)
+
+    def _wake_at(self, device: _Device, t: float) -> None:
+        if t < device.wake:
+            device.wake = t
+            device.version += 1
+            self._at(t, self._visit, (device, device.version))
+
+    def _visit(self, arg: tuple[_Device, int]) -> None:
+        """A step boundary where the batch changes: tokens up to now, first tokens, jobs that
+        are done, revoked jobs that stop, jobs that join; then the steps until the next change."""
+        device, version = arg
+        if version != device.version:
             return
-        state = run.state
-        stopped = run.stop_boundary < math.inf
-        kv = self._kv[run.device]
-        if stopped:          # kept for the resume: what the run had read by its stop
-            kv.put(state.job.id, run.tokens_read(run.stop_boundary,
-                                                 self.device.chunk_tokens(self.device.speed(state.job.model_id))))
+        device.wake = math.inf
+        if device.epoch is not None:
+            for job in device.epoch.advance(self.now):
+                run = next(r for r in device.batch if r.progress is job)
+                if not run.state.first_token_done:
+                    run.state.first_token_done = True
+                    self._log("first_token", run.state)
+        done = [run for run in device.batch if run.progress.done]
+        stopping = [run for run in device.batch + device.joining if run.revoked and not run.progress.done]
+        device.batch = [run for run in device.batch + device.joining if not run.revoked and not run.progress.done]
+        device.joining = []
+        speed = self.device.speed(device.model)
+        device.epoch = plan([run.progress for run in device.batch], self.now, speed, self.device.chunk_tokens(speed))
+        if device.epoch is not None:
+            self._wake_at(device, device.epoch.end)
+        for run in stopping:
+            run.stopped = True
+            self._at(self.now + self.device.revoke_delay_s, self._end, run)
+        for run in done:
+            self._end(run)
+
+    def _end(self, run: _Run) -> None:
+        state, device = run.state, run.device
+        if run.stopped:          # kept for the resume: what the run had read by its stop
+            device.kv.put(state.job.id, run.progress.kv_tokens())
         elif self._conversation(state) is not None:   # the next turn's prompt starts with it
-            kv.put(self._conversation(state), state.spec.prompt_tokens + state.spec.output_tokens)
-        state.produced = run.tokens_at(run.stop_boundary) if stopped else state.spec.output_tokens
-        outcome = "revoked" if stopped else "done"
+            device.kv.put(self._conversation(state), state.spec.prompt_tokens + state.spec.output_tokens)
+        state.produced = run.progress.tokens
+        outcome = "revoked" if run.stopped else "done"
         self._log("finish", state, outcome=outcome, tokens=state.produced)
-        del self._running[state.job.id]
+        del self._running[state.job.id], device.runs[run.slot]
         actions = self.policy.finish(state.job.id, self.now, outcome)
         if Requeued(state.job.id) not in actions:
             self._outstanding.discard(state.job.id)
@@ -326,6 +357,7 @@ class Simulator:
 
 
 def simulate(policy, workload: Workload, device: DeviceProfile = PROFILES["cpu"],
-             devices: tuple[str, ...] = ("dev0",)) -> SimResult:
-    """Run `workload` to completion under `policy` on `devices`, each a `device`."""
-    return Simulator(policy, workload, device, devices).run()
+             devices: tuple[str, ...] = ("dev0",), slots: Slots = 1) -> SimResult:
+    """Run `workload` to completion under `policy` on `devices`, each a `device` with `slots`
+    slots (the policy built with the same devices and slots)."""
+    return Simulator(policy, workload, device, devices, slots).run()

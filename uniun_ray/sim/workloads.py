@@ -17,6 +17,12 @@
 ``pool``: three Nataraj producers on the chat model and three Gana loops on the other,
 each keeping two jobs queued for 30 min, while five chat conversations come and go.
 
+``SLOT_WORKLOADS`` are for devices with slots (`uniun-ray bench --slots 1,4,8,16`, beside
+``issue118``): ``backfill_bulk``: a backfill of 500 notes submitted at once beside Nataraj and a
+Gana loop, to see how fast it drains; ``saturate``: four Nataraj producers keeping 8 cards
+queued each and four Gana loops keeping 2 rounds each, all on the chat model for 30 min, more
+than 16 slots can hold, while five chat conversations come and go.
+
 ``SHORT_WORKLOADS`` are minutes long, to be played on the real runtime (`replay`):
 ``issue118_short`` (issue118 in 2.5 min) and ``swaps_short`` (a Gana on the other model).
 
@@ -140,16 +146,21 @@ def issue118(seed: int) -> Workload:
                     flows=tuple(flows), foreground=tuple(foreground))
 
 
-def backfill(seed: int) -> Workload:
+def _backfill(seed: int, name: str, description: str, submit_at: Callable[[int], float], end: float) -> Workload:
+    """500 notes to extract, the i-th submitted at `submit_at(i)`, beside Nataraj keeping 4 cards
+    queued and a Gana agent loop until `end`."""
     rng = random.Random(seed)
-    end = 3600.0
-    notes = [_note(rng, 10.0 + i, f"extract:backfill#{i}", "extract:backfill") for i in range(500)]
+    notes = [_note(rng, submit_at(i), f"extract:backfill#{i}", "extract:backfill") for i in range(500)]
     flows = (
         _backlog(rng, "nataraj", "nataraj", CHAT_MODEL, 0.0, end, 4, CARD_PROMPT, CARD),
         _backlog(rng, "gana:g1", "gana", CHAT_MODEL, 0.0, end, 1, GANA_PROMPT, GANA_OUT, (1.0, 3.0)),
     )
-    return Workload("backfill", seed, "500-note extract backfill at 1 note/s beside Nataraj and a Gana",
-                    arrivals=tuple(notes), flows=flows)
+    return Workload(name, seed, description, arrivals=tuple(notes), flows=flows)
+
+
+def backfill(seed: int) -> Workload:
+    return _backfill(seed, "backfill", "500-note extract backfill at 1 note/s beside Nataraj and a Gana",
+                     lambda i: 10.0 + i, 3600.0)
 
 
 def ganas(seed: int) -> Workload:
@@ -233,15 +244,32 @@ def mixed_day(seed: int) -> Workload:
                     foreground=tuple(sorted(foreground, key=lambda c: c.t)))
 
 
-def pool(seed: int) -> Workload:
-    rng = random.Random(seed)
-    end = 1800.0
-    flows = [_backlog(rng, f"nataraj:{i}", "nataraj", CHAT_MODEL, 0.0, end, 2, CARD_PROMPT, CARD) for i in range(3)]
-    flows += [_backlog(rng, f"gana:{i}", "gana", GEMMA3, 0.0, end, 2, GANA_PROMPT, GANA_OUT) for i in range(3)]
+def _busy(rng: random.Random, end: float, natarajs: int, nataraj_depth: int, ganas: int, gana_depth: int,
+          gana_model: str) -> tuple[Flow, ...]:
+    """Nataraj producers and Gana loops keeping jobs queued until `end`, and five chats."""
+    flows = [_backlog(rng, f"nataraj:{i}", "nataraj", CHAT_MODEL, 0.0, end, nataraj_depth, CARD_PROMPT, CARD)
+             for i in range(natarajs)]
+    flows += [_backlog(rng, f"gana:{i}", "gana", gana_model, 0.0, end, gana_depth, GANA_PROMPT, GANA_OUT)
+              for i in range(ganas)]
     starts = sorted(rng.uniform(60.0, end - 300.0) for _ in range(5))
     flows += [_chat(rng, f"chat:{i}", start, rng.randint(2, 4)) for i, start in enumerate(starts)]
+    return tuple(flows)
+
+
+def pool(seed: int) -> Workload:
     return Workload("pool", seed, "saturating: 3 Nataraj and 3 Gana producers on two models, 2 jobs queued "
-                    "each, for 30 min; five chats", flows=tuple(flows))
+                    "each, for 30 min; five chats", flows=_busy(random.Random(seed), 1800.0, 3, 2, 3, 2, GEMMA3))
+
+
+def backfill_bulk(seed: int) -> Workload:
+    return _backfill(seed, "backfill_bulk", "500 notes to extract, submitted at once at 10 s, beside Nataraj "
+                     "and a Gana for 2 h", lambda i: 10.0, 7200.0)
+
+
+def saturate(seed: int) -> Workload:
+    return Workload("saturate", seed, "saturating, one model: 4 Nataraj producers keeping 8 cards queued and 4 "
+                    "Gana loops keeping 2 rounds, for 30 min; five chats",
+                    flows=_busy(random.Random(seed), 1800.0, 4, 8, 4, 2, CHAT_MODEL))
 
 
 # -- short ones, to play on the real runtime beside their simulation (`replay`) ----------
@@ -275,10 +303,13 @@ WORKLOADS: dict[str, Callable[[int], Workload]] = {
 SHORT_WORKLOADS: dict[str, Callable[[int], Workload]] = {"issue118_short": issue118_short, "swaps_short": swaps_short}
 #: For a pool of devices (`uniun-ray bench --devices`); not in the one-device bench.
 POOL_WORKLOADS: dict[str, Callable[[int], Workload]] = {"pool": pool}
+#: For devices with slots (`uniun-ray bench --slots`), with issue118; not in the one-slot bench.
+SLOT_WORKLOADS: dict[str, Callable[[int], Workload]] = {"issue118": issue118, "backfill_bulk": backfill_bulk,
+                                                        "saturate": saturate}
 
 
 def generate(name: str, seed: int = 1) -> Workload:
-    known = {**WORKLOADS, **SHORT_WORKLOADS, **POOL_WORKLOADS}
+    known = {**WORKLOADS, **SHORT_WORKLOADS, **POOL_WORKLOADS, **SLOT_WORKLOADS}
     try:
         return known[name](seed)
     except KeyError:

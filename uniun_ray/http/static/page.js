@@ -7,7 +7,7 @@ const KEEP_S = 900;             // events kept in memory (runs that began before
 const POLL_MS = 1000;
 const KINDS = ["chat", "nataraj", "gana", "extract"];
 const COLOR = { chat: "#e5484d", nataraj: "#3e9bff", gana: "#30a46c", extract: "#f5a524" };
-const NOTABLE = new Set(["revoke", "reclaim", "swap_end", "foreground", "drop"]);
+const NOTABLE = new Set(["revoke", "reclaim", "swap_end", "foreground", "drop", "device", "node"]);
 
 let key = sessionStorage.getItem("uniun-key");
 if (location.hash.startsWith("#key=")) {          // the fragment never reaches the server
@@ -93,9 +93,12 @@ function pastOf(t) {
 
 function devices() {
   const leaseOf = (running) => (running && status.leases ? status.leases[running.id] : null);
+  // a cluster of several nodes: each device says on which (its node's address)
+  const nodes = (status && Array.isArray(status.nodes) && status.nodes.length > 1) ? status.nodes : [];
+  const addressOf = (id) => (nodes.find((n) => n.node === id) || {}).address;
   if (status && Array.isArray(status.devices) && status.devices.length) {   // the pool (SPEC §5)
     return status.devices.map((d) => ({ name: d.device ?? d.name ?? "device", loaded_model: d.loaded_model,
-                                        running: d.running, lease: leaseOf(d.running) }));
+                                        running: d.running, lease: leaseOf(d.running), node: addressOf(d.node) }));
   }
   const running = status && status.running;
   return [{ name: "device", loaded_model: status && status.loaded_model, running, lease: leaseOf(running) }];
@@ -142,7 +145,8 @@ function renderDevices(t) {
     const holder = r
       ? `<span class="holder" data-job="${esc(r.id)}">${kindBadge(r.kind)} ${jobLink(r.id)} · producer <b>${esc(r.producer)}</b> · <span class="tier">${esc(r.tier)}</span> · held ${secs(held)}${r.revoked ? " · <b>revoked, stopping</b>" : ""}</span>`
       : `<span class="holder idle">idle: no job holds the device</span>`;
-    return `<div class="device" data-device="${esc(d.name)}"><div class="device-head"><b>${esc(d.name)}</b>
+    const node = d.node ? `<span class="node">on node <b>${esc(d.node)}</b></span>` : "";
+    return `<div class="device" data-device="${esc(d.name)}"><div class="device-head"><b>${esc(d.name)}</b>${node}
       <span>model <b>${esc(d.loaded_model || "none loaded")}</b></span>${holder}</div>${timeline(d.name, all[0].name, past, t, width)}</div>`;
   }).join("");
 }
@@ -188,6 +192,8 @@ function describe(e) {
     case "swap_end": return `<span class="what">swap</span> to <b>${esc(e.model)}</b> in ${secs(e.seconds)} for ${jobLink(e.job)}`;
     case "foreground": return `<span class="what">foreground</span> → ${e.kind ? kindBadge(e.kind) : "none"}${e.subject ? " subject " + esc(e.subject) : ""}`;
     case "drop": return `<span class="what">dropped</span> ${kindBadge(e.kind)} ${jobLink(e.job)}: ${esc(e.reason || "")}`;
+    case "device": return `<span class="what">device</span> <b>${esc(e.device)}</b> ${esc(e.change)}${e.reason ? ": " + esc(e.reason) : ""}`;
+    case "node": return `<span class="what">node</span> <b>${esc(e.address)}</b> ${esc(e.change)}${e.reason ? ": " + esc(e.reason) : ""}`;
     default: return esc(e.ev);
   }
 }
@@ -196,7 +202,7 @@ function renderDecisions() {
   const notable = events.filter((e) => NOTABLE.has(e.ev)).slice(-40).reverse();
   $("decisions").innerHTML = notable.length
     ? notable.map((e) => `<li class="${esc(e.ev === "swap_end" ? "swap" : e.ev)}"${e.job ? ` data-job="${esc(e.job)}"` : ""}><span class="muted">${clock(e.t)}</span> ${describe(e)}</li>`).join("")
-    : `<li class="muted">no revoke, swap or foreground change in the last ${KEEP_S / 60} minutes</li>`;
+    : `<li class="muted">no revoke, swap, foreground or pool change in the last ${KEEP_S / 60} minutes</li>`;
 }
 
 function render() {

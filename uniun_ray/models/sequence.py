@@ -1,0 +1,110 @@
+"""One request's side of a decode loop: its tokens, its decoding, its text and how it ended.
+
+Apart from the loops that drive it (``engine.Generation`` runs one sequence at a time,
+``batch.Batch`` several in one forward pass per step), so that both choose tokens, cut stop
+strings, keep the KV of a finished or revoked run and report it the same way.
+"""
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+
+from .decoding import StopText, decoding
+from .detokenizer import Detokenizer
+from .kvcache import Hit, PrefixCache
+from .request import GenerateRequest, GenerationResult
+from .weights import Loaded
+
+
+class Sequence:
+    """The state of one run. ``fed``: how many of its tokens the KV cache holds; ``reason``:
+    why it ended ("error" until a loop says otherwise); ``pieces``: the text handed out."""
+
+    def __init__(self, loaded: Loaded, context: list[int], request: GenerateRequest, cancel: Any,
+                 device: torch.device) -> None:
+        self.started = time.perf_counter()
+        self.context = context
+        self.eos_ids = loaded.eos_ids
+        self.decoding = decoding(loaded.model, loaded.vocabulary.tokenizer, request, len(context),
+                                 loaded.eos_ids, cancel, device)
+        self.detokenizer = Detokenizer(loaded.vocabulary.tokenizer, context)
+        self.stop_text = StopText(request.stop)
+        self.tokens = torch.empty((1, len(context) + request.max_new_tokens), dtype=torch.long)
+        self.tokens[0, : len(context)] = torch.tensor(context)
+        self.length = len(context)
+        self.pieces: list[str] = []
+        self.hit, self.fed = Hit(None, 0), 0
+        self.first_token_at = self.prefilled_at = None
+        self.reason = "error"       # what an exception from the model leaves
+        self.ended = False
+
+    @property
+    def cancelled(self) -> bool:
+        return self.decoding.cancel.is_set()
+
+    @property
+    def last_token(self) -> int:
+        return int(self.tokens[0, self.length - 1])
+
+    @property
+    def emitted_tokens(self) -> int:
+        """Generated tokens whose text has been handed out."""
+        return len(self.detokenizer.committed)
+
+    def accept(self, logits: torch.Tensor) -> str:
+        """Choose the next token from the model's last ``logits`` ([vocabulary]); return the text
+        it makes safe to hand out ("" if none). Sets ``ended`` (and ``reason``) when the run ends."""
+        if self.first_token_at is None:
+            self.first_token_at = time.perf_counter()
+        token = self.decoding.next_token(self.tokens[:, : self.length], logits)
+        self.tokens[0, self.length] = token
+        self.length += 1
+        ended = self.decoding.finish_reason(self.tokens[:, : self.length])
+        piece = ""
+        if token not in self.eos_ids:
+            piece = self.stop_text.push(self.detokenizer.push(token))
+        if self.stop_text.stopped:
+            ended = "stop"  # seen in the text at a token boundary the criterion had not
+        if ended is not None:
+            self.reason, self.ended = ended, True
+        return self._hand_out(piece)
+
+    def finish(self, reason: str | None = None) -> str:
+        """End the run (``reason``: why, if ``accept`` did not end it); return the text still held.
+
+        A cancelled run leaves out text still held for an incomplete character (its tokens are
+        not committed: the resumed run recomputes them), but not text held back as a possible
+        stop string, whose tokens are."""
+        if reason is not None:
+            self.reason = reason
+        self.ended = True
+        stop_text = self.stop_text
+        tail = stop_text.flush() if self.reason == "cancel" else stop_text.push(self.detokenizer.flush())
+        if not stop_text.stopped:
+            tail += stop_text.flush()
+        return self._hand_out(tail)
+
+    def keep(self, prefix: PrefixCache, cache: Any) -> None:
+        """Store the KV of the tokens fed, for the next turn or for the resume of a revoked run."""
+        if self.reason != "error" and self.fed:
+            prefix.put(self.tokens[0, : self.fed].tolist(), cache, preempted=self.reason == "cancel",
+                       prompt=len(self.context))
+
+    def result(self) -> GenerationResult:
+        return GenerationResult(
+            text="".join(self.pieces),
+            token_ids=tuple(self.detokenizer.committed),
+            prompt_tokens=len(self.context),
+            finish_reason=self.reason,
+            ttft_s=None if self.first_token_at is None else self.first_token_at - self.started,
+            total_s=time.perf_counter() - self.started,
+            cached_tokens=self.hit.tokens,
+            prefill_s=None if self.prefilled_at is None else self.prefilled_at - self.started,
+        )
+
+    def _hand_out(self, piece: str) -> str:
+        if piece:
+            self.pieces.append(piece)
+        return piece

@@ -1,0 +1,67 @@
+"""R23: how many other jobs may decode beside a device's chats.
+
+The runtime measures, per model and device, the time of one decode step at several batch
+sizes (as it measures swap cost) and gives it to the policy. A chat's tokens must come no
+slower than `slack` x its step alone, so beside c chats the policy keeps the largest k with
+step(c + k) <= slack x step(c). Between measured sizes the step time is interpolated
+linearly; past the largest it is extrapolated from the last two (a step grows at least as
+fast as it did). Without a profile nothing runs beside a chat (k = 0): chat's latency is the
+product, and an unmeasured device cannot promise it.
+"""
+from __future__ import annotations
+
+import bisect
+import math
+from collections.abc import Mapping
+
+
+def check_profile(profile: object) -> dict[int, float]:
+    if not isinstance(profile, Mapping) or not profile:
+        raise ValueError(f"a step profile maps batch sizes to seconds per step, got {profile!r}")
+    checked = {}
+    for batch, seconds in profile.items():
+        if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
+            raise ValueError(f"step profile: a batch size must be an int >= 1, got {batch!r}")
+        if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not math.isfinite(seconds) \
+                or seconds <= 0:
+            raise ValueError(f"step profile: batch {batch}: seconds must be a finite number > 0, got {seconds!r}")
+        checked[batch] = float(seconds)
+    return dict(sorted(checked.items()))
+
+
+def step_time(profile: dict[int, float], batch: int) -> float:
+    """Seconds per step at `batch`, from the measured sizes (sorted)."""
+    sizes = list(profile)
+    if batch in profile:
+        return profile[batch]
+    if batch < sizes[0] or len(sizes) == 1:
+        return profile[sizes[0]] * max(1.0, batch / sizes[0])
+    i = bisect.bisect_left(sizes, batch)
+    lo, hi = (sizes[i - 1], sizes[i]) if i < len(sizes) else (sizes[-2], sizes[-1])
+    slope = max(0.0, (profile[hi] - profile[lo]) / (hi - lo))
+    return profile[lo] + slope * (batch - lo)
+
+
+class StepProfiles:
+    def __init__(self, slack: float) -> None:
+        self._slack = slack
+        self._profiles: dict[tuple[str, str], dict[int, float]] = {}
+
+    def set(self, model_id: str, device: str, profile: Mapping[int, float]) -> None:
+        if not isinstance(model_id, str) or not model_id:
+            raise ValueError(f"model_id must be a non-empty string, got {model_id!r}")
+        self._profiles[(model_id, device)] = check_profile(profile)
+
+    def get(self, model_id: str | None, device: str) -> dict[int, float] | None:
+        return self._profiles.get((model_id, device)) if model_id is not None else None
+
+    def companions(self, model_id: str | None, device: str, chats: int, slots: int) -> int:
+        """The most other jobs that may decode beside `chats` chats within the bound."""
+        profile = self.get(model_id, device)
+        if profile is None:
+            return 0
+        bound = self._slack * step_time(profile, chats)
+        k = 0
+        while chats + k < slots and step_time(profile, chats + k + 1) <= bound * (1 + 1e-12):
+            k += 1
+        return k
