@@ -1,7 +1,7 @@
 """`make bench`: run every benchmark this host can run, then write BENCHMARKS.md's tables.
 
     .venv/bin/python benchmarks/regenerate.py             # make bench: the figures (an hour or more)
-    .venv/bin/python benchmarks/regenerate.py --quick     # make bench QUICK=1: proves each runs (~20 min)
+    .venv/bin/python benchmarks/regenerate.py --quick     # make bench QUICK=1: proves each runs (~30 min)
     .venv/bin/python benchmarks/regenerate.py --only pick_cost sim_bench
 
 Each step is a script of this folder that saves a record (`record.py`); a step that needs a
@@ -30,10 +30,6 @@ class Step:
     quick: tuple[str, ...] = ("--quick",)
     needs: str | None = None        # "gpu", or the module a peer engine brings ("vllm")
 
-    @property
-    def name(self) -> str:
-        return " ".join([self.script.removesuffix(".py"), *self.full])
-
     def missing(self) -> str | None:
         """Why this host cannot run the step, or None."""
         if self.needs is None:
@@ -56,6 +52,7 @@ PLAN = (
     Step("overload.py", ("--jobs", "10000", "--producers", "100", "--clients", "4")),
     Step("worker_niceness.py", ("--niceness", "15", "0", "--budget", "200")),
     Step("kv_cache_bench.py"),
+    Step("turn_cost.py"),
     Step("batch_bench.py"),
     Step("http_bench.py", ("--requests", "60", "--turns", "10")),
     Step("real_vs_sim.py"),
@@ -71,15 +68,15 @@ def main() -> int:
     steps = [s for s in PLAN if not args.only or s.script.removesuffix(".py") in args.only]
     outcome = []
     for step in steps:
+        name = " ".join(["benchmarks/" + step.script, *(step.quick if args.quick else step.full)])
         why = step.missing()
         if why:
-            outcome.append(f"skipped  {step.name}: {why}")
+            outcome.append(f"skipped  {name}: {why}")
             continue
-        command = [sys.executable, str(ROOT / "benchmarks" / step.script), *(step.quick if args.quick else step.full)]
-        print(f"\n== {' '.join(command[1:])}", flush=True)
+        print(f"\n== {name}", flush=True)
         started = time.perf_counter()
-        done = subprocess.run(command, cwd=ROOT)
-        outcome.append(f"{'ok' if done.returncode == 0 else 'FAILED':8} {step.name} ({time.perf_counter() - started:.0f} s)")
+        done = subprocess.run([sys.executable, *name.split()], cwd=ROOT)
+        outcome.append(f"{'ok' if done.returncode == 0 else 'FAILED':8} {name} ({time.perf_counter() - started:.0f} s)")
     render.main()
     print("\n" + "\n".join(outcome))
     return 1 if any(line.startswith("FAILED") for line in outcome) else 0

@@ -526,7 +526,7 @@ def test_inspect_request_needs_no_loaded_model(engine):
     [
         ({}, "exactly one of prompt and messages"),
         ({"prompt": "a", "messages": [{"role": "user", "content": "b"}]}, "exactly one"),
-        ({"prompt": 3}, "prompt must be a sequence of token ids"),
+        ({"prompt": 3}, "prompt must be a str or a sequence of token ids, got int"),
         ({"prompt": []}, "prompt holds no token ids"),
         ({"prompt": [1, -1]}, "prompt must hold non-negative int token ids"),
         ({"messages": [{"role": "user", "content": None}]}, r"None only for an assistant"),
@@ -880,6 +880,67 @@ def _sliding_cache(window: int, full: int, sliding: int):
     return cache
 
 
+def test_forks_of_one_entry_grow_in_place_one_at_a_time_and_never_write_over_each_other():
+    """A fork writes its new tokens into the room after its layer's tokens only while no other
+    view has written there; every other fork copies. Each must read back what it was given."""
+    from transformers.cache_utils import DynamicCache, DynamicLayer
+
+    from uniun_ray.models.kvcache import fork
+
+    def states(value: float, tokens: int) -> torch.Tensor:
+        return torch.full((1, 1, tokens, 2), value)
+
+    def held(cache) -> list[float]:
+        return cache.layers[0].keys[0, 0, :, 0].tolist()
+
+    entry = DynamicCache()
+    entry.layers = [DynamicLayer()]
+    entry.layers[0].update(states(1, 3), states(1, 3))
+    first, other = fork(entry), fork(entry)
+    first.layers[0].update(states(2, 2), states(2, 2))        # into a buffer with room
+    next_turn = fork(first)
+    next_turn.layers[0].update(states(3, 1), states(3, 1))    # where `first` ends: in place
+    other.layers[0].update(states(4, 2), states(4, 2))
+    late = fork(first)
+    late.layers[0].update(states(5, 1), states(5, 1))         # `next_turn` wrote there: a copy
+    assert held(entry) == [1, 1, 1] and held(first) == [1, 1, 1, 2, 2] and held(other) == [1, 1, 1, 4, 4]
+    assert held(next_turn) == [1, 1, 1, 2, 2, 3] and held(late) == [1, 1, 1, 2, 2, 5]
+    assert next_turn.layers[0].keys.data_ptr() == first.layers[0].keys.data_ptr()
+    assert late.layers[0].keys.data_ptr() != first.layers[0].keys.data_ptr()
+    cut_out = fork(next_turn)                                  # keys of its own, as a batch's row leaves
+    cut_out.layers[0].keys = cut_out.layers[0].keys.clone()
+    assert cut_out.layers[0]._room is None and next_turn.layers[0]._room is not None   # no buffer held for nothing
+
+
+@pytest.mark.parametrize("new_tokens", [1, 7])
+def test_grouped_attention_over_a_cache_equals_transformers_sdpa_to_the_bit(new_tokens):
+    """`attention.grouped_sdpa` reads the grouped K/V heads as they are where transformers copies
+    them per query head (a CPU pass of several new tokens over a cache, with its mask); the
+    result must not change, nor where it defers to transformers (one new token)."""
+    from types import SimpleNamespace
+
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from uniun_ray.models.attention import grouped_sdpa
+
+    generator = torch.Generator().manual_seed(0)
+    cached, heads, groups, dim = 40, 6, 3, 16
+    query = torch.randn(1, heads, new_tokens, dim, generator=generator)
+    key, value = (torch.randn(1, heads // groups, cached + new_tokens, dim, generator=generator) for _ in "kv")
+    positions = torch.arange(cached + new_tokens)
+    mask = (positions[None, :] <= positions[cached:, None])[None, None]   # each new token sees what precedes it
+    module = SimpleNamespace(num_key_value_groups=groups, is_causal=True, training=False)
+    ours, _ = grouped_sdpa(module, query, key, value, mask, scaling=0.3)   # not the default 1/sqrt(dim)
+    theirs, _ = sdpa_attention_forward(module, query, key, value, mask, scaling=0.3)
+    assert ours.shape == (1, new_tokens, heads, dim) and torch.equal(ours, theirs)
+
+
+def test_models_load_with_the_grouped_attention(engine):
+    from uniun_ray.models.attention import NAME
+
+    assert engine._loaded.model.config._attn_implementation == NAME
+
+
 def test_a_sliding_window_layer_past_its_window_is_not_cropped_and_its_entry_is_reused_only_whole():
     """transformers calls such a layer croppable and then raises in `crop`: a revoke inside a
     Gemma prefill past its 512-token window failed the run instead of stopping it."""
@@ -912,10 +973,13 @@ def test_a_swap_drops_the_cache_and_a_bad_budget_is_refused(engine):
 
 
 def equal_entries(engine, count: int) -> list:
-    """``count`` entries of the same size, from the model: equal-length prompts of 2 new tokens."""
+    """``count`` entries of the same size, from the model: equal-length prompts of 2 new tokens,
+    each read from nothing (a run from a cache hit keeps room to grow in its entry)."""
+    entries = []
     for i in range(count):
+        engine._loaded.prefix.clear()
         run(engine, GenerateRequest(prompt=f"{i}: " + PROMPT * 3, max_new_tokens=2))
-    entries = list(engine._loaded.prefix._entries.values())[-count:]
+        entries += engine._loaded.prefix._entries.values()
     assert len({e.nbytes for e in entries}) == 1
     return entries
 

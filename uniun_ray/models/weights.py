@@ -121,8 +121,11 @@ class Weights:
 
         tokenizer = AutoTokenizer.from_pretrained(folder)
         dtype = default_dtype(self.device) if self.dtype == "auto" else getattr(torch, self.dtype)
+        from .attention import prefer_grouped
+
         model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, **self._placement(model_id))
         model.eval()
+        prefer_grouped(model)
         loaded = Loaded(
             vocabulary=read_vocabulary(model_id, tokenizer, model.config),
             model=model,
