@@ -4,9 +4,8 @@ R16 (per slot), R21, R22 and R23 say. It shares no code with the indexed policy 
 """
 from __future__ import annotations
 
-import heapq
-
 from policy_support import Arrival, Run, t2_over_budget
+from pool_support import PoolDriver
 from uniun_ray.policy import Dispatch, PolicyConfig, Requeued, Revoke, RevokeCause, SchedulerPolicy
 
 TIER = {"T0": 0, "T1": 1, "T2": 2, "T3": 3, "T4": 4}
@@ -19,9 +18,10 @@ def companions(profile: dict[int, float] | None, chats: int, slots: int, slack: 
     return max(k for k in range(slots - chats + 1) if profile[chats + k] <= slack * profile[chats] * (1 + 1e-12))
 
 
-class SlotDriver:
+class SlotDriver(PoolDriver):
     """Jobs take their `duration` whatever the batch (the policy's charge is the same: R24);
-    a revoked job stops after `revoke_delay`; `tick` at `next_wakeup()`."""
+    a revoked job stops after `revoke_delay`; `tick` at `next_wakeup()`. The pool driver's
+    clock, with `on` keyed by job (a device runs several)."""
 
     def __init__(self, config: PolicyConfig, devices: int, slots: int,
                  profile: dict[int, float] | None = None, revoke_delay: float = 0.05):
@@ -111,26 +111,10 @@ class SlotDriver:
             self.ended[job_id] = self.ended.get(job_id, 0) + 1
 
     def run(self, arrivals: list[Arrival]) -> None:
-        events = [(a.at, a.seq, a) for a in arrivals]
-        heapq.heapify(events)
         for a in arrivals:
             self.models.add(a.job.model_id)
         if self.profile is not None:
             for device in self.names:
                 for model in self.models:
                     self.policy.set_step_profile(model, device, self.profile)
-        while True:
-            ends = sorted((end, job_id) for job_id, (_, end) in self.on.items())
-            candidates = [t for t in (events[0][0] if events else None, ends[0][0] if ends else None,
-                                      self.policy.next_wakeup()) if t is not None]
-            if not candidates:
-                return
-            self.now = max(self.now, min(candidates))
-            if ends and ends[0][0] <= self.now:
-                self._finish(ends[0][1])
-            elif events and events[0][0] <= self.now:
-                _, _, arrival = heapq.heappop(events)
-                self.durations[arrival.job.id] = arrival.duration
-                self.call("submit", arrival.job, self.now)
-            else:
-                self.call("tick", self.now)
+        PoolDriver.run(self, arrivals)  # the same clock: ends, arrivals, wake-ups

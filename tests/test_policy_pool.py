@@ -224,16 +224,20 @@ def two_flows_within_twice_the_largest_job(devices: int, a_jobs: list[float], b_
     arrivals += [Arrival(0.0, 2 * i + 1, job(f"b{i}", "gana", producer="gana:B"), t) for i, t in enumerate(b_jobs)]
     d = PoolDriver(PolicyConfig(decay_period_s=1e9), devices)
     d.run(arrivals)
-    largest = max(a_jobs + b_jobs)
+    check_equal_service(d.runs, arrivals, max(a_jobs + b_jobs))
+
+
+def check_equal_service(runs, arrivals, largest: float) -> None:
+    """R19, R24: gana:A's and gana:B's service differ by at most twice the largest job."""
     # service (device-seconds) at each moment both flows are backlogged: each has a job that
     # waits for a device (a flow whose every job already runs can take no more devices)
     dispatched: dict[str, float] = {}
-    for r in d.runs:
+    for r in runs:
         dispatched.setdefault(r.job_id, r.start)
-    for t in sorted({r.end for r in d.runs}):
+    for t in sorted({r.end for r in runs}):
         waiting = {p: [a for a in arrivals if a.job.producer == p and dispatched[a.job.id] >= t]
                    for p in ("gana:A", "gana:B")}
         if not all(waiting.values()):
             break
-        service = {p: held_in([r for r in d.runs if r.producer == p], 0.0, t, t, only_t2=False) for p in waiting}
+        service = {p: held_in([r for r in runs if r.producer == p], 0.0, t, t, only_t2=False) for p in waiting}
         assert abs(service["gana:A"] - service["gana:B"]) <= 2 * largest, (t, service, largest)

@@ -12,7 +12,8 @@ from hypothesis import strategies as st
 
 from policy_support import Arrival, job
 from slot_support import SlotDriver
-from test_policy_properties import check_t2_share, configs, held_in, times
+from test_policy_pool import check_equal_service
+from test_policy_properties import check_t2_share, configs, times
 from uniun_ray.policy import Dispatch, PolicyConfig, Requeued, Revoke, RevokeCause, SchedulerPolicy, Tier
 
 PROPS = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -225,14 +226,4 @@ def test_prop_two_equal_t4_flows_get_equal_slot_seconds_within_twice_the_largest
     arrivals += [Arrival(0.0, 2 * i + 1, job(f"b{i}", "gana", producer="gana:B"), t) for i, t in enumerate(b_jobs)]
     d = SlotDriver(PolicyConfig(decay_period_s=1e9), 1, slots)
     d.run(arrivals)
-    largest = max(a_jobs + b_jobs)
-    dispatched: dict[str, float] = {}
-    for r in d.runs:
-        dispatched.setdefault(r.job_id, r.start)
-    for t in sorted({r.end for r in d.runs}):
-        waiting = {p: [a for a in arrivals if a.job.producer == p and dispatched[a.job.id] >= t]
-                   for p in ("gana:A", "gana:B")}
-        if not all(waiting.values()):
-            break
-        service = {p: held_in([r for r in d.runs if r.producer == p], 0.0, t, t, only_t2=False) for p in waiting}
-        assert abs(service["gana:A"] - service["gana:B"]) <= 2 * largest, (t, service, largest)
+    check_equal_service(d.runs, arrivals, max(a_jobs + b_jobs))
