@@ -1,6 +1,7 @@
 """R15 benchmark: the cost of one finish -> dispatch -> submit cycle with N queued jobs,
-for SchedulerPolicy on pools of 1, 4 and 16 devices and for the notes' scan-and-sort
-picker (one device), in the same run.
+for SchedulerPolicy on pools of 1, 4 and 16 devices, on one device of 1, 8 and 32 slots
+(issue 24: a slot decision), and for the notes' scan-and-sort picker (one device), in the
+same run.
 
     .venv/bin/python benchmarks/pick_cost.py            # section "policy cost" of BENCHMARKS.md
     .venv/bin/python benchmarks/pick_cost.py --quick    # two queue sizes, fewer cycles
@@ -16,11 +17,12 @@ from __future__ import annotations
 import argparse
 import gc
 import time
+from collections import deque
 
 from notes_picker import NotesJob, NotesScheduler
 from record import Record
 
-from uniun_ray.policy import Job, SchedulerPolicy
+from uniun_ray.policy import Dispatch, Job, SchedulerPolicy
 
 KINDS = ("nataraj", "gana", "extract", "nataraj", "gana")
 
@@ -40,22 +42,24 @@ def _settle() -> None:
     gc.freeze()
 
 
-def _policy_cycle_cost(n: int, cycles: int, devices: int) -> float:
+def _policy_cycle_cost(n: int, cycles: int, devices: int, slots: int = 1) -> float:
+    """One cycle: the oldest running job finishes (its slot takes the next job) and one job
+    is submitted. Every slot of every device stays busy."""
     names = tuple(f"dev{d}" for d in range(devices))
-    p = SchedulerPolicy(devices=names)
+    p = SchedulerPolicy(devices=names, slots=slots)
     for i in range(n):
         f = _fields(i)
         p.submit(Job(f"j{i}", producer=f"{f['kind']}:{i % 50}", **f), 0.0)
-    on = {device: job.id for device, job in p.running_jobs.items()}
+    running = deque(job.id for jobs in p.slot_jobs.values() for job in jobs)
     now, i = 1.0, n
     _settle()
     start = time.process_time()
-    for k in range(cycles):
+    for _ in range(cycles):
         now += 0.001
-        (d,) = p.finish(on[names[k % devices]], now, "done")
-        on[d.device] = d.job_id
+        actions = p.finish(running.popleft(), now, "done")
         f = _fields(i)
-        p.submit(Job(f"j{i}", producer=f"{f['kind']}:{i % 50}", **f), now)
+        actions += p.submit(Job(f"j{i}", producer=f"{f['kind']}:{i % 50}", **f), now)
+        running.extend(a.job_id for a in actions if isinstance(a, Dispatch))
         i += 1
     return (time.process_time() - start) / cycles
 
@@ -79,10 +83,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--sizes", default="100,1000,10000,100000")
     ap.add_argument("--devices", default="1,4,16", help="pool sizes for SchedulerPolicy (default: 1,4,16)")
+    ap.add_argument("--slots", default="1,8,32", help="slot counts of one device (default: 1,8,32)")
     ap.add_argument("--quick", action="store_true", help="100 and 10,000 queued jobs, 1 and 4 devices, fewer cycles")
     args = ap.parse_args()
     sizes = [100, 10_000] if args.quick else [int(n) for n in args.sizes.split(",")]
     pools = [1, 4] if args.quick else [int(d) for d in args.devices.split(",")]
+    slot_counts = [int(c) for c in args.slots.split(",")]
     cycles = 500 if args.quick else 2000
     record = Record("policy-cost", quick=args.quick)
     one_device = {}
@@ -97,6 +103,15 @@ def main() -> None:
     growth = one_device[max(sizes)] / one_device[min(sizes)]
     record.row(f"SchedulerPolicy's cycle at {max(sizes):,} queued / at {min(sizes):,}, 1 device",
                f"{growth:.2f}×", goal="flat in queued jobs (R15): ≤ 2×", met=growth <= 2)
+    slotted = {n: [_policy_cycle_cost(n, cycles=cycles, devices=1, slots=s) for s in slot_counts] for n in sizes}
+    for n in sizes:
+        record.row(f"the same cycle (one slot decision), {n:,} queued: 1 device of "
+                   f"{' / '.join(map(str, slot_counts))} slots", " / ".join(f"{c * 1e6:,.1f}" for c in slotted[n]) + " µs")
+    for k, count in enumerate(slot_counts):
+        growth = slotted[max(sizes)][k] / slotted[min(sizes)][k]
+        record.row(f"at {count} slots: the cycle at {max(sizes):,} queued / at {min(sizes):,}",
+                   f"{growth:.2f}×", goal="flat in queued jobs per slot decision (R15, issue 24): ≤ 2×",
+                   met=growth <= 2)
     record.save()
 
 
