@@ -45,7 +45,8 @@ def main(argv: list[str] | None = None) -> None:
     busy = []
     try:
         for _ in range(args.turns):
-            if not uniun_ray.wait_generating("nataraj", timeout_s=60):
+            # the device may be shared (other producers' extracts run first, T2 before T4): wait long
+            if not uniun_ray.wait_generating("nataraj", timeout_s=180):
                 print("Nataraj never got the device; is the model loading?")
                 break
             busy.append(chat())
