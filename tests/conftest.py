@@ -145,7 +145,9 @@ def make_runtime(ray_cluster):
 
     def make(policy: PolicyConfig | None = None, **runtime):
         reset_uniun_actors(ray_cluster)
-        fields = dict(lease_timeout_s=3.0, waiter_timeout_s=3.0, reap_period_s=0.2) | runtime
+        # 5 s, as the subprocess scenarios have it: a caller's poll comes every third of it, and
+        # at 3 s a busy 2-core host (two workers and a burner) once held one back past the timeout
+        fields = dict(lease_timeout_s=5.0, waiter_timeout_s=5.0, reap_period_s=0.2) | runtime
         return start(RuntimeConfig(policy or PolicyConfig(), **fields))
 
     yield make
