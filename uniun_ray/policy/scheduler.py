@@ -373,7 +373,7 @@ class SchedulerPolicy:
         fresh = {a.job_id for a in actions}
         if event is not None:
             actions += self._preempt(ctx, event, fresh)
-        actions += self._empty_for_urgent(ctx) + self._hold_chat_steps(ctx, fresh)
+        actions += self._empty_for_urgent(ctx) + self._hold_chat_steps()
         self._settle(ctx)
         return actions
 
@@ -389,11 +389,18 @@ class SchedulerPolicy:
         closed = []
         if device.drain_for is not None and device.jobs and (waiting := self._queues.get(device.drain_for)):
             closed.append(ctx.tier(waiting))
-        live = device.live()
-        chats = sum(e.job.kind is Kind.CHAT for e in live)
-        if chats and len(live) - chats >= self._steps.companions(device.loaded, device.name, chats, device.slots):
+        others, keep = self._beside_chats(device)
+        if keep is not None and len(others) >= keep:
             closed.append(Tier.FOREGROUND)
         return min(closed, default=None)
+
+    def _beside_chats(self, device: Device) -> tuple[list[Entry], int | None]:
+        """R23 on `device`: its live jobs that are not chats, and how many of them may decode
+        beside its live chats (None while no chat runs there: no bound)."""
+        live = device.live()
+        others = [e for e in live if e.job.kind is not Kind.CHAT]
+        chats = len(live) - len(others)
+        return others, self._steps.companions(device.loaded, device.name, chats, device.slots) if chats else None
 
     def _plan_drain(self, ctx: PickContext, free: list[Device]) -> None:
         """R21: the job first in pick order that no free slot may take, when no device holds its
@@ -427,19 +434,16 @@ class SchedulerPolicy:
                     actions += self._revoke(entry, RevokeCause.ARRIVAL)
         return actions
 
-    def _hold_chat_steps(self, ctx: PickContext, fresh: set[str]) -> list[Action]:
+    def _hold_chat_steps(self) -> list[Action]:
         """R23: beside a device's running chats keep only the k highest-ranked other jobs for
         which step(k + chats) <= slack x step(chats); revoke the rest, lowest-ranked first
         (they are re-queued, keep their KV and take slots again when the chats end)."""
         actions: list[Action] = []
         for device in self._pool.busy():
-            live = device.live()
-            chats = sum(e.job.kind is Kind.CHAT for e in live)
-            if not chats:
+            others, keep = self._beside_chats(device)
+            if keep is None:
                 continue
-            others = sorted((e for e in live if e.job.kind is not Kind.CHAT),
-                            key=lambda e: (self.tier(e.job), e.dispatch_no))
-            keep = self._steps.companions(device.loaded, device.name, chats, device.slots)
+            others.sort(key=lambda e: (self.tier(e.job), e.dispatch_no))
             for entry in reversed(others[keep:]):
                 actions += self._revoke(entry, RevokeCause.STEP)
         return actions
@@ -463,7 +467,8 @@ class SchedulerPolicy:
                 actions += self._revoke(running, event)
             if entry.job.model_id != device.loaded:  # emptied for it: no refill meanwhile (R21, R22)
                 for other in self._pool:
-                    other.drain_for = None if other.drain_for == entry.job.id else other.drain_for
+                    if other.drain_for == entry.job.id:
+                        other.drain_for = None   # it drained elsewhere: that device fills again
                 device.drain_for = entry.job.id
             self._queues.remove(entry)
             aside.append(entry)
