@@ -27,14 +27,16 @@ def _cfs_order(jobs: list[dict], vr: dict, running: list[dict] = (), last: dict 
     """T4 order: kind rank, kind's oldest job, producer rank, producer's oldest job. A rank is
     the vruntime, plus, on a pool, what the flow's `running` jobs count for, then their count
     (R19; unit weights): each the time it has held its device so far, and at least the
-    flow's last run (`last`: seconds per kind and per (kind, producer)). A flow's oldest job
+    flow's last run, its kind's for a producer without one (`last`: seconds per kind and per
+    (kind, producer)). A flow's oldest job
     is its oldest queued one in any tier (`queued`; R9: a Gana whose deadline fell due, now
     in T3, is still the Gana flow's oldest job)."""
     inflight: dict = {}
     for r in running:
         for key in (r["kind"], (r["kind"], r["producer"])):
             held, count = inflight.get(key, (0.0, 0))
-            inflight[key] = (held + max(r["held_s"], (last or {}).get(key, 0.0)), count + 1)
+            floor = (last or {}).get(key, (last or {}).get(r["kind"], 0.0))  # a new producer: its kind's
+            inflight[key] = (held + max(r["held_s"], floor), count + 1)
 
     def rank(v: float, key) -> tuple[float, int]:
         held, count = inflight.get(key, (0.0, 0))

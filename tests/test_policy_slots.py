@@ -227,3 +227,17 @@ def test_prop_two_equal_t4_flows_get_equal_slot_seconds_within_twice_the_largest
     d = SlotDriver(PolicyConfig(decay_period_s=1e9), 1, slots)
     d.run(arrivals)
     check_equal_service(d.runs, arrivals, max(a_jobs + b_jobs))
+
+
+def test_r24_slots_freed_at_one_instant_are_shared_when_a_producer_has_not_ended_a_run():
+    """Found by the property above: 3 slots, at t=0.5 A's two short jobs end and free two
+    slots. B had ended no run yet, so its running job counted for 0.5 s and the one just
+    dispatched for nothing: both slots went to B, which held 8 slot-seconds against A's 1 by
+    t=3 (bound 2 x 3 s). A producer without a last run now counts its running jobs for at
+    least its kind's last run."""
+    a_jobs, b_jobs = [0.5, 0.5, 3.0, 2.0, 0.5], [3.0, 3.0, 3.0, 2.0]
+    arrivals = [Arrival(0.0, 2 * i, job(f"a{i}", "gana", producer="gana:A"), t) for i, t in enumerate(a_jobs)]
+    arrivals += [Arrival(0.0, 2 * i + 1, job(f"b{i}", "gana", producer="gana:B"), t) for i, t in enumerate(b_jobs)]
+    d = SlotDriver(PolicyConfig(decay_period_s=1e9), 1, 3)
+    d.run(arrivals)
+    check_equal_service(d.runs, arrivals, max(a_jobs + b_jobs))

@@ -290,15 +290,17 @@ class SchedulerPolicy:
     def _inflight(self) -> dict:
         """R19: per pool kind and per (kind, producer), what its running jobs count for and
         how many run, for the fair pool to rank by. A running job counts for the time it has
-        held its device, and at least for its flow's last run: devices that free at one
-        instant would otherwise all go to the flow whose jobs were just dispatched (they have
-        held nothing yet), and one flow could take the pool for a whole round of its jobs."""
+        held its device, and at least for its flow's last run (a producer that has not ended a
+        run yet: its kind's): devices or slots that free at one instant would otherwise all go
+        to the flow whose jobs were just dispatched (they have held nothing yet), and one flow
+        could take the pool for a whole round of its jobs."""
         running: dict = {}
         for _, entry in self._pool.running():
             if entry.job.kind in POOL_KINDS:
+                kind_last = self._last_run.get(entry.job.kind, 0.0)
                 for flow in (entry.job.kind, entry.flow):
                     held, count = running.get(flow, (0.0, 0))
-                    expected = max(self._now - entry.dispatched_at, self._last_run.get(flow, 0.0))
+                    expected = max(self._now - entry.dispatched_at, self._last_run.get(flow, kind_last))
                     running[flow] = (held + expected, count + 1)
         return running
 
