@@ -7,7 +7,9 @@ CPU seconds every program spent on the cores this process may use (``psutil``'s 
 the kernel's /proc/stat on Linux), less this process's own CPU seconds, are the others'. Others
 on cores the probe does not use (beyond its thread count) cost it nothing; the rest, as a share
 of the cores it uses, is ``others_cpu``. Past ``BUSY_SHARE`` the probe is busy: used for now,
-kept only as provisional, and measured again at the next load.
+kept only as provisional, and measured again at the next load that finds the host ``quiet``
+(a probe taken while it is still busy would be no truer, and on a 2-core host beside a burner
+the dtype probe of SmolLM2 took 33 s).
 
 Comparing CPU time, not the spread of repeated samples or the load average, tells a slow host
 from a shared one (a slow one is quiet and consistently slow) and needs no extra samples; the
@@ -26,6 +28,8 @@ import psutil
 #: one core, and a probe stretched by 15% still chooses as a quiet one would (its choices are
 #: between figures 1.5-3x apart). A compiler or a second model beside it takes 50% or more.
 BUSY_SHARE = 0.15
+#: How long a load looks at the host, idle, before it measures a provisional probe again.
+QUIET_CHECK_S = 0.25
 
 
 @dataclass(frozen=True)
@@ -63,6 +67,14 @@ class Watch:
         share = others_share(busy - own, wall, len(self.cpus), self.threads)
         return Taken(self._at.isoformat(timespec="seconds"), wall, share, (self._load, os.getloadavg()[0]),
                      share > BUSY_SHARE)
+
+
+def quiet(threads: int, seconds: float = QUIET_CHECK_S) -> bool:
+    """Whether other programs leave the cores of a probe with ``threads`` threads free now (this
+    thread sleeping for ``seconds`` meanwhile): a probe taken now would not be busy."""
+    watch = Watch(threads)
+    time.sleep(seconds)
+    return not watch.stop().busy
 
 
 def others_share(others_s: float, wall_s: float, cpus: int, threads: int) -> float:

@@ -6,7 +6,7 @@
 * Placement: all on the device, or where accelerate fits the weights in ``max_memory``.
 * The step clock that sizes prefill chunks by the time they take here (``tuning.StepClock``).
 * The step profile per batch size (``steps``), measured with the dtype and threads kept.
-* Whether the host was busy meanwhile (``contention``): such a probe is measured again next time.
+* Whether the host was busy meanwhile (``contention``): such a probe is measured again when it is not.
 """
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ from .kvcache import PrefixCache
 from .registry import cache_dir
 from .request import _is_int
 from .settings import DTYPES, EngineSettings, check_max_memory
-from .contention import Watch
+from .contention import Watch, quiet
 from .steps import auto_slots, batch_sizes, measure_profile
 from .tuning import (CHUNK_DECODE_STEPS, GATED_CHUNK_DECODE_STEPS, Probe, ProbeCache, StepClock, fastest,
                      host_signature, measure, revised, thread_options)
@@ -161,7 +161,7 @@ class Weights:
         fastest dtype and thread count: on CPU with "auto", bf16 against float32, each with the
         whole thread budget and with half of it unless threads are fixed; otherwise the dtype
         as loaded, measured only to size prefill chunks. A cached probe taken while the host was
-        busy is measured again."""
+        busy (provisional) is measured again once the host is quiet; until then it is used."""
         dtypes = [loaded.dtype]
         offloaded = self.max_memory is not None   # offloaded weights are not cast in place
         if self.dtype == "auto" and self.device.type == "cpu" and loaded.dtype != "float32" and not offloaded:
@@ -171,7 +171,8 @@ class Weights:
         candidates = [(dtype, n) for dtype in dtypes for n in threads]
         key = f"{host_signature()}|{folder}|{'+'.join(dtypes)}|threads {'+'.join(map(str, threads))}"
         probe = self._probes.get(key)
-        if probe is None or probe.provisional or sorted((s.dtype, s.threads) for s in probe.speeds) != sorted(candidates):
+        if (probe is None or sorted((s.dtype, s.threads) for s in probe.speeds) != sorted(candidates)
+                or probe.provisional and quiet(max(threads))):
             probe = self._probe(loaded, candidates)
             self._probes.put(key, probe)
         best = fastest(probe.speeds)
