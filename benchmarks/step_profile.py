@@ -10,8 +10,10 @@ need: one decode step of B sequences at once, as a continuous-batching engine ru
 transformers. For each batch size B: B prompts of different lengths (``--prompt`` tokens, the
 shortest 3/4 of that), left-padded into one batch with an attention mask, one prefill forward
 into a ``DynamicCache``, then ``--steps`` decode forwards of one token per row (the mask and
-position ids grown by one each step), timed one by one after ``--warmup`` untimed ones; the
-step time is the median over ``--repeats`` such rounds. The rounds go round-robin over the
+position ids grown by one each step; one row gets neither, as the engine's ``Batch`` runs it),
+timed one by one after ``--warmup`` untimed ones; the step time is the median over ``--repeats``
+such rounds. The decode steps are the engine's own probe at load (`uniun_ray/models/steps.py`,
+64-token rows; ``Engine.step_profile()``); this one takes longer prompts and more rounds. The rounds go round-robin over the
 batch sizes, so a load that comes and goes beside the probe stretches every size alike.
 ``torch.inference_mode``; float32 by default (the dtype the engine chose on the 2-core AVX2
 hosts, `uniun_ray/models/MEASURED.md`); the model from the embedded registry (the converted
@@ -49,6 +51,7 @@ import torch  # noqa: E402
 from record import Record  # noqa: E402
 
 from uniun_ray.models.registry import DEFAULT_CHAT_MODEL, materialize, resolve  # noqa: E402
+from uniun_ray.models.steps import decode_times, device_clock, positions, row_lengths  # noqa: E402
 from uniun_ray.models.tuning import cpu_model  # noqa: E402
 
 
@@ -62,10 +65,9 @@ def load(model_id: str, dtype: str, device: str):
 
 def batch_inputs(batch: int, prompt: int, vocab: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """`batch` prompts of lengths spread over [3/4 prompt, prompt], left-padded: (ids, mask)."""
-    lengths = [prompt - (prompt // 4) * i // max(1, batch - 1) for i in range(batch)]
     ids = torch.zeros((batch, prompt), dtype=torch.long)
     mask = torch.zeros((batch, prompt), dtype=torch.long)
-    for row, n in enumerate(lengths):
+    for row, n in enumerate(row_lengths(batch, prompt)):
         ids[row, prompt - n:] = torch.tensor([(7919 * (i + 31 * row)) % vocab + 1 for i in range(n)])
         mask[row, prompt - n:] = 1
     return ids.to(device), mask.to(device)
@@ -73,23 +75,12 @@ def batch_inputs(batch: int, prompt: int, vocab: int, device: torch.device) -> t
 
 def clock_of(kind: str, device: str):
     """Seconds now: elapsed (after the GPU's queued work, on CUDA) or the process's CPU time."""
-    if kind == "cpu":
-        return time.process_time
-    if device.startswith("cuda"):
-        def synced() -> float:
-            torch.cuda.synchronize()
-            return time.perf_counter()
-        return synced
-    return time.perf_counter
-
-
-def positions(mask: torch.Tensor) -> torch.Tensor:
-    """Position ids of a left-padded batch: counted from each row's first real token."""
-    return (mask.cumsum(-1) - 1).clamp(min=0)
+    return time.process_time if kind == "cpu" else device_clock(torch.device(device))
 
 
 def round_of_steps(model, batch: int, prompt: int, steps: int, warmup: int, clock) -> list[float]:
-    """Prefill one batch, then time `steps` decode forwards (after `warmup` untimed ones)."""
+    """Prefill one batch, then time `steps` decode forwards (after `warmup` untimed ones), as the
+    engine's probe at load times them (`uniun_ray.models.steps`)."""
     from transformers import DynamicCache
 
     ids, mask = batch_inputs(batch, prompt, model.config.vocab_size - 1, model.device)
@@ -98,16 +89,7 @@ def round_of_steps(model, batch: int, prompt: int, steps: int, warmup: int, cloc
     with torch.inference_mode():
         out = model(input_ids=ids, attention_mask=mask, position_ids=positions(mask),
                     use_cache=True, logits_to_keep=1, **{cache_arg: DynamicCache()})
-        times = []
-        for i in range(warmup + steps):
-            token = out.logits[:, -1].argmax(-1, keepdim=True)
-            mask = torch.cat([mask, torch.ones((batch, 1), dtype=mask.dtype, device=mask.device)], dim=1)
-            started = clock()
-            out = model(input_ids=token, attention_mask=mask, position_ids=positions(mask)[:, -1:],
-                        use_cache=True, logits_to_keep=1, **{cache_arg: getattr(out, cache_arg)})
-            if i >= warmup:
-                times.append(clock() - started)
-    return times
+    return decode_times(model, cache_arg, getattr(out, cache_arg), mask, steps, warmup, clock, logits_to_keep=1)
 
 
 def profile(model, batches: list[int], prompt: int, steps: int, warmup: int, repeats: int,

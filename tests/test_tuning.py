@@ -1,14 +1,24 @@
 """The engine's host choices (issue 9): forced settings are checked, the probe's results are
-cached per host and model, and prefill chunks follow the step times measured on this host."""
+cached per host and model, and prefill chunks follow the step times measured on this host.
+Issue 25: the slot count a step profile implies, how much of the probe's cores others took,
+and a probe that later decode steps beat."""
 from __future__ import annotations
 
 import threading
 
 import pytest
 
+from uniun_ray.models.contention import Taken, others_share
 from uniun_ray.models.settings import EngineSettings
-from uniun_ray.models.tuning import (MAX_CHUNK, MIN_CHUNK, ProbeCache, Speed, StepClock, fastest, measure,
-                                     thread_options)
+from uniun_ray.models.steps import SLOT_GAIN, auto_slots
+from uniun_ray.models.tuning import (BEATEN_AFTER, MAX_CHUNK, MIN_CHUNK, Probe, ProbeCache, Speed, StepClock,
+                                     fastest, measure, revised, thread_options)
+
+QUIET = Taken("2026-12-03T10:00:00+00:00", 1.5, 0.02, (0.1, 0.2), False)
+
+
+def probe(speeds=(), steps=None, taken=QUIET) -> Probe:
+    return Probe(list(speeds), steps or {1: 0.05, 2: 0.06}, taken)
 
 
 def test_settings_come_from_the_environment_with_clear_errors():
@@ -88,27 +98,76 @@ def test_decode_steps_move_the_target_and_a_short_tail_is_ignored():
     assert abs(clock.decode_s - 160e-3) < 1e-3 and abs(clock.target_s - 320e-3) < 2e-3
 
 
-def test_probe_cache_survives_restarts_and_ignores_a_corrupt_file(tmp_path):
+def test_probe_cache_survives_restarts_and_ignores_a_corrupt_file_or_an_older_shape(tmp_path):
     path = tmp_path / "tuning.json"
-    speeds = [Speed("bfloat16", 1e-3, 2e-2, 2), Speed("float32", 5e-4, 3e-2, 1)]
-    ProbeCache(path).put("host|model", speeds)
-    assert ProbeCache(path).get("host|model") == speeds and ProbeCache(path).get("other") is None
+    kept = probe([Speed("bfloat16", 1e-3, 2e-2, 2), Speed("float32", 5e-4, 3e-2, 1)], {1: 0.05, 16: 0.07, 2: 0.06})
+    ProbeCache(path).put("host|model", kept)
+    assert ProbeCache(path).get("host|model") == kept and ProbeCache(path).get("other") is None
+    assert list(ProbeCache(path).get("host|model").steps) == [1, 2, 16]      # in batch order, as ints
     path.write_text("{not json")
     assert ProbeCache(path).get("host|model") is None
-    ProbeCache(path).put("host|model", speeds)   # rewritten whole
-    assert ProbeCache(path).get("host|model") == speeds
+    path.write_text('{"host|model": [{"dtype": "float32", "prefill_s_per_token": 1, "decode_s": 1, "threads": 1}]}')
+    assert ProbeCache(path).get("host|model") is None                       # before issue 25: measured anew
+    ProbeCache(path).put("host|model", kept)   # rewritten whole
+    assert ProbeCache(path).get("host|model") == kept
 
 
 def test_concurrent_writers_leave_a_readable_cache(tmp_path):
     path = tmp_path / "tuning.json"
-    writers = [threading.Thread(target=ProbeCache(path).put, args=(f"k{i}", [Speed("float32", 1e-3, 1e-2, 1)]))
-               for i in range(8)]
+    one = probe([Speed("float32", 1e-3, 1e-2, 1)])
+    writers = [threading.Thread(target=ProbeCache(path).put, args=(f"k{i}", one)) for i in range(8)]
     for writer in writers:
         writer.start()
     for writer in writers:
         writer.join()
-    assert ProbeCache(path).get("k0") in (None, [Speed("float32", 1e-3, 1e-2, 1)])
+    assert ProbeCache(path).get("k0") in (None, one)
     assert isinstance(ProbeCache(path)._read(), dict) and ProbeCache(path)._read()
+
+
+def test_auto_slots_keep_doubling_while_tokens_per_second_grow_meaningfully():
+    sizes = (1, 2, 4, 8, 16, 32, 64)
+    gpu = {b: 0.010 * (1 + 0.01 * b) for b in sizes}               # a step costs about the same at any batch
+    cpu = {b: 0.050 * b for b in sizes}                               # a step costs B steps of one
+    knee = {1: 0.050, 2: 0.055, 4: 0.060, 8: 0.115, 16: 0.230}      # flat to 4 rows, then about linear
+    assert auto_slots(gpu) == 64 and auto_slots(cpu) == 1 and auto_slots(knee) == 4
+    assert auto_slots(gpu, limit=12) == 12 and auto_slots(knee, limit=64) == 4 and auto_slots(cpu, limit=8) == 1
+    assert auto_slots({1: 0.05}) == 1 and auto_slots({}) == 1       # a model that cannot be batched
+    # just below the threshold per doubling stops; just above goes on; a gap of two doublings counts twice
+    below, above = 1 + SLOT_GAIN - 0.01, 1 + SLOT_GAIN + 0.01
+    assert auto_slots({1: 1.0, 2: 2 / below}) == 1 and auto_slots({1: 1.0, 2: 2 / above}) == 2
+    assert auto_slots({1: 1.0, 4: 4 / above ** 2}) == 4 and auto_slots({1: 1.0, 4: 4 / (above * below)}) == 1
+    # the first size that stops growing ends it, even if a later one grows again
+    assert auto_slots({1: 1.0, 2: 1.0, 4: 4.0, 8: 4.0}) == 2
+
+
+def test_others_count_only_on_the_cores_the_probe_uses():
+    # 2 cores, a probe with 2 threads: a burner taking one core for the whole window took half of them
+    assert others_share(others_s=1.0, wall_s=1.0, cpus=2, threads=2) == 0.5
+    # 16 cores, a probe with 8 threads: others may use the 8 it leaves idle at no cost to it
+    assert others_share(others_s=8.0, wall_s=1.0, cpus=16, threads=8) == 0.0
+    assert others_share(others_s=12.0, wall_s=1.0, cpus=16, threads=8) == 0.5
+    assert others_share(others_s=99.0, wall_s=1.0, cpus=2, threads=2) == 1.0
+    assert others_share(others_s=-0.01, wall_s=1.0, cpus=2, threads=2) == 0.0   # tick rounding
+    assert others_share(others_s=1.0, wall_s=0.0, cpus=2, threads=2) == 0.0
+
+
+def test_decode_steps_that_clearly_beat_the_probe_revise_it_and_mark_it_provisional():
+    stretched = probe([Speed("float32", 2e-3, 0.1, 2)], {1: 0.100, 4: 0.200})
+    clock = StepClock(Speed("float32", 2e-3, 0.1, 2))
+    for _ in range(BEATEN_AFTER - 1):
+        clock.observe(1, 0.040)
+    assert revised(stretched, clock) is None                          # too few steps seen yet
+    clock.observe(1, 0.040)
+    revision = revised(stretched, clock)
+    ratio = clock.decode_s / 0.100
+    assert 0.4 < ratio < 0.45 and revision.steps == {1: 0.100 * ratio, 4: 0.200 * ratio}
+    assert revision.provisional and "beat the probe" in revision.taken.note and revision.speeds == stretched.speeds
+    assert revision.taken.at == QUIET.at and revision.taken.others_cpu == QUIET.others_cpu
+    assert revised(revision, clock) is None                           # revised once: it no longer beats it
+    steady = StepClock(Speed("float32", 2e-3, 0.1, 2))
+    for _ in range(100):
+        steady.observe(1, 0.080)                                      # within the probe's noise and batches
+    assert revised(stretched, steady) is None
 
 
 def test_max_memory_comes_from_the_environment_as_device_size_pairs():

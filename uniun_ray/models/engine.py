@@ -110,13 +110,31 @@ class Engine:
 
     def describe(self) -> dict:
         """The host choices, for ``status`` and the benchmarks: dtype (and the measurements it
-        was chosen on), threads, the current prefill chunk and step times."""
+        was chosen on), threads, the current prefill chunk and step times, and under "probe"
+        when and under what load the kept figures were taken: {"taken_at": ISO time,
+        "window_s", "others_cpu": the share of the probe's cores other programs took,
+        "load_avg": [before, after], "busy": whether they are provisional (measured again at the
+        next load), "note" (why, when later steps beat them), "step_profile": {batch: seconds},
+        "slots_auto": the slot count it implies}."""
         loaded = self._loaded
+        if loaded is not None:
+            self._weights.revise(loaded)
         described = self._weights.describe(loaded)
         if loaded is None:
             return described
         return described | loaded.clock.describe() | ({"prefill_chunk": self.prefill_chunk} if self.prefill_chunk else {}) \
             | {"kv_cache": loaded.prefix.describe() | {"tiers": self._kv_tiers()}}
+
+    def step_profile(self) -> dict[int, float]:
+        """Seconds per batched decode step of the loaded model on this host, per batch size
+        ({1: s} only for a model that cannot be batched); {} when nothing is loaded. Measured at
+        load and cached per host, model, dtype and threads; scaled down where the decode steps
+        seen since beat it (R23, R25: ``steps.auto_slots`` turns it into a slot count)."""
+        loaded = self._loaded
+        if loaded is None:
+            return {}
+        self._weights.revise(loaded)
+        return dict(loaded.probe.steps)
 
     @property
     def thread_budget(self) -> int:
@@ -221,6 +239,9 @@ class Engine:
     def _end(self) -> None:
         with self._lock:
             self._running -= 1
+            idle, loaded = not self._running, self._loaded
+        if idle and loaded is not None:
+            self._weights.revise(loaded)   # the runs since the load may have beaten its probe
 
 
 class Generation(Iterator[str]):

@@ -11,6 +11,10 @@ A revoke is honoured before the next forward pass, so a prefill chunk bounds how
 A fixed token count is wrong on every host but the one it was tuned on (256 tokens: 0.35 s
 there, 3.4 s of bf16 here); ``StepClock`` sizes chunks by the time they take, as measured while
 the engine runs.
+
+A probe taken while other programs took the CPU is not the host's (``contention``): it is used
+for now, kept marked provisional and measured again at the next load; so is one that the decode
+steps seen afterwards clearly beat (``revised``).
 """
 from __future__ import annotations
 
@@ -20,9 +24,11 @@ import platform
 import statistics
 import threading
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, Callable
+
+from .contention import Taken
 
 #: Forward over token ids, extending a cache: (logits, cache). What the probe times.
 Step = Callable[[list[int], Any], tuple[Any, Any]]
@@ -113,23 +119,73 @@ def cpu_model() -> str:
     return platform.processor() or "unknown cpu"
 
 
+@dataclass(frozen=True)
+class Probe:
+    """What a load measured of one model on this host: the speed of every dtype and thread count
+    tried, the step profile ({batch: seconds per decode step}, ``steps``) at the fastest, and
+    when and under what load (``Taken``)."""
+
+    speeds: list[Speed]
+    steps: dict[int, float]
+    taken: Taken
+
+    @property
+    def provisional(self) -> bool:
+        """Taken while the host was busy, or beaten since: measured again at the next load."""
+        return self.taken.busy
+
+    def to_json(self) -> dict:
+        return {"speeds": [asdict(speed) for speed in self.speeds],
+                "steps": {str(batch): seconds for batch, seconds in self.steps.items()},
+                "taken": asdict(self.taken)}
+
+    @classmethod
+    def from_json(cls, entry: dict) -> Probe:
+        taken = entry["taken"] | {"load_avg": tuple(entry["taken"]["load_avg"])}
+        return cls([Speed(**speed) for speed in entry["speeds"]],
+                   dict(sorted((int(batch), float(seconds)) for batch, seconds in entry["steps"].items())),
+                   Taken(**taken))
+
+
+#: Decode steps this much faster than the probe's, seen over at least BEATEN_AFTER steps since the
+#: load, say the probe was taken while the host was busy (its steps were stretched).
+BEATEN_RATIO = 0.7
+BEATEN_AFTER = 32
+
+
+def revised(probe: Probe, clock: StepClock) -> Probe | None:
+    """``probe`` revised by the decode steps seen since the load, where they clearly beat its
+    one-row step: every step time scaled by their ratio (a load beside the probe stretched every
+    batch size alike) and marked provisional, so the next load measures again. None otherwise.
+    The clock's estimate mixes batch sizes, each no faster than one row: it never beats a true
+    probe, and it understates the correction."""
+    single = probe.steps.get(1)
+    if not single or clock.decode_seen < BEATEN_AFTER or clock.decode_s >= BEATEN_RATIO * single:
+        return None
+    ratio = clock.decode_s / single
+    note = (f"decode steps of {clock.decode_s * 1e3:.1f} ms seen since load beat the probe's "
+            f"{single * 1e3:.1f} ms: its step times scaled by {ratio:.2f}; measured again at the next load")
+    return Probe(probe.speeds, {batch: seconds * ratio for batch, seconds in probe.steps.items()},
+                 replace(probe.taken, busy=True, note=note))
+
+
 class ProbeCache:
-    """Measured speeds per (host signature, model, dtypes and thread counts tried), as JSON; a
-    corrupt file, or an entry of an older shape, is measured anew. Deleting the file measures
-    everything again (a probe taken while the host was busy is kept until then)."""
+    """Probes per (host signature, model, dtypes and thread counts tried), as JSON; a corrupt
+    file, or an entry of an older shape, is measured anew, and so is a provisional one (taken
+    while the host was busy). Deleting the file measures everything again."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
 
-    def get(self, key: str) -> list[Speed] | None:
+    def get(self, key: str) -> Probe | None:
         entry = self._read().get(key)
         try:
-            return [Speed(**speed) for speed in entry] if entry else None
-        except TypeError:
+            return Probe.from_json(entry) if isinstance(entry, dict) else None
+        except (KeyError, TypeError, ValueError, AttributeError):
             return None
 
-    def put(self, key: str, speeds: list[Speed]) -> None:
-        data = self._read() | {key: [asdict(speed) for speed in speeds]}
+    def put(self, key: str, probe: Probe) -> None:
+        data = self._read() | {key: probe.to_json()}
         self.path.parent.mkdir(parents=True, exist_ok=True)
         staging = self.path.with_suffix(f".{os.getpid()}.{threading.get_ident()}.tmp")
         staging.write_text(json.dumps(data, indent=1, sort_keys=True))
@@ -156,6 +212,7 @@ class StepClock:
     def __init__(self, speed: Speed, decode_steps: float = CHUNK_DECODE_STEPS) -> None:
         self.decode_s = speed.decode_s
         self.decode_steps = decode_steps
+        self.decode_seen = 0    # decode steps observed: until a few dozen, decode_s is mostly the seed
         probe_s = speed.prefill_s_per_token * PROBE_PROMPT_TOKENS
         self._chunk = self._clamp(PROBE_PROMPT_TOKENS * self.target_s / probe_s if probe_s > 0 else MAX_CHUNK)
 
@@ -170,6 +227,7 @@ class StepClock:
     def observe(self, tokens: int, seconds: float) -> None:
         if tokens == 1:
             self.decode_s += _SMOOTHING * (seconds - self.decode_s)
+            self.decode_seen += 1
         elif tokens >= self.chunk and seconds > 0:  # a full chunk; a short tail says little
             ratio = min(_MAX_STEP, max(1 / _MAX_STEP, self.target_s / seconds))
             self._chunk = self._clamp(self._chunk * ratio ** _SMOOTHING_EXPONENT)

@@ -5,6 +5,8 @@
 * torch's threads: on CPU, every core of the budget against half of them, unless fixed.
 * Placement: all on the device, or where accelerate fits the weights in ``max_memory``.
 * The step clock that sizes prefill chunks by the time they take here (``tuning.StepClock``).
+* The step profile per batch size (``steps``), measured with the dtype and threads kept.
+* Whether the host was busy meanwhile (``contention``): such a probe is measured again next time.
 """
 from __future__ import annotations
 
@@ -20,8 +22,10 @@ from .kvcache import PrefixCache
 from .registry import cache_dir
 from .request import _is_int
 from .settings import DTYPES, EngineSettings, check_max_memory
-from .tuning import (CHUNK_DECODE_STEPS, GATED_CHUNK_DECODE_STEPS, ProbeCache, Speed, StepClock,
-                     fastest, host_signature, measure, thread_options)
+from .contention import Watch
+from .steps import auto_slots, batch_sizes, measure_profile
+from .tuning import (CHUNK_DECODE_STEPS, GATED_CHUNK_DECODE_STEPS, Probe, ProbeCache, StepClock, fastest,
+                     host_signature, measure, revised, thread_options)
 from .vocabulary import Vocabulary, read_vocabulary
 
 #: CPU memory for the KV a GPU's cache pushes out, per GPU: a node with eight takes 32 GiB.
@@ -62,8 +66,9 @@ class Loaded:
     cache_arg: str
     forward_kwargs: dict = field(default_factory=dict)
     dtype: str = ""
-    speeds: list[Speed] = field(default_factory=list)   # what the choice of dtype was made on
+    probe: Probe | None = None          # what the choice of dtype was made on, and the step profile
     clock: StepClock | None = None
+    probe_key: str = ""                 # where the probe is cached
     prefix: PrefixCache = field(default_factory=lambda: PrefixCache(0))
     gate: LayerGate | None = None
 
@@ -112,8 +117,11 @@ class Weights:
         if loaded is None:
             return described
         placement = getattr(loaded.model, "hf_device_map", None)
+        probe = loaded.probe
         return described | {"model": loaded.vocabulary.model_id, "dtype": loaded.dtype, "placement": placement,
-                            "measured": [dataclasses.asdict(speed) for speed in loaded.speeds]}
+                            "measured": [dataclasses.asdict(speed) for speed in probe.speeds],
+                            "probe": probe.taken.describe() | {"step_profile": probe.steps,
+                                                               "slots_auto": auto_slots(probe.steps)}}
 
     def load(self, model_id: str, folder: Any, prefix: PrefixCache) -> Loaded:
         """Read the model in ``folder``, then measure it and keep the fastest dtype and threads."""
@@ -152,7 +160,8 @@ class Weights:
         """Measure the loaded model (once per host, model and setting; cached) and keep the
         fastest dtype and thread count: on CPU with "auto", bf16 against float32, each with the
         whole thread budget and with half of it unless threads are fixed; otherwise the dtype
-        as loaded, measured only to size prefill chunks."""
+        as loaded, measured only to size prefill chunks. A cached probe taken while the host was
+        busy is measured again."""
         dtypes = [loaded.dtype]
         offloaded = self.max_memory is not None   # offloaded weights are not cast in place
         if self.dtype == "auto" and self.device.type == "cpu" and loaded.dtype != "float32" and not offloaded:
@@ -161,20 +170,45 @@ class Weights:
                    else thread_options(self.thread_budget))
         candidates = [(dtype, n) for dtype in dtypes for n in threads]
         key = f"{host_signature()}|{folder}|{'+'.join(dtypes)}|threads {'+'.join(map(str, threads))}"
-        speeds = self._probes.get(key)
-        if speeds is None or sorted((s.dtype, s.threads) for s in speeds) != sorted(candidates):
-            speeds = []
-            for dtype, n in candidates:
-                _cast(loaded, dtype)
-                torch.set_num_threads(n)
-                speeds.append(measure(lambda ids, cache: _synced(forward(loaded, ids, cache, self.device)),
-                                      len(loaded.vocabulary.tokenizer), dtype, n))
-            self._probes.put(key, speeds)
-        best = fastest(speeds)
+        probe = self._probes.get(key)
+        if probe is None or probe.provisional or sorted((s.dtype, s.threads) for s in probe.speeds) != sorted(candidates):
+            probe = self._probe(loaded, candidates)
+            self._probes.put(key, probe)
+        best = fastest(probe.speeds)
         _cast(loaded, best.dtype)
         torch.set_num_threads(best.threads)
         steps = GATED_CHUNK_DECODE_STEPS if loaded.gate is not None else CHUNK_DECODE_STEPS
-        loaded.speeds, loaded.clock = speeds, StepClock(best, steps)
+        loaded.probe, loaded.clock, loaded.probe_key = probe, StepClock(best, steps), key
+
+    def _probe(self, loaded: Loaded, candidates: list[tuple[str, int]]) -> Probe:
+        """Time every (dtype, threads) candidate, then the step profile at the fastest, watching
+        what else ran on the cores meanwhile. A model that cannot be batched (a sliding-window
+        cache, ``batch.batchable``) is profiled at one row only."""
+        from .batch import batchable   # batch builds on the engine, which loads through here
+
+        watch = Watch(max(n for _, n in candidates))
+        vocab_size = len(loaded.vocabulary.tokenizer)
+        speeds = []
+        for dtype, n in candidates:
+            _cast(loaded, dtype)
+            torch.set_num_threads(n)
+            speeds.append(measure(lambda ids, cache: _synced(forward(loaded, ids, cache, self.device)),
+                                  vocab_size, dtype, n))
+        best = fastest(speeds)
+        _cast(loaded, best.dtype)
+        torch.set_num_threads(best.threads)
+        sizes = batch_sizes(self.device) if batchable(loaded.model) else (1,)
+        steps = measure_profile(loaded.model, loaded.cache_arg, loaded.forward_kwargs, vocab_size, self.device, sizes)
+        return Probe(speeds, steps, watch.stop())
+
+    def revise(self, loaded: Loaded) -> None:
+        """Where the decode steps seen since the load clearly beat the probe's (it was taken while
+        the host was busy and the watch missed it), scale its step profile and keep it marked
+        provisional, so the next load measures again (``tuning.revised``)."""
+        probe = revised(loaded.probe, loaded.clock) if loaded.probe is not None else None
+        if probe is not None:
+            loaded.probe = probe
+            self._probes.put(loaded.probe_key, probe)
 
 
 def forward(loaded: Loaded, ids: list[int], cache: Any, device: torch.device) -> tuple[torch.Tensor, Any]:
