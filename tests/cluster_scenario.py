@@ -133,7 +133,7 @@ def main() -> None:
     with LocalNodes() as nodes:
         nodes.head(devices=1)
         step("head")
-        head = nodes.start_runtime(RuntimeConfig(lease_timeout_s=5.0, waiter_timeout_s=5.0, reap_period_s=0.2))
+        head = nodes.start_runtime(RuntimeConfig(lease_timeout_s=5.0, waiter_timeout_s=5.0, reap_period_s=0.2, slots=1))
         step("runtime")
         w1 = nodes.join(devices=2)
         step("w1 joined")

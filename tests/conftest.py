@@ -24,6 +24,9 @@ worker_niceness()
 # the scheduler's event log and other state go to a scratch dir, never the user's
 # (a fresh one per pytest process, even where the user has set UNIUN_STATE_DIR)
 os.environ["UNIUN_STATE_DIR"] = tempfile.mkdtemp(prefix="uniun-test-state-")
+#: One slot per device unless a test asks for more: the R1-R20 scenarios, the jobs and the CLI
+#: are about one job at a time; the slot tests set their count (and "auto") themselves.
+os.environ.setdefault("UNIUN_SLOTS", "1")
 sys.path.insert(0, str(Path(__file__).parent))
 
 
@@ -147,7 +150,7 @@ def make_runtime(ray_cluster):
         reset_uniun_actors(ray_cluster)
         # 5 s, as the subprocess scenarios have it: a caller's poll comes every third of it, and
         # at 3 s a busy 2-core host (two workers and a burner) once held one back past the timeout
-        fields = dict(lease_timeout_s=5.0, waiter_timeout_s=5.0, reap_period_s=0.2) | runtime
+        fields = dict(lease_timeout_s=5.0, waiter_timeout_s=5.0, reap_period_s=0.2, slots=1) | runtime
         return start(RuntimeConfig(policy or PolicyConfig(), **fields))
 
     yield make
@@ -170,7 +173,7 @@ def long_tokens(ray_cluster) -> int:
     from uniun_ray.runtime.service import RuntimeConfig
 
     reset_uniun_actors(ray_cluster)
-    start(RuntimeConfig(PolicyConfig()))
+    start(RuntimeConfig(PolicyConfig(), slots=1))
     try:
         seconds = asyncio.run(tiny_seconds_per_token())
     finally:
@@ -215,6 +218,7 @@ class FakeDevice:
         self.granted: list[int] = []
         self.revoked: list[int] = []
         self.epoch = 0
+        self.live: tuple[int, ...] = ()   # the epochs the last grant kept live
         self.gone = False
 
     def _answer(self) -> None:
@@ -231,10 +235,11 @@ class FakeDevice:
         self.loads.append(model_id)
         return self.load_s
 
-    async def grant(self, epoch: int) -> None:
+    async def grant(self, epoch: int, live: tuple[int, ...] = ()) -> None:
         self._answer()
         assert epoch > self.epoch, "epochs only grow"
-        self.epoch = epoch
+        assert epoch in live, "a grant names its own epoch among the live ones"
+        self.epoch, self.live = epoch, live
         self.granted.append(epoch)
 
     async def revoke(self, epoch: int) -> None:

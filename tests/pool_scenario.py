@@ -78,7 +78,7 @@ async def scenario() -> dict:
 def main() -> None:
     with local_cluster(devices=2, object_store_memory=80 * 1024 * 1024):
         began = time.monotonic()
-        start(RuntimeConfig(lease_timeout_s=5.0, waiter_timeout_s=5.0, reap_period_s=0.2))
+        start(RuntimeConfig(lease_timeout_s=5.0, waiter_timeout_s=5.0, reap_period_s=0.2, slots=1))
         start_s = time.monotonic() - began
         out = asyncio.run(scenario())
         out["wall_s"], out["start_s"] = time.monotonic() - began, start_s

@@ -5,6 +5,7 @@ Runs the embedded `tiny` model in float32 (the fixtures of test_models: one conv
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 import torch
@@ -225,3 +226,42 @@ def test_a_model_that_cannot_be_batched_runs_its_jobs_one_at_a_time(engine, monk
     assert batch.slots == 1 and not batch.batched
     jobs, widths = drive(batch, {0: [(request, threading.Event()) for request in REQUESTS[:3]]})
     assert [job.result.token_ids for job in jobs] == expected and max(widths.values()) == 1
+
+
+def test_the_decode_loop_steps_jobs_added_from_many_threads_together_and_alone_when_idle(engine):
+    """`DecodeLoop` (the ModelActor's): jobs added from several threads share steps, each ends as
+    it would alone, a cancelled one leaves while the others go on, and the stepping thread ends
+    when the batch is empty (a later job starts a new one)."""
+    from uniun_ray.models.loop import DecodeLoop
+
+    requests = REQUESTS[:4]
+    expected = alone(engine, requests)
+    woken = threading.Semaphore(0)
+    loop = DecodeLoop(engine, 8, woken.release)
+    doomed = threading.Event()
+    jobs: list = [None] * len(requests)
+
+    def add(index: int) -> None:
+        jobs[index] = loop.add(requests[index], threading.Event())
+
+    adders = [threading.Thread(target=add, args=(i,)) for i in range(len(requests))]
+    for adder in adders:
+        adder.start()
+    victim = loop.add(GenerateRequest(prompt=LONG_PROMPT, max_new_tokens=200), doomed)
+    for adder in adders:
+        adder.join()
+    woken.acquire(timeout=30)
+    doomed.set()
+    for job in jobs + [victim]:
+        assert job.done.wait(60)
+    assert [job.result.token_ids for job in jobs] == expected
+    assert victim.result.finish_reason == "cancel" and victim.result.tokens < 200
+    assert max(loop.batch_sizes) > 1 and loop.failure is None
+    assert max(job.result.mean_batch for job in jobs) > 1
+    for _ in range(1000):                  # the thread ends once the batch is empty
+        if not loop._stepping:
+            break
+        time.sleep(0.01)
+    assert not loop._stepping
+    again = loop.add(requests[0], threading.Event())
+    assert again.done.wait(60) and again.result.token_ids == expected[0]

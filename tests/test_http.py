@@ -71,7 +71,7 @@ def runtime_config():
     from uniun_ray.policy import PolicyConfig
     from uniun_ray.runtime.service import RuntimeConfig
     return RuntimeConfig(PolicyConfig(), lease_timeout_s=3.0, waiter_timeout_s=3.0, reap_period_s=0.2,
-                         max_queued=MAX_QUEUED)
+                         max_queued=MAX_QUEUED, slots=1)
 
 
 @pytest.fixture(scope="module")

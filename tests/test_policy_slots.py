@@ -183,6 +183,23 @@ def test_r25_slots_are_per_device():
     assert {d: len(js) for d, js in p.slot_jobs.items()} == {"d0": 1, "d1": 3, "d2": 2}
 
 
+
+def test_r25_a_device_takes_the_slot_count_its_actor_chose_after_a_load():
+    p = slotted(slots=1)
+    for i in range(4):
+        p.submit(job(f"n{i}", "nataraj", producer=f"n:{i}"), 1)
+    assert len(p.slot_jobs["d0"]) == 1
+    grown = p.set_slots("d0", 3, 2)
+    assert [a.job_id for a in grown if isinstance(a, Dispatch)] == ["n1", "n2"]
+    assert {a.slot for a in grown} == {1, 2} and p.snapshot()["devices"][0]["slots"] == 3
+    assert p.set_slots("d0", 1, 3) == []             # fewer: nobody is revoked ...
+    assert len(p.slot_jobs["d0"]) == 3
+    dispatched = [[a.job_id for a in p.finish(f"n{i}", 4 + i, "done") if isinstance(a, Dispatch)] for i in range(3)]
+    assert dispatched == [[], [], ["n3"]]            # ... and no slot is filled until they all ended
+    with pytest.raises(ValueError, match="slots must be an int >= 1"):
+        p.set_slots("d0", 0, 9)
+
+
 # properties ----------------------------------------------------------------------------
 @st.composite
 def slot_workloads(draw, kinds=("chat", "nataraj", "gana", "extract"), max_jobs=40, horizon=300.0):

@@ -145,7 +145,7 @@ def live_runtime(ray_cluster):
     if handles is None or not _alive(handles):
         reset_uniun_actors(ray_cluster)
         handles = _LIVE["handles"] = start(RuntimeConfig(PolicyConfig(), lease_timeout_s=3.0, waiter_timeout_s=3.0,
-                                                         reap_period_s=0.2))
+                                                         reap_period_s=0.2, slots=1))
     yield handles
     asyncio.run(idle_status())          # each test leaves it as it found it
 

@@ -1,6 +1,6 @@
 """`uniun-ray`: start and stop a local head, look at the scheduler, and poke it.
 
-    uniun-ray up [--port 6379] [--auth disabled|token] [--devices N]
+    uniun-ray up [--port 6379] [--auth disabled|token] [--devices N] [--slots N|auto]
                  [--no-http | --http-host H --http-port P] [-- more `ray start` args]
     uniun-ray down
     uniun-ray status [--json | --watch [--interval S]]
@@ -148,8 +148,7 @@ def _up(args) -> int:
     import ray
 
     from .runtime.head import HeadError, HeadState, start_head, state_path
-    from .runtime.launch import chat_model_setting, start
-    from .runtime.service import RuntimeConfig
+    from .runtime.launch import config_from_env, start
     from .client import error_text
     from .runtime.protocol import NAMESPACE
 
@@ -158,6 +157,10 @@ def _up(args) -> int:
         print(f"already up: {state.address} (dashboard {state.dashboard_url}); stop it with `uniun-ray down`")
         return 0
     HeadState.forget()  # a stale record of a head that is gone
+    try:
+        config_from_env(args.chat_model, args.slots)   # a bad setting is refused before the head starts
+    except ValueError as error:
+        raise UsageError(str(error)) from error
     os.environ["RAY_AUTH_MODE"] = args.auth  # this process must speak the head's auth mode too
     state = start_head(port=args.port, dashboard_host=args.dashboard_host, dashboard_port=args.dashboard_port,
                        auth_mode=args.auth, temp_dir=args.temp_dir, devices=args.devices, extra=args.ray_args)
@@ -168,8 +171,7 @@ def _up(args) -> int:
         state.address = context.address_info.get("gcs_address") or state.address
         state.session_dir = context.address_info.get("session_dir")
         state.dashboard_url = f"http://{context.dashboard_url}" if context.dashboard_url else None
-        handles = start(chat_model_setting(None) if args.chat_model is None
-                        else RuntimeConfig(chat_model=args.chat_model))
+        handles = start(config_from_env(args.chat_model, args.slots))
         event_log = ray.get(handles.scheduler.status.remote())["event_log"]
         print(f"active chat model: {handles.chat_model}")
         state.actors = _actor_names()
@@ -282,6 +284,8 @@ def _parser() -> argparse.ArgumentParser:
                          "model:cpu0, model:cpu1, ... (default 1; GPUs, where there are, are the devices)")
     up.add_argument("--chat-model", help="the active chat model every client's model_id=None means "
                     "(default: UNIUN_CHAT_MODEL, else smollm2-135m-instruct)")
+    up.add_argument("--slots", help="jobs each device decodes together (continuous batching): a count, or "
+                    "'auto' to measure per host and model at each load (default: UNIUN_SLOTS, else auto)")
     up.add_argument("--no-http", action="store_true", help="do not deploy the OpenAI-compatible HTTP endpoint")
     up.add_argument("--http-host", default="127.0.0.1",
                     help="HTTP bind address (default 127.0.0.1; set UNIUN_API_KEY before binding wider)")

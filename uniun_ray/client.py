@@ -70,7 +70,8 @@ class Completion:
     tier_at_dispatch: int | None = None   # the tier of the job's first dispatch (the policy's)
     finish_reason: str | None = None      # the last run's: "eos", "length", "stop", or "cancel"
     #: per run (one more per resume after a revoke): {"prompt_tokens", "cached_tokens" (of those,
-    #: taken from the prefix cache), "prefill_s" (reading the rest; None: revoked before the end)}
+    #: taken from the prefix cache), "prefill_s" (reading the rest; None: revoked before the end),
+    #: "mean_batch" (the jobs its decode steps ran together, on average: 1.0 alone, SPEC §6)}
     prefills: tuple[dict, ...] = ()
 
 
@@ -464,7 +465,7 @@ class GenerationStream:
                     produced += tuple(result["token_ids"])
                     count += len(result["token_ids"])
                     finish_reason = result["finish_reason"]
-                    prefills.append({key: result[key] for key in ("prompt_tokens", "cached_tokens", "prefill_s")})
+                    prefills.append({key: result[key] for key in ("prompt_tokens", "cached_tokens", "prefill_s", "mean_batch")})
                     if prompt_tokens is None:
                         prompt_tokens = result["prompt_tokens"]
                 elif streamed:

@@ -42,6 +42,9 @@ drop           job, kind, producer, model, reason: a queued job ended without ru
 device         device, change ("added"|"removed"); optional: reason. The pool changed
                (SPEC §5, R20): a device joined it, or left it for good; the job it ran,
                if any, finishes "failed" with ``requeued`` and runs elsewhere
+slots          device, model, slots (int): after loading ``model`` the device decodes up to
+               ``slots`` jobs together (SPEC §6, R25); optional: step_profile ({batch: seconds
+               per step}, R23), auto (bool: the count was measured, not set)
 node           node (Ray's node id), address, change ("joined"|"left"); optional: reason.
                A node of the cluster joined it (its devices follow as ``device`` "added")
                or died (its devices leave as ``device`` "removed")
@@ -73,6 +76,7 @@ REQUIRED: dict[str, tuple[str, ...]] = {
     "drop": JOB_FIELDS + ("reason",),
     "device": ("device", "change"),
     "node": ("node", "address", "change"),
+    "slots": ("device", "model", "slots"),
 }
 OUTCOMES = ("done", "failed", "revoked")
 

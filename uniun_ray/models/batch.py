@@ -96,6 +96,7 @@ class Batch:
         self._rows: list[Job] = []
         self._cache: Any = None
         self._mask: torch.Tensor | None = None   # [rows, cached tokens]: 0 where a row is padded
+        self.last_step_rows = 0                  # rows the last step decoded (0: it only prefilled)
 
     @property
     def rows(self) -> int:
@@ -132,6 +133,7 @@ class Batch:
     def step(self) -> bool:
         """Drop the cancelled jobs, read one chunk of the joining job's prompt, then decode one
         token for every row in one forward pass. Returns whether any job is left."""
+        self.last_step_rows = 0
         try:
             self._leave_cancelled()
             self._next_joining()
@@ -243,8 +245,10 @@ class Batch:
         self.loaded.clock.observe(1, time.perf_counter() - started)
         self._cache = getattr(output, self.loaded.cache_arg)
         logits = output.logits[:, -1].to(dtype=torch.float32, device="cpu")   # one copy, not one per row
+        self.last_step_rows = len(rows)
         for row, job in enumerate(rows):
             job.sequence.fed += 1
+            job.sequence.stepped(len(rows))
             job.sequence.accept(logits[row])
         for job in [job for job in rows if job.sequence.ended]:
             self._leave_row(job, None)

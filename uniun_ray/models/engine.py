@@ -303,7 +303,9 @@ class Generation(Iterator[str]):
                 if sequence.ended:
                     break
                 logits, cache = _step(loaded, [sequence.last_token], cache, engine.device, sequence.decoding.cancel)
-                sequence.fed += logits is not None
+                if logits is not None:
+                    sequence.fed += 1
+                    sequence.stepped(1)
             tail = sequence.finish(None if sequence.ended else "cancel")  # the flag was seen before a pass
             if tail:
                 yield tail

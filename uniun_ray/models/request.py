@@ -148,6 +148,8 @@ class GenerationResult:
     the start of the run (its first ``next``) to the first sampled token, None if none was.
     ``cached_tokens`` of the ``prompt_tokens`` came from the prefix cache; the rest were
     prefilled, in ``prefill_s`` (the cache lookup included; None: cancelled before the end).
+    ``mean_batch``: the jobs that decoded together in its decode steps, on average (1.0: it ran
+    alone; None: it decoded no step), what a device with slots shared with it (SPEC §6).
     """
 
     text: str
@@ -158,6 +160,7 @@ class GenerationResult:
     total_s: float
     cached_tokens: int = 0
     prefill_s: float | None = None
+    mean_batch: float | None = None
 
     @property
     def tokens(self) -> int:

@@ -39,6 +39,7 @@ class Sequence:
         self.first_token_at = self.prefilled_at = None
         self.reason = "error"       # what an exception from the model leaves
         self.ended = False
+        self.steps = self.step_rows = 0   # decode steps taken, and the rows of all of them
 
     @property
     def cancelled(self) -> bool:
@@ -52,6 +53,11 @@ class Sequence:
     def emitted_tokens(self) -> int:
         """Generated tokens whose text has been handed out."""
         return len(self.detokenizer.committed)
+
+    def stepped(self, rows: int) -> None:
+        """One decode step taken among ``rows`` jobs."""
+        self.steps += 1
+        self.step_rows += rows
 
     def accept(self, logits: torch.Tensor) -> str:
         """Choose the next token from the model's last ``logits`` ([vocabulary]); return the text
@@ -102,6 +108,7 @@ class Sequence:
             total_s=time.perf_counter() - self.started,
             cached_tokens=self.hit.tokens,
             prefill_s=None if self.prefilled_at is None else self.prefilled_at - self.started,
+            mean_batch=self.step_rows / self.steps if self.steps else None,
         )
 
     def _hand_out(self, piece: str) -> str:

@@ -1,5 +1,5 @@
 """How a user sets the engine's host choices: ``UNIUN_DTYPE``, ``UNIUN_THREADS``,
-``UNIUN_KV_CACHE_MB``, ``UNIUN_KV_OFFLOAD_MB`` and ``UNIUN_MAX_MEMORY``.
+``UNIUN_KV_CACHE_MB``, ``UNIUN_KV_OFFLOAD_MB``, ``UNIUN_MAX_MEMORY`` and ``UNIUN_SLOTS``.
 
 Parsed without torch, in the process that starts the ModelActor (so a bad value is refused with
 a clear message before any actor exists) and handed to the actor as plain data: an environment
@@ -17,6 +17,9 @@ THREADS_ENV = "UNIUN_THREADS"
 KV_CACHE_ENV = "UNIUN_KV_CACHE_MB"
 KV_OFFLOAD_ENV = "UNIUN_KV_OFFLOAD_MB"
 MAX_MEMORY_ENV = "UNIUN_MAX_MEMORY"
+SLOTS_ENV = "UNIUN_SLOTS"
+#: The most slots a device may be given (R25): a batch's rows, each with its own KV.
+MAX_SLOTS = 256
 
 _SIZE = re.compile(r"^\d+(\.\d+)?\s*(B|KB|MB|GB|TB|KiB|MiB|GiB|TiB)$")
 
@@ -34,7 +37,8 @@ class EngineSettings:
     (0: they are dropped; None: the default); unused on a CPU device, whose one tier is host memory.
     ``max_memory``: per device ("cpu", or a GPU index as a string) the most memory the weights
     may take, as accelerate reads it ("6GiB"); what does not fit is offloaded (``device_map="auto"``),
-    so a model larger than the device still runs, slower. None: the whole model on the device."""
+    so a model larger than the device still runs, slower. None: the whole model on the device.
+    (The slot count, ``UNIUN_SLOTS``, is the scheduler's: ``RuntimeConfig.slots``.)"""
 
     dtype: str = "auto"
     threads: int | None = None
@@ -89,6 +93,22 @@ def _count(environ: Mapping[str, str], name: str, what: str, minimum: int) -> in
         return None
     if not raw.isdigit() or int(raw) < minimum:
         raise ValueError(f"{name}={raw!r} is not {what}")
+    return int(raw)
+
+
+def check_slot_count(slots: object) -> None:
+    """A slot count (SPEC §6, R25): 1..MAX_SLOTS, or None for "auto" (measured at each load)."""
+    if slots is not None and (isinstance(slots, bool) or not isinstance(slots, int) or not 1 <= slots <= MAX_SLOTS):
+        raise ValueError(f"slots must be an int from 1 to {MAX_SLOTS}, or None for auto; got {slots!r}")
+
+
+def parse_slots(raw: str) -> int | None:
+    """``UNIUN_SLOTS`` / ``--slots``: "auto" (or empty) is None, else a count."""
+    raw = str(raw).strip().lower()
+    if raw in ("", "auto"):
+        return None
+    if not raw.isdigit() or not 1 <= int(raw) <= MAX_SLOTS:
+        raise ValueError(f"{SLOTS_ENV}={raw!r}: slots are 'auto' or a count from 1 to {MAX_SLOTS}")
     return int(raw)
 
 

@@ -18,7 +18,7 @@ from collections.abc import Mapping
 from .budget import Run, T2Window
 from .fairness import VruntimeLedger
 from .picker import PickContext, affinity_wakeup, drain_target, place, slot_for, victim, waited_past
-from .pool import Device, Pool
+from .pool import Device, Pool, check_slots
 from .steps import StepProfiles
 from .queues import Entry, Queues
 from .tiers import Foreground, Tier, tier_of
@@ -147,6 +147,17 @@ class SchedulerPolicy:
         self._pool.check_new(device, slots)
         passed = self._advance(now)
         self._pool.add(device, slots)
+        return self._react(now, passed)
+
+    def set_slots(self, device: str, slots: int, now: float) -> list[Action]:
+        """R25: the device's slot count for the model it holds, as its ModelActor chose it
+        after a load (measured, "auto", or the setting). Jobs beyond a smaller count run to
+        their end; no free slot is filled until they have."""
+        now = self._check_now(now)
+        target = self._pool.get(device)
+        slots = check_slots(slots, device)
+        passed = self._advance(now)
+        target.slots = slots
         return self._react(now, passed)
 
     def set_step_profile(self, model_id: str, device: str, profile: Mapping[int, float],

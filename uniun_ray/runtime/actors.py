@@ -95,10 +95,13 @@ class RayDevice:
         self._model = model_id
         return seconds
 
-    async def grant(self, epoch: int) -> None:
-        loaded = await self._call("grant", epoch)
+    async def grant(self, epoch: int, live: tuple[int, ...] = ()) -> None:
+        loaded = await self._call("grant", epoch, live)
         if self._model is not None and loaded != self._model:  # the actor restarted: reload
             await self._call("load", self._model)
+
+    async def slots(self, setting: int | None = None) -> dict:
+        return await self._call("slots", setting)
 
     async def revoke(self, epoch: int) -> None:
         await self._call("revoke", epoch)
@@ -185,7 +188,7 @@ class SchedulerActor(SchedulerService):
         self._retiring: set[str] = set()         # devices of a dead node whose actors are being killed
 
     def __repr__(self) -> str:
-        running = {d: f"{j.kind.value}:{j.id}" for d, j in self.policy.running_jobs.items()}
+        running = {d: [f"{j.kind.value}:{j.id}" for j in jobs] for d, jobs in self.policy.slot_jobs.items() if jobs}
         return (f"SchedulerActor(loaded={self.policy.loaded_models}, queued={self.policy.queued}, "
                 f"running={running}, events={self.events.path})")
 

@@ -20,7 +20,7 @@ from .head import stand_in_resources, worker_niceness
 from .protocol import EMBEDDER_NAME, NAMESPACE, SCHEDULER_NAME, UniunError, model_actor_name
 from .service import RuntimeConfig
 from ..models.registry import DEFAULT_CHAT_MODEL, resolve
-from ..models.settings import EngineSettings
+from ..models.settings import SLOTS_ENV, EngineSettings, parse_slots
 
 #: Resources a local cluster declares for one stand-in device of a CPU-only machine.
 LOCAL_RESOURCES = stand_in_resources(0)
@@ -128,11 +128,12 @@ class Handles:
         return handle
 
 
-def chat_model_setting(config: RuntimeConfig | None) -> RuntimeConfig:
-    """The configuration a new scheduler gets: `config`, else the defaults with the chat model
-    from UNIUN_CHAT_MODEL (checked against the registry here, before any actor exists)."""
-    if config is None:
-        config = RuntimeConfig(chat_model=os.environ.get("UNIUN_CHAT_MODEL", "").strip() or DEFAULT_CHAT_MODEL)
+def config_from_env(chat_model: str | None = None, slots: str | None = None) -> RuntimeConfig:
+    """The configuration a new scheduler gets unless told otherwise: the chat model
+    (`chat_model`, else UNIUN_CHAT_MODEL, else the default) and the slot count per device
+    (`slots`, else UNIUN_SLOTS, else "auto"), each checked here, before any actor exists."""
+    chat = chat_model or os.environ.get("UNIUN_CHAT_MODEL", "").strip() or DEFAULT_CHAT_MODEL
+    config = RuntimeConfig(chat_model=chat, slots=parse_slots(os.environ.get(SLOTS_ENV, "") if slots is None else slots))
     resolve(config.chat_model)   # UnknownModel names the choices
     return config
 
@@ -156,7 +157,7 @@ def start(config: RuntimeConfig | None = None) -> Handles:
     actor whose seat is taken is refused at once, naming the resource, rather than left
     waiting for ever."""
     settings = EngineSettings.from_env()   # bad UNIUN_* settings fail here, clearly, before any actor
-    config = chat_model_setting(config)
+    config = config or config_from_env()
     forced, concurrency, embedder_on_cpu = placement.torch_device(), placement.embed_concurrency(), \
         placement.embedder_on_cpu()
     connect()

@@ -1,13 +1,15 @@
 """The ModelActor: the one accelerator, as a thin Ray shell around `models.Engine`.
 
 It holds one model, loads and unloads it when the scheduler says so, and streams
-generations for whoever holds the current lease. Fencing: the scheduler announces each new
-lease epoch with `grant` and withdraws one with `revoke`; `generate` serves only the
-current, unrevoked epoch, and a revoke sets the running generation's cancel flag, which the
-engine reads before every forward pass (so it stops within one token, or one prefill chunk).
+generations for whoever holds a live lease of one of its slots (SPEC §6): every job runs in
+the device's one decode loop (`models.loop.DecodeLoop`, one batched forward per step).
+Fencing: the scheduler announces each new lease epoch with `grant`, naming the epochs still
+live beside it; every other epoch is fenced, and `revoke` withdraws one. `generate` serves
+only live epochs, and a fence or revoke sets that job's cancel flag, which the batch reads
+before every step (so it stops within one token, or one prefill chunk) while the others go on.
 
-Blocking work (load, a whole generation, tokenizer checks) runs in threads so the actor's
-event loop stays free to take a revoke while a generation is running.
+Blocking work (load, tokenizing a request, the decode loop) runs in threads so the actor's
+event loop stays free to take a revoke while the device decodes.
 """
 from __future__ import annotations
 
@@ -21,13 +23,12 @@ from dataclasses import asdict
 
 from ..models.registry import prepared, resolve
 from ..models.request import GenerateRequest
-from ..models.settings import EngineSettings
+from ..models.settings import MAX_SLOTS, EngineSettings
 from .metrics import ModelMetrics
 from .placement import DEVICE_RESOURCE, assigned_resources, node_id, stand_ins_here
 from .protocol import LeaseRevoked
 
 log = logging.getLogger(__name__)
-_END = object()
 #: After a piece goes out, what the model makes in this long goes out as the next piece. Each
 #: stream item costs the actor's loop (and its GIL, shared with the model's thread) about as
 #: much as a fast model's token: sent one by one, 1,800 tokens of a 1M-parameter model took 3x
@@ -46,6 +47,7 @@ class ModelActor:
 
     def __init__(self, device: str = "cpu", settings: EngineSettings | None = None) -> None:
         from ..models.engine import Engine  # torch: only in the actor's own process
+        from ..models.loop import DecodeLoop
 
         settings = settings or EngineSettings()
         budget = None
@@ -55,15 +57,18 @@ class ModelActor:
                               kv_cache_mb=settings.kv_cache_mb, kv_offload_mb=settings.kv_offload_mb,
                               max_memory=settings.max_memory)
         self._device = device
-        self._epoch = 0
-        self._revoked = False
+        self._epoch = 0                     # the newest epoch granted
+        self._live: set[int] = {0}          # the epochs whose leases hold a slot
         self._running: dict[int, threading.Event] = {}
+        self._streams: set[asyncio.Event] = set()   # one per running generation: woken after each step
         self._idle = asyncio.Event()
         self._idle.set()
         self._swap_lock = asyncio.Lock()
         self._last_revoke: dict[int, float] = {}
         self.stop_latencies: deque[float] = deque(maxlen=1024)  # the latest; the histogram has all
         self._metrics = ModelMetrics()
+        self._decoder = DecodeLoop(self._engine, MAX_SLOTS, self._wake_threadsafe)   # the policy fills them
+        self._loop: asyncio.AbstractEventLoop | None = None
         if os.nice(0) > 0:
             log.warning("this ModelActor runs at niceness %d (Ray's worker_niceness): every busy program of "
                         "the host takes the CPU first, and a chat can wait seconds for its first token. Start "
@@ -71,7 +76,8 @@ class ModelActor:
                         os.nice(0))
 
     def __repr__(self) -> str:
-        return f"ModelActor(device={self._device}, loaded={self._engine.loaded}, epoch={self._epoch})"
+        return (f"ModelActor(device={self._device}, loaded={self._engine.loaded}, epoch={self._epoch}, "
+                f"live={sorted(self._live)}, rows={self._decoder.rows})")
 
     # -- swaps -----------------------------------------------------------------------------
     async def load(self, model_id: str) -> float:
@@ -103,24 +109,39 @@ class ModelActor:
         await self._idle.wait()
 
     # -- fencing ---------------------------------------------------------------------------
-    async def grant(self, epoch: int) -> str | None:
-        """Make `epoch` the current lease. A newer epoch fences every older one: a generation
-        still running under an older lease stops at its next token. Returns the resident
-        model (None after a restart), so the scheduler can tell the device lost it."""
+    async def grant(self, epoch: int, live: tuple[int, ...] = ()) -> str | None:
+        """Make `epoch` a live lease beside `live` (the scheduler's other leases on this
+        device, SPEC §6): a newer grant fences every epoch it does not name, and a generation
+        still running under one stops at its next step. A grant older than the newest one seen
+        arrived late: the newer one named it already. Returns the resident model (None after a
+        restart), so the scheduler can tell the device lost it."""
         if epoch > self._epoch:
-            self._epoch, self._revoked = epoch, False
+            self._epoch, self._live = epoch, set(live) | {epoch}
             for older, flag in self._running.items():
-                if older < epoch:
+                if older not in self._live:
                     flag.set()
         return self._engine.loaded
 
     async def revoke(self, epoch: int) -> None:
-        if epoch == self._epoch:
-            self._revoked = True
+        self._live.discard(epoch)
         flag = self._running.get(epoch)
         if flag is not None:
             self._last_revoke[epoch] = time.perf_counter()
             flag.set()
+
+    async def slots(self, setting: int | None = None) -> dict:
+        """R25: the jobs the resident model may decode together here: `setting` (the
+        scheduler's `UNIUN_SLOTS`) or, for None ("auto"), chosen from the step profile
+        measured at load; and that profile (seconds per step by batch size: the policy's R23
+        input). A model that cannot be batched gets 1."""
+        return await asyncio.to_thread(self._slot_plan, setting)
+
+    def _slot_plan(self, setting: int | None) -> dict:
+        from ..models.steps import auto_slots
+
+        profile = self._engine.step_profile()
+        chosen = setting or auto_slots(profile, limit=MAX_SLOTS)
+        return {"slots": min(chosen, self._decoder.capacity), "step_profile": profile, "auto": setting is None}
 
     # -- work ------------------------------------------------------------------------------
     async def check(self, model_id: str, request: GenerateRequest) -> int:
@@ -139,61 +160,78 @@ class ModelActor:
     async def generate(self, epoch: int, request: GenerateRequest, revocable: bool = True):
         """Stream {"piece": text, "tokens": n} items (n: the run's tokens streamed so far, text
         being a batch of them), then one {"result": ...}. Call with
-        `.options(num_returns="streaming")`. `revocable=False` (a chat lease: only its own
-        cancel stops it) reads the prompt in long chunks (see `Engine.generate`)."""
-        if epoch != self._epoch or self._revoked:
-            raise LeaseRevoked(f"lease epoch {epoch} is not current (current {self._epoch}, "
-                               f"revoked={self._revoked})")
-        flag = threading.Event()
-        generation = self._engine.generate(request, flag, revocable)
+        `.options(num_returns="streaming")`. The run joins the device's decode loop at its
+        next step. `revocable=False` (a chat lease: only its own cancel stops it) reads the
+        prompt in long chunks (see `Batch`)."""
+        if epoch not in self._live:
+            raise LeaseRevoked(f"lease epoch {epoch} is not live (newest {self._epoch}, live {sorted(self._live)})")
+        self._loop = asyncio.get_running_loop()
+        flag, stepped = threading.Event(), asyncio.Event()
         self._running[epoch] = flag
+        self._streams.add(stepped)
         self._idle.clear()
-        loop, pieces = asyncio.get_running_loop(), asyncio.Queue()
-
-        def pump() -> None:  # one thread runs the whole generation, handing pieces to the loop
-            try:
-                for piece in generation:
-                    loop.call_soon_threadsafe(pieces.put_nowait, (piece, generation.emitted_tokens))
-            finally:
-                loop.call_soon_threadsafe(pieces.put_nowait, _END)
-
-        pumping = asyncio.ensure_future(asyncio.to_thread(pump))
+        job = None
         try:
-            ended = False
-            while not ended:
-                # what piled up while the last item went out goes as one piece: a fast model
-                # outruns a per-token Ray stream, and the first token still goes at once
-                batch = [await pieces.get()]
-                while not pieces.empty():
-                    batch.append(pieces.get_nowait())
-                ended = batch[-1] is _END
-                batch = batch[:-1] if ended else batch
-                if batch:
-                    yield {"piece": "".join(text for text, _ in batch), "tokens": batch[-1][1]}
-                    if not ended:
-                        await asyncio.sleep(STREAM_INTERVAL_S)
-            await pumping  # the model's exception, if it raised one
-            result = asdict(generation.result)
-            revoked_at = self._last_revoke.pop(epoch, None)
-            if revoked_at is not None:
-                result["stop_latency_s"] = time.perf_counter() - revoked_at
-                self.stop_latencies.append(result["stop_latency_s"])
-                self._metrics.stop.observe(result["stop_latency_s"], tags={"model": str(self._engine.loaded)})
-            yield {"result": result}
-            described = self._engine.describe()
-            if "kv_cache" in described:
-                self._metrics.kv_cache(described["model"], described["kv_cache"])
+            job = await asyncio.to_thread(self._decoder.add, request, flag, revocable)
+            async for item in self._stream(job, stepped):
+                yield item
+            yield {"result": self._result(epoch, job)}
         finally:
-            flag.set()  # a consumer that went away stops the run at the next token
-            await asyncio.wait([pumping])
-            await asyncio.to_thread(generation.close)
+            flag.set()  # a consumer that went away stops the run at the next step
+            while job is not None and not job.done.is_set():
+                stepped.clear()
+                if not job.done.is_set():
+                    await stepped.wait()
+            self._streams.discard(stepped)
             del self._running[epoch]
             if not self._running:
                 self._idle.set()
 
+    async def _stream(self, job, stepped: asyncio.Event):
+        """The job's pieces as the loop steps: what piled up since the last item goes as one
+        (a fast model outruns a per-token Ray stream; the first token still goes at once)."""
+        while True:
+            stepped.clear()               # a step that ends after this wakes the wait below
+            ended = job.done.is_set()     # read before the pieces: every piece is out once it is set
+            pieces = job.take()
+            if pieces:
+                yield {"piece": "".join(pieces), "tokens": job.sequence.emitted_tokens}
+            if ended:
+                return
+            if pieces:
+                await asyncio.sleep(STREAM_INTERVAL_S)
+            else:
+                await stepped.wait()
+
+    def _result(self, epoch: int, job) -> dict:
+        result = asdict(job.result)
+        if result["finish_reason"] == "error" and self._decoder.failure is not None:
+            raise RuntimeError(f"the model failed: {self._decoder.failure!r}") from self._decoder.failure
+        revoked_at = self._last_revoke.pop(epoch, None)
+        if revoked_at is not None:
+            result["stop_latency_s"] = time.perf_counter() - revoked_at
+            self.stop_latencies.append(result["stop_latency_s"])
+            self._metrics.stop.observe(result["stop_latency_s"], tags={"model": str(self._engine.loaded)})
+        described = self._engine.describe()
+        if "kv_cache" in described:
+            self._metrics.kv_cache(described["model"], described["kv_cache"])
+        return result
+
+    def _wake_threadsafe(self) -> None:
+        """After each step of the decode loop (its thread): wake every stream."""
+        loop = self._loop
+        if loop is not None and not loop.is_closed():
+            loop.call_soon_threadsafe(self._wake)
+
+    def _wake(self) -> None:
+        for stepped in self._streams:
+            stepped.set()
+
     async def state(self) -> dict:
         return {"device": self._device, "loaded": self._engine.loaded, "epoch": self._epoch,
-                "revoked": self._revoked, "generating": sorted(self._running),
+                "live": sorted(self._live), "generating": sorted(self._running),
+                "slots": {"rows": self._decoder.rows,
+                          "steps_by_batch": dict(sorted(self._decoder.batch_sizes.items()))},
                 "context_length": self._engine.context_length,
                 "engine": self._engine.describe() | {"niceness": os.nice(0)},   # its threads run at it
                 "ray_resources": assigned_resources(), "node": node_id(),

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Mapping
 
 from ..models.registry import DEFAULT_CHAT_MODEL
+from ..models.settings import check_slot_count
 from ..policy import Dispatch, Job, Outcome, PolicyConfig, Requeued, Revoke, RevokeCause, SchedulerPolicy
 from .driver import Device, DeviceDriver, EpochClock
 from ..events.log import EventLog
@@ -60,6 +61,7 @@ class RuntimeConfig:
     event_log: str | None = None      # JSONL path (default ~/.cache/uniun-ray/events.jsonl)
     event_log_max_bytes: int = 20 * 1024 * 1024
     chat_model: str = DEFAULT_CHAT_MODEL   # what `model_id=None` means, for every process alike
+    slots: int | None = None          # jobs a device decodes together (SPEC §6); None: auto, measured at each load
 
     def __post_init__(self) -> None:
         for name in ("lease_timeout_s", "waiter_timeout_s", "reap_period_s"):
@@ -72,6 +74,7 @@ class RuntimeConfig:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
         if not isinstance(self.policy, PolicyConfig):
             raise ValueError(f"policy must be a PolicyConfig, got {type(self.policy).__name__}")
+        check_slot_count(self.slots)
         if not isinstance(self.chat_model, str) or not self.chat_model:
             raise ValueError(f"chat_model must be a model id, got {self.chat_model!r}")
         if self.event_log is not None and (not isinstance(self.event_log, (str, os.PathLike)) or not str(self.event_log)):
@@ -86,10 +89,10 @@ class SchedulerService:
         device, then named LONE_DEVICE."""
         named = dict(devices) if isinstance(devices, Mapping) else {LONE_DEVICE: devices}
         self.config = config or RuntimeConfig()
-        self.policy = SchedulerPolicy(self.config.policy, devices=tuple(named))
+        self.policy = SchedulerPolicy(self.config.policy, devices=tuple(named), slots=self.config.slots or 1)
         self.leases = LeaseTable(self.config.max_queued)
         self._epochs = EpochClock()   # one for the pool: a lease's (job, epoch) names one grant
-        self.drivers = {name: DeviceDriver(device, self._epochs) for name, device in named.items()}
+        self.drivers = {name: DeviceDriver(device, self._epochs, self.config.slots) for name, device in named.items()}
         self.reaper = Reaper(self.config.reap_period_s, self.policy.next_wakeup, self._tick,
                              lambda mono: self.leases.idle(mono, self.config.waiter_timeout_s,
                                                            self.config.lease_timeout_s),
@@ -197,14 +200,14 @@ class SchedulerService:
 
     def add_device(self, name: str, device: Device) -> None:
         """A device joined the pool (R20): it starts empty and takes waiting work at once."""
-        actions = self.policy.add_device(name, self._now())   # refuses a name in the pool
-        self.drivers[name] = DeviceDriver(device, self._epochs)
+        actions = self.policy.add_device(name, self._now(), slots=self.config.slots or 1)  # refuses a name in the pool
+        self.drivers[name] = DeviceDriver(device, self._epochs, self.config.slots)
         self._emit("device", None, device=name, change="added")
         self._apply(actions)
 
     def remove_device(self, name: str, reason: str) -> None:
         """A device left the pool for good (R20): its node died, or its actor is gone. Its
-        job, if any, goes back to its place at once; the holder, whose calls to the device
+        jobs, if any, go back to their places at once; each holder, whose calls to the device
         fail, is told so when it reports the loss (`device_lost`) or releases."""
         self._remove_device(name, reason)
 
@@ -227,6 +230,9 @@ class SchedulerService:
         self._tick()  # so held and waited times are current
         snap = self.policy.snapshot()
         snap["swap_s"] = {model: s for driver in self.drivers.values() for model, s in driver.swap_s.items()}
+        for device in snap["devices"]:
+            plan = self.drivers[device["device"]].plan or {}
+            device["step_profile"], device["slots_auto"] = plan.get("step_profile"), plan.get("auto")
         snap["event_log"] = str(self.events.path)
         snap["chat_model"] = self.config.chat_model
         snap["leases"] = self.leases.snapshot()
@@ -242,7 +248,8 @@ class SchedulerService:
             tracked = self.leases.jobs[action.job_id]
             if isinstance(action, Dispatch):
                 tracked.state, tracked.device = "loading", action.device
-                self._emit_run("dispatch", tracked, swap=action.swap, tier=int(action.tier))
+                self._emit_run("dispatch", tracked, swap=action.swap, tier=int(action.tier), slot=action.slot,
+                               batch=len(self.policy.slot_jobs.get(action.device, ())))
                 self._spawn(self._prepare(tracked, action))
             elif isinstance(action, Revoke):
                 tracked.revoke_requested = True
@@ -265,7 +272,9 @@ class SchedulerService:
                 self._emit_run("swap_start", tracked, **{"from": driver.model})
                 swap_s = await driver.load(dispatch.model_id)
                 self._emit_run("swap_end", tracked, seconds=swap_s)
-            epoch = await driver.fence()
+                if driver.plan is not None and self.drivers.get(device) is driver:
+                    self._take_plan(device, dispatch.model_id, driver.plan)
+            epoch = await driver.fence(dispatch.model_id)
         except Exception as error:
             if self.drivers.get(device) is not driver:
                 return
@@ -282,34 +291,47 @@ class SchedulerService:
         if self.drivers.get(device) is not driver:
             return
         if tracked.revoke_requested:
+            driver.ended(epoch)
             self._finish(tracked, Outcome.REVOKED)
             return
         self.leases.hand_out(tracked, Lease(tracked.job.id, epoch, dispatch.model_id, tracked.job.kind.value,
                                             swap_s, renew_every_s=self.config.lease_timeout_s / 3,
                                             tier=int(dispatch.tier), device=device))
 
+    def _take_plan(self, device: str, model_id: str, plan: dict) -> None:
+        """What the device chose for the model it loaded: its step profile (R23) and slot
+        count (R25), given to the policy."""
+        now = self._now()
+        self.policy.set_step_profile(model_id, device, {int(b): s for b, s in plan["step_profile"].items()})
+        self._emit("slots", None, device=device, model=model_id, slots=plan["slots"],
+                   step_profile=plan["step_profile"], auto=plan.get("auto"))
+        self._apply(self.policy.set_slots(device, plan["slots"], now))
+
     def _remove_device(self, device: str, reason: str) -> bool:
-        """R20: the device is gone for good. The policy forgets it and puts its job, if any,
-        back at its original place (charged for its held time, R7), unless that job was
-        cancelled. Not a device fault of the job's: the job did nothing wrong. True when a
-        job went back."""
+        """R20: the device is gone for good. The policy forgets it and puts its jobs, if any,
+        back at their original places (charged for their held time, R7), unless they were
+        cancelled. Not a device fault of the jobs': they did nothing wrong. True when a job
+        went back."""
         if self.drivers.pop(device, None) is None:
-            return False  # already removed (its job's holder and the watcher both saw it go)
-        job = self.policy.running_jobs.get(device)
+            return False  # already removed (its jobs' holders and the watcher all saw it go)
+        jobs = self.policy.slot_jobs.get(device, [])
         actions = self.policy.remove_device(device, self._now())
-        requeued = job is not None and Requeued(job.id) in actions
         self._emit("device", None, device=device, change="removed", reason=reason)
-        if job is not None:
-            tracked = self.leases.jobs[job.id]
-            self._emit_run("finish", tracked, outcome="failed", reason=reason, requeued=requeued)
-            if requeued:
-                if tracked.lease is not None:   # its holder learns it went back (`moved`)
-                    tracked.moved_from = tracked.lease.epoch
-                self.leases.requeue(tracked)
-            else:
-                self.leases.end(tracked, tracked.drop_reason or reason,
-                                JobDropped(f"job {job.id} ended: {tracked.drop_reason or reason}"))
+        requeued = [self._moved_off(self.leases.jobs[job.id], Requeued(job.id) in actions, reason) for job in jobs]
         self._apply(actions, (RevokeCause.ARRIVAL, f"re-queue of a job after {reason}"))
+        return any(requeued)
+
+    def _moved_off(self, tracked: Tracked, requeued: bool, reason: str) -> bool:
+        """One job of a device that left the pool: back in its queue (its holder learns it
+        from `moved`), or ended when it was cancelled."""
+        self._emit_run("finish", tracked, outcome="failed", reason=reason, requeued=requeued)
+        if requeued:
+            if tracked.lease is not None:
+                tracked.moved_from = tracked.lease.epoch
+            self.leases.requeue(tracked)
+        else:
+            self.leases.end(tracked, tracked.drop_reason or reason,
+                            JobDropped(f"job {tracked.job.id} ended: {tracked.drop_reason or reason}"))
         return requeued
 
     def _lose_device(self, tracked: Tracked, device: str, reason: str) -> bool:
@@ -333,6 +355,7 @@ class SchedulerService:
         return True
 
     def _fail(self, tracked: Tracked, error: Exception) -> None:
+        self._lease_ended(tracked)
         actions = self.policy.finish(tracked.job.id, self._now(), Outcome.FAILED)
         self._emit_run("finish", tracked, outcome="failed", requeued=False,
                    reason=str(error) if isinstance(error, DeviceLost) else f"load failed: {error}")
@@ -340,6 +363,7 @@ class SchedulerService:
         self._apply(actions)
 
     def _finish(self, tracked: Tracked, outcome: Outcome) -> bool:
+        self._lease_ended(tracked)
         actions = self.policy.finish(tracked.job.id, self._now(), outcome)
         requeued = Requeued(tracked.job.id) in actions  # R6; maybe dispatched again by this very call
         self._emit_run("finish", tracked, outcome=outcome.value, requeued=requeued)
@@ -353,6 +377,13 @@ class SchedulerService:
             self.leases.end(tracked, outcome.value)
         self._apply(actions)
         return requeued
+
+    def _lease_ended(self, tracked: Tracked) -> None:
+        """The job's lease, if it had one, no longer holds a slot: its device's next grant
+        fences it."""
+        driver = self.drivers.get(tracked.device)
+        if tracked.lease is not None and driver is not None:
+            driver.ended(tracked.lease.epoch)
 
     def _withdraw(self, tracked: Tracked, reason: str, cause: RevokeCause) -> None:
         """End a job on the scheduler's side (its caller cancelled it, or went quiet). A

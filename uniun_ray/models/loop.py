@@ -1,0 +1,78 @@
+"""The device's decode loop: one thread stepping a ``Batch`` of the loaded model while any job is in it.
+
+SPEC §6: every slot of a device decodes in one batched forward per step. Jobs are added from
+any thread (the actor's, one per request); the first job starts the stepping thread, which
+runs until the batch is empty and then ends, so an idle device holds no thread and no GIL.
+After every step ``wake`` is called (the actor hands it to its event loop, which streams
+what each job produced). A failure of the model ends every job of the batch with
+``finish_reason`` "error"; the exception is kept in ``failure`` for their callers to raise.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+from collections import Counter
+from typing import Callable
+
+from .batch import Batch, Job
+from .engine import Engine
+from .gate import CancelFlag
+from .request import GenerateRequest
+
+log = logging.getLogger(__name__)
+
+
+class DecodeLoop:
+    def __init__(self, engine: Engine, slots: int, wake: Callable[[], None]) -> None:
+        self._engine, self._slots, self._wake = engine, slots, wake
+        self._batch: Batch | None = None
+        self._lock = threading.Lock()
+        self._stepping = False
+        self.failure: BaseException | None = None
+        self.batch_sizes: Counter = Counter()   # rows decoded together -> steps taken so
+
+    @property
+    def rows(self) -> int:
+        batch = self._batch
+        return batch.rows if batch is not None else 0
+
+    @property
+    def capacity(self) -> int:
+        """Rows the loaded model may decode together: 1 for a model that cannot be batched."""
+        return self._current().slots
+
+    def add(self, request: GenerateRequest, cancel: CancelFlag, revocable: bool = True) -> Job:
+        """Queue a run (checked eagerly, as ``Engine.generate`` checks it) and make sure the
+        loop steps. Blocking (it tokenizes): call it off the actor's event loop."""
+        batch = self._current()
+        job = batch.add(request, cancel, revocable)
+        with self._lock:
+            if not self._stepping:
+                self._stepping = True
+                threading.Thread(target=self._run, args=(batch,), name="decode-loop", daemon=True).start()
+        return job
+
+    def _current(self) -> Batch:
+        """The batch of the resident model (a new one after a load)."""
+        with self._lock:
+            if self._batch is None or self._batch.loaded is not self._engine._loaded:
+                self._batch = Batch(self._engine, self._slots)
+            return self._batch
+
+    def _run(self, batch: Batch) -> None:
+        try:
+            while True:
+                with self._lock:  # an `add` after this look starts a new thread
+                    if not batch.busy:
+                        self._stepping = False
+                        return
+                batch.step()
+                if batch.last_step_rows:
+                    self.batch_sizes[batch.last_step_rows] += 1
+                self._wake()
+        except BaseException as error:   # the batch ended every job with "error"
+            log.exception("the decode loop failed; its jobs end with an error")
+            self.failure = error
+            with self._lock:
+                self._stepping = False
+            self._wake()
