@@ -12,9 +12,10 @@ shortest 3/4 of that), left-padded into one batch with an attention mask, one pr
 into a ``DynamicCache``, then ``--steps`` decode forwards of one token per row (the mask and
 position ids grown by one each step; one row gets neither, as the engine's ``Batch`` runs it),
 timed one by one after ``--warmup`` untimed ones; the step time is the median over ``--repeats``
-such rounds. The decode steps are the engine's own probe at load (`uniun_ray/models/steps.py`,
-64-token rows; ``Engine.step_profile()``); this one takes longer prompts and more rounds. The rounds go round-robin over the
-batch sizes, so a load that comes and goes beside the probe stretches every size alike.
+such rounds. The decode steps are those of the engine's own probe at load
+(`uniun_ray/models/steps.py`, ``Engine.step_profile()``); this one takes more steps and rounds,
+and any prompt length. The rounds go round-robin over the batch sizes, so a load that comes and
+goes beside the probe stretches every size alike.
 ``torch.inference_mode``; float32 by default (the dtype the engine chose on the 2-core AVX2
 hosts, `uniun_ray/models/MEASURED.md`); the model from the embedded registry (the converted
 copy in ``UNIUN_CACHE_DIR``, converted on first use); ``--device cuda`` on a GPU.

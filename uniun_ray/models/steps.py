@@ -4,9 +4,9 @@ One decode step of B sequences reads the weights once, so B rows cost far less t
 one; how much less depends on the model and the host (SPEC §6). The policy needs the figures for
 R23 (which jobs may decode beside a chat) and the device for its slot count (R25, "auto"). They
 are measured at load on the loaded model, as ``batch.Batch`` decodes: a ``DynamicCache`` of B rows
-of a short context, left-padded to different lengths, an attention mask and per-row position ids
-(none for one row), one token per row per step. ``benchmarks/step_profile.py`` times the same
-steps at longer prompts for BENCHMARKS.md.
+of a short context (``PROFILE_CONTEXT``), left-padded to different lengths, an attention mask
+and per-row position ids (none for one row), one token per row per step.
+``benchmarks/step_profile.py`` times the same steps, longer, for BENCHMARKS.md.
 """
 from __future__ import annotations
 
@@ -22,10 +22,16 @@ import torch
 #: small model; a GPU's grow to dozens.
 CPU_BATCHES = (1, 2, 4, 8, 16)
 CUDA_BATCHES = (1, 2, 4, 8, 16, 32, 64)
-#: Tokens of context per row: short, so the probe stays short and measures the weights' cost.
-PROFILE_CONTEXT = 64
-#: Decode steps per batch size per round (after one untimed step).
+#: Tokens of context per row (the longest; padding spreads the rows over 3/4 of it to all of it):
+#: the prompt length of ``benchmarks/step_profile.py``. Attention grows with it: SmolLM2 on this
+#: 2-core host took 53 ms per step of 16 rows at 64 tokens, 74 at 256 and 139 at 1024 (41, 46 and
+#: 50 ms for one row), and R23 must not promise a chat more companions than real contexts allow.
+#: The probe stays short: 1.6 s there, against 1.3 s at 64 tokens.
+PROFILE_CONTEXT = 256
+#: Decode steps per batch size per round, after PROFILE_WARMUP untimed ones (the first steps after
+#: the dtype probe's last cast and thread change run cold: 52 ms against 43 for SmolLM2 here).
 PROFILE_STEPS = 3
+PROFILE_WARMUP = 2
 #: Rounds over every size repeat until this long (a tiny model's steps take a millisecond),
 #: at most PROFILE_ROUNDS of them; each size's figure is the median of its steps.
 PROFILE_MIN_S = 0.3
@@ -117,7 +123,8 @@ def measure_profile(model: Any, cache_arg: str, forward_kwargs: dict, vocab_size
     while rounds < PROFILE_ROUNDS and (rounds == 0 or time.perf_counter() - started < PROFILE_MIN_S):
         for batch in batches:
             cache, mask = _rows(prefilled, batch, device)
-            times[batch] += decode_times(model, cache_arg, cache, mask, PROFILE_STEPS, 1, clock, **forward_kwargs)
+            times[batch] += decode_times(model, cache_arg, cache, mask, PROFILE_STEPS, PROFILE_WARMUP, clock,
+                                         **forward_kwargs)
         rounds += 1
     return {batch: statistics.median(seconds) for batch, seconds in times.items()}
 
