@@ -113,9 +113,9 @@ class Engine:
         was chosen on), threads, the current prefill chunk and step times, and under "probe"
         when and under what load the kept figures were taken: {"taken_at": ISO time,
         "window_s", "others_cpu": the share of the probe's cores other programs took,
-        "load_avg": [before, after], "busy": whether they are provisional (measured again at the
-        next load), "note" (why, when later steps beat them), "step_profile": {batch: seconds},
-        "slots_auto": the slot count it implies}."""
+        "load_avg": [before, after], "busy": whether they are provisional (measured again at
+        the next load that finds the host quiet), "note" (why, when later steps beat them),
+        "step_profile": {batch: seconds}, "slots_auto": the slot count it implies}."""
         loaded = self._loaded
         if loaded is not None:
             self._weights.revise(loaded)

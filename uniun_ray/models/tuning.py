@@ -13,8 +13,8 @@ there, 3.4 s of bf16 here); ``StepClock`` sizes chunks by the time they take, as
 the engine runs.
 
 A probe taken while other programs took the CPU is not the host's (``contention``): it is used
-for now, kept marked provisional and measured again at the next load; so is one that the decode
-steps seen afterwards clearly beat (``revised``).
+for now, kept marked provisional and measured again at the next load that finds the host quiet;
+so is one that the decode steps seen afterwards clearly beat (``revised``).
 """
 from __future__ import annotations
 
@@ -131,7 +131,8 @@ class Probe:
 
     @property
     def provisional(self) -> bool:
-        """Taken while the host was busy, or beaten since: measured again at the next load."""
+        """Taken while the host was busy, or beaten since: measured again at the next load that
+        finds the host quiet (``contention.quiet``)."""
         return self.taken.busy
 
     def to_json(self) -> dict:
@@ -156,7 +157,7 @@ BEATEN_AFTER = 32
 def revised(probe: Probe, clock: StepClock) -> Probe | None:
     """``probe`` revised by the decode steps seen since the load, where they clearly beat its
     one-row step: every step time scaled by their ratio (a load beside the probe stretched every
-    batch size alike) and marked provisional, so the next load measures again. None otherwise.
+    batch size alike) and marked provisional, so the next quiet load measures again. None otherwise.
     The clock's estimate mixes batch sizes, each no faster than one row: it never beats a true
     probe, and it understates the correction."""
     single = probe.steps.get(1)
@@ -164,7 +165,7 @@ def revised(probe: Probe, clock: StepClock) -> Probe | None:
         return None
     ratio = clock.decode_s / single
     note = (f"decode steps of {clock.decode_s * 1e3:.1f} ms seen since load beat the probe's "
-            f"{single * 1e3:.1f} ms: its step times scaled by {ratio:.2f}; measured again at the next load")
+            f"{single * 1e3:.1f} ms: its step times scaled by {ratio:.2f}; measured again at the next quiet load")
     return Probe(probe.speeds, {batch: seconds * ratio for batch, seconds in probe.steps.items()},
                  replace(probe.taken, busy=True, note=note))
 
@@ -172,7 +173,7 @@ def revised(probe: Probe, clock: StepClock) -> Probe | None:
 class ProbeCache:
     """Probes per (host signature, model, dtypes and thread counts tried), as JSON; a corrupt
     file, or an entry of an older shape, is measured anew, and so is a provisional one (taken
-    while the host was busy). Deleting the file measures everything again."""
+    while the host was busy) once the host is quiet. Deleting the file measures everything again."""
 
     def __init__(self, path: Path) -> None:
         self.path = path

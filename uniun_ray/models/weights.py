@@ -205,7 +205,7 @@ class Weights:
     def revise(self, loaded: Loaded) -> None:
         """Where the decode steps seen since the load clearly beat the probe's (it was taken while
         the host was busy and the watch missed it), scale its step profile and keep it marked
-        provisional, so the next load measures again (``tuning.revised``)."""
+        provisional, so the next quiet load measures again (``tuning.revised``)."""
         probe = revised(loaded.probe, loaded.clock) if loaded.probe is not None else None
         if probe is not None:
             loaded.probe = probe
