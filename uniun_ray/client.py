@@ -589,7 +589,7 @@ async def astatus() -> dict:
 
 
 async def await_generating(kind: Kind | str, timeout_s: float = 120.0, min_held_s: float = 0.5) -> dict | None:
-    """Wait until a job of `kind` is generating on a device of the pool: it runs, its lease
+    """Wait until a job of `kind` is generating in a slot of a device of the pool: it runs, its lease
     is granted (so its model is loaded: a job still loading would end its turn unserved, not
     be revoked) and it has held the device `min_held_s`. Returns the running job's snapshot
     (its `device` too), or None after `timeout_s`. What demos, benchmarks, jobs and tests use
@@ -598,7 +598,7 @@ async def await_generating(kind: Kind | str, timeout_s: float = 120.0, min_held_
     deadline = time.monotonic() + timeout_s
     while True:
         status = await astatus()
-        for running in (d["running"] for d in status["devices"] if d["running"]):
+        for running in (job for d in status["devices"] for job in d["jobs"]):   # every slot's
             lease = status["leases"].get(running["id"], {})
             if running["kind"] == kind and lease.get("state") == "granted" and lease.get("held_s", 0.0) >= min_held_s:
                 return running
