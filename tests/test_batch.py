@@ -265,3 +265,21 @@ def test_the_decode_loop_steps_jobs_added_from_many_threads_together_and_alone_w
     assert not loop._stepping
     again = loop.add(requests[0], threading.Event())
     assert again.done.wait(60) and again.result.token_ids == expected[0]
+
+
+def test_a_chat_joins_before_older_joiners_and_a_revoked_joiner_leaves_at_the_next_step(engine):
+    """Jobs join one per step; a chat (not revocable) goes first, and a job revoked while it
+    waits ends at the next step, not when its turn to join comes (issue 25: a chat's victim
+    stopped ~10 steps late behind ten resuming jobs)."""
+    batch = Batch(engine)
+    waiting = [batch.add(request, threading.Event()) for request in REQUESTS[:4]]
+    doomed = threading.Event()
+    victim = batch.add(REQUESTS[4], doomed)
+    chat = batch.add(GenerateRequest(prompt=PROMPT, max_new_tokens=4), threading.Event(), revocable=False)
+    doomed.set()
+    batch.step()
+    assert victim.done.is_set() and victim.result.finish_reason == "cancel" and victim.result.tokens == 0
+    assert batch.rows == 1 and chat.sequence.first_token_at is not None
+    assert not any(job.sequence.first_token_at for job in waiting)
+    batch.run()
+    assert all(job.done.is_set() for job in waiting + [chat])

@@ -139,6 +139,7 @@ class Batch:
         self.last_step_rows = 0
         try:
             self._leave_cancelled()
+            self._drop_cancelled_waiting()
             self._next_joining()
             if self._joining is not None:
                 self._prefill(self._joining)
@@ -164,21 +165,31 @@ class Batch:
     # -- joining -----------------------------------------------------------------------------
 
     def _next_joining(self) -> None:
-        """Start the prefill of the next waiting job, if none is running and a row is free."""
+        """Start the prefill of the next waiting job, if none is running and a row is free: a
+        chat first (nothing but its own cancel stops it: its time to first token is the goal),
+        else the oldest."""
         if self._joining is not None or len(self._rows) >= self.slots:
             return
-        while True:
-            with self._lock:
-                job = self._waiting.popleft() if self._waiting else None
+        with self._lock:
+            job = next((job for job in self._waiting if not job.revocable), None) or \
+                (self._waiting[0] if self._waiting else None)
             if job is None:
                 return
-            if not job.sequence.cancelled:
-                break
-            self._end(job, "cancel", None)     # revoked while it waited: no work done
+            self._waiting.remove(job)
         sequence = job.sequence
         sequence.hit = self.loaded.prefix.take(sequence.context)
         job.cache, sequence.fed = sequence.hit.cache, sequence.hit.tokens
         self._joining = job
+
+    def _drop_cancelled_waiting(self) -> None:
+        """End the waiting jobs revoked before they joined, at once (no work done): a revoke
+        waits for nobody's prompt, however many joiners are ahead of it."""
+        with self._lock:
+            cancelled = [job for job in self._waiting if job.sequence.cancelled]
+            for job in cancelled:
+                self._waiting.remove(job)
+        for job in cancelled:
+            self._end(job, "cancel", None)
 
     def _prefill(self, job: Job) -> None:
         """One chunk of the joining job's prompt; at its end, its first token, then its row."""
