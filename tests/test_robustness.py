@@ -489,7 +489,7 @@ def test_a_newer_grant_stops_a_generation_still_running_under_an_older_lease(mon
             items.append(item)
             if len(items) == 5:
                 assert await model.grant(2) == "tiny"
-        with pytest.raises(LeaseRevoked, match="not current"):
+        with pytest.raises(LeaseRevoked, match="not live"):
             async for _ in model.generate(1, GenerateRequest(prompt="again", max_new_tokens=4)):
                 pass
         return items[4]["tokens"], items[-1]["result"], await model.state()
