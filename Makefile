@@ -52,8 +52,9 @@ peers: $(STAMP)
 test-stress: $(STAMP)
 	PYTHON=$(PY) tests/stress.sh
 
+# ENGINE=vllm: the same on the vLLM engine (after `make install-vllm`; its server starts in minutes on a CPU).
 demo: $(STAMP)
-	$(PY) -m uniun_ray.demo $(DEMO_ARGS)
+	$(PY) -m uniun_ray.demo $(if $(ENGINE),--engine $(ENGINE)) $(DEMO_ARGS)
 
 # On a GPU machine: the GPU-relevant tests and the engine and runtime benchmarks, into gpu-check.md.
 gpu-check: $(STAMP)
