@@ -128,6 +128,22 @@ def test_status_view_shows_each_queued_job_in_its_tier(tmp_path):
     assert str(tmp_path / "ev.jsonl") in text
 
 
+def test_status_view_shows_each_slot_of_a_device_and_its_job():
+    async def go():
+        s = SchedulerService(FakeDevice(), RuntimeConfig(slots=3))
+        for i in range(2):
+            await s.submit(spec(f"n{i}", "nataraj", producer=f"nataraj:{i}"))
+            await lease_of(s, f"n{i}")
+        return await s.status()
+    snap = asyncio.run(asyncio.wait_for(go(), 10))
+    console = Console(record=True, width=200)
+    console.print(render(snap))
+    text = console.export_text()
+    assert "2 of 3 slots busy" in text
+    for i in range(2):
+        assert re.search(rf"slot {i}  T4 nataraj +producer nataraj:{i} .* job n{i}", text), text
+
+
 def test_status_view_caps_long_queues_and_marks_the_t2_budget():
     snap = {"now": 10.0, "loaded_model": None, "foreground": {"kind": None, "subject": None}, "running": None,
             "queued": 9, "vruntime": {"kinds": {}, "producers": {}}, "next_wakeup": None,

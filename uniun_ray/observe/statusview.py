@@ -80,13 +80,22 @@ def _bar(fraction: float, width: int = 10) -> str:
 
 
 def _running(snap: dict) -> Text:
-    """A line per device: what it runs. With one device, the device needs no name."""
+    """What each device runs: a line, or with several slots (SPEC §6) a head line saying how
+    many are busy and a line per slot's job. With one device, the device needs no name."""
     devices = snap.get("devices") or [{"running": snap["running"]}]
-    if len(devices) == 1:
-        return _holder(snap, devices[0]["running"], Text("▶ "))
     nodes = snap.get("nodes") or []
     addresses = {n["node"]: n["address"] for n in nodes} if len(nodes) > 1 else {}
-    return Text("\n").join(_holder(snap, d["running"], _device_head(d, addresses)) for d in devices)
+    lines = []
+    for device in devices:
+        head = Text("▶ ") if len(devices) == 1 else _device_head(device, addresses)
+        if device.get("slots", 1) == 1:
+            lines.append(_holder(snap, device["running"], head))
+            continue
+        jobs = device["jobs"]
+        how = " (auto, measured at load)" if device.get("slots_auto") else ""
+        lines.append(head.append(f"{len(jobs)} of {device['slots']} slots busy{how}", style="bold"))
+        lines += [_holder(snap, job, Text(f"   slot {job['slot']}  ")) for job in jobs]
+    return Text("\n").join(lines)
 
 
 def _device_head(device: dict, addresses: dict[str, str]) -> Text:
@@ -107,7 +116,7 @@ def _holder(snap: dict, job: dict | None, text: Text) -> Text:
     if lease.get("state") == "loading":
         text.append("  (loading the model)", style="cyan")
     if job.get("revoked"):
-        text.append("  revoked: stopping at the next token", style="bold yellow")
+        text.append("  revoked: stopping at the next step", style="bold yellow")
     return text
 
 

@@ -60,9 +60,13 @@ class SchedulerMetrics:
         self.swap_s = Histogram("uniun_swap_seconds", "Model load time", SWAP_BUCKETS, model + device)
         self.depth = Gauge("uniun_queue_depth", "Jobs queued, by their current tier", tier)
         self.oldest = Gauge("uniun_queue_oldest_wait_seconds", "Longest wait among a tier's queued jobs", tier)
-        self.running = Gauge("uniun_running", "1 for the kind of the job holding the device", kind + device)
-        self.running_tier = Gauge("uniun_running_tier", "Tier of the job holding the device (-1: idle)", device)
-        self.held = Gauge("uniun_running_held_seconds", "How long the running job has held the device", device)
+        self.running = Gauge("uniun_running", "Jobs of the kind in the device's slots", kind + device)
+        self.slots = Gauge("uniun_slots", "Jobs the device may decode together (slots, R25)", device)
+        self.slots_busy = Gauge("uniun_slots_busy", "Slots of the device holding a job", device)
+        self.running_tier = Gauge("uniun_running_tier", "Tier of the job in the device's first slot (-1: idle)",
+                                  device)
+        self.held = Gauge("uniun_running_held_seconds", "How long the job in the device's first slot has held it",
+                          device)
         self.loaded = Gauge("uniun_loaded_model", "1 for the model resident on the device", model + device)
         self.foreground = Gauge("uniun_foreground", "1 for the kind in front (T1)", kind)
         self.vruntime = Gauge("uniun_vruntime", "Fair-pool vruntime per flow (level: kind or producer)",
@@ -129,16 +133,18 @@ class SchedulerMetrics:
         self._loaded |= loaded
         for model, device in self._loaded:   # a model swapped out (or a device gone) reads 0
             self.loaded.set(int((model, device) in loaded), tags={"model": model, "device": device})
-        running = {d["device"]: d["running"] for d in snap["devices"]}
-        self._devices |= set(running)
+        devices = {d["device"]: d for d in snap["devices"]}
+        self._devices |= set(devices)
         for device in self._devices:
-            job = running.get(device)
-            if job:
-                present.add(job["id"])
+            jobs = devices[device]["jobs"] if device in devices else []
+            job = jobs[0] if jobs else None       # the first slot's: what tier and held time show
+            present.update(j["id"] for j in jobs)
             for kind in KINDS:
-                self.running.set(int(bool(job) and job["kind"] == kind), tags={"kind": kind, "device": device})
+                self.running.set(sum(j["kind"] == kind for j in jobs), tags={"kind": kind, "device": device})
             self.running_tier.set(int(job["tier"][1:]) if job else -1, tags={"device": device})
             self.held.set(job["held_s"] if job else 0.0, tags={"device": device})
+            self.slots.set(devices[device]["slots"] if device in devices else 0, tags={"device": device})
+            self.slots_busy.set(len(jobs), tags={"device": device})
         for kind, value in snap["vruntime"]["kinds"].items():
             self.vruntime.set(value, tags={"level": "kind", "flow": kind})
         for flows in snap["vruntime"]["producers"].values():
