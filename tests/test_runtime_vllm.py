@@ -137,7 +137,8 @@ def test_a_client_that_disconnects_over_http_frees_its_slot(vllm_runtime):
                                                              "kind": "nataraj", "stream": True},
                              headers={"Authorization": f"Bearer {KEY}"}, stream=True, timeout=120)
     assert response.status_code == 200
-    job = json.loads(next(line for line in response.iter_lines() if line)[len(b"data: "):])["id"]
+    lines = response.iter_lines()   # kept: a dropped iterator closes the response (urllib3)
+    job = json.loads(next(line for line in lines if line)[len(b"data: "):])["id"]
     asyncio.run(until(lambda: _running(1), "the streamed job on the device"))
     closed = time.time()
     response.close()

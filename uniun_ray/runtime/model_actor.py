@@ -177,7 +177,9 @@ class ModelActor:
                 self._engine.cancel(epoch)
             async for item in self._stream(run, stepped):
                 yield item
-            yield {"result": self._result(epoch, run)}
+            result = self._result(epoch, run)
+            await asyncio.to_thread(self._observe_kv_cache)   # an engine's status may ask its server
+            yield {"result": result}
         finally:
             self._engine.cancel(epoch)  # a consumer that went away stops the run at the next step
             while run is not None and not run.done.is_set():
@@ -216,10 +218,12 @@ class ModelActor:
             result["stop_latency_s"] = time.perf_counter() - revoked_at
             self.stop_latencies.append(result["stop_latency_s"])
             self._metrics.stop.observe(result["stop_latency_s"], tags={"model": str(self._engine.loaded)})
+        return result
+
+    def _observe_kv_cache(self) -> None:
         described = self._engine.status()
         if "kv_cache" in described:
             self._metrics.kv_cache(described["model"], described["kv_cache"])
-        return result
 
     def _wake_threadsafe(self) -> None:
         """From the engine's threads, after any job stepped or ended: wake every stream."""
@@ -232,7 +236,7 @@ class ModelActor:
             stepped.set()
 
     async def state(self) -> dict:
-        engine = self._engine.status()
+        engine = await asyncio.to_thread(self._engine.status)   # it may ask the engine's server
         return {"device": self._device, "loaded": self._engine.loaded, "epoch": self._epoch,
                 "live": sorted(self._live), "generating": sorted(self._running),
                 "slots": {"rows": engine["running"], "steps_by_batch": engine.get("steps_by_batch", {})},
