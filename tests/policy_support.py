@@ -24,9 +24,10 @@ def job(id: str, kind: str, model: str = "m", **fields) -> Job:
 
 def _cfs_order(jobs: list[dict], vr: dict, running: list[dict] = (), last: dict | None = None,
                queued: list[dict] = ()) -> list[dict]:
-    """T4 order: kind rank, kind's oldest job, producer rank, producer's oldest job. A rank is
-    the vruntime, plus, on a pool, what the flow's `running` jobs count for, then their count
-    (R19; unit weights): each the time it has held its device so far, and at least the
+    """T4 order: kind rank, kind's oldest job, producer rank, producer's oldest job. A rank is,
+    on a pool, first how many of the flow's jobs run (R19, R24: fewer first, so that backlogged
+    flows hold as many slots each), then the vruntime plus what those `running` jobs count
+    for (unit weights): each the time it has held its device so far, and at least the
     flow's last run, its kind's for a producer without one (`last`: seconds per kind and per
     (kind, producer)). A flow's oldest job
     is its oldest queued one in any tier (`queued`; R9: a Gana whose deadline fell due, now
@@ -38,9 +39,9 @@ def _cfs_order(jobs: list[dict], vr: dict, running: list[dict] = (), last: dict 
             floor = (last or {}).get(key, (last or {}).get(r["kind"], 0.0))  # a new producer: its kind's
             inflight[key] = (held + max(r["held_s"], floor), count + 1)
 
-    def rank(v: float, key) -> tuple[float, int]:
+    def rank(v: float, key) -> tuple[int, float]:
         held, count = inflight.get(key, (0.0, 0))
-        return (v + held, count) if count else (v, 0)
+        return (count, v + held) if count else (0, v)
 
     kind_oldest, prod_oldest = {}, {}
     for j in [*jobs, *queued]:

@@ -525,7 +525,7 @@ def test_a_stale_lease_is_refused_by_the_device_and_the_scheduler(live_runtime):
             return lease.lease
         old = await arun("gana", "tiny", keep)
         await agenerate("chat", "hi", model_id="tiny", max_new_tokens=4)    # a newer grant
-        with pytest.raises(LeaseRevoked, match="not current"):
+        with pytest.raises(LeaseRevoked, match="not live"):
             await client.LeaseHandle(old, live_runtime.model).agenerate("stale", max_new_tokens=4)
         with pytest.raises(JobDropped, match="ended: done"):
             await live_runtime.scheduler.renew.remote(old.job_id, old.epoch)
@@ -574,8 +574,10 @@ def test_foreground_flapping_100_per_second_on_real_actors(live_runtime, long_to
         return flips, done, await idle_status()
     flips, done, status = asyncio.run(go())
     assert [c.tokens for c in done] == [long_tokens // 2] * 4    # resumed, never restarted
-    assert sum(c.revokes for c in done) > 0
     events = events_of(status)
+    # the flips revoked runs (on a busy host some land while a grant is still being fenced:
+    # those runs end before their holder sees a lease, so the log counts them, not the client)
+    assert any(e["ev"] == "revoke" and e["cause"] == "foreground" for e in events)
     assert all(final_outcomes(events)[c.job_id] == ["done"] for c in done)
     assert status["foreground"] == {"kind": None, "subject": None}
 

@@ -441,3 +441,41 @@ def test_a_device_removed_while_loading_leaves_its_job_to_the_next_dispatch():
         gc.collect()                                             # a task that raised says so now
         assert errors == []                                      # the stale load ended quietly
     run(go())
+
+
+class SlottedDevice(FakeDevice):
+    """A device that chooses its slots after each load, as the ModelActor does (R25), with a
+    CPU-like step profile: a second row doubles the step, so nothing may decode beside a chat."""
+
+    def __init__(self, slots: int = 3) -> None:
+        super().__init__()
+        self.count, self.asked = slots, []
+
+    async def slots(self, setting: int | None) -> dict:
+        self.asked.append(setting)
+        return {"slots": setting or self.count, "step_profile": {1: 0.01, 2: 0.02, 4: 0.04}, "auto": setting is None}
+
+
+def test_slots_fill_after_the_load_and_a_chat_keeps_its_step_by_revoking_its_companions(tmp_path):
+    async def go():
+        dev = SlottedDevice(slots=3)
+        s = SchedulerService(dev, RuntimeConfig(event_log=str(tmp_path / "ev.jsonl")))
+        for i in range(3):
+            await s.submit(spec(f"n{i}", "nataraj", producer=f"nataraj:{i}"))
+        leases = [await lease_of(s, f"n{i}") for i in range(3)]   # one slot until the load said 3
+        assert dev.asked == [None] and dev.live == tuple(sorted(lease.epoch for lease in leases))
+        await s.submit(spec("c", "chat"))                          # no free slot: one revoke (R22) ...
+        await asyncio.sleep(0.01)                                  # (the revoke reaches the device)
+        assert dev.revoked == [leases[2].epoch]
+        assert await s.release("n2", leases[2].epoch, "revoked") is True
+        chat = await lease_of(s, "c")                              # ... then R23: none may stay beside it
+        await asyncio.sleep(0.01)
+        assert sorted(dev.revoked) == sorted(lease.epoch for lease in leases)
+        assert dev.live == tuple(sorted([leases[0].epoch, leases[1].epoch, chat.epoch]))
+        return await s.status()
+    status = run(go())
+    assert status["devices"][0]["slots"] == 3 and status["devices"][0]["slots_auto"] is True
+    from uniun_ray.events.log import read
+    causes = [(e["job"], e["cause"], e["reason"]) for e in read(tmp_path / "ev.jsonl") if e["ev"] == "revoke"]
+    assert [c[:2] for c in causes] == [("n2", "arrival"), ("n1", "step"), ("n0", "step")]
+    assert "step" in causes[1][2]

@@ -149,8 +149,7 @@ class Batch:
 
     def close(self) -> None:
         """End every job now, as cancelled (their KV kept for their resume)."""
-        for job in list(self._rows):
-            self._leave_row(job, "cancel")
+        self._leave(list(self._rows), "cancel")
         if self._joining is not None:
             self._end(self._joining, "cancel", self._joining.cache)
             self._joining = None
@@ -250,30 +249,33 @@ class Batch:
             job.sequence.fed += 1
             job.sequence.stepped(len(rows))
             job.sequence.accept(logits[row])
-        for job in [job for job in rows if job.sequence.ended]:
-            self._leave_row(job, None)
+        self._leave([job for job in rows if job.sequence.ended], None)
 
     # -- leaving -----------------------------------------------------------------------------
 
     def _leave_cancelled(self) -> None:
-        for job in [job for job in self._rows if job.sequence.cancelled]:
-            self._leave_row(job, "cancel")
+        self._leave([job for job in self._rows if job.sequence.cancelled], "cancel")
 
-    def _leave_row(self, job: Job, reason: str | None) -> None:
-        """Drop the job's row (and the padding no row needs any more); keep its KV."""
-        row = self._rows.index(job)
-        cache = self._row_cache(row)
-        del self._rows[row]
+    def _leave(self, jobs: list[Job], reason: str | None) -> None:
+        """Drop the jobs' rows (and the padding no row left needs) in one cut of the batch's KV,
+        each job's own KV kept: a chat that revokes ten companions (R23) costs one copy of the
+        batch, not ten."""
+        if not jobs:
+            return
+        rows = [self._rows.index(job) for job in jobs]
+        caches = [self._row_cache(row) for row in rows]
+        keep = [index for index in range(len(self._rows)) if index not in rows]
+        self._rows = [self._rows[index] for index in keep]
         if not self._rows:
             self._cache = self._mask = None
         else:
-            keep = [index for index in range(self._mask.shape[0]) if index != row]
             self._mask = self._mask[keep]
             start = int(self._mask.any(dim=0).int().argmax())     # the first column a row uses
             self._mask = self._mask[:, start:]
             for layer in self._cache.layers:
                 layer.keys, layer.values = layer.keys[keep, :, start:], layer.values[keep, :, start:]
-        self._end(job, reason, cache)
+        for job, cache in zip(jobs, caches):
+            self._end(job, reason, cache)
 
     def _row_cache(self, row: int) -> Any:
         """A batch-1 cache of one row's tokens, without its padding, in storage of its own (a

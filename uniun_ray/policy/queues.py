@@ -141,13 +141,16 @@ class FairPool:
     on one model, keyed by (vruntime, oldest seq, name); a key changes only when the
     producer is charged, decayed or its oldest job changes, and is then re-inserted.
 
-    On a pool of devices (R19) the flows' running jobs count before they finish: `inflight`
-    gives, per kind and per (kind, producer), what they count for (each the time it has held
-    its device so far, at least its flow's last run) and how many run, and a flow's rank is
-    its vruntime plus that time (divided by its weight),
-    then the fewer running jobs, so that free devices are not all handed to the one flow
-    that is first at the instant they free. With one device nothing runs while the pool is
-    asked, and the rank is the stored one."""
+    On a pool of devices or slots (R19, R24) the flows' running jobs count before they
+    finish: `inflight` gives, per kind and per (kind, producer), how many run and what they
+    count for (each the time it has held its device so far, at least its flow's last run). A
+    flow's rank is first its running jobs per unit of weight (fewer first), then its vruntime
+    plus that time (divided by its weight). Ranked by time alone, a flow that took many slots
+    while it was behind kept them for as long as its jobs ran, gaining on the other at the
+    difference of their slot counts: two equal flows drifted to 5x the largest job apart with
+    7 slots (found by the two-flow property); holding equal slot counts, they stay within
+    about twice the largest job at every slot count. With one device of one slot nothing runs
+    while the pool is asked, and the rank is the stored one."""
 
     _GLOBAL = None
 
@@ -228,9 +231,10 @@ class FairPool:
         kind = min(kinds)[2]
         return self._jobs[((kind, self._fairest(kind, model, running)), model)][0]
 
-    def _rank(self, flow: object, vruntime: float, name: str, running: dict) -> tuple[float, int]:
+    def _rank(self, flow: object, vruntime: float, name: str, running: dict) -> tuple[float, float]:
         held, count = running.get(flow, (0.0, 0))
-        return (vruntime + held / self._ledger.weight(name), count) if count else (vruntime, 0)
+        weight = self._ledger.weight(name)
+        return (count / weight, vruntime + held / weight) if count else (0.0, vruntime)
 
     def _fairest(self, kind: Kind, model: str | None, running: dict) -> str:
         """The producer of `kind` to serve. The stored ranking leaves out running time, which

@@ -300,7 +300,7 @@ class SchedulerPolicy:
 
     def _inflight(self) -> dict:
         """R19: per pool kind and per (kind, producer), what its running jobs count for and
-        how many run, for the fair pool to rank by. A running job counts for the time it has
+        how many run, for the fair pool to rank by (fewer running first). A running job counts for the time it has
         held its device, and at least for its flow's last run (a producer that has not ended a
         run yet: its kind's): devices or slots that free at one instant would otherwise all go
         to the flow whose jobs were just dispatched (they have held nothing yet), and one flow

@@ -42,7 +42,8 @@ MAX_DEVICE_FAULTS = 3
 #: A revoke's reason in the log when the call that caused it names none (a tick, say).
 _REASONS = {RevokeCause.ARRIVAL: "arrival of an outranking job", RevokeCause.FOREGROUND: "foreground change",
             RevokeCause.DEADLINE: "deadline passed", RevokeCause.AFFINITY: "an outranking job's affinity wait ended",
-            RevokeCause.CANCEL: "cancelled", RevokeCause.RECLAIM: "lease reclaimed"}
+            RevokeCause.CANCEL: "cancelled", RevokeCause.RECLAIM: "lease reclaimed",
+            RevokeCause.STEP: "a chat's step beside it would exceed its bound (R23)"}
 #: The name of the device of a service given one device, not a pool (the policy's default).
 LONE_DEVICE = "dev0"
 #: The longest a `grant` long-poll waits when its caller's session heartbeats (see `heartbeat`).
