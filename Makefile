@@ -39,7 +39,9 @@ test-cluster: $(STAMP)
 install-vllm: $(STAMP)
 	$(PY) -m uniun_ray.engines.venvs vllm
 
-# The vLLM engine against a real vLLM server (minutes: the server compiles its model on first start).
+# The vLLM engine's mapping, then the runtime scenarios on a real vLLM server (tests/test_runtime_vllm.py:
+# one runtime for the module, two server starts of 1-5 min each on 2 cores; ~3-7 min in all there once
+# vLLM's compile cache, ~/.cache/vllm, is warm; the first start on a clean machine compiles longer).
 test-vllm: install-vllm
 	$(PY) -m pytest -q -s -p no:randomly tests/test_engine_vllm.py tests/test_runtime_vllm.py
 
