@@ -4,6 +4,8 @@ tested everywhere without vLLM; the runtime scenarios on a real vLLM server are 
 from __future__ import annotations
 
 import queue
+import subprocess
+import sys
 import threading
 import time
 
@@ -162,3 +164,40 @@ def test_the_engine_is_an_engine_and_refuses_bad_input_without_a_server():
         engine.check(CHAT, GenerateRequest(prompt="hi", resume_tokens=(10**9,)))
     with pytest.raises(RuntimeError, match="no model is loaded"):
         engine.start("j", GenerateRequest(prompt="hi"))
+
+
+PARENT = """
+import sys, time
+from uniun_ray.engines.server import ChildServer, free_port
+port = free_port()
+server = ChildServer([sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1"], port, health="/")
+server.start(30)
+print(server.process.pid, flush=True)
+time.sleep(60)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+def test_a_server_ends_when_the_process_that_started_it_is_killed():
+    """A ModelActor killed by Ray (or `uniun-ray down`) must not leave its model server behind."""
+    parent = subprocess.Popen([sys.executable, "-c", PARENT], stdout=subprocess.PIPE, text=True)
+    try:
+        child = int(parent.stdout.readline())
+        parent.kill()
+        parent.wait(10)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and _alive(child):
+            time.sleep(0.05)
+        assert not _alive(child)
+    finally:
+        parent.kill()
+        parent.stdout.close()
+
+
+def _alive(pid: int) -> bool:
+    """Running: neither gone nor a zombie waiting for its new parent to reap it."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
