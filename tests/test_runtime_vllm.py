@@ -165,5 +165,6 @@ def test_a_killed_engine_requeues_its_job_which_completes_on_a_new_server(vllm_r
         os.killpg(server, signal.SIGKILL)   # the server's whole group: its front end and engine core
         return await job
     done = asyncio.run(go())
+    print(f"\nkilled vLLM server: the job re-queued and completed on a new server in {done.total_s:.0f} s")
     assert done.revokes >= 1 and done.tokens == 48
     assert any(e["ev"] == "lost" or "device lost" in json.dumps(e) for e in _events())
