@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from uniun_ray.engines import Engine, venvs
+from uniun_ray.engines import Engine
 from uniun_ray.engines.vllm import Delta, EngineError, VllmEngine, VllmRun, parse_event, sampling_fields
 from uniun_ray.models.vocabulary import PromptTooLong
 from uniun_ray.models.request import GenerateRequest
