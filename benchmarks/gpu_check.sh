@@ -22,7 +22,9 @@ step() {  # step TITLE COMMAND...: run it, its output into the file under a head
 }
 { echo "# gpu-check, $(date -u +%Y-%m-%dT%H:%MZ)"; echo; nvidia-smi -L; "$python" -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda)'; } > "$out"
 step "engine tests on cuda" env UNIUN_TEST_DEVICE=cuda "$python" -m pytest -q -p no:cacheprovider tests/test_models.py tests/test_batch.py
-step "runtime tests, the ModelActor on the GPU" "$python" -m pytest -q -p no:cacheprovider tests/test_runtime.py
+step "runtime tests, the ModelActor on the GPU" "$python" -m pytest -q -p no:cacheprovider tests/test_runtime.py tests/test_runtime_slots.py
+step "slots on the GPU: 32 background streams at slots auto against slots 1, a chat beside full slots (goal >= 10x)" \
+  "$python" benchmarks/slots_bench.py --streams 32 --window 30
 step "engine benchmark" "$python" benchmarks/engine_bench.py --device cuda --trials 5
 step "batched decode benchmark (issue 25)" "$python" benchmarks/batch_bench.py --device cuda --dtype auto --sizes 1,2,4,8,16,32
 step "prefix cache benchmark (two KV tiers on the GPU)" "$python" benchmarks/kv_cache_bench.py

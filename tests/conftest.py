@@ -235,7 +235,7 @@ class FakeDevice:
         self.loads.append(model_id)
         return self.load_s
 
-    async def grant(self, epoch: int, live: tuple[int, ...] = ()) -> None:
+    async def grant(self, epoch: int, live: tuple[int, ...] = (), model: str | None = None) -> None:
         self._answer()
         assert epoch > self.epoch, "epochs only grow"
         assert epoch in live, "a grant names its own epoch among the live ones"

@@ -226,3 +226,16 @@ def test_up_then_down_stops_exactly_that_head(tmp_path):
         if leftover is not None:
             stop_head(leftover)
         shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+def test_slots_setting_is_auto_or_a_count_and_a_bad_one_is_refused_before_anything_starts(monkeypatch):
+    from uniun_ray.models.settings import parse_slots
+    from uniun_ray.runtime.launch import config_from_env
+
+    assert parse_slots("auto") is None and parse_slots("") is None and parse_slots(" 8 ") == 8
+    for bad in ("0", "-1", "many", "257"):
+        with pytest.raises(ValueError, match="UNIUN_SLOTS"):
+            parse_slots(bad)
+    monkeypatch.setenv("UNIUN_SLOTS", "4")
+    assert config_from_env().slots == 4 and config_from_env(slots="auto").slots is None
+    assert config_from_env(slots="2").slots == 2

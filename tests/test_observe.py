@@ -144,6 +144,19 @@ def test_status_view_shows_each_slot_of_a_device_and_its_job():
         assert re.search(rf"slot {i}  T4 nataraj +producer nataraj:{i} .* job n{i}", text), text
 
 
+def test_explain_names_the_slot_and_the_jobs_beside_and_replay_keeps_slot_mates_open(tmp_path):
+    async def go():
+        s = SchedulerService(FakeDevice(), RuntimeConfig(slots=3, event_log=str(tmp_path / "ev.jsonl")))
+        for i in range(2):
+            await s.submit(spec(f"n{i}", "nataraj", producer=f"nataraj:{i}"))
+            await lease_of(s, f"n{i}")
+    asyncio.run(asyncio.wait_for(go(), 10))
+    events = read(tmp_path / "ev.jsonl")
+    assert "in slot 1, beside 1 other job" in story(events, "n1")
+    assert "beside" not in story(events, "n0")
+    assert not [e for e in replayable(events) if e["ev"] == "finish"]   # two slots, two open runs: no one closed
+
+
 def test_status_view_caps_long_queues_and_marks_the_t2_budget():
     snap = {"now": 10.0, "loaded_model": None, "foreground": {"kind": None, "subject": None}, "running": None,
             "queued": 9, "vruntime": {"kinds": {}, "producers": {}}, "next_wakeup": None,

@@ -40,14 +40,16 @@ async def measure(turns: int, deck: int, card_tokens: int, chat_tokens: int, htt
     idle_runs = [await agenerate("chat", prompt, max_new_tokens=chat_tokens) for prompt in prompts(turns)]
     idle = [done.ttft_s for done in idle_runs]
     idle_prefill = [done.prefills[0]["prefill_s"] for done in idle_runs]
-    producer = spawn_producer("nataraj", "demo", deck_size=deck, max_new_tokens=card_tokens)
+    producer = spawn_producer("nataraj", "demo", deck_size=deck, max_new_tokens=card_tokens, parallel=deck)
     await producer.open_page.remote()                      # the user is on the deck page
-    busy = []
+    busy, shared = [], []
     try:
         for prompt in prompts(turns):
             if not await await_generating("nataraj"):
                 break
-            busy.append((await agenerate("chat", prompt, max_new_tokens=chat_tokens)).ttft_s)
+            done = await agenerate("chat", prompt, max_new_tokens=chat_tokens)
+            busy.append(done.ttft_s)
+            shared.append(max(run["mean_batch"] or 1.0 for run in done.prefills))
         http = None   # one chat over the OpenAI-compatible endpoint, as any HTTP client sends it
         if http_url and await await_generating("nataraj"):
             from .http.measure import stream_ttft
@@ -57,7 +59,8 @@ async def measure(turns: int, deck: int, card_tokens: int, chat_tokens: int, htt
         state = await producer.state.remote()
     finally:
         await producer.stop.remote()
-    return {"idle": idle, "idle_prefill": idle_prefill, "busy": busy, "nataraj": state, "card": card, "http": http}
+    return {"idle": idle, "idle_prefill": idle_prefill, "busy": busy, "shared": shared, "nataraj": state,
+            "card": card, "http": http}
 
 
 def bare_engine(turns: int, chat_tokens: int) -> dict:
@@ -140,6 +143,7 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"Loading the chat model into the ModelActor ({args.engine} engine)...", flush=True)
         r = asyncio.run(measure(args.turns, args.deck, args.card_tokens, args.chat_tokens, http_url))
         pool = ray.get(start().scheduler.status.remote())["devices"]
+        steps = ray.get(start().model.state.remote())["slots"]["steps_by_batch"]
         sim = simulated_two_lane()
 
     def show(values):
@@ -163,6 +167,12 @@ def main(argv: list[str] | None = None) -> dict:
     if card:
         print(f"Nataraj's first card: {len(card['text'])} characters, revoked {card['revokes']}× by those chats "
               f"and resumed each time from its own tokens; deck {r['nataraj']['deck']}")
+    slots = ", ".join(f"{d['device']} {d['slots']}" for d in pool)
+    print(f"slots: {slots} "
+          f"({'auto, measured at load' if pool[0].get('slots_auto') else 'set'}; uniun-ray up --slots N); "
+          f"decode steps by jobs decoding together: {steps}")
+    if r["shared"]:
+        print(f"chats decoded beside other jobs: {max(r['shared']):.1f} jobs per step at most (mean per chat)")
     print(f"devices ({len(pool)}): " + ", ".join(f"{d['device']} holds {d['loaded_model'] or 'nothing'}" for d in pool)
           + ("   (with a device free, chat never needed to revoke Nataraj)" if len(pool) > 1 else ""))
     print()

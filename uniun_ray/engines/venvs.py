@@ -35,6 +35,7 @@ class Recipe:
     steps: tuple[tuple[str, ...], ...]
     remove: tuple[str, ...] = ()
     check: str = ""
+    env: tuple[tuple[str, str], ...] = ()    # set for the pip steps (a build's flags)
 
 
 def has_cuda_gpu() -> bool:
@@ -54,8 +55,13 @@ def vllm_recipe(gpu: bool | None = None) -> Recipe:
                   check="import vllm.entrypoints.openai.api_server")
 
 
-#: llama.cpp's server through its Python binding (compiles llama.cpp: ~10 min on 2 cores).
-LLAMA_CPP = Recipe("llama-cpp", (("llama-cpp-python[server]==0.3.36",),), check="import llama_cpp.server")
+#: llama.cpp's server through its Python binding (compiles llama.cpp: ~10 min on 2 cores). Built
+#: for AVX2, not for the host (`GGML_NATIVE`): the native build of a Xeon with AMX died of a general
+#: protection fault in its first forward pass inside a VM that lists AMX but does not grant it.
+#: Built afresh (no pip cache), so that a wheel cached with other flags is not reused.
+LLAMA_CPP = Recipe("llama-cpp", (("--no-cache-dir", "llama-cpp-python[server]==0.3.36"),),
+                   check="import llama_cpp.server",
+                   env=(("CMAKE_ARGS", "-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON"),))
 
 
 def envs_dir() -> Path:
@@ -84,7 +90,7 @@ def ensure(recipe: Recipe, log=sys.stderr) -> Path:
     pip = [str(python_of(recipe)), "-m", "pip", "install", "-q"]
     subprocess.run([*pip, "--upgrade", "pip"], check=True)
     for step in recipe.steps:
-        subprocess.run([*pip, *step], check=True)
+        subprocess.run([*pip, *step], check=True, env=os.environ | dict(recipe.env))
     if recipe.remove:
         subprocess.run([str(python_of(recipe)), "-m", "pip", "uninstall", "-q", "-y", *recipe.remove], check=True)
     if recipe.check:

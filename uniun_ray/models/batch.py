@@ -26,7 +26,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from transformers import DynamicCache
@@ -81,13 +81,16 @@ class Batch:
     added here has not ended.
     """
 
-    def __init__(self, engine: Engine, slots: int | None = None) -> None:
+    def __init__(self, engine: Engine, slots: int | None = None, first_token: Callable[[], None] | None = None) -> None:
+        """``first_token``: called (from the stepping thread) as soon as a joining job has its
+        first token, before that step's batched decode and the job's KV joining the batch, so
+        that its stream need not wait for them (a chat's TTFT beside busy slots, R23)."""
         loaded = engine._loaded
         if loaded is None:
             raise RuntimeError("no model is loaded; call load(model_id) first")
         if slots is not None and (not isinstance(slots, int) or slots < 1):
             raise ValueError(f"slots must be an int >= 1 or None, got {slots!r}")
-        self.engine, self.loaded = engine, loaded
+        self.engine, self.loaded, self._first_token = engine, loaded, first_token
         self.batched = batchable(loaded.model)
         self.slots = (slots or DEFAULT_SLOTS) if self.batched else 1
         self._lock = threading.Lock()
@@ -192,6 +195,8 @@ class Batch:
         self._joining = None
         sequence.prefilled_at = time.perf_counter()
         sequence.accept(logits)
+        if self._first_token is not None and sequence.pieces:
+            self._first_token()
         if sequence.ended:
             self._end(job, None, job.cache)
         else:

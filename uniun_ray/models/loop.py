@@ -56,7 +56,7 @@ class DecodeLoop:
         """The batch of the resident model (a new one after a load)."""
         with self._lock:
             if self._batch is None or self._batch.loaded is not self._engine._loaded:
-                self._batch = Batch(self._engine, self._slots)
+                self._batch = Batch(self._engine, self._slots, first_token=self._wake)
             return self._batch
 
     def _run(self, batch: Batch) -> None:

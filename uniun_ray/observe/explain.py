@@ -38,23 +38,25 @@ def replayable(events: Iterable[dict]) -> list[dict]:
     """The events a replay can use. Jobs whose submit was rotated out of the log are left
     out (a replay needs each job's fields). A run left open by a scheduler that died (the
     log is appended to across restarts) is closed with a failed finish at the next
-    dispatch on its device: at most one job holds a device at a time, so that dispatch
-    proves it."""
+    dispatch on its device's slot: at most one job holds a slot at a time (SPEC §6), so that
+    dispatch proves it."""
     seen, kept, holders = set(), [], {}
     for ev in events:
         if ev["ev"] == "submit":
             seen.add(ev["job"])
         if "job" in ev and ev["job"] not in seen:
             continue
-        device = ev.get("device", "dev0")
+        device = (ev.get("device", "dev0"), ev.get("slot", 0))
         if ev["ev"] == "dispatch":
             if device in holders:
                 kept.append(holders[device] | {"t": ev["t"], "ev": "finish", "outcome": "failed",
                                                "reason": "no finish recorded: its scheduler was replaced"})
             holders[device] = {k: ev[k] for k in ("job", "kind", "producer", "model")} | (
                 {"device": ev["device"]} if "device" in ev else {})
-        elif ev["ev"] == "finish" and holders.get(device, {}).get("job") == ev["job"]:
-            del holders[device]
+        elif ev["ev"] == "finish":
+            device = next((d for d, held in holders.items() if held["job"] == ev["job"]), None)
+            if device is not None:
+                del holders[device]
         kept.append(ev)
     return kept
 
@@ -162,12 +164,19 @@ class _Story:
             return "withdrawn by its caller, not re-queued"
         return "ended"
 
+    def beside(self, run: Run) -> str:
+        """The slot a run took and the jobs already decoding there (SPEC §6), where it shared."""
+        dispatch = next((e for e in self.own if e["ev"] == "dispatch" and e["t"] == run.start), {})
+        batch = dispatch.get("batch", 1)
+        return f" in slot {dispatch.get('slot', 0)}, beside {batch - 1} other job{'s' if batch > 2 else ''}" \
+            if batch > 1 else ""
+
     def run(self, run: Run) -> None:
         """One hold of the device: dispatch (with its swap), tier changes, first token,
         revoke, reclaim, and how it ended, in time order."""
         swap = next((e for e in self.own if e["ev"] == "swap_start" and run.start <= e["t"] <= run.end), None)
         loaded = f", loading {run.model} over {swap['from'] or 'an empty device'} ({run.swap_s:.3f}s)" if swap else ""
-        notes = [(run.start, f"dispatched at T{run.tier} on {run.model}{self.on(run)}{loaded}")]
+        notes = [(run.start, f"dispatched at T{run.tier} on {run.model}{self.on(run)}{self.beside(run)}{loaded}")]
         notes += self.tier_changes(run.start, run.end)
         ft = self.rec.first_token
         if ft is not None and run.start <= ft <= run.end:

@@ -45,12 +45,11 @@ class RayDevice:
     """The ModelActor seen through its handle, as the scheduler's `Device`. The handle is
     looked up by name, and again after a failure, so a re-created ModelActor is found. A call
     that dies with the actor raises DeviceLost; a restarted actor (max_restarts) comes back
-    empty, so `grant` reloads the model the scheduler believes is resident."""
+    empty, and reloads the model the scheduler believes is resident at its next grant."""
 
     def __init__(self, name: str) -> None:
         self._name = name
         self._cached = None
-        self._model: str | None = None   # what the last successful load made resident
         self.node: str | None = None     # the Ray node it runs on, once it said (`locate`)
 
     def _handle(self):
@@ -90,15 +89,10 @@ class RayDevice:
         return False
 
     async def load(self, model_id: str) -> float:
-        self._model = None
-        seconds = await self._call("load", model_id)
-        self._model = model_id
-        return seconds
+        return await self._call("load", model_id)
 
-    async def grant(self, epoch: int, live: tuple[int, ...] = ()) -> None:
-        loaded = await self._call("grant", epoch, live)
-        if self._model is not None and loaded != self._model:  # the actor restarted: reload
-            await self._call("load", self._model)
+    async def grant(self, epoch: int, live: tuple[int, ...] = (), model: str | None = None) -> None:
+        await self._call("grant", epoch, live, model)   # a restarted actor reloads `model` itself
 
     async def slots(self, setting: int | None = None) -> dict:
         return await self._call("slots", setting)

@@ -17,9 +17,12 @@ its lease never reaches a device that holds another model, or none.
 from __future__ import annotations
 
 import asyncio
+import logging
 from typing import Protocol
 
 from .protocol import DeviceLost
+
+log = logging.getLogger(__name__)
 
 class Device(Protocol):
     """`load`, `grant` and `revoke` raise DeviceLost when the device died under the call
@@ -32,7 +35,7 @@ class Device(Protocol):
     gone for good (answered at once: a restarting device is alive)."""
 
     async def load(self, model_id: str) -> float: ...
-    async def grant(self, epoch: int, live: tuple[int, ...] = ()) -> None: ...
+    async def grant(self, epoch: int, live: tuple[int, ...] = (), model: str | None = None) -> None: ...
     async def revoke(self, epoch: int) -> None: ...
 
 
@@ -79,20 +82,29 @@ class DeviceDriver:
         self.swap_s[model_id] = seconds
         return seconds
 
-    async def fence(self, model_id: str | None = None) -> int:
+    async def fence(self, model_id: str | None = None, confirm: bool = False) -> int:
         """A new epoch for one slot, announced to the device with the live ones beside it:
         every other lease is refused from now on. Waits for a load in flight first; raises
-        DeviceLost when the device then does not hold `model_id` (that load failed)."""
+        DeviceLost when the device then does not hold `model_id` (that load failed).
+
+        The device's answer is awaited only when `confirm`, or on the first grant since this
+        driver started: otherwise the lease goes out at once and the holder's first call may
+        reach the device before its grant does (the device admits an epoch newer than all it
+        saw). A grant that fails then fails the holder's call too, which reports the device."""
         await self._loaded.wait()
         if model_id is not None and self.model != model_id:
             raise DeviceLost(f"the device holds {self.model or 'no model'}, not {model_id}: its load failed")
         if not self._synced:  # (re)started: fence above every lease the device saw
             current = getattr(self.device, "current_epoch", None)
             self._epochs.above(await current() if current else 0)
-            self._synced = True
+            self._synced = confirm = True
         epoch = self._epochs.next()
         self.live.add(epoch)   # in the same step as the epoch: a newer grant names every older live one
-        await self.device.grant(epoch, tuple(sorted(self.live)))
+        granting = asyncio.ensure_future(self.device.grant(epoch, tuple(sorted(self.live)), self.model))
+        if confirm:
+            await granting
+        else:
+            granting.add_done_callback(_unconfirmed)
         return epoch
 
     async def revoke(self, epoch: int) -> None:
@@ -114,3 +126,10 @@ class DeviceDriver:
         """The device died or a load failed: it holds no known model, and no live lease."""
         self.model = None
         self.live.clear()
+
+
+def _unconfirmed(granting: asyncio.Future) -> None:
+    """An unconfirmed grant's failure: its holder's call to the device fails as well, and
+    reports it (`device_lost`); only logged here."""
+    if not granting.cancelled() and granting.exception() is not None:
+        log.info("an unconfirmed grant failed: %s", granting.exception())

@@ -111,18 +111,30 @@ class ModelActor:
         self._engine.cancel(epoch)
 
     # -- fencing ---------------------------------------------------------------------------
-    async def grant(self, epoch: int, live: tuple[int, ...] = ()) -> str | None:
+    async def grant(self, epoch: int, live: tuple[int, ...] = (), model: str | None = None) -> str | None:
         """Make `epoch` a live lease beside `live` (the scheduler's other leases on this
         device, SPEC §6): a newer grant fences every epoch it does not name, and a generation
         still running under one stops at its next step. A grant older than the newest one seen
-        arrived late: the newer one named it already. Returns the resident model (None after a
-        restart, or when the engine lost it), so the scheduler can tell the device lost it."""
+        arrived late: the newer one named it already. `model`: what the scheduler believes is
+        resident; a device that restarted (or whose engine lost its model: its server died)
+        holds nothing and loads it here, before any holder's call runs (`generate` waits for a
+        load). Returns the resident model."""
         if epoch > self._epoch:
             self._epoch, self._live = epoch, set(live) | {epoch}
             for older in list(self._running):
-                if older not in self._live:
+                if older < epoch and older not in self._live:   # a newer one's grant is still coming
                     self._stop(older)
+        if model is not None and self._engine.loaded != model:
+            await self.load(model)
         return self._engine.loaded
+
+    def _admits(self, epoch: int) -> bool:
+        """A live epoch, or one newer than every grant seen: the scheduler hands a lease out
+        without waiting for the device's answer to its grant (one hop less per job), so the
+        holder's call may overtake the grant, which then fences as usual when it comes. A
+        device that has seen no grant since it started admits nothing early: a stale holder
+        of a restarted device is refused."""
+        return epoch in self._live or 0 < self._epoch < epoch
 
     async def revoke(self, epoch: int) -> None:
         self._live.discard(epoch)
@@ -163,8 +175,11 @@ class ModelActor:
         step. `revocable=False` (a chat lease: only its own cancel stops it) lets the engine
         read the prompt in long chunks. DeviceLost when the engine lost its model under the
         job (its server died): the client re-queues the job, and the next grant reloads."""
-        if epoch not in self._live:
+        if not self._admits(epoch):
             raise LeaseRevoked(f"lease epoch {epoch} is not live (newest {self._epoch}, live {sorted(self._live)})")
+        if self._swap_lock.locked():   # a load under way (a grant's, after a restart): the run needs its model
+            async with self._swap_lock:
+                pass
         self._loop = asyncio.get_running_loop()
         flag, stepped = threading.Event(), asyncio.Event()
         self._running[epoch] = flag

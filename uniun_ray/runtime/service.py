@@ -275,7 +275,7 @@ class SchedulerService:
                 self._emit_run("swap_end", tracked, seconds=swap_s)
                 if driver.plan is not None and self.drivers.get(device) is driver:
                     self._take_plan(device, dispatch.model_id, driver.plan)
-            epoch = await driver.fence(dispatch.model_id)
+            epoch = await driver.fence(dispatch.model_id, confirm=dispatch.swap)
         except Exception as error:
             if self.drivers.get(device) is not driver:
                 return

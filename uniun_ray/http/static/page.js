@@ -74,7 +74,8 @@ function pastOf(t) {
   for (const e of events) {
     const device = e.device;
     if (e.ev === "dispatch") {
-      open[e.job] = { job: e.job, kind: e.kind, producer: e.producer, model: e.model, tier: e.tier, start: e.t, device };
+      open[e.job] = { job: e.job, kind: e.kind, producer: e.producer, model: e.model, tier: e.tier, start: e.t, device,
+                      slot: e.slot || 0 };
     } else if (e.ev === "finish" && open[e.job]) {
       const run = open[e.job]; run.end = e.t; run.outcome = e.outcome; runs.push(run); delete open[e.job];
     } else if (e.ev === "swap_start") {
@@ -98,15 +99,18 @@ function devices() {
   const addressOf = (id) => (nodes.find((n) => n.node === id) || {}).address;
   if (status && Array.isArray(status.devices) && status.devices.length) {   // the pool (SPEC §5)
     return status.devices.map((d) => ({ name: d.device ?? d.name ?? "device", loaded_model: d.loaded_model,
-                                        running: d.running, lease: leaseOf(d.running), node: addressOf(d.node) }));
+                                        running: d.running, lease: leaseOf(d.running), node: addressOf(d.node),
+                                        slots: d.slots || 1, slotsAuto: d.slots_auto,
+                                        jobs: (d.jobs || (d.running ? [d.running] : [])).map((j) => ({ job: j, lease: leaseOf(j) })) }));
   }
   const running = status && status.running;
   return [{ name: "device", loaded_model: status && status.loaded_model, running, lease: leaseOf(running) }];
 }
 
 // -- drawing ----------------------------------------------------------------------------
-function timeline(device, first, past, t, width) {
-  const h = 64, top = 12, bar = 30, x = (v) => ((v - (t - WINDOW_S)) / WINDOW_S) * width;
+function timeline(device, first, past, t, width, slots = 1) {
+  // one lane per slot (SPEC §6): the jobs that decode together run in parallel lanes
+  const h = 64, top = 12, bar = 30, lane = bar / slots, x = (v) => ((v - (t - WINDOW_S)) / WINDOW_S) * width;
   const parts = [];
   for (let m = 0; m <= 5; m++) {
     const xx = width - (m * 60 / WINDOW_S) * width;
@@ -118,7 +122,8 @@ function timeline(device, first, past, t, width) {
   for (const r of past.runs.filter(mine)) {
     if (r.end < t - WINDOW_S) continue;
     const a = Math.max(0, x(r.start)), b = Math.max(a + 1.5, x(r.end));
-    parts.push(`<rect class="run k-${esc(r.kind)}${r.open ? " open" : ""}" data-job="${esc(r.job)}" x="${a}" y="${top}" width="${b - a}" height="${bar}" fill="${COLOR[r.kind] || "#888"}"><title>${esc(r.kind)} ${esc(r.job)} (${esc(r.producer)}) T${r.tier ?? "?"} on ${esc(r.model)}: ${secs(r.end - r.start)}${r.outcome ? ", " + esc(r.outcome) : ""}</title></rect>`);
+    const y = top + Math.min(r.slot || 0, slots - 1) * lane;
+    parts.push(`<rect class="run k-${esc(r.kind)}${r.open ? " open" : ""}" data-job="${esc(r.job)}" x="${a}" y="${y}" width="${b - a}" height="${lane}" fill="${COLOR[r.kind] || "#888"}"><title>${esc(r.kind)} ${esc(r.job)} (${esc(r.producer)}) T${r.tier ?? "?"} on ${esc(r.model)}: ${secs(r.end - r.start)}${r.outcome ? ", " + esc(r.outcome) : ""}</title></rect>`);
   }
   for (const s of past.swaps.filter(mine)) {
     if (s.end < t - WINDOW_S) continue;
@@ -140,15 +145,19 @@ function renderDevices(t) {
   const width = Math.max(300, $("devices").clientWidth - 28);
   const all = devices();
   $("devices").innerHTML = all.map((d) => {
-    const r = d.running;
-    const held = r ? (d.lease && d.lease.held_s != null ? d.lease.held_s : r.held_s) : null;
-    const holder = r
-      ? `<span class="holder" data-job="${esc(r.id)}">${kindBadge(r.kind)} ${jobLink(r.id)} · producer <b>${esc(r.producer)}</b> · <span class="tier">${esc(r.tier)}</span> · held ${secs(held)}${r.revoked ? " · <b>revoked, stopping</b>" : ""}</span>`
-      : `<span class="holder idle">idle: no job holds the device</span>`;
+    const holders = d.slots > 1
+      ? `<span class="slots">${d.jobs.length} of ${d.slots} slots busy${d.slotsAuto ? " (auto)" : ""}</span>` +
+        d.jobs.map(({ job, lease }) => holder(job, lease, `slot ${job.slot} · `)).join("")
+      : d.running ? holder(d.running, d.lease, "") : `<span class="holder idle">idle: no job holds the device</span>`;
     const node = d.node ? `<span class="node">on node <b>${esc(d.node)}</b></span>` : "";
     return `<div class="device" data-device="${esc(d.name)}"><div class="device-head"><b>${esc(d.name)}</b>${node}
-      <span>model <b>${esc(d.loaded_model || "none loaded")}</b></span>${holder}</div>${timeline(d.name, all[0].name, past, t, width)}</div>`;
+      <span>model <b>${esc(d.loaded_model || "none loaded")}</b></span>${holders}</div>${timeline(d.name, all[0].name, past, t, width, d.slots || 1)}</div>`;
   }).join("");
+}
+
+function holder(r, lease, prefix) {
+  const held = lease && lease.held_s != null ? lease.held_s : r.held_s;
+  return `<span class="holder" data-job="${esc(r.id)}">${prefix}${kindBadge(r.kind)} ${jobLink(r.id)} · producer <b>${esc(r.producer)}</b> · <span class="tier">${esc(r.tier)}</span> · held ${secs(held)}${r.revoked ? " · <b>revoked, stopping</b>" : ""}</span>`;
 }
 
 function renderQueues(t) {
