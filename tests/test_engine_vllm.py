@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from uniun_ray.engines import Engine
+from uniun_ray.engines import Engine, venvs
 from uniun_ray.engines.vllm import Delta, EngineError, VllmEngine, VllmRun, parse_event, sampling_fields
 from uniun_ray.models.vocabulary import PromptTooLong
 from uniun_ray.models.request import GenerateRequest
@@ -201,3 +201,19 @@ def _alive(pid: int) -> bool:
             return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
     except FileNotFoundError:
         return False
+
+
+def test_a_venv_stamped_before_a_recipe_field_existed_is_still_installed(tmp_path, monkeypatch):
+    """A field added to `Recipe` with its default must not rebuild the venvs already made."""
+    import json
+
+    monkeypatch.setenv("UNIUN_CACHE_DIR", str(tmp_path / "models"))
+    recipe = venvs.vllm_recipe(gpu=False)
+    root = venvs.envs_dir() / recipe.name
+    root.mkdir(parents=True)
+    old = {"name": recipe.name, "steps": [list(step) for step in recipe.steps], "remove": list(recipe.remove),
+           "check": recipe.check}   # no `env`: written before it existed
+    (root / ".uniun-installed").write_text(json.dumps(old))
+    assert venvs.installed(recipe)
+    (root / ".uniun-installed").write_text(json.dumps(old | {"check": "import other"}))
+    assert not venvs.installed(recipe)
