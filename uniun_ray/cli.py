@@ -1,6 +1,7 @@
 """`uniun-ray`: start and stop a local head, look at the scheduler, and poke it.
 
     uniun-ray up [--port 6379] [--auth disabled|token] [--devices N] [--slots N|auto]
+                 [--engine transformers|vllm]
                  [--no-http | --http-host H --http-port P] [-- more `ray start` args]
     uniun-ray down
     uniun-ray status [--json | --watch [--interval S]]
@@ -25,6 +26,7 @@ import os
 import sys
 
 from .policy import Kind
+from .models.settings import ENGINE_ENV, ENGINES, SLOTS_ENV
 
 DEFAULT_PORT = 6379
 DEFAULT_DASHBOARD_PORT = 8265
@@ -157,6 +159,10 @@ def _up(args) -> int:
         print(f"already up: {state.address} (dashboard {state.dashboard_url}); stop it with `uniun-ray down`")
         return 0
     HeadState.forget()  # a stale record of a head that is gone
+    if args.engine:   # the ModelActors get their settings from this process's environment (`start`)
+        os.environ[ENGINE_ENV] = args.engine
+    if args.slots:    # the scheduler's slots, and the batch an engine fixes at start (vLLM's max_num_seqs)
+        os.environ[SLOTS_ENV] = args.slots
     try:
         config_from_env(args.chat_model, args.slots)   # a bad setting is refused before the head starts
     except ValueError as error:
@@ -286,6 +292,9 @@ def _parser() -> argparse.ArgumentParser:
                     "(default: UNIUN_CHAT_MODEL, else smollm2-135m-instruct)")
     up.add_argument("--slots", help="jobs each device decodes together (continuous batching): a count, or "
                     "'auto' to measure per host and model at each load (default: UNIUN_SLOTS, else auto)")
+    up.add_argument("--engine", choices=ENGINES, help="what runs each device's forward passes: transformers "
+                    "(the default; the embedded models) or vllm (GPU workstations; `make install-vllm` first) "
+                    "(default: UNIUN_ENGINE, else transformers)")
     up.add_argument("--no-http", action="store_true", help="do not deploy the OpenAI-compatible HTTP endpoint")
     up.add_argument("--http-host", default="127.0.0.1",
                     help="HTTP bind address (default 127.0.0.1; set UNIUN_API_KEY before binding wider)")

@@ -218,7 +218,7 @@ class Turn:
     """One lease's worth of work, inside `async with turn:`. The work says how it ended —
     `done(value)`, or `stopped()` when it stopped early at a revoke — or raises; the turn
     files what it raised: LeaseRevoked (the device refused the lease) is a revoke unless the
-    scheduler still holds it for us (then the device restarted), a RayActorError is a lost
+    scheduler still holds it for us (then the device restarted), a RayActorError (or DeviceLost: its engine lost the model) is a lost
     device, anything else fails the job. The loop then settles the turn."""
 
     def __init__(self, loop: "LeaseLoop", lease: Lease, model) -> None:
@@ -252,7 +252,7 @@ class Turn:
             else:
                 self.stopped()
             return True
-        if isinstance(error, RayActorError):  # the model actor died under the work
+        if isinstance(error, (RayActorError, DeviceLost)):  # the model actor (or its engine) died under the work
             self.lost(error_text(error))
             return True
         if isinstance(error, Exception):

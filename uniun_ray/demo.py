@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import platform
 import statistics
 import threading
@@ -19,6 +20,7 @@ import ray
 
 from .client import agenerate, await_generating
 from .models import DEFAULT_CHAT_MODEL
+from .models.settings import ENGINE_ENV, ENGINES
 from .producers import spawn_producer
 from .runtime.launch import local_cluster, start
 from .runtime.protocol import model_actor_name
@@ -111,7 +113,12 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--devices", type=int, default=1,
                     help="stand-in devices on a CPU machine (every GPU is a device anyway); with 2 or more, "
                          "Nataraj fills on one while chat takes another")
+    ap.add_argument("--engine", choices=ENGINES, default=os.environ.get(ENGINE_ENV) or ENGINES[0],
+                    help="what runs the device's forward passes (UNIUN_ENGINE; vllm needs `make install-vllm` "
+                         "and starts a server at the first load: minutes on a CPU). The bare figures stay "
+                         "the transformers engine's")
     args = ap.parse_args(argv)
+    os.environ[ENGINE_ENV] = args.engine   # `start` hands the settings to the ModelActors
 
     print("Measuring the bare engine on this host (the first run converts the chat model once, "
           "~20 s, and measures its dtypes)...", flush=True)
@@ -133,7 +140,7 @@ def main(argv: list[str] | None = None) -> dict:
         from .http.measure import free_port
         http_url = deploy(port=free_port())
         print(f"OpenAI-compatible endpoint and live page: {http_url}/v1, {http_url}/")
-        print("Loading the chat model into the ModelActor...", flush=True)
+        print(f"Loading the chat model into the ModelActor ({args.engine} engine)...", flush=True)
         r = asyncio.run(measure(args.turns, args.deck, args.card_tokens, args.chat_tokens, http_url))
         pool = ray.get(start().scheduler.status.remote())["devices"]
         steps = ray.get(start().model.state.remote())["slots"]["steps_by_batch"]

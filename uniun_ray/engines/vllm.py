@@ -5,14 +5,21 @@ vLLM pins its own torch and `transformers<5.20`, so it runs in a venv of its own
 rather than importing it (an in-process engine would need the ModelActor itself, Ray and
 uniun-ray included, to run on vLLM's Python). What each Engine operation is here:
 
-* `load` starts the server on the model's safetensors folder (the registry's conversion) with
-  `max_num_seqs` = the device's slots; `unload` stops it. Where the platform has sleep mode
+* `load` starts the server on the model's safetensors folder (the registry's conversion);
+  `unload` stops it. Where the platform has sleep mode
   (CUDA), a swap puts the old model's server to sleep and wakes (or starts) the new one's.
+* `load` starts the server with `max_num_seqs` = the device's slots (`UNIUN_SLOTS`; for "auto",
+  `AUTO_SLOTS`: 8 on CPU, 64 on CUDA, and the step profile then picks up to that many).
 * `check` refuses a request with the project's own tokenizer check, before anything is queued;
   `start` sends the same token ids (`prompt` as ids, so prompt + resumed tokens are exactly the
-  ids the job had) to `/v1/completions`, streamed, with `return_token_ids`.
+  ids the job had) to `/v1/completions`, streamed, with `return_token_ids`; a thread per job
+  reads the stream into the job's handle and wakes the actor after every event.
 * `cancel` shuts the stream's socket: the server sees the client go and aborts the request at
-  its next step (vLLM's `listen_for_disconnect`); the other requests go on.
+  its next step (vLLM's `listen_for_disconnect`); the other requests go on. The handle ends
+  when the socket is shut; the server's abort follows within a step (`benchmarks/vllm_engine.py`
+  measures the time until the server counts one request fewer).
+* A server that dies ends its jobs with an error and `loaded` says None: the ModelActor reports
+  the device lost (the jobs are re-queued) and the next grant starts a new server.
 * Resume is a new request of prompt + produced ids; vLLM's prefix cache serves the shared
   blocks, and the result's `cached_tokens` says how many (`--enable-prompt-tokens-details`).
 * Sampling: the request's fields, with the model's `generation_config.json` for those left None
@@ -26,13 +33,13 @@ import json
 import os
 import socket
 import statistics
+import subprocess
 import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Hashable, Iterator, Sequence
 
-from . import Piece
 from .server import ChildServer, free_port
 from .venvs import has_cuda_gpu, vllm_python
 from ..models.request import GenerationResult
@@ -174,89 +181,121 @@ class _Stream:
 
 # -- one job --------------------------------------------------------------------------------------
 class VllmRun:
-    """One job's pieces. Ids whose text vLLM still holds back (an incomplete character, a possible
-    stop string) wait for it; on cancel they are left out, so a resume recomputes them. `close`
-    may come from another thread while one iterates: the result keeps what was yielded."""
+    """One job's handle (`engines.JobRun`), filled by `read` in a thread of its own. Ids whose
+    text vLLM still holds back (an incomplete character, a possible stop string) wait for it; on
+    cancel they are left out, so a resume recomputes them. `cancel` may come from any thread
+    while `read` runs: the result keeps what was taken in before it."""
 
-    def __init__(self, stream: _Stream, prompt_tokens: int, on_end) -> None:
+    def __init__(self, stream: _Stream, prompt_tokens: int, wake, on_end) -> None:
         self.result: GenerationResult | None = None
-        self._stream, self._prompt_tokens, self._on_end = stream, prompt_tokens, on_end
+        self.failure: BaseException | None = None
+        self.done = threading.Event()
+        self._stream, self._prompt_tokens, self._wake, self._on_end = stream, prompt_tokens, wake, on_end
         self._text: list[str] = []
         self._ids: list[int] = []
+        self._taken = 0
+        self._cancelled = False
         self._ttft: float | None = None
         self._usage: dict = {}
         self._lock = threading.Lock()
         self._started = time.perf_counter()
 
-    def __iter__(self) -> Iterator[Piece]:
+    def take(self) -> tuple[str, int]:
+        with self._lock:
+            text, self._taken = "".join(self._text[self._taken:]), len(self._text)
+            return text, len(self._ids)
+
+    def cancel(self) -> None:
+        """Stop the job: its socket is shut, and the server aborts it at its next step."""
+        with self._lock:
+            if self.done.is_set() or self._cancelled:
+                return
+            self._cancelled = True
+        self._stream.shut()
+
+    def read(self) -> None:
+        """The stream, to its end (the reader thread's work): every event wakes the actor."""
         pending, finish = [], None
         try:
             for delta in self._stream:
                 with self._lock:
-                    if self.result is not None:   # closed meanwhile
-                        return
+                    if self._cancelled:
+                        break
                     if self._ttft is None and delta.token_ids:
                         self._ttft = time.perf_counter() - self._started
                     pending.extend(delta.token_ids)
                     self._usage = delta.usage or self._usage
                     finish = delta.finish_reason or finish
-                    piece = Piece(delta.text, tuple(pending)) if delta.text else None
-                    if piece:
-                        self._text.append(piece.text)
+                    if delta.text:
+                        self._text.append(delta.text)
                         self._ids.extend(pending)
                         pending = []
-                if piece:
-                    yield piece
-        except (OSError, http.client.HTTPException, ValueError) as error:
-            if self.result is None:
-                self._end("error")
-                raise EngineError(f"the vLLM stream broke: {error}") from error
-            return
-        if self.result is None and finish is None:
-            self._end("error")
-            raise EngineError("the vLLM stream ended without a finish reason (the server went away?)")
-        self._ids.extend(pending[:-1] if finish == "eos" else pending)   # the end-of-sequence id is no output
+                if delta.text:
+                    self._wake()
+        except Exception as error:   # a shut socket breaks http.client in several ways
+            if not self._cancelled:
+                self.failure = EngineError(f"the vLLM stream broke: {error!r}")
+        if self._cancelled:
+            finish = "cancel"
+        elif self.failure is None and finish is None:
+            self.failure = EngineError("the vLLM stream ended without a finish reason (the server went away?)")
+        if self.failure is not None:
+            finish = "error"
+        elif finish != "cancel":
+            self._ids.extend(pending[:-1] if finish == "eos" else pending)   # the end-of-sequence id is no output
         self._end(finish)
 
-    def close(self) -> None:
-        """Stop the job: the server aborts it at its next step."""
-        self._end("cancel")
-
     def _end(self, finish: str) -> None:
+        details = self._usage.get("prompt_tokens_details") or {}
         with self._lock:
-            if self.result is not None:
-                return
-            details = self._usage.get("prompt_tokens_details") or {}
             self.result = GenerationResult(
                 text="".join(self._text), token_ids=tuple(self._ids), prompt_tokens=self._prompt_tokens,
                 finish_reason=finish, ttft_s=self._ttft, total_s=time.perf_counter() - self._started,
                 cached_tokens=details.get("cached_tokens") or 0)
         self._stream.shut()
         self._on_end(self)
+        self.done.set()
+        self._wake()
 
 
 # -- the engine ----------------------------------------------------------------------------------
+#: max_num_seqs when UNIUN_SLOTS is "auto": the server fixes its batch when it starts, so the
+#: slots the scheduler may fill must be chosen before the step profile is known. The profile
+#: then picks up to this many (R25). On CPU more than 8 rows gain little and each row's KV takes
+#: the small CPU cache; a GPU runs small models at 64 rows with room to spare.
+AUTO_SLOTS = {"cpu": 8, "cuda": 64}
+
+
 class VllmEngine:
-    """The Engine protocol (uniun_ray.engines) over vLLM's server; one model at a time."""
+    """The Engine protocol (uniun_ray.engines) over vLLM's server; one model at a time.
+    `slots` (None: `AUTO_SLOTS`) is the server's `max_num_seqs`, the engine's `capacity`."""
 
     name = "vllm"
 
-    def __init__(self, slots: int = 4, *, dtype: str | None = None, kv_gib: float = 1.0,
-                 threads: str | None = None, start_timeout_s: float = 1200) -> None:
-        self.slots, self.kv_gib, self.threads = slots, kv_gib, threads
-        self.dtype = dtype or ("auto" if has_cuda_gpu() else "float32")   # fp32: 5x bf16 on AVX2
-        self.sleep_mode = has_cuda_gpu()
+    def __init__(self, wake=lambda: None, slots: int | None = None, *, dtype: str | None = None,
+                 kv_gib: float = 1.0, threads: str | None = None, start_timeout_s: float = 1200) -> None:
+        gpu = has_cuda_gpu()
+        self.slots = slots or AUTO_SLOTS["cuda" if gpu else "cpu"]
+        self.kv_gib, self.threads, self._wake = kv_gib, threads, wake
+        self.dtype = dtype or ("auto" if gpu else "float32")   # fp32: 5x bf16 on AVX2
+        self.sleep_mode = gpu
         self.start_timeout_s = start_timeout_s
         self._servers: dict[str, ChildServer] = {}   # model id -> its server (asleep but the loaded one's)
         self._loaded: str | None = None
         self._defaults: dict = {}
-        self._runs: dict[str, VllmRun] = {}
+        self._runs: dict[Hashable, VllmRun] = {}
         self._lock = threading.Lock()
         self._profile: dict[int, float] = {}
 
     @property
     def loaded(self) -> str | None:
-        return self._loaded
+        """The served model; None also when its server died (the scheduler then reloads it)."""
+        server = self.server
+        return self._loaded if server is not None and server.alive() else None
+
+    @property
+    def capacity(self) -> int:
+        return self.slots
 
     @property
     def server(self) -> ChildServer | None:
@@ -264,7 +303,7 @@ class VllmEngine:
 
     def load(self, model_id: str) -> float:
         """Make `model_id` the served model; seconds it took (a swap's cost, for the policy)."""
-        if model_id == self._loaded:
+        if model_id == self.loaded:
             return 0.0
         started = time.perf_counter()
         folder = materialize(resolve(model_id))
@@ -282,7 +321,7 @@ class VllmEngine:
     def unload(self) -> float:
         started = time.perf_counter()
         for run in list(self._runs.values()):
-            run.close()
+            run.cancel()
         for server in self._servers.values():
             server.stop()
         self._servers, self._loaded = {}, None
@@ -296,39 +335,47 @@ class VllmEngine:
                                  "json_schema")
         return inspect_request(resolve(model_id), request)
 
-    def start(self, job_id: str, request: GenerateRequest) -> VllmRun:
-        if self.server is None:
+    def start(self, job_id: Hashable, request: GenerateRequest, revocable: bool = True) -> VllmRun:
+        """Sends the request (blocking until the server accepts it: call it off an event loop)
+        and reads its stream in a thread of its own. `revocable` changes nothing here: vLLM
+        chunks every prefill alike."""
+        if self.loaded is None:
             raise RuntimeError("no model is loaded")
         if job_id in self._runs:
             raise ValueError(f"job {job_id!r} is already running")
+        self.check(self._loaded, request)
         ids = prompt_ids(resolve(self._loaded), request)
         stream = _Stream(self.server.url, "/v1/completions", completion_body(ids, request, self._defaults))
-        run = VllmRun(stream, len(ids), on_end=lambda ended: self._forget(job_id, ended))
+        run = VllmRun(stream, len(ids), self._wake, on_end=lambda ended: self._forget(job_id, ended))
         with self._lock:
             self._runs[job_id] = run
+        threading.Thread(target=run.read, name=f"vllm-job-{job_id}", daemon=True).start()
         return run
 
-    def cancel(self, job_id: str) -> None:
+    def cancel(self, job_id: Hashable) -> None:
         run = self._runs.get(job_id)
         if run is not None:
-            run.close()
+            run.cancel()
 
     def step_profile(self, tokens: int = 24) -> dict[int, float]:
         """Seconds per decode step at batch sizes 1, 2, 4, ... up to the slots, measured on the
-        loaded model: that many greedy streams at once, each one's time between its first and
-        last token over the steps between them (median over the streams)."""
-        if not self._profile and self.server is not None:
+        loaded model at its first call after a load (R23, R25): that many greedy streams at once,
+        each one's time between its first and last token over the steps between them (median
+        over the streams). vLLM reports no step time of its own per batch size; its inter-token
+        latency is this same figure, seen by a client."""
+        if not self._profile and self.loaded is not None:
             for batch in sorted({min(2 ** i, self.slots) for i in range(self.slots.bit_length() + 1)}):
                 self._profile[batch] = self._step_time(batch, tokens)
         return dict(self._profile)
 
     def status(self) -> dict:
         server = self.server
-        return {"engine": self.name, "model": self._loaded, "dtype": self.dtype, "slots": self.slots,
+        return {"engine": self.name, "model": self.loaded, "dtype": self.dtype, "slots": self.slots,
                 "threads": self.threads or "vLLM auto", "kv_cache_gib": self.kv_gib, "running": len(self._runs),
-                "kv_usage": _metric(server.url, "vllm:kv_cache_usage_perc") if server else None,
+                "kv_usage": _metric(server.url, "vllm:kv_cache_usage_perc") if self.loaded else None,
                 "sleep_mode": self.sleep_mode, "step_profile": dict(self._profile),
-                "server": server.url if server else None}
+                "server": server.url if server else None,
+                "server_pid": server.process.pid if server and server.process else None}
 
     # -- internals --
     def _new_server(self, model_id: str, folder: Path) -> ChildServer:
@@ -346,7 +393,7 @@ class VllmEngine:
         if server is None:
             return
         for run in list(self._runs.values()):
-            run.close()
+            run.cancel()
         if self.sleep_mode and server.alive():
             _post(server.url, "/sleep?level=1")
         else:
@@ -354,10 +401,18 @@ class VllmEngine:
             del self._servers[self._loaded]
         self._loaded = None
 
-    def _forget(self, job_id: str, run: VllmRun) -> None:
+    def _forget(self, job_id: Hashable, run: VllmRun) -> None:
+        """A run ended. One that broke may have lost the server: give a dying one a moment to
+        be seen as dead, so that `loaded` says so when the actor asks."""
         with self._lock:
             if self._runs.get(job_id) is run:
                 del self._runs[job_id]
+        server = self.server
+        if run.failure is not None and server is not None and server.process is not None:
+            try:
+                server.process.wait(1.0)
+            except subprocess.TimeoutExpired:
+                pass
 
     def _step_time(self, batch: int, tokens: int) -> float:
         request = GenerateRequest(prompt="Count from one to one hundred in words.", max_new_tokens=tokens)

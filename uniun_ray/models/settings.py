@@ -1,4 +1,4 @@
-"""How a user sets the engine's host choices: ``UNIUN_DTYPE``, ``UNIUN_THREADS``,
+"""How a user sets the engine's host choices: ``UNIUN_ENGINE``, ``UNIUN_DTYPE``, ``UNIUN_THREADS``,
 ``UNIUN_KV_CACHE_MB``, ``UNIUN_KV_OFFLOAD_MB``, ``UNIUN_MAX_MEMORY`` and ``UNIUN_SLOTS``.
 
 Parsed without torch, in the process that starts the ModelActor (so a bad value is refused with
@@ -12,6 +12,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Mapping
 
+ENGINE_ENV = "UNIUN_ENGINE"
 DTYPE_ENV = "UNIUN_DTYPE"
 THREADS_ENV = "UNIUN_THREADS"
 KV_CACHE_ENV = "UNIUN_KV_CACHE_MB"
@@ -22,6 +23,9 @@ SLOTS_ENV = "UNIUN_SLOTS"
 MAX_SLOTS = 256
 
 _SIZE = re.compile(r"^\d+(\.\d+)?\s*(B|KB|MB|GB|TB|KiB|MiB|GiB|TiB)$")
+
+#: What runs a device's forward passes (SPEC §7, ``uniun_ray.engines``): the first is the default.
+ENGINES = ("transformers", "vllm")
 
 #: "auto" measures, per host and model, which precision runs fastest on a CPU (see ``tuning``);
 #: on a GPU it means bfloat16, or float16 where bf16 is not supported.
@@ -38,15 +42,22 @@ class EngineSettings:
     ``max_memory``: per device ("cpu", or a GPU index as a string) the most memory the weights
     may take, as accelerate reads it ("6GiB"); what does not fit is offloaded (``device_map="auto"``),
     so a model larger than the device still runs, slower. None: the whole model on the device.
-    (The slot count, ``UNIUN_SLOTS``, is the scheduler's: ``RuntimeConfig.slots``.)"""
+    ``engine``: one of ``ENGINES``. ``slots``: ``UNIUN_SLOTS`` as a count, or None for "auto". The
+    scheduler decides how many jobs a device runs (``RuntimeConfig.slots``); an engine that must
+    fix its batch when it starts (vLLM's ``max_num_seqs``) starts with this many."""
 
     dtype: str = "auto"
     threads: int | None = None
     kv_cache_mb: int | None = None
     kv_offload_mb: int | None = None
     max_memory: dict[str, str] | None = field(default=None, hash=False)
+    engine: str = ENGINES[0]
+    slots: int | None = None
 
     def __post_init__(self) -> None:
+        if self.engine not in ENGINES:
+            raise ValueError(f"engine must be one of {', '.join(ENGINES)}; got {self.engine!r}")
+        check_slot_count(self.slots)
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}; got {self.dtype!r}")
         if self.threads is not None and (
@@ -80,7 +91,11 @@ class EngineSettings:
                 check_max_memory(max_memory)
             except ValueError as error:
                 raise ValueError(f"{MAX_MEMORY_ENV}={raw!r}: {error}") from None
-        return cls(dtype, threads, kv_cache_mb, kv_offload_mb, max_memory)
+        engine = environ.get(ENGINE_ENV, "").strip() or ENGINES[0]
+        if engine not in ENGINES:
+            raise ValueError(f"{ENGINE_ENV}={engine!r} is not an engine; use one of {', '.join(ENGINES)}")
+        return cls(dtype, threads, kv_cache_mb, kv_offload_mb, max_memory, engine,
+                   parse_slots(environ.get(SLOTS_ENV, "")))
 
     def resolved_threads(self) -> int:
         """The thread count to give torch in this process."""

@@ -1,14 +1,15 @@
-"""The ModelActor: the one accelerator, as a thin Ray shell around `models.Engine`.
+"""The ModelActor: the one accelerator, as a thin Ray shell around an `engines.Engine`.
 
 It holds one model, loads and unloads it when the scheduler says so, and streams
-generations for whoever holds a live lease of one of its slots (SPEC §6): every job runs in
-the device's one decode loop (`models.loop.DecodeLoop`, one batched forward per step).
+generations for whoever holds a live lease of one of its slots (SPEC §6). What runs the
+forward passes is the engine's (SPEC §7: `UNIUN_ENGINE`, transformers by default, or vLLM);
+the actor drives it through the seam only and never asks which.
 Fencing: the scheduler announces each new lease epoch with `grant`, naming the epochs still
 live beside it; every other epoch is fenced, and `revoke` withdraws one. `generate` serves
-only live epochs, and a fence or revoke sets that job's cancel flag, which the batch reads
-before every step (so it stops within one token, or one prefill chunk) while the others go on.
+only live epochs, and a fence or revoke cancels that job in the engine, which stops it at its
+next step (within one token, or one prefill chunk) while the others go on.
 
-Blocking work (load, tokenizing a request, the decode loop) runs in threads so the actor's
+Blocking work (load, tokenizing a request, the engine's steps) runs in threads so the actor's
 event loop stays free to take a revoke while the device decodes.
 """
 from __future__ import annotations
@@ -21,12 +22,13 @@ import time
 from collections import deque
 from dataclasses import asdict
 
+from .. import engines
 from ..models.registry import prepared, resolve
 from ..models.request import GenerateRequest
 from ..models.settings import MAX_SLOTS, EngineSettings
 from .metrics import ModelMetrics
 from .placement import DEVICE_RESOURCE, assigned_resources, node_id, stand_ins_here
-from .protocol import LeaseRevoked
+from .protocol import DeviceLost, LeaseRevoked
 
 log = logging.getLogger(__name__)
 #: After a piece goes out, what the model makes in this long goes out as the next piece. Each
@@ -38,28 +40,23 @@ STREAM_INTERVAL_S = 0.02
 
 
 class ModelActor:
-    """``settings`` come from the process that starts the actor (``UNIUN_DTYPE``,
-    ``UNIUN_THREADS``). Unless ``UNIUN_THREADS`` fixes them, the engine measures the cores the
+    """``settings`` come from the process that starts the actor (``UNIUN_ENGINE``,
+    ``UNIUN_DTYPE``, ``UNIUN_THREADS``...). Unless ``UNIUN_THREADS`` fixes them, the engine measures the cores the
     actor's process may run on (not Ray's OMP_NUM_THREADS=1: the model is the only work of
     this device) against half of them and keeps the faster. N stand-in devices of one node
     (`uniun-ray up --devices N` on a CPU machine) share its cores: 1/N each at most, so that
     two devices running at once do not fight over every core."""
 
     def __init__(self, device: str = "cpu", settings: EngineSettings | None = None) -> None:
-        from ..models.engine import Engine  # torch: only in the actor's own process
-        from ..models.loop import DecodeLoop
-
         settings = settings or EngineSettings()
         budget = None
         if device == "cpu" and DEVICE_RESOURCE in assigned_resources():
             budget = max(1, settings.resolved_threads() // stand_ins_here())
-        self._engine = Engine(device=device, dtype=settings.dtype, num_threads=settings.threads, thread_budget=budget,
-                              kv_cache_mb=settings.kv_cache_mb, kv_offload_mb=settings.kv_offload_mb,
-                              max_memory=settings.max_memory)
+        self._engine = engines.create(settings, device, self._wake_threadsafe, budget)
         self._device = device
         self._epoch = 0                     # the newest epoch granted
         self._live: set[int] = {0}          # the epochs whose leases hold a slot
-        self._running: dict[int, threading.Event] = {}
+        self._running: dict[int, threading.Event] = {}   # epoch -> its stop flag (set: cancelled)
         self._streams: set[asyncio.Event] = set()   # one per running generation: woken after each step
         self._idle = asyncio.Event()
         self._idle.set()
@@ -67,7 +64,6 @@ class ModelActor:
         self._last_revoke: dict[int, float] = {}
         self.stop_latencies: deque[float] = deque(maxlen=1024)  # the latest; the histogram has all
         self._metrics = ModelMetrics()
-        self._decoder = DecodeLoop(self._engine, MAX_SLOTS, self._wake_threadsafe)   # the policy fills them
         self._loop: asyncio.AbstractEventLoop | None = None
         if os.nice(0) > 0:
             log.warning("this ModelActor runs at niceness %d (Ray's worker_niceness): every busy program of "
@@ -76,8 +72,8 @@ class ModelActor:
                         os.nice(0))
 
     def __repr__(self) -> str:
-        return (f"ModelActor(device={self._device}, loaded={self._engine.loaded}, epoch={self._epoch}, "
-                f"live={sorted(self._live)}, rows={self._decoder.rows})")
+        return (f"ModelActor(device={self._device}, engine={self._engine.name}, loaded={self._engine.loaded}, "
+                f"epoch={self._epoch}, live={sorted(self._live)}, generating={sorted(self._running)})")
 
     # -- swaps -----------------------------------------------------------------------------
     async def load(self, model_id: str) -> float:
@@ -104,9 +100,15 @@ class ModelActor:
             self.stop_latencies.clear()
 
     async def _drain(self) -> None:
-        for flag in self._running.values():
-            flag.set()
+        for epoch in list(self._running):
+            self._stop(epoch)
         await self._idle.wait()
+
+    def _stop(self, epoch: int) -> None:
+        """Cancel the job of `epoch` in the engine. The flag covers a job still starting (a
+        revoke that comes while `start` tokenizes): `generate` cancels it once started."""
+        self._running[epoch].set()
+        self._engine.cancel(epoch)
 
     # -- fencing ---------------------------------------------------------------------------
     async def grant(self, epoch: int, live: tuple[int, ...] = (), model: str | None = None) -> str | None:
@@ -114,13 +116,14 @@ class ModelActor:
         device, SPEC §6): a newer grant fences every epoch it does not name, and a generation
         still running under one stops at its next step. A grant older than the newest one seen
         arrived late: the newer one named it already. `model`: what the scheduler believes is
-        resident; a device that restarted holds nothing and loads it here, before any holder's
-        call runs (`generate` waits for a load). Returns the resident model."""
+        resident; a device that restarted (or whose engine lost its model: its server died)
+        holds nothing and loads it here, before any holder's call runs (`generate` waits for a
+        load). Returns the resident model."""
         if epoch > self._epoch:
             self._epoch, self._live = epoch, set(live) | {epoch}
-            for older, flag in self._running.items():
+            for older in list(self._running):
                 if older < epoch and older not in self._live:   # a newer one's grant is still coming
-                    flag.set()
+                    self._stop(older)
         if model is not None and self._engine.loaded != model:
             await self.load(model)
         return self._engine.loaded
@@ -135,16 +138,15 @@ class ModelActor:
 
     async def revoke(self, epoch: int) -> None:
         self._live.discard(epoch)
-        flag = self._running.get(epoch)
-        if flag is not None:
+        if epoch in self._running:
             self._last_revoke[epoch] = time.perf_counter()
-            flag.set()
+            self._stop(epoch)
 
     async def slots(self, setting: int | None = None) -> dict:
         """R25: the jobs the resident model may decode together here: `setting` (the
         scheduler's `UNIUN_SLOTS`) or, for None ("auto"), chosen from the step profile
         measured at load; and that profile (seconds per step by batch size: the policy's R23
-        input). A model that cannot be batched gets 1."""
+        input). Never more than the engine can run together (a model that cannot be batched: 1)."""
         return await asyncio.to_thread(self._slot_plan, setting)
 
     def _slot_plan(self, setting: int | None) -> dict:
@@ -152,16 +154,14 @@ class ModelActor:
 
         profile = self._engine.step_profile()
         chosen = setting or auto_slots(profile, limit=MAX_SLOTS)
-        return {"slots": min(chosen, self._decoder.capacity), "step_profile": profile, "auto": setting is None}
+        return {"slots": min(chosen, self._engine.capacity), "step_profile": profile, "auto": setting is None}
 
     # -- work ------------------------------------------------------------------------------
     async def check(self, model_id: str, request: GenerateRequest) -> int:
         """Validate a request against a model without loading its weights (tokenizer and
-        config only): prompt too long, messages to a model without a chat template... Returns
-        the prompt's token count. Clients call this before queueing."""
-        from ..models.vocabulary import inspect_request
-
-        return await asyncio.to_thread(inspect_request, resolve(model_id), request)
+        config only): prompt too long, messages to a model without a chat template, what the
+        engine cannot follow... Returns the prompt's token count. Clients call this before queueing."""
+        return await asyncio.to_thread(self._engine.check, model_id, request)
 
     async def prepare(self, model_id: str) -> bool:
         """Whether the model's weights are ready here; if not, their one-time conversion starts
@@ -171,9 +171,10 @@ class ModelActor:
     async def generate(self, epoch: int, request: GenerateRequest, revocable: bool = True):
         """Stream {"piece": text, "tokens": n} items (n: the run's tokens streamed so far, text
         being a batch of them), then one {"result": ...}. Call with
-        `.options(num_returns="streaming")`. The run joins the device's decode loop at its
-        next step. `revocable=False` (a chat lease: only its own cancel stops it) reads the
-        prompt in long chunks (see `Batch`)."""
+        `.options(num_returns="streaming")`. The run joins the engine's batch at its next
+        step. `revocable=False` (a chat lease: only its own cancel stops it) lets the engine
+        read the prompt in long chunks. DeviceLost when the engine lost its model under the
+        job (its server died): the client re-queues the job, and the next grant reloads."""
         if not self._admits(epoch):
             raise LeaseRevoked(f"lease epoch {epoch} is not live (newest {self._epoch}, live {sorted(self._live)})")
         if self._swap_lock.locked():   # a load under way (a grant's, after a restart): the run needs its model
@@ -184,55 +185,63 @@ class ModelActor:
         self._running[epoch] = flag
         self._streams.add(stepped)
         self._idle.clear()
-        job = None
+        run = None
         try:
-            job = await asyncio.to_thread(self._decoder.add, request, flag, revocable)
-            async for item in self._stream(job, stepped):
+            run = await asyncio.to_thread(self._engine.start, epoch, request, revocable)
+            if flag.is_set():   # revoked while it started
+                self._engine.cancel(epoch)
+            async for item in self._stream(run, stepped):
                 yield item
-            yield {"result": self._result(epoch, job)}
+            result = self._result(epoch, run)
+            await asyncio.to_thread(self._observe_kv_cache)   # an engine's status may ask its server
+            yield {"result": result}
         finally:
-            flag.set()  # a consumer that went away stops the run at the next step
-            while job is not None and not job.done.is_set():
+            self._engine.cancel(epoch)  # a consumer that went away stops the run at the next step
+            while run is not None and not run.done.is_set():
                 stepped.clear()
-                if not job.done.is_set():
+                if not run.done.is_set():
                     await stepped.wait()
             self._streams.discard(stepped)
             del self._running[epoch]
             if not self._running:
                 self._idle.set()
 
-    async def _stream(self, job, stepped: asyncio.Event):
-        """The job's pieces as the loop steps: what piled up since the last item goes as one
+    async def _stream(self, run, stepped: asyncio.Event):
+        """The job's pieces as the engine steps: what piled up since the last item goes as one
         (a fast model outruns a per-token Ray stream; the first token still goes at once)."""
         while True:
             stepped.clear()               # a step that ends after this wakes the wait below
-            ended = job.done.is_set()     # read before the pieces: every piece is out once it is set
-            pieces = job.take()
-            if pieces:
-                yield {"piece": "".join(pieces), "tokens": job.sequence.emitted_tokens}
+            ended = run.done.is_set()     # read before the pieces: every piece is out once it is set
+            text, tokens = run.take()
+            if text:
+                yield {"piece": text, "tokens": tokens}
             if ended:
                 return
-            if pieces:
+            if text:
                 await asyncio.sleep(STREAM_INTERVAL_S)
             else:
                 await stepped.wait()
 
-    def _result(self, epoch: int, job) -> dict:
-        result = asdict(job.result)
-        if result["finish_reason"] == "error" and self._decoder.failure is not None:
-            raise RuntimeError(f"the model failed: {self._decoder.failure!r}") from self._decoder.failure
+    def _result(self, epoch: int, run) -> dict:
+        result = asdict(run.result)
+        if result["finish_reason"] == "error":
+            if self._engine.loaded is None:
+                raise DeviceLost(f"the {self._engine.name} engine lost its model: {run.failure!r}") from run.failure
+            raise RuntimeError(f"the model failed: {run.failure!r}") from run.failure
         revoked_at = self._last_revoke.pop(epoch, None)
         if revoked_at is not None:
             result["stop_latency_s"] = time.perf_counter() - revoked_at
             self.stop_latencies.append(result["stop_latency_s"])
             self._metrics.stop.observe(result["stop_latency_s"], tags={"model": str(self._engine.loaded)})
-        described = self._engine.describe()
-        if "kv_cache" in described:
-            self._metrics.kv_cache(described["model"], described["kv_cache"])
         return result
 
+    def _observe_kv_cache(self) -> None:
+        described = self._engine.status()
+        if "kv_cache" in described:
+            self._metrics.kv_cache(described["model"], described["kv_cache"])
+
     def _wake_threadsafe(self) -> None:
-        """After each step of the decode loop (its thread): wake every stream."""
+        """From the engine's threads, after any job stepped or ended: wake every stream."""
         loop = self._loop
         if loop is not None and not loop.is_closed():
             loop.call_soon_threadsafe(self._wake)
@@ -242,11 +251,11 @@ class ModelActor:
             stepped.set()
 
     async def state(self) -> dict:
+        engine = await asyncio.to_thread(self._engine.status)   # it may ask the engine's server
         return {"device": self._device, "loaded": self._engine.loaded, "epoch": self._epoch,
                 "live": sorted(self._live), "generating": sorted(self._running),
-                "slots": {"rows": self._decoder.rows,
-                          "steps_by_batch": dict(sorted(self._decoder.batch_sizes.items()))},
-                "context_length": self._engine.context_length,
-                "engine": self._engine.describe() | {"niceness": os.nice(0)},   # its threads run at it
+                "slots": {"rows": engine["running"], "steps_by_batch": engine.get("steps_by_batch", {})},
+                "context_length": engine.get("context_length"),
+                "engine": engine | {"niceness": os.nice(0)},   # its threads run at it
                 "ray_resources": assigned_resources(), "node": node_id(),
                 "stop_latency_s": list(self.stop_latencies)}
