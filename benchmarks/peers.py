@@ -118,7 +118,9 @@ def llama_cpp(logs: Path) -> ContextManager[str]:
     spec, port = resolve(CHAT), free_port()
     command = [str(python), "-m", "llama_cpp.server", "--model", str(Path(spec.source) / spec.gguf_file),
                "--model_alias", CHAT, "--host", "127.0.0.1", "--port", str(port), "--n_ctx", "4096",
-               "--n_threads", str(os.cpu_count())]
+               "--n_threads", str(os.cpu_count()),
+               # FIFO: by default a new request interrupts the one streaming (its stream just ends)
+               "--interrupt_requests", "False"]
     return child("llama-cpp", command, port, logs, health="/v1/models")
 
 
@@ -176,7 +178,7 @@ def measure(url: str, peer: Peer, args, count: Callable[[str], int]) -> dict:
 
 
 def record_rows(rows: list[dict], args) -> Record:
-    record = Record("peers", note=f"issue-118 over HTTP on {CHAT}: {args.streams} background streams of "
+    record = Record("peers", name=args.record, note=f"issue-118 over HTTP on {CHAT}: {args.streams} background streams of "
                                   f"{args.background_tokens} tokens, a chat of {args.chat_tokens} every "
                                   f"{args.chat_every:g} s, {args.duration:g} s; each engine alone, one after "
                                   f"the other, in one run")
@@ -232,6 +234,7 @@ def main() -> None:
     ap.add_argument("--chat-tokens", type=int, default=16)
     ap.add_argument("--background-tokens", type=int, default=256)
     ap.add_argument("--dry", action="store_true", help="print only; record nothing")
+    ap.add_argument("--record", default="peers", help="the record's name (benchmarks/results/NAME.json)")
     args = ap.parse_args()
 
     from transformers import AutoTokenizer
