@@ -480,6 +480,7 @@ def test_a_newer_grant_stops_a_generation_still_running_under_an_older_lease(mon
     from uniun_ray.runtime.model_actor import ModelActor
 
     monkeypatch.setattr(model_actor, "STREAM_INTERVAL_S", 0.0)   # every token as it comes
+    monkeypatch.setattr(model_actor, "BACKGROUND_STREAM_INTERVAL_S", 0.0)
     async def go():
         model = ModelActor("cpu", EngineSettings(threads=1))
         await model.load("tiny")

@@ -37,6 +37,9 @@ log = logging.getLogger(__name__)
 #: the bare engine's time. 50 pieces a second is still smooth to read; the first token is
 #: not delayed. (vLLM's ``stream_interval`` is the same idea, counted in tokens.)
 STREAM_INTERVAL_S = 0.02
+#: The same for background runs (revocable): nobody reads them token by token, and on a small
+#: host every stream item (Ray's stream, then HTTP's) takes CPU from the batch they decode in.
+BACKGROUND_STREAM_INTERVAL_S = 0.25
 
 
 class ModelActor:
@@ -190,7 +193,8 @@ class ModelActor:
             run = await asyncio.to_thread(self._engine.start, epoch, request, revocable)
             if flag.is_set():   # revoked while it started
                 self._engine.cancel(epoch)
-            async for item in self._stream(run, stepped):
+            async for item in self._stream(run, stepped, STREAM_INTERVAL_S if not revocable else
+                                           BACKGROUND_STREAM_INTERVAL_S):
                 yield item
             result = self._result(epoch, run)
             await asyncio.to_thread(self._observe_kv_cache)   # an engine's status may ask its server
@@ -206,7 +210,7 @@ class ModelActor:
             if not self._running:
                 self._idle.set()
 
-    async def _stream(self, run, stepped: asyncio.Event):
+    async def _stream(self, run, stepped: asyncio.Event, interval: float):
         """The job's pieces as the engine steps: what piled up since the last item goes as one
         (a fast model outruns a per-token Ray stream; the first token still goes at once)."""
         while True:
@@ -218,7 +222,7 @@ class ModelActor:
             if ended:
                 return
             if text:
-                await asyncio.sleep(STREAM_INTERVAL_S)
+                await asyncio.sleep(interval)
             else:
                 await stepped.wait()
 
