@@ -201,14 +201,18 @@ class ModelActor:
             yield {"result": result}
         finally:
             self._engine.cancel(epoch)  # a consumer that went away stops the run at the next step
-            while run is not None and not run.done.is_set():
-                stepped.clear()
-                if not run.done.is_set():
-                    await stepped.wait()
-            self._streams.discard(stepped)
-            del self._running[epoch]
-            if not self._running:
-                self._idle.set()
+            # shielded: a second cancel of this call (its caller going away again) must not leave
+            # the run counted as running for ever (a later load would wait for it)
+            await asyncio.shield(asyncio.ensure_future(self._forget(epoch, run, stepped)))
+
+    async def _forget(self, epoch: int, run, stepped: asyncio.Event) -> None:
+        """Once the run has stopped: the device no longer counts it (`_drain`, `state`)."""
+        if run is not None:
+            await _ended(run, stepped)
+        self._streams.discard(stepped)
+        del self._running[epoch]
+        if not self._running:
+            self._idle.set()
 
     async def _stream(self, run, stepped: asyncio.Event, interval: float):
         """The job's pieces as the engine steps: what piled up since the last item goes as one
@@ -222,9 +226,18 @@ class ModelActor:
             if ended:
                 return
             if text:
-                await asyncio.sleep(interval)
+                await self._pause(run, stepped, interval)
             else:
                 await stepped.wait()
+
+    @staticmethod
+    async def _pause(run, stepped: asyncio.Event, interval: float) -> None:
+        """Let pieces pile up for `interval`, but no longer than the run lasts: a run that ends
+        (a revoke, its last token) frees its slot's bookkeeping at once."""
+        try:
+            await asyncio.wait_for(_ended(run, stepped), interval)
+        except asyncio.TimeoutError:
+            pass
 
     def _result(self, epoch: int, run) -> dict:
         result = asdict(run.result)
@@ -263,3 +276,11 @@ class ModelActor:
                 "engine": engine | {"niceness": os.nice(0)},   # its threads run at it
                 "ray_resources": assigned_resources(), "node": node_id(),
                 "stop_latency_s": list(self.stop_latencies)}
+
+
+async def _ended(run, stepped: asyncio.Event) -> None:
+    """Until the run is done (woken by the engine after each step)."""
+    while not run.done.is_set():
+        stepped.clear()
+        if not run.done.is_set():
+            await stepped.wait()
