@@ -703,6 +703,34 @@ def test_engine_arguments_are_checked():
             Engine(device="cuda")
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_packed_linear_layer_computes_what_the_plain_one_does(dtype):
+    from torch import nn
+    from uniun_ray.models import packing
+
+    if not packing.available(torch.device("cpu")):
+        pytest.skip("this torch build has no oneDNN")
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 96), nn.Sequential(nn.Linear(96, 80, bias=False))).to(dtype)
+    x = torch.randn(4, 3, 64, dtype=dtype)
+    with torch.inference_mode():
+        plain = model(x)
+        assert packing.pack(model) == 2 and packing.packed(model)
+        assert not any(isinstance(module, nn.Linear) for module in model.modules())
+        torch.testing.assert_close(model(x), plain)
+
+
+def test_the_engine_packs_its_linear_layers_on_cpu_and_says_so(engine):
+    from uniun_ray.models import packing
+
+    described = engine.describe()
+    if DEVICE != "cpu" or not packing.available(torch.device("cpu")):
+        assert described["packed_linears"] == 0
+        return
+    linears = sum(isinstance(module, packing.PackedLinear) for module in engine._loaded.model.modules())
+    assert described["packed_linears"] == linears > 0
+
+
 # -- the default chat model -------------------------------------------------------------------
 
 

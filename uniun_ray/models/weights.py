@@ -3,6 +3,7 @@
 * The dtype: bfloat16 as converted (float16 on GPUs without bf16); on CPU, "auto" measures it
   against float32, once per host and model (cached), and keeps the faster.
 * torch's threads: on CPU, every core of the budget against half of them, unless fixed.
+* On CPU, linear weights packed once for oneDNN's kernels (``packing``).
 * Placement: all on the device, or where accelerate fits the weights in ``max_memory``.
 * The step clock that sizes prefill chunks by the time they take here (``tuning.StepClock``).
 * The step profile per batch size (``steps``), measured with the dtype and threads kept.
@@ -17,6 +18,7 @@ from typing import Any
 
 import torch
 
+from . import packing
 from .gate import LayerGate, layer_gate
 from .kvcache import PrefixCache
 from .registry import cache_dir
@@ -71,6 +73,7 @@ class Loaded:
     probe_key: str = ""                 # where the probe is cached
     prefix: PrefixCache = field(default_factory=lambda: PrefixCache(0))
     gate: LayerGate | None = None
+    packed: int = 0                     # linear layers packed for oneDNN (``packing``)
 
 
 class Weights:
@@ -119,6 +122,7 @@ class Weights:
         placement = getattr(loaded.model, "hf_device_map", None)
         probe = loaded.probe
         return described | {"model": loaded.vocabulary.model_id, "dtype": loaded.dtype, "placement": placement,
+                            "packed_linears": loaded.packed,
                             "measured": [dataclasses.asdict(speed) for speed in probe.speeds],
                             "probe": probe.taken.describe() | {"step_profile": probe.steps,
                                                                "slots_auto": auto_slots(probe.steps)}}
@@ -178,6 +182,7 @@ class Weights:
         best = fastest(probe.speeds)
         _cast(loaded, best.dtype)
         torch.set_num_threads(best.threads)
+        self._pack(loaded)
         steps = GATED_CHUNK_DECODE_STEPS if loaded.gate is not None else CHUNK_DECODE_STEPS
         loaded.probe, loaded.clock, loaded.probe_key = probe, StepClock(best, steps), key
 
@@ -198,9 +203,17 @@ class Weights:
         best = fastest(speeds)
         _cast(loaded, best.dtype)
         torch.set_num_threads(best.threads)
+        self._pack(loaded)
         sizes = batch_sizes(self.device) if batchable(loaded.model) else (1,)
         steps = measure_profile(loaded.model, loaded.cache_arg, loaded.forward_kwargs, vocab_size, self.device, sizes)
         return Probe(speeds, steps, watch.stop())
+
+    def _pack(self, loaded: Loaded) -> None:
+        """Pack the linear layers in the dtype kept, once: the step profile is measured on the
+        packed model, as it will run. The dtype candidates are timed unpacked (packing is for
+        good): packing sped up both dtypes on the hosts measured."""
+        if not loaded.packed and self.max_memory is None and packing.available(self.device):
+            loaded.packed = packing.pack(loaded.model)
 
     def revise(self, loaded: Loaded) -> None:
         """Where the decode steps seen since the load clearly beat the probe's (it was taken while
@@ -234,8 +247,9 @@ def _synced(step: tuple[torch.Tensor, Any]) -> tuple[torch.Tensor, Any]:
 
 def _cast(loaded: Loaded, dtype: str) -> None:
     """bf16 -> float32 -> bf16 is exact (every bf16 value is a float32), so trying float32
-    and going back costs no accuracy."""
+    and going back costs no accuracy. Packed weights (``packing``) keep their dtype for good."""
     if loaded.dtype != dtype:
+        assert not loaded.packed, "a packed model keeps its dtype"
         loaded.model.to(getattr(torch, dtype))
         loaded.dtype = dtype
 
