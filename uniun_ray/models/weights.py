@@ -174,6 +174,8 @@ class Weights:
                    else thread_options(self.thread_budget))
         candidates = [(dtype, n) for dtype in dtypes for n in threads]
         key = f"{host_signature()}|{folder}|{'+'.join(dtypes)}|threads {'+'.join(map(str, threads))}"
+        if self._packs():   # the step profile was measured on packed weights: not a plain model's
+            key += "|packed"
         probe = self._probes.get(key)
         if (probe is None or sorted((s.dtype, s.threads) for s in probe.speeds) != sorted(candidates)
                 or probe.provisional and quiet(max(threads))):
@@ -212,8 +214,11 @@ class Weights:
         """Pack the linear layers in the dtype kept, once: the step profile is measured on the
         packed model, as it will run. The dtype candidates are timed unpacked (packing is for
         good): packing sped up both dtypes on the hosts measured."""
-        if not loaded.packed and self.max_memory is None and packing.available(self.device):
+        if not loaded.packed and self._packs():
             loaded.packed = packing.pack(loaded.model)
+
+    def _packs(self) -> bool:
+        return self.max_memory is None and packing.available(self.device)
 
     def revise(self, loaded: Loaded) -> None:
         """Where the decode steps seen since the load clearly beat the probe's (it was taken while
