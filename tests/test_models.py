@@ -715,9 +715,14 @@ def test_a_packed_linear_layer_computes_what_the_plain_one_does(dtype):
     x = torch.randn(4, 3, 64, dtype=dtype)
     with torch.inference_mode():
         plain = model(x)
-        assert packing.pack(model) == 2 and packing.packed(model)
+        assert packing.pack(model, keep_plain=True) == 2 and packing.packed(model)
         assert not any(isinstance(module, nn.Linear) for module in model.modules())
         torch.testing.assert_close(model(x), plain)
+        packing.unpack(model)       # as the probe does between the dtypes it tries
+        assert not packing.packed(model) and torch.equal(model(x), plain)
+        packing.pack(model)
+        with pytest.raises(AssertionError, match="for good"):
+            packing.unpack(model)
 
 
 def test_the_engine_packs_its_linear_layers_on_cpu_and_says_so(engine):

@@ -30,8 +30,9 @@ class PackedLinear(nn.Module):
     the packed weight is an opaque tensor that ``Module.to`` must not try to cast, so a packed
     model keeps its dtype for good."""
 
-    def __init__(self, linear: nn.Linear) -> None:
+    def __init__(self, linear: nn.Linear, keep_plain: bool = False) -> None:
         super().__init__()
+        self.plain = linear if keep_plain else None     # for ``unpack``: a probe packs each dtype it tries
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.dtype = linear.weight.dtype
         with torch.no_grad():
@@ -45,18 +46,28 @@ class PackedLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, packed {self.dtype}"
 
 
-def pack(model: Any) -> int:
+def pack(model: Any, keep_plain: bool = False) -> int:
     """Swap every ``nn.Linear`` of ``model`` for a ``PackedLinear``; how many were swapped (0 when
-    accelerate's hooks place its modules: they would move weights the packed layer no longer has)."""
+    accelerate's hooks place its modules: they would move weights the packed layer no longer has).
+    ``keep_plain`` keeps the plain layers beside the packed ones, for ``unpack``."""
     if any(hasattr(module, "_hf_hook") for module in model.modules()):
         return 0
     swapped = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if type(child) is nn.Linear:
-                setattr(parent, name, PackedLinear(child))
+                setattr(parent, name, PackedLinear(child, keep_plain))
                 swapped += 1
     return swapped
+
+
+def unpack(model: Any) -> None:
+    """Put back the plain layers that ``pack(keep_plain=True)`` kept."""
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, PackedLinear):
+                assert child.plain is not None, "packed for good: the plain weights are gone"
+                setattr(parent, name, child.plain)
 
 
 def packed(model: Any) -> bool:
