@@ -32,7 +32,8 @@ class PackedLinear(nn.Module):
 
     def __init__(self, linear: nn.Linear, keep_plain: bool = False) -> None:
         super().__init__()
-        self.plain = linear if keep_plain else None     # for ``unpack``: a probe packs each dtype it tries
+        # For ``unpack`` (a probe packs each dtype it tries); not a submodule: the model has one layer here.
+        object.__setattr__(self, "plain", linear if keep_plain else None)
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.dtype = linear.weight.dtype
         with torch.no_grad():
