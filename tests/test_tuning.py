@@ -177,3 +177,76 @@ def test_max_memory_comes_from_the_environment_as_device_size_pairs():
         EngineSettings.from_env({"UNIUN_MAX_MEMORY": "6GiB"})
     with pytest.raises(ValueError, match=r"UNIUN_MAX_MEMORY='cpu=huge': max_memory: size 'huge'"):
         EngineSettings.from_env({"UNIUN_MAX_MEMORY": "cpu=huge"})
+
+
+# -- the decode loop's threads while it serves (cores) -------------------------------------------
+
+
+def test_the_loop_leaves_a_core_for_each_core_the_others_keep_busy():
+    from uniun_ray.models.cores import threads_for
+
+    assert threads_for(2, 0.0) == threads_for(2, 0.1) == 2     # Ray's daemons alone: every thread
+    assert threads_for(2, 0.3) == threads_for(2, 1.5) == 1     # never fewer than one
+    assert threads_for(16, 0.3) == 15 and threads_for(16, 2.05) == 14
+
+
+def test_the_loop_changes_its_threads_only_when_two_windows_agree(monkeypatch):
+    from uniun_ray.models import cores
+
+    clock = {"wall": 0.0, "busy": 0.0, "own": 0.0}
+    monkeypatch.setattr(cores.time, "perf_counter", lambda: clock["wall"])
+    monkeypatch.setattr(cores.time, "process_time", lambda: clock["own"])
+    monkeypatch.setattr(cores, "busy_seconds", lambda cpus: clock["busy"])
+    threads = {"n": 0}
+    monkeypatch.setattr(cores.torch, "set_num_threads", lambda n: threads.update(n=n))
+
+    def window(others: float, own: float = 1.9) -> int:
+        clock["wall"] += cores.WINDOW_S
+        clock["own"] += own * cores.WINDOW_S
+        clock["busy"] += (own + others) * cores.WINDOW_S
+        share.after_step()
+        return threads["n"]
+
+    share = cores.CoreShare(most=2, fixed=False)
+    share.enter()                                              # a new thread starts from Ray's 1
+    assert threads["n"] == 2
+    assert [window(0.05), window(0.4), window(0.05), window(0.4), window(0.4)] == [2, 2, 2, 2, 1]
+    assert share.describe() == {"threads": 1, "threads_most": 2, "others_cores": 0.4}
+    assert [window(0.0), window(0.0)] == [1, 2]                # quiet again: every thread back
+    share = cores.CoreShare(most=2, fixed=True)                # UNIUN_THREADS: left alone
+    share.enter()
+    assert [window(0.9), window(0.9)] == [2, 2]
+
+
+def test_the_loops_own_thread_runs_openmp_kernels_with_the_loops_threads():
+    """oneDNN and MKL read OpenMP's per-thread setting: a new thread starts from Ray's
+    OMP_NUM_THREADS=1, whatever the loading thread set (``cores.CoreShare.enter``)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import torch
+
+    gomp = Path(torch.__file__).parent / "lib" / "libgomp.so.1"
+    if not gomp.exists():
+        pytest.skip("this torch build does not run on GNU OpenMP")
+    code = f"""
+import ctypes, threading, torch
+from uniun_ray.models.cores import CoreShare
+gomp = ctypes.CDLL({str(gomp)!r})
+torch.set_num_threads(2)
+seen = []
+def loop(share):
+    if share is not None:
+        share.enter()
+    seen.append(gomp.omp_get_max_threads())
+for share in (None, CoreShare(2, fixed=False)):
+    thread = threading.Thread(target=loop, args=(share,))
+    thread.start()
+    thread.join()
+print(seen)
+"""
+    out = subprocess.run([sys.executable, "-c", code], env=os.environ | {"OMP_NUM_THREADS": "1"},
+                         capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[1, 2]"

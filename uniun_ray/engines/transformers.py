@@ -95,4 +95,4 @@ class TransformersEngine:
         return self.model.describe() | {
             "engine": self.name, "model": self.model.loaded, "running": self._loop.rows,
             "context_length": self.model.context_length,
-            "steps_by_batch": dict(sorted(self._loop.batch_sizes.items()))}
+            "steps_by_batch": dict(sorted(self._loop.batch_sizes.items()))} | self._loop.describe()

@@ -54,16 +54,16 @@ class Watch:
     threads: start it before the probe, ``stop()`` after."""
 
     def __init__(self, threads: int) -> None:
-        self.cpus = _cpus()
+        self.cpus = cpus()
         self.threads = max(1, min(threads, len(self.cpus)))
         self._at = datetime.now(timezone.utc)
         self._load = os.getloadavg()[0]
-        self._wall, self._own, self._busy = time.perf_counter(), time.process_time(), _busy_seconds(self.cpus)
+        self._wall, self._own, self._busy = time.perf_counter(), time.process_time(), busy_seconds(self.cpus)
 
     def stop(self) -> Taken:
         wall = time.perf_counter() - self._wall
         own = time.process_time() - self._own
-        busy = _busy_seconds(self.cpus) - self._busy
+        busy = busy_seconds(self.cpus) - self._busy
         share = others_share(busy - own, wall, len(self.cpus), self.threads)
         return Taken(self._at.isoformat(timespec="seconds"), wall, share, (self._load, os.getloadavg()[0]),
                      share > BUSY_SHARE)
@@ -86,7 +86,7 @@ def others_share(others_s: float, wall_s: float, cpus: int, threads: int) -> flo
     return min(1.0, max(0.0, on_ours / threads))
 
 
-def _cpus() -> list[int]:
+def cpus() -> list[int]:
     """The CPUs this process may run on (all of them where the OS cannot say)."""
     try:
         return sorted(os.sched_getaffinity(0))
@@ -94,7 +94,7 @@ def _cpus() -> list[int]:
         return list(range(psutil.cpu_count() or 1))
 
 
-def _busy_seconds(cpus: list[int]) -> float:
+def busy_seconds(cpus: list[int]) -> float:
     """CPU seconds spent on ``cpus`` since boot by anything but the idle task (iowait is idle)."""
     times = psutil.cpu_times(percpu=True)
     return sum(_busy(times[cpu]) for cpu in cpus if cpu < len(times))

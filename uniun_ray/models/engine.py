@@ -137,6 +137,11 @@ class Engine:
         return dict(loaded.probe.steps)
 
     @property
+    def threads_fixed(self) -> bool:
+        """Whether the user fixed torch's threads (``UNIUN_THREADS``): nothing changes them then."""
+        return self._weights.threads_fixed
+
+    @property
     def thread_budget(self) -> int:
         """The most intra-op threads torch may use here (see ``weights.Weights``)."""
         return self._weights.thread_budget

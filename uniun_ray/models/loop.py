@@ -14,7 +14,10 @@ import threading
 from collections import Counter
 from typing import Callable
 
+import torch
+
 from .batch import Batch, Job
+from .cores import CoreShare
 from .engine import Engine
 from .gate import CancelFlag
 from .request import GenerateRequest
@@ -26,6 +29,7 @@ class DecodeLoop:
     def __init__(self, engine: Engine, slots: int, wake: Callable[[], None]) -> None:
         self._engine, self._slots, self._wake = engine, slots, wake
         self._batch: Batch | None = None
+        self._cores: CoreShare | None = None
         self._lock = threading.Lock()
         self._stepping = False
         self.failure: BaseException | None = None
@@ -35,6 +39,10 @@ class DecodeLoop:
     def rows(self) -> int:
         batch = self._batch
         return batch.rows if batch is not None else 0
+
+    def describe(self) -> dict:
+        """The threads the loop runs with and why (``cores``)."""
+        return self._cores.describe() if self._cores is not None else {}
 
     @property
     def capacity(self) -> int:
@@ -57,9 +65,12 @@ class DecodeLoop:
         with self._lock:
             if self._batch is None or self._batch.loaded is not self._engine._loaded:
                 self._batch = Batch(self._engine, self._slots, first_token=self._wake)
+                # the probe of this load just set torch's threads: the most the loop may run
+                self._cores = CoreShare(torch.get_num_threads(), self._engine.threads_fixed)
             return self._batch
 
     def _run(self, batch: Batch) -> None:
+        self._cores.enter()
         try:
             while True:
                 with self._lock:  # an `add` after this look starts a new thread
@@ -67,6 +78,7 @@ class DecodeLoop:
                         self._stepping = False
                         return
                 batch.step()
+                self._cores.after_step()
                 if batch.last_step_rows:
                     self.batch_sizes[batch.last_step_rows] += 1
                 self._wake()
