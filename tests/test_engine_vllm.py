@@ -226,6 +226,19 @@ def test_the_engine_is_an_engine_and_refuses_bad_input_without_a_server():
         engine.start("j", GenerateRequest(prompt="hi"))
 
 
+def test_the_kv_usage_status_shows_is_read_from_the_server_at_most_once_a_second(monkeypatch):
+    """`status` follows every job: each read of /metrics would cost the server's event loop."""
+    from uniun_ray.engines import vllm
+
+    reads = []
+    monkeypatch.setattr(vllm, "_metric", lambda url, name: reads.append(url) or 0.25)
+    engine = VllmEngine(slots=2)
+    engine._servers, engine._loaded = {CHAT: type("Up", (), {"url": "http://x:1", "alive": lambda self: True})()}, CHAT
+    assert [engine._kv_usage() for _ in range(3)] == [0.25] * 3 and reads == ["http://x:1"]
+    engine._kv_read = (time.monotonic() - vllm.KV_READ_EVERY_S, 0.5)   # a second later
+    assert engine._kv_usage() == 0.25 and len(reads) == 2
+
+
 PARENT = """
 import sys, time
 from uniun_ray.engines.server import ChildServer, free_port

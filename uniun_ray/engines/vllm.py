@@ -285,6 +285,11 @@ class VllmRun:
 #: then picks up to this many (R25). On CPU more than 8 rows gain little and each row's KV takes
 #: the small CPU cache; a GPU runs small models at 64 rows with room to spare.
 AUTO_SLOTS = {"cpu": 8, "cuda": 64}
+#: `status` is asked after every job (the ModelActor looks for a KV report) and by the page; the
+#: KV usage it shows comes from the server's /metrics, a page of every vLLM metric rendered on
+#: the server's event loop beside the token streams (~10 ms on a busy 2-core host): read at
+#: most this often.
+KV_READ_EVERY_S = 1.0
 
 
 class VllmEngine:
@@ -307,6 +312,7 @@ class VllmEngine:
         self._runs: dict[Hashable, VllmRun] = {}
         self._lock = threading.Lock()
         self._profile: dict[int, float] = {}
+        self._kv_read: tuple[float, float | None] = (-KV_READ_EVERY_S, None)   # (when, usage)
 
     @property
     def loaded(self) -> str | None:
@@ -337,6 +343,7 @@ class VllmEngine:
             server.start(self.start_timeout_s)
         self._servers[model_id], self._loaded = server, model_id
         self._defaults, self._profile = generation_defaults(folder), {}
+        self._kv_read = (-KV_READ_EVERY_S, None)
         return time.perf_counter() - started
 
     def unload(self) -> float:
@@ -389,12 +396,18 @@ class VllmEngine:
         server = self.server
         return {"engine": self.name, "model": self.loaded, "dtype": self.dtype, "slots": self.slots,
                 "threads": self.threads or "vLLM auto", "kv_cache_gib": self.kv_gib, "running": len(self._runs),
-                "kv_usage": _metric(server.url, "vllm:kv_cache_usage_perc") if self.loaded else None,
+                "kv_usage": self._kv_usage() if self.loaded else None,
                 "sleep_mode": self.sleep_mode, "step_profile": dict(self._profile),
                 "server": server.url if server else None,
                 "server_pid": server.process.pid if server and server.process else None}
 
     # -- internals --
+    def _kv_usage(self) -> float | None:
+        now = time.monotonic()
+        if now - self._kv_read[0] >= KV_READ_EVERY_S:
+            self._kv_read = (now, _metric(self.server.url, "vllm:kv_cache_usage_perc"))
+        return self._kv_read[1]
+
     def _new_server(self, model_id: str, folder: Path) -> ChildServer:
         port = free_port()
         extra = ("--logits-processors", GRAMMAR) + (("--enable-sleep-mode",) if self.sleep_mode else ())
