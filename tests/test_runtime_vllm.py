@@ -156,6 +156,36 @@ def test_a_client_that_disconnects_over_http_frees_its_slot(vllm_runtime):
     print(f"\nHTTP disconnect to revoke: {mine[-2]['t'] - closed:.2f} s")
 
 
+#: A schema whose JSON takes ~80 tokens to write (the chat model puts newlines around its items, as
+#: the grammar allows), so that a chat can cut in half way.
+COLOURS = {"type": "array", "items": {"type": "string", "enum": ["red", "green", "blue"]}, "minItems": 12,
+           "maxItems": 12}
+
+
+def test_a_json_schema_job_revoked_half_way_resumes_inside_its_json(vllm_runtime):
+    """The server's grammar (the engine's logits processor) follows the schema, and a resumed
+    request feeds its resumed ids to the grammar first: the JSON goes on where it was cut, so
+    the whole is valid. Both slots busy, the JSON job dispatched last: the chat revokes it (R18:
+    same tier, the most recently dispatched)."""
+    async def go():
+        other = asyncio.ensure_future(agenerate("gana", COUNTING, model_id=CHAT, producer="gana:O",
+                                                max_new_tokens=LONG))
+        await until(lambda: _running(1), "the first job on the device")
+        colours = asyncio.ensure_future(agenerate("gana", "Twelve colours as a JSON list:", model_id=CHAT,
+                                                  producer="gana:J", max_new_tokens=400, json_schema=COLOURS))
+        await until(lambda: _running(2), "the JSON job beside it")
+        await asyncio.sleep(2.0)   # some of the JSON written
+        await agenerate("chat", "Say hi.", model_id=CHAT, max_new_tokens=4)
+        return await colours, await other
+    colours, _ = asyncio.run(go())
+    print(f"\nJSON job on vLLM: {colours.revokes} revoke(s), {colours.tokens} tokens: {colours.text[:80]}...")
+    assert colours.revokes == 1 and len(colours.prefills) == 2
+    assert colours.prefills[1]["prompt_tokens"] > colours.prefills[0]["prompt_tokens"]   # cut inside its JSON
+    assert colours.finish_reason == "eos"
+    values = json.loads(colours.text)
+    assert len(values) == 12 and set(values) <= {"red", "green", "blue"}
+
+
 def test_a_killed_engine_requeues_its_job_which_completes_on_a_new_server(vllm_runtime):
     """Last: the server is killed under a job; the ModelActor reports the device lost, the job
     is re-queued, the next grant starts a new server (minutes on CPU) and the job completes."""
