@@ -283,3 +283,22 @@ def test_a_chat_joins_before_older_joiners_and_a_revoked_joiner_leaves_at_the_ne
     assert not any(job.sequence.first_token_at for job in waiting)
     batch.run()
     assert all(job.done.is_set() for job in waiting + [chat])
+
+
+def test_a_chat_has_its_first_token_before_the_rows_it_revoked_leave(engine):
+    """A chat that revokes the jobs beside it (R23) joins at the step they leave; their KV is
+    copied out of the batch after its prefill, not before (its TTFT waits for none of it)."""
+    batch = Batch(engine, slots=4)
+    flags = [threading.Event() for _ in range(3)]
+    companions = [batch.add(request, flag) for request, flag in zip(REQUESTS[:3], flags)]
+    while batch.rows < 3:
+        batch.step()
+    seen = []
+    batch._first_token = lambda: seen.append([job.done.is_set() for job in companions])
+    for flag in flags[1:]:
+        flag.set()
+    batch.add(GenerateRequest(prompt=PROMPT, max_new_tokens=4), threading.Event(), revocable=False)
+    batch.step()
+    assert seen == [[False, False, False]]                          # the chat's first token came first
+    assert [job.done.is_set() for job in companions] == [False, True, True]   # then they left, that step
+    assert batch.rows == 2 and all(job.result.finish_reason == "cancel" for job in companions[1:])

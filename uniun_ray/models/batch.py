@@ -135,10 +135,15 @@ class Batch:
 
     def step(self) -> bool:
         """Drop the cancelled jobs, read one chunk of the joining job's prompt, then decode one
-        token for every row in one forward pass. Returns whether any job is left."""
+        token for every row in one forward pass. Returns whether any job is left.
+
+        While a chat waits with a row free for it, the cancelled rows leave after its prefill
+        instead: leaving copies each one's KV out of the batch (for its resume), and a chat that
+        revokes the others beside it (R23) has a dozen of them, leaving at the very step it joins."""
         self.last_step_rows = 0
         try:
-            self._leave_cancelled()
+            if not self._chat_may_join():
+                self._leave_cancelled()
             self._drop_cancelled_waiting()
             self._next_joining()
             if self._joining is not None:
@@ -180,6 +185,11 @@ class Batch:
         sequence.hit = self.loaded.prefix.take(sequence.context)
         job.cache, sequence.fed = sequence.hit.cache, sequence.hit.tokens
         self._joining = job
+
+    def _chat_may_join(self) -> bool:
+        with self._lock:
+            chat = any(not job.revocable for job in self._waiting)
+        return chat and self._joining is None and len(self._rows) < self.slots
 
     def _drop_cancelled_waiting(self) -> None:
         """End the waiting jobs revoked before they joined, at once (no work done): a revoke
