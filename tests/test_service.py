@@ -536,3 +536,24 @@ def test_a_grant_notice_waits_at_most_its_period():
             await asyncio.sleep(0.01)
         assert [epoch for _, epoch in dev.calls] == [leases[0].epoch, leases[-1].epoch]
     run(go())
+
+
+def test_the_reaper_wakes_early_only_for_a_sooner_wake_up():
+    import time
+
+    from uniun_ray.runtime.reaper import Reaper
+
+    async def go():
+        due, ticks = [None], []
+        reaper = Reaper(60.0, lambda: due[0], lambda: ticks.append(time.time()), lambda mono: (), None)
+        reaper.ensure_running()
+        await asyncio.sleep(0.01)                 # asleep for its period: nothing is due
+        reaper.rearm()                            # a submit without a deadline: it sleeps on
+        await asyncio.sleep(0.05)
+        assert ticks == []
+        due[0] = time.time() + 0.05               # one with a deadline: it wakes (and plans anew)
+        reaper.rearm()
+        while not ticks:                          # long before its period
+            await asyncio.sleep(0.01)
+        reaper._task.cancel()
+    run(go())
