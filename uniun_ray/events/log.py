@@ -28,28 +28,17 @@ def default_path() -> Path:
 
 
 class EventLog:
-    """Each event is written and flushed as it comes (a reader sees it at once). The handler
-    only rotates: its per-record path (a LogRecord, a seek and a tell to size the file) cost
-    the scheduler's control path more than the write; the size is counted here instead."""
-
     def __init__(self, path: str | Path | None = None, max_bytes: int = DEFAULT_MAX_BYTES,
                  backups: int = DEFAULT_BACKUPS) -> None:
         self.path = Path(path) if path is not None else default_path()
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._handler = logging.handlers.RotatingFileHandler(self.path, maxBytes=max_bytes,
                                                              backupCount=backups, encoding="utf-8")
-        self._max_bytes = max_bytes
-        self._size = self.path.stat().st_size
+        self._handler.setFormatter(logging.Formatter("%(message)s"))
 
     def write(self, event: Event) -> None:
-        line = _line(event) + "\n"   # ASCII (json.dumps escapes the rest): one byte a character
-        if self._size and self._size + len(line) >= self._max_bytes:
-            self._handler.doRollover()
-            self._size = 0
-        stream = self._handler.stream
-        stream.write(line)
-        stream.flush()
-        self._size += len(line)
+        record = logging.LogRecord("uniun.events", logging.INFO, "", 0, _line(event), None, None)
+        self._handler.emit(record)
 
     def close(self) -> None:
         self._handler.close()
