@@ -10,6 +10,14 @@ driver of the pool, so a lease's (job, epoch) names one grant even when its job 
 between devices. A (re)started scheduler first reads the newest epoch each device saw, so
 its own epochs fence every older lease there.
 
+Grant notices are coalesced: one call to the device costs both processes about a bare actor
+call's CPU, as much as the rest of a job's control path. The first grant after a quiet spell
+is announced at once; one within `notice_period_s` of the last notice waits for the next,
+which names the newest epoch and every live one (what each grant in between would have
+said). The device admits a newer epoch than any it was told meanwhile, as it does a holder's
+call that overtakes its grant; a revoke sends the notice still waiting first, so the device
+knows an epoch before it fences it.
+
 A job joining a device whose model is still loading (the policy fills the other slots of a
 device as soon as it dispatches the swap) waits for the load before its epoch is granted:
 its lease never reaches a device that holds another model, or none.
@@ -54,10 +62,13 @@ class EpochClock:
 
 
 class DeviceDriver:
-    def __init__(self, device: Device, epochs: EpochClock | None = None, slots: int | None = None) -> None:
-        """`slots`: the setting the device is asked to honour after each load (None: auto)."""
+    def __init__(self, device: Device, epochs: EpochClock | None = None, slots: int | None = None,
+                 notice_period_s: float = 0.0) -> None:
+        """`slots`: the setting the device is asked to honour after each load (None: auto);
+        `notice_period_s`: the least time between two unconfirmed grant notices (0: one per grant)."""
         self.device = device
         self.slots = slots
+        self.notice_period_s = notice_period_s
         self.model: str | None = None          # what the device holds, as far as we know
         self.swap_s: dict[str, float] = {}     # the last measured load time per model
         self.plan: dict | None = None           # what the device chose for its model: slots, step profile
@@ -66,11 +77,16 @@ class DeviceDriver:
         self._synced = False
         self._loaded = asyncio.Event()          # cleared while a load runs
         self._loaded.set()
+        self._newest = 0                        # the newest epoch granted here ...
+        self._told = 0                          # ... and the newest the device was sent
+        self._next_notice = 0.0                 # loop time before which a notice waits
+        self._waiting: asyncio.TimerHandle | None = None   # the notice that waits
 
     async def load(self, model_id: str) -> float:
         """Swap `model_id` in; its measured seconds. The device holds nothing known until
         it succeeds."""
         self.model, self.plan = None, None
+        self._drop_notice()   # it names ended leases only: the grant after the load fences them
         self._loaded.clear()
         try:
             seconds = await self.device.load(model_id)
@@ -98,18 +114,51 @@ class DeviceDriver:
             current = getattr(self.device, "current_epoch", None)
             self._epochs.above(await current() if current else 0)
             self._synced = confirm = True
-        epoch = self._epochs.next()
+        epoch = self._newest = self._epochs.next()
         self.live.add(epoch)   # in the same step as the epoch: a newer grant names every older live one
-        granting = asyncio.ensure_future(self.device.grant(epoch, tuple(sorted(self.live)), self.model))
         if confirm:
-            await granting
+            await self._notify()
         else:
-            granting.add_done_callback(_unconfirmed)
+            self._announce()
         return epoch
+
+    def _announce(self) -> None:
+        """Tell the device of the new epoch now, or with the next notice when one went out
+        within `notice_period_s` (then it is scheduled already, or scheduled here)."""
+        if self._waiting is not None:
+            return
+        loop = asyncio.get_running_loop()
+        delay = self._next_notice - loop.time()
+        if delay > 0:
+            self._waiting = loop.call_later(delay, self._send_waiting)
+        else:
+            self._notify().add_done_callback(_unconfirmed)
+
+    def _send_waiting(self) -> None:
+        self._waiting = None
+        if self._told < self._newest and self.model is not None:
+            self._notify().add_done_callback(_unconfirmed)
+
+    def _notify(self) -> asyncio.Future:
+        """Send the grant of the newest epoch, naming every live one (and itself: a grant
+        always names its own epoch). Its call reaches the device before any call issued after
+        this one returns (Ray keeps one caller's calls to an actor in order)."""
+        self._drop_notice()
+        self._told = self._newest
+        self._next_notice = asyncio.get_running_loop().time() + self.notice_period_s
+        return asyncio.ensure_future(self.device.grant(self._newest, tuple(sorted(self.live | {self._newest})),
+                                                       self.model))
+
+    def _drop_notice(self) -> None:
+        if self._waiting is not None:
+            self._waiting.cancel()
+            self._waiting = None
 
     async def revoke(self, epoch: int) -> None:
         self.live.discard(epoch)
-        await self.device.revoke(epoch)
+        if self._waiting is not None:   # the device hears of the epoch before its revoke
+            self._notify().add_done_callback(_unconfirmed)
+        await asyncio.ensure_future(self.device.revoke(epoch))   # after the notice's call
 
     def ended(self, epoch: int) -> None:
         """A lease of this device ended (released, failed): the next grant fences it."""
@@ -126,6 +175,7 @@ class DeviceDriver:
         """The device died or a load failed: it holds no known model, and no live lease."""
         self.model = None
         self.live.clear()
+        self._drop_notice()
 
 
 def _unconfirmed(granting: asyncio.Future) -> None:

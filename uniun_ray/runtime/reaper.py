@@ -9,6 +9,7 @@ went quiet and reclaims a lease that was not renewed in time.
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from typing import Callable, Iterable
 
@@ -25,6 +26,7 @@ class Reaper:
         self._next_wakeup, self._tick, self._idle, self._withdraw, self._after = next_wakeup, tick, idle, withdraw, after
         self._rearm: asyncio.Event | None = None
         self._task: asyncio.Task | None = None
+        self._wake_at = math.inf   # when the timer next wakes (epoch seconds, as the policy's times)
 
     def ensure_running(self) -> None:
         if self._task is None or self._task.done():
@@ -32,8 +34,10 @@ class Reaper:
             self._task = asyncio.get_running_loop().create_task(self._run())
 
     def rearm(self) -> None:
-        """The next wake-up may have moved earlier (a job with a deadline arrived)."""
-        if self._rearm is not None:
+        """The next wake-up may have moved earlier (a job with a deadline arrived): wake the
+        timer if it did. Not at every submit: each round ticks the policy and walks every job."""
+        wake = self._next_wakeup()
+        if self._rearm is not None and wake is not None and wake < self._wake_at:
             self._rearm.set()
 
     async def _run(self) -> None:
@@ -43,6 +47,7 @@ class Reaper:
             if wake is not None:
                 delay = min(delay, max(0.0, wake - time.time()))
             self._rearm.clear()
+            self._wake_at = time.time() + delay
             try:
                 await asyncio.wait_for(self._rearm.wait(), delay)
             except asyncio.TimeoutError:

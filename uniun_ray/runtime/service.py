@@ -63,6 +63,7 @@ class RuntimeConfig:
     event_log_max_bytes: int = 20 * 1024 * 1024
     chat_model: str = DEFAULT_CHAT_MODEL   # what `model_id=None` means, for every process alike
     slots: int | None = None          # jobs a device decodes together (SPEC §6); None: auto, measured at each load
+    grant_notice_s: float = 0.05      # the least time between two unconfirmed grant notices to a device (driver)
 
     def __post_init__(self) -> None:
         for name in ("lease_timeout_s", "waiter_timeout_s", "reap_period_s"):
@@ -75,6 +76,9 @@ class RuntimeConfig:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
         if not isinstance(self.policy, PolicyConfig):
             raise ValueError(f"policy must be a PolicyConfig, got {type(self.policy).__name__}")
+        notice = self.grant_notice_s
+        if isinstance(notice, bool) or not isinstance(notice, (int, float)) or not 0 <= notice < math.inf:
+            raise ValueError(f"grant_notice_s must be a finite number >= 0, got {notice!r}")
         check_slot_count(self.slots)
         if not isinstance(self.chat_model, str) or not self.chat_model:
             raise ValueError(f"chat_model must be a model id, got {self.chat_model!r}")
@@ -93,7 +97,7 @@ class SchedulerService:
         self.policy = SchedulerPolicy(self.config.policy, devices=tuple(named), slots=self.config.slots or 1)
         self.leases = LeaseTable(self.config.max_queued)
         self._epochs = EpochClock()   # one for the pool: a lease's (job, epoch) names one grant
-        self.drivers = {name: DeviceDriver(device, self._epochs, self.config.slots) for name, device in named.items()}
+        self.drivers = {name: self._driver(device) for name, device in named.items()}
         self.reaper = Reaper(self.config.reap_period_s, self.policy.next_wakeup, self._tick,
                              lambda mono: self.leases.idle(mono, self.config.waiter_timeout_s,
                                                            self.config.lease_timeout_s),
@@ -202,9 +206,12 @@ class SchedulerService:
     def add_device(self, name: str, device: Device) -> None:
         """A device joined the pool (R20): it starts empty and takes waiting work at once."""
         actions = self.policy.add_device(name, self._now(), slots=self.config.slots or 1)  # refuses a name in the pool
-        self.drivers[name] = DeviceDriver(device, self._epochs, self.config.slots)
+        self.drivers[name] = self._driver(device)
         self._emit("device", None, device=name, change="added")
         self._apply(actions)
+
+    def _driver(self, device: Device) -> DeviceDriver:
+        return DeviceDriver(device, self._epochs, self.config.slots, self.config.grant_notice_s)
 
     def remove_device(self, name: str, reason: str) -> None:
         """A device left the pool for good (R20): its node died, or its actor is gone. Its
