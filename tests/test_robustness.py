@@ -528,6 +528,11 @@ def test_a_stale_lease_is_refused_by_the_device_and_the_scheduler(live_runtime):
             return lease.lease
         old = await arun("gana", "tiny", keep)
         await agenerate("chat", "hi", model_id="tiny", max_new_tokens=4)    # a newer grant
+        # Its notice fences the released lease at the device; notices are coalesced, so it may
+        # reach the device up to grant_notice_s (50 ms) after the chat's own call did.
+        deadline = time.monotonic() + 5
+        while old.epoch in (await live_runtime.model.state.remote())["live"] and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
         with pytest.raises(LeaseRevoked, match="not live"):
             await client.LeaseHandle(old, live_runtime.model).agenerate("stale", max_new_tokens=4)
         with pytest.raises(JobDropped, match="ended: done"):
