@@ -27,7 +27,8 @@ class EmbeddingActor:
         import torch
         from sentence_transformers import SentenceTransformer
 
-        torch.set_num_threads(num_threads or max(1, (os.cpu_count() or 2) // 2))
+        self._threads = num_threads or max(1, (os.cpu_count() or 2) // 2)
+        torch.set_num_threads(self._threads)
         self._model = SentenceTransformer(model_path or default_model_path(), device=device)
         self._lock = threading.Lock()
         self._in_flight = 0
@@ -49,6 +50,11 @@ class EmbeddingActor:
             self._metrics.in_flight.set(self._in_flight)
         started = time.perf_counter()
         try:
+            # Each of Ray's threads that calls this sets its own OpenMP threads: MKL and oneDNN read
+            # them per thread, and a new one starts from Ray's OMP_NUM_THREADS=1 (models/cores.py).
+            import torch
+
+            torch.set_num_threads(self._threads)
             vectors = self._model.encode(list(texts), convert_to_numpy=True, normalize_embeddings=True)
             return vectors.tolist()
         finally:
