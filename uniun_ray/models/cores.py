@@ -6,9 +6,11 @@ not quiet: Ray's processes, Serve's proxy and the HTTP replica stream the tokens
 on the same cores. A forward pass of a small model is hundreds of short kernels, each ending in
 a barrier where every thread waits for the slowest; a thread that loses its core to another
 program stalls them all. On 2 AVX-512 cores, with 4 background streams and a chat over HTTP
-(``benchmarks/peers.py``), SmolLM2's decode loop made 23 tokens/s with the probe's 2 threads and
-32 with 1, one run after the other; the others took about a third of a core. vLLM's CPU build
-keeps a core for its front end for the same reason. So the loop measures, every
+(``benchmarks/peers.py``), the others took about a third of a core. (Hand-run measurements,
+not recorded: beside a simulated load of that size a packed bf16 step at batch 4 took 133 ms
+at 2 threads and 104 at 1; in the peers workload 2 threads made 23 tokens/s against 32 at 1,
+but before the per-thread fix below, after which the two were within this VM's noise.) vLLM's
+CPU build keeps a core for its front end for the same reason. So the loop measures, every
 ``WINDOW_S`` of stepping, the CPU time other programs spent on its cores (``contention``) and
 runs ``threads_for`` threads: two windows must agree before it changes, so that a burst does
 not flip it. A thread count the user fixed (``UNIUN_THREADS``) is kept as is.

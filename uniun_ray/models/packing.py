@@ -5,9 +5,9 @@ reading the weights. ``nn.Linear`` hands oneDNN the weights in their plain layou
 call, which reorders them (bf16) or runs a generic kernel (float32). Packing them once into the
 kernel's own blocked layout (``mkldnn._reorder_linear_weight``, the op torch.compile's CPU
 weight freezing uses) and calling ``mkldnn._linear_pointwise`` cut SmolLM2-135M's decode step
-at batch 4 on 2 AVX-512 cores from 59 to 45 ms in bf16 and from 70 to 49 ms in float32
-(``benchmarks/step_profile.py --packing``); bf16 logits came out bit-identical to the plain
-layer's. The packed weight replaces the plain one, so memory does not grow (a head tied to the
+at batch 4 on 2 AVX-512 cores from 42 to 36 ms in bf16 and from 57 to 50 ms in float32, though
+float32 at one row went from 34 to 41 ms, which is why the probe times each dtype packed
+(``benchmarks/packing_bench.py``); bf16 logits came out bit-identical to the plain layer's. The packed weight replaces the plain one, so memory does not grow (a head tied to the
 embeddings keeps the shared weight for them). GPUs and weights placed by accelerate
 (offloaded, hooked) are left as they are.
 """
