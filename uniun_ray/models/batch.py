@@ -173,11 +173,10 @@ class Batch:
         """Start the prefill of the next waiting job, if none is running and a row is free: a
         chat first (nothing but its own cancel stops it: its time to first token is the goal),
         else the oldest."""
-        if self._joining is not None or len(self._rows) >= self.slots:
+        if not self._row_free():
             return
         with self._lock:
-            job = next((job for job in self._waiting if not job.revocable), None) or \
-                (self._waiting[0] if self._waiting else None)
+            job = self._waiting_chat() or (self._waiting[0] if self._waiting else None)
             if job is None:
                 return
             self._waiting.remove(job)
@@ -186,10 +185,18 @@ class Batch:
         job.cache, sequence.fed = sequence.hit.cache, sequence.hit.tokens
         self._joining = job
 
+    def _row_free(self) -> bool:
+        """Whether a waiting job may start its prefill now: none is prefilling and a row is free."""
+        return self._joining is None and len(self._rows) < self.slots
+
+    def _waiting_chat(self) -> Job | None:
+        """The first waiting job only its own cancel may stop (a chat); call with the lock held."""
+        return next((job for job in self._waiting if not job.revocable), None)
+
     def _chat_may_join(self) -> bool:
         with self._lock:
-            chat = any(not job.revocable for job in self._waiting)
-        return chat and self._joining is None and len(self._rows) < self.slots
+            chat = self._waiting_chat() is not None
+        return chat and self._row_free()
 
     def _drop_cancelled_waiting(self) -> None:
         """End the waiting jobs revoked before they joined, at once (no work done): a revoke
