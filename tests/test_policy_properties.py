@@ -91,15 +91,24 @@ def test_prop_t2_holds_at_most_its_share_plus_one_job_where_lower_tiers_waited(w
     check_t2_share(d.runs, d.waiting_samples, config, jobs_over=1)
 
 
+def lower_tier_eligible(snapshot: dict, config: PolicyConfig) -> bool:
+    """R11 skips T2 only for *eligible* lower-tier work: a T3/T4 job a device may take without
+    breaking R12: on a loaded model, with a device empty, or past its affinity wait."""
+    loaded = {d["loaded_model"] for d in snapshot["devices"]}
+    empty = any(not d["jobs"] for d in snapshot["devices"])
+    return any(empty or j["model"] in loaded or j["waited_s"] > config.max_affinity_wait_s
+               for tier in ("T3", "T4") for j in snapshot["tiers"][tier])
+
+
 def check_t2_share(runs, samples: list[tuple[float, dict]], config: PolicyConfig, jobs_over: int) -> None:
-    """R11 (R19 on a pool): wherever T3/T4 work waited throughout [t - window, t], T2 held at
-    most its share of the held (device-)seconds there, plus `jobs_over` of its longest runs
-    (the runs under way when the budget ran out: one per device)."""
+    """R11 (R19 on a pool): wherever eligible T3/T4 work waited throughout [t - window, t], T2
+    held at most its share of the held (device-)seconds there, plus `jobs_over` of its longest
+    runs (the runs under way when the budget ran out: one per device)."""
     t2_runs = [r for r in runs if r.tier == "T2"]
     if not t2_runs:
         return
     longest = max(r.end - r.start for r in t2_runs)
-    lower_waited = [(t, bool(s["tiers"]["T3"] or s["tiers"]["T4"])) for t, s in samples]
+    lower_waited = [(t, lower_tier_eligible(s, config)) for t, s in samples]
     for i, (t, _) in enumerate(lower_waited):
         lo = t - config.window_s
         # the state between events is the state after the last event: T3/T4 waited

@@ -380,14 +380,19 @@ class SchedulerPolicy:
         jobs that queued jobs outrank, one per outranking job (R18, R22); then keep each
         running chat's step within its bound (R23)."""
         ctx = self._context(now)
+        actions = self._fill(ctx, now)
+        if event is not None:
+            fresh = {a.job_id for a in actions}
+            actions += self._preempt(ctx, event, fresh)
+            actions += self._fill(ctx, now)  # a device whose drain moved elsewhere fills again
+        actions += self._empty_for_urgent(ctx) + self._hold_chat_steps()
+        self._settle(ctx)
+        return actions
+
+    def _fill(self, ctx: PickContext, now: float) -> list[Action]:
         actions: list[Action] = []
         while (choice := self._next(ctx)) is not None:
             actions.append(self._dispatch(*choice, now))
-        fresh = {a.job_id for a in actions}
-        if event is not None:
-            actions += self._preempt(ctx, event, fresh)
-        actions += self._empty_for_urgent(ctx) + self._hold_chat_steps()
-        self._settle(ctx)
         return actions
 
     def _next(self, ctx: PickContext) -> tuple[Entry, Device] | None:
