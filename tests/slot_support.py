@@ -37,18 +37,33 @@ class SlotDriver(PoolDriver):
         self.runs: list[Run] = []
         self.ended: dict[str, int] = {}
         self.samples: list[tuple[float, dict]] = []
+        self.handed: set[str] = set()  # revoked jobs whose slot a Dispatch took (R22)
         self.models: set[str] = set()
 
     def _on_device(self, device: str) -> list[str]:
         return [j for j, (run, _) in self.on.items() if run.device == device]
 
+    def _holding(self, device: str) -> list[str]:
+        """The jobs holding a slot: with several slots a revoked job hands its slot to the next
+        Dispatch at once (R22); with one it holds it until it ends."""
+        return [j for j in self._on_device(device)
+                if j not in self.handed and (self.slots == 1 or not self.on[j][0].revoked)]
+
     # -- checks --------------------------------------------------------------------------
     def _check_dispatch(self, d: Dispatch) -> None:
-        here = self._on_device(d.device)
-        assert len(here) < self.slots, f"t={self.now}: {d.job_id} dispatched to full {d.device}"
+        here, holding = self._on_device(d.device), self._holding(d.device)
+        assert len(holding) < self.slots, f"t={self.now}: {d.job_id} dispatched to full {d.device}"
         assert not d.swap or not here, f"t={self.now}: swap on {d.device} while {here} run"
         assert d.swap == (self.loaded[d.device] != d.model_id)
-        assert d.slot not in {self.on[j][0].slot for j in here}, f"t={self.now}: slot {d.slot} taken twice"
+        assert d.slot not in {self.on[j][0].slot for j in holding}, f"t={self.now}: slot {d.slot} taken twice"
+        for j in set(here) - set(holding) - self.handed:
+            if self.on[j][0].slot == d.slot:  # the handover: the revoked run's slot-seconds end here (R24)
+                self.handed.add(j)
+                self.on[j][0].end = self.now
+        unused = set(range(self.slots)) - {self.on[j][0].slot for j in here if j not in self.handed}
+        assert d.slot in unused or d.slot in {self.on[j][0].slot for j in self.handed & set(here)}, \
+            f"t={self.now}: {d.job_id} took slot {d.slot}, neither unused nor handed over"
+        assert not unused or d.slot in unused, f"t={self.now}: {d.job_id} took a handed slot while {unused} were unused"
 
     def _check_state(self) -> None:
         """R16 per slot, R21 and R23 after the call's actions."""
@@ -57,12 +72,13 @@ class SlotDriver(PoolDriver):
         config = self.policy.config
         for dev in snap["devices"]:
             live = [j for j in dev["jobs"] if not j["revoked"]]
+            holding = dev["jobs"] if self.slots == 1 else live
             chats = sum(j["kind"] == "chat" for j in live)
             assert len({j["model"] for j in dev["jobs"]}) <= 1, f"t={self.now}: two models on {dev['device']}"
             if chats:  # R23, with the revokes of this call counted as done
                 assert len(live) - chats <= companions(self.profile, chats, self.slots, config.chat_step_slack), \
                     f"t={self.now}: {dev['device']} runs {live} beside its chats"
-            if len(dev["jobs"]) >= self.slots:
+            if len(holding) >= self.slots:
                 continue
             if not dev["jobs"]:
                 assert not queued, f"t={self.now}: {dev['device']} idles while {len(queued)} jobs wait"
@@ -70,7 +86,7 @@ class SlotDriver(PoolDriver):
             drain = next((j for j in queued if j["id"] == dev["draining_for"]), None)
             open_to = [j for j in queued if j["model"] == dev["loaded_model"]
                        and (drain is None or TIER[j["tier"]] < min(TIER[drain["tier"]], 2 + (not self._over())))
-                       and (not chats or j["kind"] == "chat" or len(dev["jobs"]) - chats <  # revoked: making way
+                       and (not chats or j["kind"] == "chat" or len(holding) - chats <
                             companions(self.profile, chats, self.slots, config.chat_step_slack))]
             assert not open_to, f"t={self.now}: a free slot on {dev['device']} while {open_to[0]['id']} waits"
         self.samples.append((self.now, snap))
@@ -105,7 +121,10 @@ class SlotDriver(PoolDriver):
 
     def _finish(self, job_id: str) -> None:
         run, _ = self.on.pop(job_id)
-        run.end = self.now
+        if job_id in self.handed:
+            self.handed.discard(job_id)
+        else:
+            run.end = self.now
         outcome = "revoked" if run.revoked else "done"
         if Requeued(job_id) not in self.call("finish", job_id, self.now, outcome):
             self.ended[job_id] = self.ended.get(job_id, 0) + 1

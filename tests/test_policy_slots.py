@@ -37,8 +37,9 @@ def test_r21_free_slots_take_the_best_jobs_on_the_device_model_in_pick_order():
     assert p.submit(job("e1", "extract"), 1) == [D("e1", Tier.EXTRACT, slot=1)]  # joins: no revoke
     assert p.submit(job("g1", "gana", model="y"), 2) == []     # another model: the device is not empty
     assert p.submit(job("n2", "nataraj"), 3) == [D("n2", Tier.FAIR, slot=2)]
-    assert p.submit(job("e2", "extract"), 4) == [Revoke("n2", RevokeCause.ARRIVAL)]  # full: R22
-    assert p.finish("n2", 4.1, "revoked") == [Requeued("n2"), D("e2", Tier.EXTRACT, slot=2)]
+    # full: R22 revokes n2, which hands its slot to e2 at once (it joins as n2 stops)
+    assert p.submit(job("e2", "extract"), 4) == [Revoke("n2", RevokeCause.ARRIVAL), D("e2", Tier.EXTRACT, slot=2)]
+    assert p.finish("n2", 4.1, "revoked") == [Requeued("n2")]
     # a freed slot takes the best job on m (n2), not the other model's job inside its wait
     assert p.finish("n1", 5, "done") == [D("n2", Tier.FAIR, slot=0)]
     snap = p.snapshot()["devices"][0]
@@ -91,8 +92,36 @@ def test_r22_no_free_slot_revokes_exactly_the_lowest_ranked_job():
     p.submit(job("n1", "nataraj", producer="n:1"), 1)
     p.submit(job("n2", "nataraj", producer="n:2"), 2)
     # a T3 job arrives: one revoke, the lowest-ranked (T4, then the most recently dispatched)
-    assert p.submit(job("d", "gana", deadline=0.0), 3) == [Revoke("n2", RevokeCause.ARRIVAL)]
-    assert p.finish("n2", 3.1, "revoked") == [Requeued("n2"), D("d", Tier.DEADLINE, slot=2)]
+    # and its slot is handed over at once: d joins at the step where n2 stops (no release first)
+    assert p.submit(job("d", "gana", deadline=0.0), 3) == [Revoke("n2", RevokeCause.ARRIVAL),
+                                                            D("d", Tier.DEADLINE, slot=2)]
+    assert p.finish("n2", 3.1, "revoked") == [Requeued("n2")]
+    assert [(j["id"], j["slot"]) for j in p.snapshot()["devices"][0]["jobs"]] == [("e", 0), ("n1", 1), ("d", 2)]
+
+
+def test_r22_a_revoked_or_cancelled_job_hands_its_slot_over_and_holds_it_no_longer():
+    p = slotted(2)
+    p.submit(job("e", "extract"), 0)
+    p.submit(job("n1", "nataraj", producer="n:1"), 0)
+    p.submit(job("n2", "nataraj", producer="n:2"), 0.5)            # queued: both slots taken
+    assert p.submit(job("d", "gana", deadline=0.0), 1) == [Revoke("n1", RevokeCause.ARRIVAL),
+                                                            D("d", Tier.DEADLINE, slot=1)]
+    # n1's slot-seconds end at the handover (R24): e 2 + n1 1 + d 1 held at t=2, not 2 + 2 + 1
+    p.tick(2)
+    assert p.snapshot()["t2"]["held_s"] == pytest.approx(4.0)
+    assert p.finish("n1", 3, "revoked") == [Requeued("n1")]
+    assert p.snapshot()["t2"]["held_s"] == pytest.approx(3 + 1 + 2)
+    # a cancel hands its slot over too: the next job joins as the cancelled one stops
+    assert p.cancel("d", 4) == [Revoke("d", RevokeCause.CANCEL), D("n2", Tier.FAIR, slot=1)]  # n:2 held less
+    assert p.finish("d", 4.1, "revoked") == []
+    assert [(j["id"], j["slot"]) for j in p.snapshot()["devices"][0]["jobs"]] == [("e", 0), ("n2", 1)]
+
+
+def test_r22_with_one_slot_a_revoked_job_keeps_its_slot_until_it_ends():
+    p = slotted(1)
+    p.submit(job("n", "nataraj"), 0)
+    assert p.submit(job("e", "extract"), 1) == [Revoke("n", RevokeCause.ARRIVAL)]   # §1 exactly
+    assert p.finish("n", 1.1, "revoked") == [Requeued("n"), D("e", Tier.EXTRACT)]
 
 
 def test_r22_a_chat_that_needs_a_swap_empties_the_lowest_ranked_device():
@@ -122,10 +151,11 @@ def test_r23_beside_a_chat_only_jobs_within_the_step_bound_keep_their_slots():
     for i in range(3):
         p.submit(job(f"n{i}", "nataraj", producer=f"n:{i}"), 0)
     p.submit(job("e", "extract"), 0.5)                                  # T2, the best-ranked other
-    assert p.submit(job("c", "chat"), 1) == [Revoke("n2", RevokeCause.ARRIVAL)]  # full: one revoke (R22)
-    # the chat joins; beside it stay the two highest-ranked others (e, then n0): n1 goes (R23)
-    assert p.finish("n2", 1.1, "revoked") == [Requeued("n2"), D("c", Tier.CHAT, slot=2),
-                                              Revoke("n1", RevokeCause.STEP)]
+    # full: one revoke (R22), whose slot the chat takes at once; beside it stay the two
+    # highest-ranked others (e, then n0): n1 goes (R23)
+    assert p.submit(job("c", "chat"), 1) == [Revoke("n2", RevokeCause.ARRIVAL), D("c", Tier.CHAT, slot=2),
+                                             Revoke("n1", RevokeCause.STEP)]
+    assert p.finish("n2", 1.1, "revoked") == [Requeued("n2")]
     assert p.finish("n1", 1.2, "revoked") == [Requeued("n1")]   # its slot stays free beside the chat
     assert [j["id"] for j in p.snapshot()["devices"][0]["jobs"]] == ["n0", "e", "c"]
     assert {a.job_id for a in p.finish("c", 2, "done")} == {"n1", "n2"}  # back when the chat ends
@@ -152,6 +182,21 @@ def test_r23_a_step_profile_is_checked():
         p.set_step_profile("m", "dx", {1: 0.1})
     with pytest.raises(ValueError, match="chat_step_slack"):
         PolicyConfig(chat_step_slack=0.9)
+
+
+def test_r21_an_over_budget_t2_job_takes_a_slot_no_lower_tier_job_may_take_while_a_chat_waits():
+    p = slotted(2, devices=("d0", "d1"), t2_share=0.0)
+    for device in ("d0", "d1"):
+        p.set_step_profile("m", device, FLAT)
+    p.submit(job("e0", "extract"), 0)                    # d0: T2 time in the window
+    p.submit(job("c1", "chat"), 0)                       # d0, beside e0
+    p.submit(job("c3", "chat"), 0.1)                     # d1
+    p.finish("e0", 5, "done")
+    p.submit(job("g", "gana", model="y"), 5)             # lower-tier work, on another model
+    p.submit(job("cy", "chat", model="y"), 5)            # waits; d1 drains for it
+    assert [d["draining_for"] for d in p.snapshot()["devices"]] == [None, "cy"]
+    # T2 is over budget and g waits, but g may take no slot: e takes d0's (R11, work-conserving)
+    assert p.submit(job("e", "extract"), 5) == [D("e", Tier.EXTRACT, "d0", slot=0)]
 
 
 # R24 ------------------------------------------------------------------------------------

@@ -381,7 +381,10 @@ def test_a_revoke_stops_one_job_at_the_next_step_and_the_others_go_on():
     stop = times(events, "first_token", "N1")[0] + 8 * (0.1 + 0.1 / 3)
     n1 = [(e["t"], e["outcome"], e["tokens"]) for e in events if e["ev"] == "finish" and e["job"] == "N1"]
     assert n1[0] == (pytest.approx(stop + 0.05), "revoked", 1 + 8)
-    assert times(events, "dispatch", "E") == [pytest.approx(stop + 0.05)]
+    # N1 hands its slot to E at once (R22); E joins at the very step boundary where N1 stops,
+    # before N1's finish is even reported, and its prefill rides in N0's step as N1's did
+    assert [(e["t"], e["slot"]) for e in events if e["ev"] == "dispatch" and e["job"] == "E"] == [(3.0, 1)]
+    assert times(events, "first_token", "E") == [pytest.approx(stop + 0.01 + 0.1 - 0.2 / 3)]
     n0 = [(e["outcome"], e["tokens"]) for e in events if e["ev"] == "finish" and e["job"] == "N0"]
     assert n0 == [("done", 101)]   # never stopped: its tokens kept coming beside the stop and the join
     trace = Trace(events)

@@ -88,7 +88,9 @@ def place(ctx: PickContext, free: list[Device], ceiling: Callable[[Device], Tier
         if device is not None:
             return urgent, device
         # it waits for a slot or a device emptied for it (R22); other slots take their model's work
-        return _same_model(ctx, free, ceiling, (Tier.CHAT, Tier.FOREGROUND, *ctx.fair_tiers(len(ctx.queues.pool) > 0)))
+        tiers = ctx.fair_tiers(len(ctx.queues.pool) > 0)
+        return (_same_model(ctx, free, ceiling, (Tier.CHAT, Tier.FOREGROUND, *tiers))
+                or _conserving_t2(ctx, free, ceiling, tiers))
     tiers = ctx.fair_tiers(lower_work=len(ctx.queues.pool) > 0)
     best = ctx.first(tiers)
     if best is None:
@@ -107,8 +109,13 @@ def place(ctx: PickContext, free: list[Device], ceiling: Callable[[Device], Tier
         return same
     if empty:
         return best, swap_target(empty, ctx.queues.count_on)
-    # R11 is work-conserving per slot: an over-budget T2 job takes a slot that no T3/T4 job
-    # may take (theirs are on other models and the device is not empty)
+    return _conserving_t2(ctx, free, ceiling, tiers)
+
+
+def _conserving_t2(ctx: PickContext, free: list[Device], ceiling: Callable[[Device], Tier | None],
+                   tiers: tuple[Tier, ...]) -> tuple[Entry, Device] | None:
+    """R11 is work-conserving per slot: an over-budget T2 job (`tiers` skip T2) takes a free
+    slot that no T3/T4 job may take (theirs are on other models and the device is not empty)."""
     undrained = [d for d in free if d.drain_for is None]
     return _same_model(ctx, undrained, ceiling, (Tier.EXTRACT,)) if Tier.EXTRACT not in tiers else None
 

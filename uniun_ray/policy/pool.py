@@ -5,6 +5,11 @@ order they were added, which is the order every tie between devices goes by, so 
 decision never depends on a hash order. A device's jobs are kept in dispatch order; each
 has a slot number (0..slots-1), the lowest free one at its dispatch, so that one slot's runs
 never overlap (the T2 window sums runs per slot).
+
+With several slots a revoked job hands its slot over (R22): it stops at the next step, and
+the job that takes its slot joins at that same step, so its slot counts as free at once
+and the taker needs no release round trip first. Its run ends at the handover. With one
+slot a revoked job keeps its slot until it ends (§1 exactly: R1–R20).
 """
 from __future__ import annotations
 
@@ -35,15 +40,29 @@ class Device:
 
     @property
     def has_free_slot(self) -> bool:
-        return len(self.jobs) < self.slots
+        return len(self.holders()) < self.slots
 
     def live(self) -> list[Entry]:
         """Running jobs not yet revoked: those that still decode after the next step."""
         return [e for e in self.jobs.values() if not e.revoke_sent]
 
+    def holders(self) -> list[Entry]:
+        """The jobs that hold a slot: all but those whose slots were handed over, and with
+        several slots, but those revoked (theirs is handed to the next job that takes it)."""
+        if self.slots == 1:
+            return list(self.jobs.values())
+        return self.live()
+
+    def handover(self) -> Entry | None:
+        """The revoked job whose slot the next dispatch takes, when no slot is unused."""
+        used = {e.slot for e in self.jobs.values() if not e.handed}
+        if len(used) < self.slots:
+            return None
+        return next(e for e in self.jobs.values() if e.revoke_sent and not e.handed)
+
     def free_slot(self) -> int:
-        taken = {e.slot for e in self.jobs.values()}
-        return next(i for i in range(self.slots) if i not in taken)
+        used = {e.slot for e in self.jobs.values() if not e.handed}
+        return next(i for i in range(self.slots) if i not in used)
 
 
 class Pool:
@@ -93,13 +112,18 @@ class Pool:
         """The device running `job_id`, if any."""
         return self._by_job.get(job_id)
 
-    def start(self, device: Device, entry: Entry, dispatch_no: int) -> None:
-        entry.slot, entry.dispatch_no = device.free_slot(), dispatch_no
+    def start(self, device: Device, entry: Entry, dispatch_no: int) -> Entry | None:
+        """Give `entry` a slot on `device`; returns the revoked job it took the slot of, if any."""
+        handed = device.handover()
+        if handed is not None:
+            handed.handed = True
+        entry.slot, entry.dispatch_no = device.free_slot() if handed is None else handed.slot, dispatch_no
         device.jobs[entry.job.id] = entry
         if len(device.jobs) == 1:
             device.drain_for = None  # it was empty: drained and taken (by its drainer or a better job)
         device.loaded = entry.job.model_id
         self._by_job[entry.job.id] = device
+        return handed
 
     def stop(self, device: Device, entry: Entry) -> Entry:
         del device.jobs[entry.job.id]

@@ -33,6 +33,7 @@ class Entry:
     revoke_sent: bool = False
     cancelled: bool = False
     slot: int = 0            # while running: its slot on the device (R21)
+    handed: bool = False     # revoked, and its slot already taken by the next job (R22)
     dispatch_no: int = -1    # while running: when it was dispatched, in dispatch order
 
     @property

@@ -98,9 +98,7 @@ class SchedulerPolicy:
         passed = self._advance(now)
         if device is not None:
             device.jobs[job_id].cancelled = True
-            actions = self._revoke(device.jobs[job_id], cause)
-            self._settle(self._context(now))
-            return actions
+            return self._revoke(device.jobs[job_id], cause) + self._react(now, None)  # its slot: R22
         self._queues.remove(queued)
         self._end(queued, Outcome.REVOKED, now)
         return self._react(now, passed)
@@ -307,7 +305,7 @@ class SchedulerPolicy:
         could take the pool for a whole round of its jobs."""
         running: dict = {}
         for _, entry in self._pool.running():
-            if entry.job.kind in POOL_KINDS:
+            if entry.job.kind in POOL_KINDS and not entry.handed:
                 kind_last = self._last_run.get(entry.job.kind, 0.0)
                 for flow in (entry.job.kind, entry.flow):
                     held, count = running.get(flow, (0.0, 0))
@@ -348,7 +346,7 @@ class SchedulerPolicy:
         return Run(entry.dispatched_at, now, entry.dispatch_tier is Tier.EXTRACT)
 
     def _running_runs(self, now: float) -> list[Run]:
-        return [self._run_of(e, now) for _, e in self._pool.running()]
+        return [self._run_of(e, now) for _, e in self._pool.running() if not e.handed]
 
     def _t2_over(self, now: float) -> bool:
         return self._window.over(now, self._running_runs(now))
@@ -362,30 +360,36 @@ class SchedulerPolicy:
         its slot; the job goes back to its original place (R6) when `requeue` and it was not
         cancelled, else ends. The caller then reacts (the device may be leaving the pool)."""
         self._pool.stop(device, entry)
-        self._window.record((device.name, entry.slot), self._run_of(entry, now))
-        self._ledger.charge(entry.flow, now - entry.dispatched_at)
-        if entry.job.kind in POOL_KINDS:
-            self._last_run[entry.job.kind] = self._last_run[entry.flow] = now - entry.dispatched_at
-        self._queues.pool.reprice(entry.flow)
+        if not entry.handed:
+            self._close_run(device, entry, now)
         if requeue and not entry.cancelled:
             entry.dispatched_at = entry.dispatch_tier = None
-            entry.revoke_sent = False
+            entry.revoke_sent = entry.handed = False
             self._queues.add(entry)  # same seq: its original place (R6)
             return [Requeued(entry.job.id)]
         self._end(entry, outcome, now)
         return []
 
+    def _close_run(self, device: Device, entry: Entry, now: float) -> None:
+        """Charge the run of `entry` as it stops holding its slot, at its end or when it hands
+        the slot over (R7, R11; slot-seconds, R24)."""
+        self._window.record((device.name, entry.slot), self._run_of(entry, now))
+        self._ledger.charge(entry.flow, now - entry.dispatched_at)
+        if entry.job.kind in POOL_KINDS:
+            self._last_run[entry.job.kind] = self._last_run[entry.flow] = now - entry.dispatched_at
+        self._queues.pool.reprice(entry.flow)
+
     def _react(self, now: float, event: RevokeCause | None) -> list[Action]:
         """Give every free slot work (R16, R21); then, at an event (R4), revoke the running
         jobs that queued jobs outrank, one per outranking job (R18, R22); then keep each
-        running chat's step within its bound (R23)."""
+        running chat's step within its bound (R23); then fill the slots those revokes handed
+        over, and those of a device whose drain moved elsewhere."""
         ctx = self._context(now)
         actions = self._fill(ctx, now)
         if event is not None:
-            fresh = {a.job_id for a in actions}
-            actions += self._preempt(ctx, event, fresh)
-            actions += self._fill(ctx, now)  # a device whose drain moved elsewhere fills again
-        actions += self._empty_for_urgent(ctx) + self._hold_chat_steps()
+            actions += self._preempt(ctx, event, {a.job_id for a in actions})
+        while more := self._empty_for_urgent(ctx) + self._hold_chat_steps() + self._fill(ctx, now):
+            actions += more  # a chat that took a handed slot may bound its companions (R23)
         self._settle(ctx)
         return actions
 
@@ -498,7 +502,7 @@ class SchedulerPolicy:
     def _taken_by_revoked(self, ctx: PickContext, device: Device) -> list[Entry]:
         """The queued jobs that take the slots of `device`'s revoked jobs when they stop, taken
         out of the queues, so that one outranking job never revokes twice (R18, R22)."""
-        revoked = len(device.jobs) - len(device.live())
+        revoked = len(device.jobs) - len(device.live()) - sum(e.handed for e in device.jobs.values())
         view = Device(device.name, device.loaded, {e.job.id: e for e in device.live()}, device.slots)
         taken = []
         for _ in range(revoked):
@@ -515,7 +519,9 @@ class SchedulerPolicy:
         entry.dispatched_at = now
         entry.dispatch_tier = self.tier(entry.job)
         swap = entry.job.model_id != device.loaded
-        self._pool.start(device, entry, self._dispatches)
+        handed = self._pool.start(device, entry, self._dispatches)
+        if handed is not None:
+            self._close_run(device, handed, now)
         self._dispatches += 1
         return Dispatch(entry.job.id, entry.job.model_id, swap, entry.dispatch_tier, device.name, entry.slot)
 

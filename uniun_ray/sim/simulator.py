@@ -17,7 +17,8 @@ resume: it re-prefills prompt + produced tokens and decodes the rest; any other 
 job is over (a chat failed as preempted). A policy that breaks the contract (a job
 dispatched to an unknown device, to a slot it does not have or that holds an unfinished job,
 a swap on a device that holds any, a revoke of a job that is not running, a second revoke)
-raises `ContractError`.
+raises `ContractError`. With several slots a revoked job's slot may be handed over (R22): the
+Dispatch that takes it joins at the boundary where the revoked job stops.
 
 Costs the simulator charges, for one run of a job that has produced k of its n tokens:
 ``swap_s`` (when the Dispatch says swap), ``prefill_s`` of the context (prompt + k) less what
@@ -270,15 +271,15 @@ class Simulator:
         if not 0 <= action.slot < device.slots:
             raise ContractError(f"{where} slot {action.slot}: it has {device.slots} slot(s)")
         busy = device.runs.get(action.slot)
-        if busy is not None:
+        if busy is not None and not (busy.revoked and device.slots > 1):  # a handover (R22)
             raise ContractError(f"{where} slot {action.slot} while {busy.state.job.id!r} is running")
         state = self._jobs.get(action.job_id)
         if state is None or action.job_id not in self._outstanding or action.job_id in self._running:
             raise ContractError(f"t={self.now}: Dispatch of unknown, running or ended job {action.job_id!r}")
         if action.model_id != state.job.model_id:
             raise ContractError(f"{where} on {action.model_id!r}, the job wants {state.job.model_id!r}")
-        if action.swap and device.runs:
-            held = ", ".join(sorted(repr(r.state.job.id) for r in device.runs.values()))
+        held = ", ".join(sorted(repr(r.state.job.id) for r in self._running.values() if r.device is device))
+        if action.swap and held:
             raise ContractError(f"{where} with a swap while {held} hold(s) it: a device swaps only when empty")
         if not action.swap and action.model_id != device.model:
             raise ContractError(f"{where} without swap, but {device.model!r} is loaded there")
@@ -347,7 +348,9 @@ class Simulator:
         state.produced = run.progress.tokens
         outcome = "revoked" if run.stopped else "done"
         self._log("finish", state, outcome=outcome, tokens=state.produced)
-        del self._running[state.job.id], device.runs[run.slot]
+        del self._running[state.job.id]
+        if device.runs.get(run.slot) is run:  # else its slot was handed over (R22)
+            del device.runs[run.slot]
         actions = self.policy.finish(state.job.id, self.now, outcome)
         if Requeued(state.job.id) not in actions:
             self._outstanding.discard(state.job.id)
