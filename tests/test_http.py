@@ -394,7 +394,7 @@ def test_burst_of_200_mixed_requests_each_completes_or_is_refused(server):
     for job in done:
         mine = [e for e in events if e["job"] == job]
         ends = [e for e in mine if e["ev"] == "drop" or (e["ev"] == "finish" and e["outcome"] != "revoked")]
-        assert [e["outcome"] for e in ends] == ["done"], mine
+        assert [e["outcome"] for e in ends] == ["done"], [(e["ev"], e.get("outcome"), e.get("cause"), e.get("reason"), e.get("slot")) for e in mine]
         assert mine[-1] is ends[0]   # nothing happens to a job after its end
     assert server.status()["queued"] == 0
 
