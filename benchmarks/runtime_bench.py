@@ -32,6 +32,7 @@ from record import Record  # noqa: E402
 
 from uniun_ray.client import agenerate, arun, astream, await_generating  # noqa: E402
 from uniun_ray.runtime.launch import local_cluster, start  # noqa: E402
+from uniun_ray.runtime.releases import RELEASES  # noqa: E402
 
 CHAT = "smollm2-135m-instruct"
 MODELS = ("tiny", "smollm2-135m-instruct", "gemma-3-270m")
@@ -44,21 +45,31 @@ def pct(values, q):
 
 async def control_plane(h, n: int = 300, warmup: int = 20, checks_n: int = 50) -> dict:
     """Per job, through the client: `arun` with empty work (submit + grant + release, the
-    lease loop's whole protocol), interleaved with a bare actor call (`ping`) so both see the
-    same machine load."""
+    lease loop's whole protocol), interleaved with a bare actor call (`ping`) so all see the
+    same machine load. The release is one-way (`runtime.releases`): `control` is a job right
+    after another, whose release is still on its way (the scheduler applies it before the
+    submit: a tight loop's cost per job); `awaited` is the old path, the release's answer
+    awaited (an A/B in one run); the ping waits for the releases first, so it carries none."""
     async def empty(lease):
         return None
     await h.model.load.remote("tiny")
-    control, bare = [], []
+    control, awaited, bare = [], [], []
     for i in range(warmup + n):
         t = time.perf_counter()
         await arun("gana", "tiny", empty)
+        await RELEASES.settled()
+        a = time.perf_counter() - t
+        await arun("gana", "tiny", empty)          # its release is on its way as the next job starts
+        t = time.perf_counter()
+        await arun("gana", "tiny", empty)
         c = time.perf_counter() - t
+        await RELEASES.settled()
         t = time.perf_counter()
         await h.scheduler.ping.remote()
         b = time.perf_counter() - t
         if i >= warmup:
             control.append(c)
+            awaited.append(a)
             bare.append(b)
     # the request check before queueing: a round trip to the ModelActor, idle and while it generates
     from uniun_ray.models import GenerateRequest
@@ -77,7 +88,7 @@ async def control_plane(h, n: int = 300, warmup: int = 20, checks_n: int = 50) -
     assert await await_generating("nataraj", min_held_s=0.2), "no nataraj job got the device"
     busy = await checks(checks_n)
     await card
-    return {"control": control, "bare": bare, "check_idle": idle, "check_busy": busy}
+    return {"control": control, "awaited": awaited, "bare": bare, "check_idle": idle, "check_busy": busy}
 
 
 async def stream(h, tokens: int = 1800, repeat: int = 3) -> dict:
@@ -175,7 +186,10 @@ def record_control(r: dict, quick: bool) -> None:
     ratio = pct(r["control"], .5) / pct(r["bare"], .5)
     record.row(f"control plane per job: submit + grant + release, p50 / p99 (n={len(r['control'])})",
                f"{ms(r['control'], .5)} / {ms(r['control'], .99)} ms")
+    record.row("the same, the release's answer awaited (before issue 25's one-way release), p50 / p99",
+               f"{ms(r['awaited'], .5)} / {ms(r['awaited'], .99)} ms")
     record.row("a bare actor call beside it, p50 / p99", f"{ms(r['bare'], .5)} / {ms(r['bare'], .99)} ms")
+    record.row("the release's answer awaited / bare call (p50)", f"{pct(r['awaited'], .5) / pct(r['bare'], .5):.1f}×")
     record.row("control plane / bare call (p50)", f"{ratio:.1f}×", goal="≤ 3× (issue 12)", met=ratio <= 3)
     for key, what in (("check_idle", "device idle"), ("check_busy", "while a Nataraj generates")):
         record.row(f"request check `ModelActor.check`, {what}, p50 / p99", f"{ms(r[key], .5)} / {ms(r[key], .99)} ms")

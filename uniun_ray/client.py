@@ -39,6 +39,7 @@ from .models.registry import DEFAULT_CHAT_MODEL
 from .models.request import GenerateRequest
 from .policy import Job, Kind, Tier
 from .runtime.launch import forget_handles, handles
+from .runtime.releases import RELEASES
 from .runtime.protocol import (DeviceLost, JobDropped, Lease, LeaseRevoked, Preempted, SchedulerUnavailable,
                                UnknownJob, new_job)
 
@@ -256,7 +257,7 @@ class Turn:
             self.lost(error_text(error))
             return True
         if isinstance(error, Exception):
-            await self.loop.release(self.lease, "failed")
+            self.loop.release(self.lease, "failed")
         return False
 
 
@@ -289,8 +290,9 @@ class LeaseLoop:
         async with self.session.using(self.scheduler):
             lease = None
             try:
-                try:  # one round trip submits and waits for the first lease
-                    lease = await self.scheduler.acquire.remote(self.job, GRANT_POLL_S, self.session.id)
+                try:  # one round trip submits and waits for the first lease, after our releases on their way
+                    lease = await self.scheduler.acquire.remote(self.job, GRANT_POLL_S, self.session.id,
+                                                                RELEASES.pending())
                 except Exception as error:
                     await self.recover(error)
                 while True:
@@ -313,7 +315,7 @@ class LeaseLoop:
     async def _settle(self, turn: Turn) -> bool:
         """True when the job is over (its value in `self.value`); False: take the next turn."""
         if turn.outcome == "done":
-            await self.release(turn.lease, "done")
+            self.release(turn.lease, "done")
             self.value = turn.value
             return True
         self.revokes += 1
@@ -357,14 +359,11 @@ class LeaseLoop:
         finally:
             task.cancel()
 
-    async def release(self, lease: Lease, outcome: str) -> None:
-        """End the lease ("done" or "failed"). A scheduler that restarted while we held the
-        device has forgotten the job: the work is over all the same."""
-        try:
-            await self.scheduler.release.remote(self.job.id, lease.epoch, outcome)
-        except Exception as error:
-            if not _scheduler_lost(error):
-                raise
+    def release(self, lease: Lease, outcome: str) -> None:
+        """End the lease ("done" or "failed"), one-way: the work is over whatever the
+        scheduler answers (`runtime.releases` keeps the order, flushes at exit and logs a
+        refusal)."""
+        RELEASES.send(self.scheduler, self.job.id, lease.epoch, outcome)
 
     async def recover(self, error: BaseException) -> None:
         """Re-raise `error` unless the scheduler was lost; else wait for it (restarted, or

@@ -48,6 +48,9 @@ _REASONS = {RevokeCause.ARRIVAL: "arrival of an outranking job", RevokeCause.FOR
 LONE_DEVICE = "dev0"
 #: The longest a `grant` long-poll waits when its caller's session heartbeats (see `heartbeat`).
 SESSION_POLL_S = 60.0
+#: The longest an `acquire` waits for the releases it names that have not arrived yet (their
+#: holder sent them first; only a release lost with its sender's process takes this long).
+RELEASE_WAIT_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -138,9 +141,17 @@ class SchedulerService:
         except asyncio.TimeoutError:
             return None
 
-    async def acquire(self, job: Job, wait_s: float = 5.0, session: str | None = None) -> Lease | None:
+    async def acquire(self, job: Job, wait_s: float = 5.0, session: str | None = None,
+                      after: tuple[tuple[str, int], ...] = ()) -> Lease | None:
         """`submit` then `grant` in one call: a client's first round trip both queues its job
-        and waits for its lease (None: queued, poll `grant`)."""
+        and waits for its lease (None: queued, poll `grant`). `after`: the leases (job id,
+        epoch) its caller released one-way just before (the client does not wait for a
+        release's answer). Ray may run an async actor's calls out of order, so the submit
+        waits, at most RELEASE_WAIT_S, for those releases to arrive first: the policy decides
+        it with the caller's old slots free, as if the releases had been answered."""
+        held = self.leases.still_held(after)
+        if held:
+            await asyncio.wait(held, timeout=RELEASE_WAIT_S)
         await self.submit(job)
         return await self.grant(job.id, wait_s, session)
 
