@@ -290,9 +290,10 @@ class LeaseLoop:
         async with self.session.using(self.scheduler):
             lease = None
             try:
-                try:  # one round trip submits and waits for the first lease, after our releases on their way
+                try:  # one round trip submits and waits for the first lease, after our releases
+                    released, after = RELEASES.take()
                     lease = await self.scheduler.acquire.remote(self.job, GRANT_POLL_S, self.session.id,
-                                                                RELEASES.pending())
+                                                                after, released)
                 except Exception as error:
                     await self.recover(error)
                 while True:
@@ -584,6 +585,9 @@ async def aset_foreground(kind: Kind | str | None, subject: str | None = None) -
 
 
 async def astatus() -> dict:
+    """The scheduler's status, once the releases this process sent have arrived: a job that
+    returned here shows as ended (a release is one-way, `runtime.releases`)."""
+    await RELEASES.settled()
     return await _on_actors(lambda h: h.scheduler.status.remote())
 
 

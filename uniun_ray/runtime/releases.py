@@ -4,9 +4,10 @@ A finished or failed job's `release` is sent without waiting for the scheduler's
 job's control path is one round trip (`acquire`: submit and grant) plus a one-way message.
 What the answer used to give, this keeps:
 
-- order: Ray may run an async actor's calls out of order, so the caller's next `acquire`
-  names the releases still on their way (`pending`) and the scheduler waits for them before
-  it decides that submit (`SchedulerService.acquire`);
+- order: the caller's next `acquire` carries the releases not sent yet and names those on
+  their way (`take`); the scheduler applies the first and waits for the others before it
+  decides that submit (`SchedulerService.acquire`), since Ray may run an async actor's calls
+  out of order;
 - nothing lost: `flush` waits for the answers before this process's `ray.shutdown` (the
   `local_cluster` block) and at interpreter exit (atexit, which runs before Ray's own
   shutdown: Ray registered its handler at import, earlier). A release lost all the same (the
@@ -34,27 +35,42 @@ FLUSH_S = 5.0
 
 class Releases:
     def __init__(self) -> None:
-        self._on_the_way: dict = {}    # the release's ObjectRef -> (job id, epoch)
-        self._lock = threading.Lock()  # sent from event loops, answered on Ray's threads, flushed at exit
+        self._unsent: list[tuple] = []  # (scheduler, job id, epoch, outcome): sent at the loop's next turn
+        self._on_the_way: dict = {}     # a release's ObjectRef -> (job id, epoch)
+        self._lock = threading.Lock()   # sent from event loops, answered on Ray's threads, flushed at exit
         self._flush_at_exit = False
 
     def send(self, scheduler, job_id: str, epoch: int, outcome: str) -> None:
-        """End lease `epoch` of the job ("done" or "failed") without waiting for the answer."""
-        ref = scheduler.release.remote(job_id, epoch, outcome)
+        """End lease `epoch` of the job ("done" or "failed") without waiting for the answer.
+        It leaves at the event loop's next turn, unless an `acquire` of this process takes it
+        along before (`take`): a caller that starts its next job at once pays one call."""
         with self._lock:
-            self._on_the_way[ref] = (job_id, epoch)
+            self._unsent.append((scheduler, job_id, epoch, outcome))
             if not self._flush_at_exit:
                 atexit.register(self.flush)
                 self._flush_at_exit = True
-        ref.future().add_done_callback(lambda answer: self._answered(ref, outcome, answer))
+        asyncio.get_running_loop().call_soon(self._send_unsent)
 
-    def pending(self) -> tuple[tuple[str, int], ...]:
-        """The (job id, epoch) of the releases not answered yet: what the next `acquire` names."""
+    def take(self) -> tuple[tuple[tuple[str, int, str], ...], tuple[tuple[str, int], ...]]:
+        """What the next `acquire` carries: the releases not sent yet (job id, epoch, outcome),
+        now its to deliver, and the (job id, epoch) of those on their way."""
         with self._lock:
-            return tuple(self._on_the_way.values())
+            unsent, self._unsent = self._unsent, []
+            return tuple(entry[1:] for entry in unsent), tuple(self._on_the_way.values())
+
+    def _send_unsent(self) -> None:
+        with self._lock:
+            unsent, self._unsent = self._unsent, []
+        for scheduler, job_id, epoch, outcome in unsent:
+            ref = scheduler.release.remote(job_id, epoch, outcome)
+            with self._lock:
+                self._on_the_way[ref] = (job_id, epoch)
+            ref.future().add_done_callback(lambda answer, ref=ref, outcome=outcome: self._answered(ref, outcome, answer))
 
     def flush(self, timeout_s: float = FLUSH_S) -> None:
-        """Wait until every release on its way is answered (or `timeout_s` passed)."""
+        """Send what is not sent yet, then wait until every release on its way is answered (or
+        `timeout_s` passed)."""
+        self._send_unsent()
         with self._lock:
             refs = list(self._on_the_way)
         if refs and ray.is_initialized():
@@ -64,7 +80,9 @@ class Releases:
                 log.debug("flushing %d releases failed", len(refs), exc_info=True)
 
     async def settled(self) -> None:
-        """Wait (in an event loop) until the releases on their way now are answered."""
+        """Send what is not sent yet, then wait (in an event loop) until every release on its
+        way now is answered."""
+        self._send_unsent()
         with self._lock:
             refs = list(self._on_the_way)
         await asyncio.gather(*(asyncio.wrap_future(ref.future()) for ref in refs), return_exceptions=True)
