@@ -12,6 +12,9 @@ What the answer used to give, this keeps:
   `local_cluster` block) and at interpreter exit (atexit, which runs before Ray's own
   shutdown: Ray registered its handler at import, earlier). A release lost all the same (the
   process was killed) leaves a lease that is not renewed: the reaper reclaims it;
+- what the caller reads next: the scheduler's view (status, the event log) ends the job a
+  moment after the call returned; `astatus` (and the replay, before it reads the log) waits
+  for this process's releases first (`settled`), so what it shows includes them;
 - errors: an answer that is an error is logged here. The work's result stands: a lease
   reclaimed before its release arrived is in the scheduler's event log (`reclaim`), and a
   scheduler that restarted has forgotten the job anyway.
