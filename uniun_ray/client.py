@@ -39,9 +39,9 @@ from .models.registry import DEFAULT_CHAT_MODEL
 from .models.request import GenerateRequest
 from .policy import Job, Kind, Tier
 from .runtime.launch import forget_handles, handles
-from .runtime.releases import RELEASES
 from .runtime.protocol import (DeviceLost, JobDropped, Lease, LeaseRevoked, Preempted, SchedulerUnavailable,
                                UnknownJob, new_job)
+from .runtime.releases import RELEASES
 
 GRANT_POLL_S = 60.0     # a grant long-poll's wait; the scheduler caps it (SESSION_POLL_S)
 RECONNECT_S = 30.0      # how long a job waits for a restarted scheduler before SchedulerUnavailable

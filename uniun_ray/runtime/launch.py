@@ -109,7 +109,7 @@ def local_cluster(namespace: str = NAMESPACE, **options):
     try:
         yield context
     finally:
-        RELEASES.flush()   # the releases of leases this process held reach the scheduler first
+        RELEASES.flush()   # the scheduler logs the finishes of this process's last jobs before it goes
         forget_handles()
         ray.shutdown()
 

@@ -8,10 +8,10 @@ What the answer used to give, this keeps:
   their way (`take`); the scheduler applies the first and waits for the others before it
   decides that submit (`SchedulerService.acquire`), since Ray may run an async actor's calls
   out of order;
-- nothing lost: `flush` waits for the answers before this process's `ray.shutdown` (the
-  `local_cluster` block) and at interpreter exit (atexit, which runs before Ray's own
-  shutdown: Ray registered its handler at import, earlier). A release lost all the same (the
-  process was killed) leaves a lease that is not renewed: the reaper reclaims it;
+- nothing lost: `flush` sends what is not sent yet and waits for the answers at interpreter
+  exit (atexit, which runs before Ray's own shutdown: Ray registered its handler at import,
+  earlier) and before a `local_cluster` block's `ray.shutdown`. A release lost all the same
+  (the process was killed) leaves a lease that is not renewed: the reaper reclaims it;
 - what the caller reads next: the scheduler's view (status, the event log) ends the job a
   moment after the call returned; `astatus` (and the replay, before it reads the log) waits
   for this process's releases first (`settled`), so what it shows includes them;
@@ -56,7 +56,7 @@ class Releases:
 
     def take(self) -> tuple[tuple[tuple[str, int, str], ...], tuple[tuple[str, int], ...]]:
         """What the next `acquire` carries: the releases not sent yet (job id, epoch, outcome),
-        now its to deliver, and the (job id, epoch) of those on their way."""
+        which it delivers from now on, and the (job id, epoch) of those on their way."""
         with self._lock:
             unsent, self._unsent = self._unsent, []
             return tuple(entry[1:] for entry in unsent), tuple(self._on_the_way.values())
@@ -68,7 +68,8 @@ class Releases:
             ref = scheduler.release.remote(job_id, epoch, outcome)
             with self._lock:
                 self._on_the_way[ref] = (job_id, epoch)
-            ref.future().add_done_callback(lambda answer, ref=ref, outcome=outcome: self._answered(ref, outcome, answer))
+            ref.future().add_done_callback(lambda answer, ref=ref, outcome=outcome:
+                                           self._answered(ref, outcome, answer))
 
     def flush(self, timeout_s: float = FLUSH_S) -> None:
         """Send what is not sent yet, then wait until every release on its way is answered (or
