@@ -121,7 +121,7 @@ def test_a_result_produced_under_a_reclaimed_lease_is_kept_and_the_reclaim_logge
     make_runtime(lease_timeout_s=0.6, reap_period_s=0.1)
 
     async def stall(lease):
-        time.sleep(1.2)                          # blocks the loop: no renewal
+        time.sleep(2.0)                          # blocks the loop: no renewal (reclaimed after ~0.7 s)
         return "kept"
 
     async def go():
