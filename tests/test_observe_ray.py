@@ -131,6 +131,7 @@ def test_replaying_the_event_log_reproduces_the_holders_timeline(make_runtime, l
         await asyncio.sleep(0.1)
         await arun("chat", "tiny", work(16))
         await asyncio.gather(nataraj, gana)
+        await astatus()     # a release is one-way: once it answers, the last finishes are logged
     asyncio.run(go())
 
     trace = Trace(read(log))

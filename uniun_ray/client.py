@@ -41,6 +41,7 @@ from .policy import Job, Kind, Tier
 from .runtime.launch import forget_handles, handles
 from .runtime.protocol import (DeviceLost, JobDropped, Lease, LeaseRevoked, Preempted, SchedulerUnavailable,
                                UnknownJob, new_job)
+from .runtime.releases import RELEASES
 
 GRANT_POLL_S = 60.0     # a grant long-poll's wait; the scheduler caps it (SESSION_POLL_S)
 RECONNECT_S = 30.0      # how long a job waits for a restarted scheduler before SchedulerUnavailable
@@ -256,7 +257,7 @@ class Turn:
             self.lost(error_text(error))
             return True
         if isinstance(error, Exception):
-            await self.loop.release(self.lease, "failed")
+            self.loop.release(self.lease, "failed")
         return False
 
 
@@ -289,8 +290,10 @@ class LeaseLoop:
         async with self.session.using(self.scheduler):
             lease = None
             try:
-                try:  # one round trip submits and waits for the first lease
-                    lease = await self.scheduler.acquire.remote(self.job, GRANT_POLL_S, self.session.id)
+                try:  # one round trip submits and waits for the first lease, after our releases
+                    released, after = RELEASES.take()
+                    lease = await self.scheduler.acquire.remote(self.job, GRANT_POLL_S, self.session.id,
+                                                                after, released)
                 except Exception as error:
                     await self.recover(error)
                 while True:
@@ -313,7 +316,7 @@ class LeaseLoop:
     async def _settle(self, turn: Turn) -> bool:
         """True when the job is over (its value in `self.value`); False: take the next turn."""
         if turn.outcome == "done":
-            await self.release(turn.lease, "done")
+            self.release(turn.lease, "done")
             self.value = turn.value
             return True
         self.revokes += 1
@@ -357,14 +360,11 @@ class LeaseLoop:
         finally:
             task.cancel()
 
-    async def release(self, lease: Lease, outcome: str) -> None:
-        """End the lease ("done" or "failed"). A scheduler that restarted while we held the
-        device has forgotten the job: the work is over all the same."""
-        try:
-            await self.scheduler.release.remote(self.job.id, lease.epoch, outcome)
-        except Exception as error:
-            if not _scheduler_lost(error):
-                raise
+    def release(self, lease: Lease, outcome: str) -> None:
+        """End the lease ("done" or "failed"), one-way: the work is over whatever the
+        scheduler answers (`runtime.releases` keeps the order, flushes at exit and logs a
+        refusal)."""
+        RELEASES.send(self.scheduler, self.job.id, lease.epoch, outcome)
 
     async def recover(self, error: BaseException) -> None:
         """Re-raise `error` unless the scheduler was lost; else wait for it (restarted, or
@@ -585,6 +585,9 @@ async def aset_foreground(kind: Kind | str | None, subject: str | None = None) -
 
 
 async def astatus() -> dict:
+    """The scheduler's status, once the releases this process sent have arrived: a job that
+    returned here shows as ended (a release is one-way, `runtime.releases`)."""
+    await RELEASES.settled()
     return await _on_actors(lambda h: h.scheduler.status.remote())
 
 

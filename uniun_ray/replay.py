@@ -95,6 +95,7 @@ async def play(workload: Workload, timeout_s: float | None = None) -> Played:
     from uniun_ray.models import GenerateRequest
     from uniun_ray.runtime.launch import handles
     from uniun_ray.runtime.protocol import new_job
+    from uniun_ray.runtime.releases import RELEASES
 
     status = await astatus()
     if status["loaded_model"] is not None or status["running"] is not None or status["queued"]:
@@ -167,6 +168,7 @@ async def play(workload: Workload, timeout_s: float | None = None) -> Played:
     except asyncio.TimeoutError:
         errors.append(f"timed out after {timeout_s:.0f} s: the jobs still out were cancelled")
     wall = now()
+    await RELEASES.settled()   # the last jobs' releases are one-way: their finishes logged first
     events = [{**e, "t": e["t"] - t0} for e in log.read(status["event_log"]) if e["t"] >= t0]
     validate(events)
     return Played(events, realized(workload, sizes), errors, wall, (load_start, os.getloadavg()[0]))

@@ -18,6 +18,7 @@ from . import placement
 from .actors import ModelFleet, RemoteEmbedder, RemoteScheduler, embedder_options, scheduler_options
 from .head import stand_in_resources, worker_niceness
 from .protocol import EMBEDDER_NAME, NAMESPACE, SCHEDULER_NAME, UniunError, model_actor_name
+from .releases import RELEASES
 from .service import RuntimeConfig
 from ..models.registry import DEFAULT_CHAT_MODEL, resolve
 from ..models.settings import SLOTS_ENV, EngineSettings, parse_slots
@@ -108,6 +109,7 @@ def local_cluster(namespace: str = NAMESPACE, **options):
     try:
         yield context
     finally:
+        RELEASES.flush()   # the scheduler logs the finishes of this process's last jobs before it goes
         forget_handles()
         ray.shutdown()
 

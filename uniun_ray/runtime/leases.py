@@ -37,12 +37,18 @@ class Tracked:
     device: str | None = None        # the device of its latest dispatch
     session: str | None = None       # the caller's session: its heartbeats keep the job alive
     moved_from: int | None = None    # the epoch of the lease its device took along when it left the pool
+    lease_over: asyncio.Future | None = None   # resolved when the lease handed out ends (`requeue`, `end`)
 
 
 def _future() -> asyncio.Future:
     future = asyncio.get_running_loop().create_future()
     future.add_done_callback(lambda f: f.cancelled() or f.exception())  # never "unretrieved"
     return future
+
+
+def _resolve(future: asyncio.Future | None) -> None:
+    if future is not None and not future.done():
+        future.set_result(None)
 
 
 class LeaseTable:
@@ -71,13 +77,14 @@ class LeaseTable:
 
     def requeue(self, tracked: Tracked) -> None:
         """Back to queued (a revoked run, or one the device lost): a fresh grant to wait for."""
+        _resolve(tracked.lease_over)
         tracked.state, tracked.lease, tracked.revoke_requested = "queued", None, False
         if tracked.grant.done():  # a waiter still on the unresolved one keeps it
             tracked.grant = _future()
         tracked.last_seen = time.monotonic()
 
     def hand_out(self, tracked: Tracked, lease: Lease) -> None:
-        tracked.lease, tracked.state = lease, "granted"
+        tracked.lease, tracked.state, tracked.lease_over = lease, "granted", _future()
         tracked.last_seen = tracked.granted_at = time.monotonic()
         tracked.grant.set_result(lease)
 
@@ -85,6 +92,7 @@ class LeaseTable:
         """The job will never run (again): forget it, and wake its waiter with `error`."""
         if self.jobs.pop(tracked.job.id, None) is not None:
             self.per_kind[tracked.job.kind] -= 1
+        _resolve(tracked.lease_over)
         self._ended[tracked.job.id] = reason
         if len(self._ended) > _ENDED_MEMORY:
             self._ended.popitem(last=False)
@@ -121,6 +129,15 @@ class LeaseTable:
         if tracked.lease is None or tracked.lease.epoch != epoch:
             raise JobDropped(f"lease {epoch} of job {job_id} is no longer held (stale or already released)")
         return tracked
+
+    def still_held(self, leases) -> list[asyncio.Future]:
+        """Of `leases` ((job id, epoch) pairs), the `lease_over` of each one still held."""
+        held = []
+        for job_id, epoch in leases:
+            tracked = self.jobs.get(job_id)
+            if tracked is not None and tracked.lease is not None and tracked.lease.epoch == epoch:
+                held.append(tracked.lease_over)
+        return held
 
     # -- liveness ---------------------------------------------------------------------------
     def seen(self, tracked: Tracked, session: str | None) -> None:

@@ -48,6 +48,9 @@ _REASONS = {RevokeCause.ARRIVAL: "arrival of an outranking job", RevokeCause.FOR
 LONE_DEVICE = "dev0"
 #: The longest a `grant` long-poll waits when its caller's session heartbeats (see `heartbeat`).
 SESSION_POLL_S = 60.0
+#: The longest an `acquire` waits for the releases it names that have not arrived yet (their
+#: holder sent them first; only a release lost with its sender's process takes this long).
+RELEASE_WAIT_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -138,9 +141,22 @@ class SchedulerService:
         except asyncio.TimeoutError:
             return None
 
-    async def acquire(self, job: Job, wait_s: float = 5.0, session: str | None = None) -> Lease | None:
+    async def acquire(self, job: Job, wait_s: float = 5.0, session: str | None = None,
+                      after: tuple[tuple[str, int], ...] = (), released: tuple[tuple[str, int, str], ...] = ()
+                      ) -> Lease | None:
         """`submit` then `grant` in one call: a client's first round trip both queues its job
-        and waits for its lease (None: queued, poll `grant`)."""
+        and waits for its lease (None: queued, poll `grant`). A client ends its leases
+        one-way (it does not wait for a release's answer), and its next acquire says so:
+        `released`, the releases (job id, epoch, outcome) it had not sent yet, are applied
+        here first (one call fewer); `after`, the leases (job id, epoch) whose release is on
+        its way: Ray may run an async actor's calls out of order, so the submit waits, at
+        most RELEASE_WAIT_S, for them. Either way the policy decides the submit with the
+        caller's ended leases free."""
+        for job_id, epoch, outcome in released:
+            self._release_if_held(job_id, epoch, Outcome.parse(outcome))
+        held = self.leases.still_held(after)
+        if held:
+            await asyncio.wait(held, timeout=RELEASE_WAIT_S)
         await self.submit(job)
         return await self.grant(job.id, wait_s, session)
 
@@ -173,7 +189,17 @@ class SchedulerService:
         poll `grant` again and resume); False when it ended. A lease whose device left the
         pool under it: the job went back already (True), unless its holder finished the work
         before it heard (done, failed): then the job ends, so that it never runs twice."""
-        outcome = Outcome.parse(outcome)
+        return self._release(job_id, epoch, Outcome.parse(outcome))
+
+    def _release_if_held(self, job_id: str, epoch: int, outcome: Outcome) -> None:
+        """A release that came with an `acquire`. A lease that is no longer held (reclaimed,
+        or its job cancelled) changes nothing: the event log says how it ended."""
+        tracked = self.leases.jobs.get(job_id)
+        if tracked is not None and (tracked.moved_from == epoch or
+                                    tracked.lease is not None and tracked.lease.epoch == epoch):
+            self._release(job_id, epoch, outcome)
+
+    def _release(self, job_id: str, epoch: int, outcome: Outcome) -> bool:
         if self.leases.moved(job_id, epoch):
             if outcome is Outcome.REVOKED:
                 return True
