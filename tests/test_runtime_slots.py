@@ -47,15 +47,17 @@ def test_background_jobs_share_the_device_and_each_decodes_as_it_would_alone(mak
 
 
 def test_a_chat_on_a_full_device_revokes_one_job_and_the_others_decode_on(make_runtime, long_tokens, tmp_path):
-    """R22 on the device: no free slot, so the chat revokes exactly the lowest-ranked job (a
-    T4 gana beside two T3 nataraj pages), which resumes from its tokens afterwards; the others
-    are never stopped. R23 is kept out of the way (a host whose steps grow fast would keep
-    nothing beside the chat: tested in the policy and the service)."""
+    """R22 on the device: no free slot, so the chat revokes exactly the lowest-ranked job (all
+    are T4: the one dispatched last, the gana) and takes its slot at once; the gana resumes
+    from its tokens afterwards; the others are never stopped. R23 is kept out of the way (a
+    host whose steps grow fast would keep nothing beside the chat: tested in the policy and
+    the service)."""
     make_runtime(PolicyConfig(chat_step_slack=100.0), slots=3, event_log=str(tmp_path / "events.jsonl"))
 
     async def go():
         pages = [asyncio.ensure_future(agenerate("nataraj", f"page {i}", model_id="tiny", producer=f"nataraj:{i}",
                                                  max_new_tokens=long_tokens)) for i in range(2)]
+        await until(lambda: _running(2), "both pages on the device")  # the gana is dispatched last
         gana = asyncio.ensure_future(agenerate("gana", "agent", model_id="tiny", producer="gana:A",
                                                max_new_tokens=long_tokens))
         await started("gana")
@@ -71,6 +73,11 @@ def test_a_chat_on_a_full_device_revokes_one_job_and_the_others_decode_on(make_r
     events = read_events(uniun_ray.status()["event_log"])
     revokes = [e for e in events if e["ev"] == "revoke"]
     assert [(e["kind"], e["cause"]) for e in revokes] == [("gana", "arrival")]
+    # the chat took the gana's slot at once (R22's handover), before the gana's run ended
+    chat_dispatch = next(e for e in events if e["ev"] == "dispatch" and e["kind"] == "chat")
+    gana_dispatch, gana_end = (next(e for e in events if e["ev"] == ev and e["kind"] == "gana")
+                               for ev in ("dispatch", "finish"))
+    assert chat_dispatch["slot"] == gana_dispatch["slot"] and chat_dispatch["t"] < gana_end["t"]
 
 
 def test_a_cancelled_job_frees_its_slot_for_the_next(make_runtime, long_tokens):
