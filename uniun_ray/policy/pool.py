@@ -53,16 +53,15 @@ class Device:
             return list(self.jobs.values())
         return self.live()
 
-    def handover(self) -> Entry | None:
-        """The revoked job whose slot the next dispatch takes, when no slot is unused."""
+    def free_slot(self) -> tuple[int, Entry | None]:
+        """The slot the next dispatch takes: the lowest unused one, else a revoked job's, which
+        it is handed over (returned with it)."""
         used = {e.slot for e in self.jobs.values() if not e.handed}
-        if len(used) < self.slots:
-            return None
-        return next(e for e in self.jobs.values() if e.revoke_sent and not e.handed)
-
-    def free_slot(self) -> int:
-        used = {e.slot for e in self.jobs.values() if not e.handed}
-        return next(i for i in range(self.slots) if i not in used)
+        unused = next((i for i in range(self.slots) if i not in used), None)
+        if unused is not None:
+            return unused, None
+        handed = next(e for e in self.jobs.values() if e.revoke_sent and not e.handed)
+        return handed.slot, handed
 
 
 class Pool:
@@ -114,10 +113,10 @@ class Pool:
 
     def start(self, device: Device, entry: Entry, dispatch_no: int) -> Entry | None:
         """Give `entry` a slot on `device`; returns the revoked job it took the slot of, if any."""
-        handed = device.handover()
+        entry.slot, handed = device.free_slot()
         if handed is not None:
             handed.handed = True
-        entry.slot, entry.dispatch_no = device.free_slot() if handed is None else handed.slot, dispatch_no
+        entry.dispatch_no = dispatch_no
         device.jobs[entry.job.id] = entry
         if len(device.jobs) == 1:
             device.drain_for = None  # it was empty: drained and taken (by its drainer or a better job)

@@ -502,7 +502,7 @@ class SchedulerPolicy:
     def _taken_by_revoked(self, ctx: PickContext, device: Device) -> list[Entry]:
         """The queued jobs that take the slots of `device`'s revoked jobs when they stop, taken
         out of the queues, so that one outranking job never revokes twice (R18, R22)."""
-        revoked = len(device.jobs) - len(device.live()) - sum(e.handed for e in device.jobs.values())
+        revoked = sum(e.revoke_sent and not e.handed for e in device.jobs.values())
         view = Device(device.name, device.loaded, {e.job.id: e for e in device.live()}, device.slots)
         taken = []
         for _ in range(revoked):

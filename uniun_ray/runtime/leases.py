@@ -124,20 +124,20 @@ class LeaseTable:
         tracked = self.jobs.get(job_id)
         return tracked is not None and tracked.moved_from == epoch
 
+    def held(self, job_id: str, epoch: int) -> Tracked | None:
+        """The job, while lease `epoch` of it is the one handed out and not ended."""
+        tracked = self.jobs.get(job_id)
+        return tracked if tracked is not None and tracked.lease is not None and tracked.lease.epoch == epoch else None
+
     def holder(self, job_id: str, epoch: int) -> Tracked:
         tracked = self.get(job_id)
-        if tracked.lease is None or tracked.lease.epoch != epoch:
+        if self.held(job_id, epoch) is None:
             raise JobDropped(f"lease {epoch} of job {job_id} is no longer held (stale or already released)")
         return tracked
 
     def still_held(self, leases) -> list[asyncio.Future]:
         """Of `leases` ((job id, epoch) pairs), the `lease_over` of each one still held."""
-        held = []
-        for job_id, epoch in leases:
-            tracked = self.jobs.get(job_id)
-            if tracked is not None and tracked.lease is not None and tracked.lease.epoch == epoch:
-                held.append(tracked.lease_over)
-        return held
+        return [tracked.lease_over for job_id, epoch in leases if (tracked := self.held(job_id, epoch)) is not None]
 
     # -- liveness ---------------------------------------------------------------------------
     def seen(self, tracked: Tracked, session: str | None) -> None:

@@ -194,9 +194,7 @@ class SchedulerService:
     def _release_if_held(self, job_id: str, epoch: int, outcome: Outcome) -> None:
         """A release that came with an `acquire`. A lease that is no longer held (reclaimed,
         or its job cancelled) changes nothing: the event log says how it ended."""
-        tracked = self.leases.jobs.get(job_id)
-        if tracked is not None and (tracked.moved_from == epoch or
-                                    tracked.lease is not None and tracked.lease.epoch == epoch):
+        if self.leases.moved(job_id, epoch) or self.leases.held(job_id, epoch) is not None:
             self._release(job_id, epoch, outcome)
 
     def _release(self, job_id: str, epoch: int, outcome: Outcome) -> bool:

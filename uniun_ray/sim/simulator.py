@@ -278,9 +278,10 @@ class Simulator:
             raise ContractError(f"t={self.now}: Dispatch of unknown, running or ended job {action.job_id!r}")
         if action.model_id != state.job.model_id:
             raise ContractError(f"{where} on {action.model_id!r}, the job wants {state.job.model_id!r}")
-        held = ", ".join(sorted(repr(r.state.job.id) for r in self._running.values() if r.device is device))
-        if action.swap and held:
-            raise ContractError(f"{where} with a swap while {held} hold(s) it: a device swaps only when empty")
+        held = sorted(repr(r.state.job.id) for r in self._running.values() if r.device is device) if action.swap else []
+        if held:  # a revoked job whose slot was handed over still holds its device until it ends
+            raise ContractError(f"{where} with a swap while {', '.join(held)} hold(s) it: "
+                                "a device swaps only when empty")
         if not action.swap and action.model_id != device.model:
             raise ContractError(f"{where} without swap, but {device.model!r} is loaded there")
         return device
