@@ -686,7 +686,7 @@ def test_fuzz_client_validation_accepts_only_valid_jobs(kind, prompt, messages, 
     except ValueError as error:
         assert str(error).strip()
         return
-    spec, request = stream.spec, stream.request
+    spec, request = stream.job, stream.request
     assert spec.kind in {k.value for k in Kind}
     assert isinstance(spec.model_id, str) and spec.model_id
     assert spec.deadline is None or (math.isfinite(spec.deadline) and spec.deadline >= 1e9)
