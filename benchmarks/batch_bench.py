@@ -24,8 +24,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from record import Record  # noqa: E402
 
 from uniun_ray.models import Engine, GenerateRequest  # noqa: E402
-from uniun_ray.models.batch import Batch  # noqa: E402
-from uniun_ray.models.vocabulary import context_of  # noqa: E402
+from uniun_ray.models.decode.batch import Batch  # noqa: E402
+from uniun_ray.models.requests.vocabulary import context_of  # noqa: E402
 
 MODEL = "smollm2-135m-instruct"
 TOPICS = ["rivers", "mountains", "bridges", "clocks", "lighthouses", "gardens", "trains", "libraries"]

@@ -1,4 +1,4 @@
-"""Packed linear weights (`uniun_ray/models/packing.py`) against plain `nn.Linear`, in one run.
+"""Packed linear weights (`uniun_ray/models/host/packing.py`) against plain `nn.Linear`, in one run.
 
     .venv/bin/python benchmarks/packing_bench.py [--batches 1,4,8,16] [--rounds 3] [--threads 2] [--quick]
 
@@ -18,9 +18,9 @@ import statistics
 import torch
 
 from record import Record
-from uniun_ray.models import packing
-from uniun_ray.models.registry import DEFAULT_CHAT_MODEL, materialize, resolve
-from uniun_ray.models.steps import measure_profile
+from uniun_ray.models.host import packing
+from uniun_ray.models.requests.registry import DEFAULT_CHAT_MODEL, materialize, resolve
+from uniun_ray.models.host.steps import measure_profile
 
 
 def load(folder, dtype: torch.dtype, packed: bool):

@@ -112,8 +112,8 @@ async def stream(h, tokens: int = 1800, repeat: int = 3) -> dict:
 def bare_stream(tokens: int = 1800, repeat: int = 3) -> dict:
     import threading
 
-    from uniun_ray.models.engine import Engine
-    from uniun_ray.models.request import GenerateRequest
+    from uniun_ray.models.decode.engine import Engine
+    from uniun_ray.models.requests.request import GenerateRequest
 
     engine = Engine()
     engine.load("tiny")

@@ -13,7 +13,7 @@ into a ``DynamicCache``, then ``--steps`` decode forwards of one token per row (
 position ids grown by one each step; one row gets neither, as the engine's ``Batch`` runs it),
 timed one by one after ``--warmup`` untimed ones; the step time is the median over ``--repeats``
 such rounds. The decode steps are those of the engine's own probe at load
-(`uniun_ray/models/steps.py`, ``Engine.step_profile()``); this one takes more steps and rounds,
+(`uniun_ray/models/host/steps.py`, ``Engine.step_profile()``); this one takes more steps and rounds,
 and any prompt length. The rounds go round-robin over the batch sizes, so a load that comes and
 goes beside the probe stretches every size alike.
 ``torch.inference_mode``; float32 by default (the dtype the engine chose on the 2-core AVX2
@@ -51,9 +51,9 @@ import torch  # noqa: E402
 
 from record import Record  # noqa: E402
 
-from uniun_ray.models.registry import DEFAULT_CHAT_MODEL, materialize, resolve  # noqa: E402
-from uniun_ray.models.steps import decode_times, device_clock, positions, row_lengths  # noqa: E402
-from uniun_ray.models.tuning import cpu_model  # noqa: E402
+from uniun_ray.models.requests.registry import DEFAULT_CHAT_MODEL, materialize, resolve  # noqa: E402
+from uniun_ray.models.host.steps import decode_times, device_clock, positions, row_lengths  # noqa: E402
+from uniun_ray.models.host.tuning import cpu_model  # noqa: E402
 
 
 def load(model_id: str, dtype: str, device: str):
@@ -81,7 +81,7 @@ def clock_of(kind: str, device: str):
 
 def round_of_steps(model, batch: int, prompt: int, steps: int, warmup: int, clock) -> list[float]:
     """Prefill one batch, then time `steps` decode forwards (after `warmup` untimed ones), as the
-    engine's probe at load times them (`uniun_ray.models.steps`)."""
+    engine's probe at load times them (`uniun_ray.models.host.steps`)."""
     from transformers import DynamicCache
 
     ids, mask = batch_inputs(batch, prompt, model.config.vocab_size - 1, model.device)

@@ -13,8 +13,9 @@ from transformers import MistralConfig
 
 from test_models import LONG_PROMPT, PROMPT, engine, forwards, loaded_engine, run, tiny_cache  # noqa: F401 (fixtures)
 from uniun_ray.models import GenerateRequest
-from uniun_ray.models.batch import Batch, batchable
-from uniun_ray.models.decoding import Decoding
+from uniun_ray.models.decode.batch import Batch
+from uniun_ray.models.kv.rows import batchable
+from uniun_ray.models.decode.decoding import Decoding
 
 #: Prompts of different lengths (so rows are padded differently), different lengths of output.
 REQUESTS = [
@@ -218,10 +219,10 @@ def test_a_chat_reads_its_prompt_in_one_pass_and_a_background_prompt_in_short_ch
 
 
 def test_a_model_that_cannot_be_batched_runs_its_jobs_one_at_a_time(engine, monkeypatch):
-    import uniun_ray.models.batch as batch_module
+    from uniun_ray.models.kv import rows
 
     expected = alone(engine, REQUESTS[:3])
-    monkeypatch.setattr(batch_module, "batchable", lambda model: False)     # as a sliding-window model
+    monkeypatch.setattr(rows, "batchable", lambda model: False)     # as a sliding-window model
     batch = Batch(engine, slots=8)
     assert batch.slots == 1 and not batch.batched
     jobs, widths = drive(batch, {0: [(request, threading.Event()) for request in REQUESTS[:3]]})
@@ -232,7 +233,7 @@ def test_the_decode_loop_steps_jobs_added_from_many_threads_together_and_alone_w
     """`DecodeLoop` (the ModelActor's): jobs added from several threads share steps, each ends as
     it would alone, a cancelled one leaves while the others go on, and the stepping thread ends
     when the batch is empty (a later job starts a new one)."""
-    from uniun_ray.models.loop import DecodeLoop
+    from uniun_ray.models.decode.loop import DecodeLoop
 
     requests = REQUESTS[:4]
     expected = alone(engine, requests)

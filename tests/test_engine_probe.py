@@ -17,12 +17,12 @@ from dataclasses import replace
 import pytest
 
 from uniun_ray.models import Engine, GenerateRequest, materialize, resolve
-from uniun_ray.models import steps as steps_module
-from uniun_ray.models import weights as weights_module
-from uniun_ray.models.contention import BUSY_SHARE
-from uniun_ray.models.registry import CACHE_ENV
-from uniun_ray.models.steps import CPU_BATCHES, auto_slots
-from uniun_ray.models.tuning import BEATEN_AFTER, ProbeCache
+from uniun_ray.models.host import steps as steps_module
+from uniun_ray.models.host import weights as weights_module
+from uniun_ray.models.host.contention import BUSY_SHARE
+from uniun_ray.models.requests.registry import CACHE_ENV
+from uniun_ray.models.host.steps import CPU_BATCHES, auto_slots
+from uniun_ray.models.host.tuning import BEATEN_AFTER, ProbeCache
 
 
 @pytest.fixture(scope="module")
@@ -111,9 +111,9 @@ def test_a_probe_taken_beside_cpu_burners_is_busy_kept_provisional_and_measured_
 
 
 def test_a_model_that_cannot_be_batched_is_profiled_at_one_row(probes, profiles, monkeypatch):
-    import uniun_ray.models.batch as batch
+    from uniun_ray.models.kv import rows
 
-    monkeypatch.setattr(batch, "batchable", lambda model: False)
+    monkeypatch.setattr(rows, "batchable", lambda model: False)
     engine = loaded()
     assert list(engine.step_profile()) == [1] and engine.describe()["probe"]["slots_auto"] == 1
 

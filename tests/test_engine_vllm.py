@@ -16,8 +16,8 @@ import pytest
 from uniun_ray.engines import Engine, venvs
 from uniun_ray.engines.vllm import (PLUGIN_DIR, Delta, EngineError, VllmEngine, VllmRun, grammar_fields,
                                     parse_event, sampling_fields)
-from uniun_ray.models.vocabulary import PromptTooLong
-from uniun_ray.models.request import GenerateRequest
+from uniun_ray.models.requests.vocabulary import PromptTooLong
+from uniun_ray.models.requests.request import GenerateRequest
 
 CHAT = "smollm2-135m-instruct"
 
@@ -96,7 +96,7 @@ print(json.dumps({"fresh": allowed(Params(uniun_json_schema=schema, uniun_eos=[2
 def test_the_servers_mask_continues_a_resumed_json_where_it_was_cut():
     """The logits processor on vLLM's own Python: a fresh request may open the list, not put a
     comma; a resumed one, whose prompt ends inside the list, may put a comma, not open another."""
-    from uniun_ray.models.registry import materialize, resolve
+    from uniun_ray.models.requests.registry import materialize, resolve
 
     probe = subprocess.run([str(venvs.vllm_python()), "-c", MASK_PROBE, str(materialize(resolve(CHAT)))],
                            env={**os.environ, "PYTHONPATH": str(PLUGIN_DIR)}, capture_output=True, text=True,

@@ -8,8 +8,8 @@ import threading
 import pytest
 
 from uniun_ray.engines import Engine, JobRun, create
-from uniun_ray.models.request import GenerateRequest
-from uniun_ray.models.settings import EngineSettings
+from uniun_ray.models.requests.request import GenerateRequest
+from uniun_ray.models.requests.settings import EngineSettings
 
 from test_models import tiny_cache  # noqa: F401 (fixture)
 

@@ -68,8 +68,56 @@ def test_a_layer_never_imports_what_sits_above_it(package):
     assert offenders == []
 
 
+#: The rooms of `models` (issue 36), lowest first: a room imports only the rooms below it.
+MODEL_ROOMS = ("requests", "kv", "host", "decode")
+
+
+def test_the_rooms_of_models_import_one_way_and_its_modules_form_no_cycle():
+    modules = {_module(path): path for path in sorted((PACKAGE / "models").rglob("*.py"))}
+    graph = {module: {name for name in _imported_names(path) if name in modules and name != module}
+                     for module, path in modules.items()}
+    upward = sorted(f"{module} imports {name}" for module, names in graph.items() for name in names
+                    if _room(name) > _room(module))
+    assert upward == []
+    assert _cycle(graph) == []
+
+
+def _room(module: str) -> int:
+    """Where a module of models sits: its room's rank; the package itself above them all."""
+    parts = module.split(".")
+    return MODEL_ROOMS.index(parts[2]) if len(parts) > 2 else len(MODEL_ROOMS)
+
+
+def _cycle(graph: dict[str, set[str]]) -> list[str]:
+    """One import cycle of ``graph`` (as the modules along it), or [] when there is none."""
+    done, path = set(), []
+
+    def visit(module: str) -> list[str]:
+        if module in path:
+            return path[path.index(module):] + [module]
+        if module in done:
+            return []
+        path.append(module)
+        for name in sorted(graph[module]):
+            if found := visit(name):
+                return found
+        path.pop()
+        done.add(module)
+        return []
+    return next((found for module in sorted(graph) if (found := visit(module))), [])
+
+
+def _module(path: Path) -> str:
+    return ".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
+
+
 def _imported_packages(path: Path) -> set[str]:
     """The packages of uniun_ray (`runtime`, `client`...) that a module imports anywhere in it."""
+    return {name.split(".")[1] for name in _imported_names(path) if name.startswith("uniun_ray.")}
+
+
+def _imported_names(path: Path) -> set[str]:
+    """Every dotted name a module imports anywhere in it (``from a import b`` gives a and a.b)."""
     module = ".".join(path.relative_to(ROOT).with_suffix("").parts)
     package = module.removesuffix(".__init__") if path.name == "__init__.py" else module.rpartition(".")[0]
     names = set()
@@ -80,4 +128,4 @@ def _imported_packages(path: Path) -> set[str]:
             base = importlib.util.resolve_name("." * node.level + (node.module or ""), package) \
                 if node.level else node.module
             names |= {base} | {f"{base}.{alias.name}" for alias in node.names}
-    return {name.split(".")[1] for name in names if name.startswith("uniun_ray.")}
+    return names

@@ -31,9 +31,9 @@ from uniun_ray.models import (
     materialize,
     resolve,
 )
-from uniun_ray.models import registry
-from uniun_ray.models.registry import CACHE_ENV
-from uniun_ray.models.tuning import GATED_CHUNK_DECODE_STEPS, Speed, fastest, thread_options
+from uniun_ray.models.requests import registry
+from uniun_ray.models.requests.registry import CACHE_ENV
+from uniun_ray.models.host.tuning import GATED_CHUNK_DECODE_STEPS, Speed, fastest, thread_options
 
 #: `make gpu-check` runs this module on a GPU (UNIUN_TEST_DEVICE=cuda); CPU otherwise.
 DEVICE = os.environ.get("UNIUN_TEST_DEVICE", "cpu")
@@ -266,7 +266,7 @@ def test_failed_conversion_leaves_nothing_behind(fake_conversion, monkeypatch):
 def test_prepared_converts_in_the_background_once_and_reports_a_failure(fake_conversion, monkeypatch):
     """What a server asks before holding a request for a model (issue 27): not ready while one
     background conversion runs, however often it is asked; ready after; a failure raised once."""
-    from uniun_ray.models.registry import prepared
+    from uniun_ray.models.requests.registry import prepared
 
     root, calls = fake_conversion
     spec = resolve("tiny")
@@ -583,7 +583,7 @@ def test_a_prompt_of_token_ids_is_read_as_given(engine):
 
 
 def test_presence_and_frequency_penalties_lower_repeated_tokens_by_openais_formula(engine):
-    from uniun_ray.models.logits import OpenAIPenalties
+    from uniun_ray.models.decode.logits import OpenAIPenalties
 
     scores = torch.zeros(1, 6)
     shaped = OpenAIPenalties(presence=0.5, frequency=0.25, output_start=2)(torch.tensor([[4, 4, 1, 3, 3, 3]]), scores)
@@ -646,7 +646,7 @@ def test_tools_go_through_a_template_that_takes_them_and_are_refused_by_one_that
     (arguments as OpenAI's JSON string), a tool's answer and null content render."""
     import shutil
 
-    from uniun_ray.models.prompt import render
+    from uniun_ray.models.requests.prompt import render
 
     folder = tmp_path / "tiny-tools"
     shutil.copytree(engine_folder(engine), folder)
@@ -706,7 +706,7 @@ def test_engine_arguments_are_checked():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_packed_linear_layer_computes_what_the_plain_one_does(dtype):
     from torch import nn
-    from uniun_ray.models import packing
+    from uniun_ray.models.host import packing
 
     if not packing.available(torch.device("cpu")):
         pytest.skip("this torch build has no oneDNN")
@@ -726,7 +726,7 @@ def test_a_packed_linear_layer_computes_what_the_plain_one_does(dtype):
 
 
 def test_the_engine_packs_its_linear_layers_on_cpu_and_says_so(engine):
-    from uniun_ray.models import packing
+    from uniun_ray.models.host import packing
 
     described = engine.describe()
     if DEVICE != "cpu" or not packing.available(torch.device("cpu")):
@@ -878,7 +878,7 @@ def test_a_run_revoked_mid_prefill_resumes_from_the_chunks_it_read(engine, uncac
 
 
 def test_the_cache_is_bounded_evicts_the_least_recent_first_and_revoked_runs_last(engine):
-    from uniun_ray.models.kvcache import PrefixCache
+    from uniun_ray.models.kv.prefix import PrefixCache
 
     for i in range(4):                                 # real caches, from the model
         run(engine, GenerateRequest(prompt=f"{i}: " + PROMPT * 3, max_new_tokens=2))
@@ -918,7 +918,7 @@ def test_forks_of_one_entry_grow_in_place_one_at_a_time_and_never_write_over_eac
     view has written there; every other fork copies. Each must read back what it was given."""
     from transformers.cache_utils import DynamicCache, DynamicLayer
 
-    from uniun_ray.models.kvcache import fork
+    from uniun_ray.models.kv.prefix import fork
 
     def states(value: float, tokens: int) -> torch.Tensor:
         return torch.full((1, 1, tokens, 2), value)
@@ -954,7 +954,7 @@ def test_grouped_attention_over_a_cache_equals_transformers_sdpa_to_the_bit(new_
 
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    from uniun_ray.models.attention import grouped_sdpa
+    from uniun_ray.models.host.attention import grouped_sdpa
 
     generator = torch.Generator().manual_seed(0)
     cached, heads, groups, dim = 40, 6, 3, 16
@@ -969,7 +969,7 @@ def test_grouped_attention_over_a_cache_equals_transformers_sdpa_to_the_bit(new_
 
 
 def test_models_load_with_the_grouped_attention(engine):
-    from uniun_ray.models.attention import NAME
+    from uniun_ray.models.host.attention import NAME
 
     assert engine._loaded.model.config._attn_implementation == NAME
 
@@ -977,7 +977,7 @@ def test_models_load_with_the_grouped_attention(engine):
 def test_a_sliding_window_layer_past_its_window_is_not_cropped_and_its_entry_is_reused_only_whole():
     """transformers calls such a layer croppable and then raises in `crop`: a revoke inside a
     Gemma prefill past its 512-token window failed the run instead of stopping it."""
-    from uniun_ray.models.kvcache import PrefixCache, crop_layers
+    from uniun_ray.models.kv.prefix import PrefixCache, crop_layers
 
     within = _sliding_cache(window=8, full=7, sliding=7)
     assert crop_layers(within, 4) and [layer.get_seq_length() for layer in within.layers] == [4, 4]
@@ -1024,7 +1024,7 @@ def on_cpu(entry) -> bool:
 def test_a_full_device_tier_moves_its_least_recent_entries_to_cpu_memory_and_a_hit_brings_one_back(engine):
     """The tiers' bookkeeping on real caches: the device tier's victims (least recent, a revoked
     job's last) move to the CPU tier while it has room; the CPU tier's own victims are dropped."""
-    from uniun_ray.models.kvcache import PrefixCache
+    from uniun_ray.models.kv.prefix import PrefixCache
 
     e = equal_entries(engine, 4)
     size = e[0].nbytes
@@ -1060,7 +1060,7 @@ def test_a_full_device_tier_moves_its_least_recent_entries_to_cpu_memory_and_a_h
 def test_a_conversation_whose_history_went_to_cpu_memory_and_back_decodes_as_without_a_cache(
         engine, uncached, monkeypatch):
     """Greedy output after an offload round trip is token-identical to an uncached run."""
-    from uniun_ray.models.kvcache import PrefixCache
+    from uniun_ray.models.kv.prefix import PrefixCache
 
     first = GenerateRequest(prompt=PROMPT, max_new_tokens=40)
     other = GenerateRequest(prompt="x = [1, 2, 3]" * 4, max_new_tokens=40)

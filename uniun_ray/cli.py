@@ -26,7 +26,7 @@ import os
 import sys
 
 from .policy import Kind
-from .models.settings import ENGINE_ENV, ENGINES, SLOTS_ENV
+from .models.requests.settings import ENGINE_ENV, ENGINES, SLOTS_ENV
 
 DEFAULT_PORT = 6379
 DEFAULT_DASHBOARD_PORT = 8265

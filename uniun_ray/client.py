@@ -35,8 +35,8 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, replace
 from typing import Any, AsyncIterator, Awaitable, Callable, Iterator
 
-from .models.registry import DEFAULT_CHAT_MODEL
-from .models.request import GenerateRequest
+from .models.requests.registry import DEFAULT_CHAT_MODEL
+from .models.requests.request import GenerateRequest
 from .policy import Job, Kind, Tier
 from .runtime.launch import forget_handles, handles
 from .runtime.protocol import (DeviceLost, JobDropped, Lease, LeaseRevoked, Preempted, SchedulerUnavailable,

@@ -21,8 +21,8 @@ import threading
 from typing import TYPE_CHECKING, Callable, Hashable, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
-    from ..models.request import GenerateRequest, GenerationResult
-    from ..models.settings import EngineSettings
+    from ..models.requests.request import GenerateRequest, GenerationResult
+    from ..models.requests.settings import EngineSettings
 
 #: Called by an engine, from its own threads, after any job produced text or ended.
 Wake = Callable[[], None]
@@ -64,7 +64,7 @@ class Engine(Protocol):
       at most this); `step_profile()`: seconds per decode step by batch size (R23, R25);
       `status()`: a dict for status and the page, with at least "engine" (its name), "model",
       "running" (jobs in the engine now); "kv_cache" where the engine reports its prefix cache
-      as `models.kvcache` does."""
+      as `models.kv.prefix` does."""
 
     name: str
 

@@ -1,7 +1,7 @@
 """The transformers engine (SPEC §7's default; the card's engine; the embedded models).
 
 A thin adapter of the seam over `models.Engine` (weights, dtype and thread probe, prefix cache)
-and `models.loop.DecodeLoop` (every slot in one batched forward per step, §6). A job's handle is
+and `models.decode.loop.DecodeLoop` (every slot in one batched forward per step, §6). A job's handle is
 the batch's own `Job`, read as it fills; `cancel` sets the job's flag, which the batch reads
 before every step and the layer gate before every decoder layer of a prefill chunk. Nothing is
 copied or re-queued in between, so the embedded models run exactly as fast as without the seam.
@@ -12,13 +12,13 @@ import threading
 from typing import Hashable
 
 from . import Wake
-from ..models.batch import Job
-from ..models.engine import Engine
-from ..models.loop import DecodeLoop
-from ..models.registry import resolve
-from ..models.request import GenerateRequest, GenerationResult
-from ..models.settings import MAX_SLOTS, EngineSettings
-from ..models.vocabulary import inspect_request
+from ..models.decode.batch import Job
+from ..models.decode.engine import Engine
+from ..models.decode.loop import DecodeLoop
+from ..models.requests.registry import resolve
+from ..models.requests.request import GenerateRequest, GenerationResult
+from ..models.requests.settings import MAX_SLOTS, EngineSettings
+from ..models.requests.vocabulary import inspect_request
 
 
 class TransformersRun:

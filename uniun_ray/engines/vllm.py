@@ -45,9 +45,9 @@ from typing import Hashable, Iterator, Sequence
 
 from .server import ChildServer, free_port
 from .venvs import has_cuda_gpu, vllm_python
-from ..models.request import GenerateRequest, GenerationResult
-from ..models.vocabulary import inspect_request, prompt_ids
-from ..models.registry import cache_dir, materialize, resolve
+from ..models.requests.request import GenerateRequest, GenerationResult
+from ..models.requests.vocabulary import inspect_request, prompt_ids
+from ..models.requests.registry import cache_dir, materialize, resolve
 
 #: The name vLLM serves every model under; the engine holds one model at a time.
 SERVED = "uniun"

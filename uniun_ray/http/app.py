@@ -318,7 +318,7 @@ def create_app(api_key: str | None = None) -> FastAPI:
     @app.get("/v1/models/{model_id:path}", responses=openapi.ERRORS)
     async def model(model_id: str):
         if model_id not in _model_ids():
-            from ..models.registry import resolve
+            from ..models.requests.registry import resolve
             try:
                 resolve(model_id)
             except Exception as error:
@@ -380,7 +380,7 @@ def _model(model_id: str) -> dict:
 
 def _model_ids() -> list[str]:
     """The registry's ids (the active chat model first if it is another) and the embedding model."""
-    from ..models.registry import known_ids
+    from ..models.requests.registry import known_ids
 
     ids = list(known_ids())
     active = _active_chat_model()

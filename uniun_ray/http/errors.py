@@ -73,7 +73,7 @@ def from_client(error: BaseException) -> APIError:
     from ray.exceptions import RayActorError
 
     from ..models import PromptTooLong, UnknownModel
-    from ..models.request import InvalidRequest
+    from ..models.requests.request import InvalidRequest
     from ..runtime.protocol import JobDropped, Preempted, QueueFull, SchedulerUnavailable
 
     if isinstance(error, APIError):

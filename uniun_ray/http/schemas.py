@@ -20,7 +20,7 @@ from pydantic import (AfterValidator, BaseModel, ConfigDict, Discriminator, Fiel
                       Tag, ValidationInfo, field_validator)
 from pydantic_core import PydanticCustomError
 
-from ..models.request import JSON_OBJECT, LOGIT_BIAS_RANGE, PENALTY_RANGE
+from ..models.requests.request import JSON_OBJECT, LOGIT_BIAS_RANGE, PENALTY_RANGE
 from ..policy.types import Kind
 
 KindName = Literal[tuple(kind.value for kind in Kind)]

@@ -21,7 +21,7 @@ from .metrics import SchedulerMetrics
 from .model_actor import ModelActor
 from .protocol import NAMESPACE, DeviceGone, DeviceLost, UniunError, model_actor_name
 from .service import RuntimeConfig, SchedulerService
-from ..models.settings import EngineSettings
+from ..models.requests.settings import EngineSettings
 
 from .placement import Seat
 

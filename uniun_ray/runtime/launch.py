@@ -20,8 +20,8 @@ from .head import stand_in_resources, worker_niceness
 from .protocol import EMBEDDER_NAME, NAMESPACE, SCHEDULER_NAME, UniunError, model_actor_name
 from .releases import RELEASES
 from .service import RuntimeConfig
-from ..models.registry import DEFAULT_CHAT_MODEL, resolve
-from ..models.settings import SLOTS_ENV, EngineSettings, parse_slots
+from ..models.requests.registry import DEFAULT_CHAT_MODEL, resolve
+from ..models.requests.settings import SLOTS_ENV, EngineSettings, parse_slots
 
 #: Resources a local cluster declares for one stand-in device of a CPU-only machine.
 LOCAL_RESOURCES = stand_in_resources(0)

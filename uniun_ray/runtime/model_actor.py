@@ -23,9 +23,9 @@ from collections import deque
 from dataclasses import asdict
 
 from .. import engines
-from ..models.registry import prepared, resolve
-from ..models.request import GenerateRequest
-from ..models.settings import MAX_SLOTS, EngineSettings
+from ..models.requests.registry import prepared, resolve
+from ..models.requests.request import GenerateRequest
+from ..models.requests.settings import MAX_SLOTS, EngineSettings
 from .metrics import ModelMetrics
 from .placement import DEVICE_RESOURCE, assigned_resources, node_id, stand_ins_here
 from .protocol import DeviceLost, LeaseRevoked
@@ -153,7 +153,7 @@ class ModelActor:
         return await asyncio.to_thread(self._slot_plan, setting)
 
     def _slot_plan(self, setting: int | None) -> dict:
-        from ..models.steps import auto_slots
+        from ..models.host.steps import auto_slots
 
         profile = self._engine.step_profile()
         chosen = setting or auto_slots(profile, limit=MAX_SLOTS)

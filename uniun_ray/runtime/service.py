@@ -25,8 +25,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Mapping
 
-from ..models.registry import DEFAULT_CHAT_MODEL
-from ..models.settings import check_slot_count
+from ..models.requests.registry import DEFAULT_CHAT_MODEL
+from ..models.requests.settings import check_slot_count
 from ..policy import Dispatch, Job, Outcome, PolicyConfig, Requeued, Revoke, RevokeCause, SchedulerPolicy
 from .driver import Device, DeviceDriver, EpochClock
 from ..events.log import EventLog

@@ -88,7 +88,7 @@ from functools import cached_property
 from ..policy.steps import step_time
 
 #: A prefill chunk takes this many decode steps, as the engine sizes them
-#: (`uniun_ray.models.tuning.CHUNK_DECODE_STEPS`; the simulator does not import the models).
+#: (`uniun_ray.models.host.tuning.CHUNK_DECODE_STEPS`; the simulator does not import the models).
 CHUNK_DECODE_STEPS = 2.0
 
 

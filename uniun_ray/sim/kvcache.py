@@ -1,6 +1,6 @@
 """The prefix KV cache as the simulator sees it: how many of a run's tokens need no prefill.
 
-It mirrors `uniun_ray.models.kvcache` at the level a workload describes: a revoked job's KV
+It mirrors `uniun_ray.models.kv.prefix` at the level a workload describes: a revoked job's KV
 (prompt + what it produced, or the prefill chunks it read) is kept for its resume, and a
 conversation's last turn (prompt + reply) for its next turn, whose prompt starts with it. Per
 device, least recently used first, within a budget in tokens; a swap empties it (the real

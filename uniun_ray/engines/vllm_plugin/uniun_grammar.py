@@ -7,7 +7,7 @@ Why not vLLM's own structured outputs: a revoked job resumes as a new request of
 produced ids, and vLLM's grammar would begin again at the resumed request's first token, with
 half the JSON already in the prompt. This mask feeds the resumed ids (or, after a lost device,
 the resumed text) to the grammar first, as the transformers engine's `GrammarMask` does
-(`uniun_ray/models/logits.py`: the same llguidance grammar), so a resumed job goes on inside
+(`uniun_ray/models/decode/logits.py`: the same llguidance grammar), so a resumed job goes on inside
 its JSON.
 
 A request asks for it through `vllm_xargs`: `uniun_json_schema` (the schema as JSON text),

@@ -17,10 +17,10 @@ from typing import Callable
 import torch
 
 from .batch import Batch, Job
-from .cores import CoreShare
 from .engine import Engine
-from .gate import CancelFlag
-from .request import GenerateRequest
+from ..host.cores import CoreShare
+from ..host.gate import CancelFlag
+from ..requests.request import GenerateRequest
 
 log = logging.getLogger(__name__)
 

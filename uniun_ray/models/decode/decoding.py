@@ -20,7 +20,7 @@ from transformers import (EosTokenCriteria, LogitsProcessorList, MaxLengthCriter
                           StopStringCriteria, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper)
 
 from .logits import shaping
-from .request import GenerateRequest
+from ..requests.request import GenerateRequest
 
 
 class CancelCriteria(StoppingCriteria):

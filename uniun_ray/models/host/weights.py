@@ -20,16 +20,17 @@ from typing import Any, Iterator
 import torch
 
 from . import packing
-from .gate import LayerGate, layer_gate
-from .kvcache import PrefixCache
-from .registry import cache_dir
-from .request import _is_int
-from .settings import DTYPES, EngineSettings, check_max_memory
 from .contention import Watch, quiet
+from .gate import LayerGate, layer_gate
 from .steps import auto_slots, batch_sizes, measure_profile
 from .tuning import (CHUNK_DECODE_STEPS, GATED_CHUNK_DECODE_STEPS, Probe, ProbeCache, StepClock, fastest,
                      host_signature, measure, revised, thread_options)
-from .vocabulary import Vocabulary, read_vocabulary
+from ..kv import rows as kv_rows
+from ..kv.prefix import PrefixCache
+from ..requests.registry import cache_dir
+from ..requests.request import _is_int
+from ..requests.settings import DTYPES, EngineSettings, check_max_memory
+from ..requests.vocabulary import Vocabulary, read_vocabulary
 
 #: CPU memory for the KV a GPU's cache pushes out, per GPU: a node with eight takes 32 GiB.
 DEFAULT_KV_OFFLOAD_MB = 4096
@@ -192,9 +193,7 @@ class Weights:
     def _probe(self, loaded: Loaded, candidates: list[tuple[str, int]]) -> Probe:
         """Time every (dtype, threads) candidate, then the step profile at the fastest, watching
         what else ran on the cores meanwhile. A model that cannot be batched (a sliding-window
-        cache, ``batch.batchable``) is profiled at one row only."""
-        from .batch import batchable   # batch builds on the engine, which loads through here
-
+        cache, ``kv.rows.batchable``) is profiled at one row only."""
         watch = Watch(max(n for _, n in candidates))
         vocab_size = len(loaded.vocabulary.tokenizer)
         speeds = []
@@ -209,7 +208,7 @@ class Weights:
         _cast(loaded, best.dtype)
         torch.set_num_threads(best.threads)
         self._pack(loaded)
-        sizes = batch_sizes(self.device) if batchable(loaded.model) else (1,)
+        sizes = batch_sizes(self.device) if kv_rows.batchable(loaded.model) else (1,)
         steps = measure_profile(loaded.model, loaded.cache_arg, loaded.forward_kwargs, vocab_size, self.device, sizes)
         return Probe(speeds, steps, watch.stop())
 

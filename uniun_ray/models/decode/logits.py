@@ -23,7 +23,7 @@ import numpy as np
 import torch
 from transformers import LogitsProcessor, SequenceBiasLogitsProcessor
 
-from .request import GenerateRequest, InvalidRequest
+from ..requests.request import GenerateRequest, InvalidRequest
 
 
 class OpenAIPenalties(LogitsProcessor):

@@ -31,15 +31,15 @@ from typing import Any, Iterator
 
 import torch
 
-from .gate import CancelFlag, Interrupted
-from .kvcache import Hit, PrefixCache, crop_layers
-from .registry import materialize, resolve
-from .request import GenerateRequest, GenerationResult, _is_int
 from .sequence import Sequence
-from .settings import check_megabytes
-from .tuning import MAX_CHUNK
-from .vocabulary import context_of
-from .weights import DEFAULT_KV_OFFLOAD_MB, Loaded, Weights, default_kv_cache_mb, forward
+from ..host.gate import CancelFlag, Interrupted
+from ..host.tuning import MAX_CHUNK
+from ..host.weights import DEFAULT_KV_OFFLOAD_MB, Loaded, Weights, default_kv_cache_mb, forward
+from ..kv.prefix import Hit, PrefixCache, crop_layers
+from ..requests.registry import materialize, resolve
+from ..requests.request import GenerateRequest, GenerationResult, _is_int
+from ..requests.settings import check_megabytes
+from ..requests.vocabulary import context_of
 
 
 class Engine:

@@ -29,15 +29,14 @@ from collections import deque
 from typing import Any, Callable
 
 import torch
-from transformers import DynamicCache
-from transformers.cache_utils import DynamicLayer
 
 from .engine import Engine, prefill_chunk
-from .gate import CancelFlag
-from .kvcache import fork
-from .request import GenerateRequest, GenerationResult
 from .sequence import Sequence
-from .tuning import CHUNK_DECODE_STEPS, MAX_CHUNK, MIN_CHUNK
+from ..host.gate import CancelFlag
+from ..host.tuning import CHUNK_DECODE_STEPS, MAX_CHUNK, MIN_CHUNK
+from ..kv import rows as kv_rows
+from ..kv.prefix import fork
+from ..requests.request import GenerateRequest, GenerationResult
 
 #: Rows a batch decodes together unless told otherwise.
 DEFAULT_SLOTS = 8
@@ -66,17 +65,11 @@ class Job:
         return pieces
 
 
-def batchable(model: Any) -> bool:
-    """Whether every layer of the cache the model builds is a plain full-attention DynamicLayer,
-    which can be left-padded, stacked and cut out again."""
-    return all(type(layer) is DynamicLayer for layer in DynamicCache(config=model.config).layers)
-
-
 class Batch:
     """The runs on ``engine``'s loaded model, stepped together by one thread (``step`` / ``run``).
 
     ``add`` may be called from any thread; a job beyond ``slots`` rows (None: DEFAULT_SLOTS; 1
-    for a model that cannot be batched, see ``batchable``) waits for a row. Jobs join one at a
+    for a model that cannot be batched, see ``kv.rows.batchable``) waits for a row. Jobs join one at a
     time, in the order they were added. The engine refuses ``load``/``unload`` while any job
     added here has not ended.
     """
@@ -91,7 +84,7 @@ class Batch:
         if slots is not None and (not isinstance(slots, int) or slots < 1):
             raise ValueError(f"slots must be an int >= 1 or None, got {slots!r}")
         self.engine, self.loaded, self._first_token = engine, loaded, first_token
-        self.batched = batchable(loaded.model)
+        self.batched = kv_rows.batchable(loaded.model)
         self.slots = (slots or DEFAULT_SLOTS) if self.batched else 1
         self._lock = threading.Lock()
         self._waiting: deque[Job] = deque()

@@ -13,9 +13,9 @@ import torch
 
 from .decoding import StopText, decoding
 from .detokenizer import Detokenizer
-from .kvcache import Hit, PrefixCache
-from .request import GenerateRequest, GenerationResult
-from .weights import Loaded
+from ..host.weights import Loaded
+from ..kv.prefix import Hit, PrefixCache
+from ..requests.request import GenerateRequest, GenerationResult
 
 
 class Sequence:

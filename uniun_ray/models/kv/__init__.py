@@ -1,0 +1,1 @@
+"""KV: the prefix cache of recent runs (``prefix``) and the rows of a batch (``rows``)."""
