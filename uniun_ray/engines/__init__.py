@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Callable, Hashable, Protocol, runtime_checkabl
 if TYPE_CHECKING:
     from ..models.requests.request import GenerateRequest, GenerationResult
     from ..models.requests.settings import EngineSettings
+    from ..models.requests.swap import Swap
 
 #: Called by an engine, from its own threads, after any job produced text or ended.
 Wake = Callable[[], None]
@@ -50,7 +51,9 @@ class JobRun(Protocol):
 class Engine(Protocol):
     """Runs one model at a time with up to `capacity` jobs decoding together.
 
-    * `load` / `unload` return the seconds they took (a swap's cost, reported to the policy);
+    * `load` returns a `Swap` (`models.requests.swap`: its kind, cold load, warm copy or
+      switch, and the seconds it took: a swap's cost, reported to the policy), `unload` the
+      seconds it took;
       `loaded` is the resident model, None when there is none, also when the engine lost it
       (its server died): the scheduler then reloads it before the next grant.
     * `check` refuses bad input (ValueError; a prompt too long is `PromptTooLong`) before anything
@@ -74,7 +77,7 @@ class Engine(Protocol):
     @property
     def capacity(self) -> int: ...
 
-    def load(self, model_id: str) -> float: ...
+    def load(self, model_id: str) -> "Swap": ...
 
     def unload(self) -> float: ...
 

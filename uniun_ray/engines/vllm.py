@@ -48,6 +48,7 @@ from .venvs import has_cuda_gpu, vllm_python
 from ..models.requests.request import GenerateRequest, GenerationResult
 from ..models.requests.vocabulary import inspect_request, prompt_ids
 from ..models.requests.registry import cache_dir, materialize, resolve
+from ..models.requests.swap import COLD, HOST, NONE, WARM, Swap
 
 #: The name vLLM serves every model under; the engine holds one model at a time.
 SERVED = "uniun"
@@ -328,23 +329,30 @@ class VllmEngine:
     def server(self) -> ChildServer | None:
         return self._servers.get(self._loaded) if self._loaded else None
 
-    def load(self, model_id: str) -> float:
-        """Make `model_id` the served model; seconds it took (a swap's cost, for the policy)."""
-        if model_id == self.loaded:
-            return 0.0
+    def load(self, model_id: str) -> Swap:
+        """Make `model_id` the served model; what the swap was (a swap's cost, for the policy):
+        WARM where a sleeping server woke (sleep mode, a GPU), else COLD (a new server: the
+        CPU build has no sleep mode, so every swap there is a cold start)."""
+        previous = self.loaded
+        if model_id == previous:
+            return Swap(model_id, NONE, 0.0, previous, self._asleep())
         started = time.perf_counter()
         folder = materialize(resolve(model_id))
         self._retire_loaded()
-        server = self._servers.get(model_id)
+        server, kind = self._servers.get(model_id), WARM
         if server is not None and server.alive():
             _post(server.url, "/wake_up")
         else:
-            server = self._new_server(model_id, folder)
+            server, kind = self._new_server(model_id, folder), COLD
             server.start(self.start_timeout_s)
         self._servers[model_id], self._loaded = server, model_id
         self._defaults, self._profile = generation_defaults(folder), {}
         self._kv_read = (-KV_READ_EVERY_S, None)
-        return time.perf_counter() - started
+        return Swap(model_id, kind, time.perf_counter() - started, previous, self._asleep())
+
+    def _asleep(self) -> dict[str, str]:
+        """The sleeping servers' models: their weights wait in host memory (level-1 sleep)."""
+        return {model: HOST for model, server in self._servers.items() if model != self._loaded and server.alive()}
 
     def unload(self) -> float:
         started = time.perf_counter()

@@ -34,11 +34,13 @@ import torch
 from .sequence import Sequence
 from ..host.gate import CancelFlag, Interrupted
 from ..host.tuning import MAX_CHUNK
+from ..host.warm import WarmStore, park, unpark
 from ..host.weights import DEFAULT_KV_OFFLOAD_MB, Loaded, Weights, default_kv_cache_mb, forward
 from ..kv.prefix import Hit, PrefixCache, crop_layers
 from ..requests.registry import materialize, resolve
 from ..requests.request import GenerateRequest, GenerationResult, _is_int
-from ..requests.settings import check_megabytes
+from ..requests.settings import check_megabytes, default_warm_mb
+from ..requests.swap import COLD, NONE, Swap
 from ..requests.vocabulary import context_of
 
 
@@ -59,7 +61,9 @@ class Engine:
     full (None: the default; a CPU device has one tier and ignores it). ``max_memory``
     ({"cpu": "2GiB"} or {"0": "6GiB", "cpu": "20GiB"}) lets accelerate place the weights
     (``device_map="auto"``) and offload what does not fit, to CPU memory or to disk under the
-    cache folder: a model larger than the device runs, slower.
+    cache folder: a model larger than the device runs, slower. ``warm_mb`` bounds the idle
+    models kept warm after a swap (``host.warm``; 0: none; None: ``settings.default_warm_mb``);
+    ``coresident`` lets them stay on the device beside the active one where it has room.
 
     Thread safety: ``generate`` may be iterated in a worker thread. ``load`` and ``unload`` refuse
     (RuntimeError) while a run is in progress: revoke it and let its iterator finish first.
@@ -75,6 +79,8 @@ class Engine:
         kv_cache_mb: int | None = None,
         kv_offload_mb: int | None = None,
         max_memory: dict[str, str] | None = None,
+        warm_mb: int | None = None,
+        coresident: bool = True,
     ) -> None:
         self._weights = Weights(device, dtype, num_threads, thread_budget, max_memory)
         self.device = self._weights.device
@@ -86,6 +92,9 @@ class Engine:
         self.kv_cache_mb = default_kv_cache_mb(self.device) if kv_cache_mb is None else kv_cache_mb
         self.kv_offload_mb = (0 if self.device.type == "cpu" else
                               DEFAULT_KV_OFFLOAD_MB if kv_offload_mb is None else kv_offload_mb)
+        check_megabytes("warm_mb", warm_mb)
+        self._warm = WarmStore((default_warm_mb() if warm_mb is None else warm_mb) * 2**20)
+        self.coresident = coresident
         self._lock = threading.Lock()
         self._loaded: Loaded | None = None
         self._running = 0
@@ -163,31 +172,43 @@ class Engine:
         loaded = self._loaded
         return loaded.vocabulary.chat if loaded else None
 
-    def load(self, model_id: str) -> float:
-        """Make ``model_id`` the resident model; return the seconds it took (0.0 if it already was).
+    def load(self, model_id: str) -> Swap:
+        """Make ``model_id`` the resident model; return what the swap was (``Swap``: its kind and
+        seconds; kind NONE and 0.0 s if it already was).
 
-        A different resident model is unloaded first, and that time is included: the caller wants
-        the cost of the swap. The id is resolved, and a GGUF converted, before the old model is
-        dropped, so an unknown id (UnknownModel) leaves the engine as it was.
+        The resident model is set aside first, and that time is included: the caller wants
+        the cost of the swap. It is kept warm (``host.warm``) within the budget, and a warm
+        model comes back as it left (a switch, or a copy from host memory) without its files
+        being read; any other is read cold. A warm model that fails to come back, or a cold
+        load short of memory while models are kept warm, falls back to a cold load (with the
+        warm models dropped): the swap's ``note`` says why. A cold model's id is resolved, and
+        a GGUF converted, before the old model is set aside, so an unknown id (UnknownModel)
+        leaves the engine as it was.
         """
         with self._lock:
             self._refuse_while_running("load")
-            if self.loaded == model_id:
-                return 0.0
+            previous = self.loaded
+            if previous == model_id:
+                return Swap(model_id, NONE, 0.0, previous, self._warm.kept())
             started = time.perf_counter()
-            folder = materialize(resolve(model_id))
-            self._release()
-            self._loaded = self._weights.load(
-                model_id, folder, PrefixCache(self.kv_cache_mb * 2**20, self.kv_offload_mb * 2**20))
-            return time.perf_counter() - started
+            folder = None if model_id in self._warm else materialize(resolve(model_id))
+            self._release(keep=True)
+            kind, note = self._bring(model_id, folder)
+            return Swap(model_id, kind, time.perf_counter() - started, previous, self._warm.kept(), note)
 
     def unload(self) -> float:
-        """Drop the resident model and free its memory; return the seconds it took."""
+        """Drop the resident model and every warm one, and free their memory; return the
+        seconds it took."""
         with self._lock:
             self._refuse_while_running("unload")
             started = time.perf_counter()
             self._release()
             return time.perf_counter() - started
+
+    @property
+    def warm(self) -> dict:
+        """The idle models kept warm and their budget, for ``status``."""
+        return self._warm.describe() | {"coresident": self.coresident}
 
     def check(self, request: GenerateRequest) -> int:
         """Raise what ``generate`` would raise for ``request``, without running the model.
@@ -218,13 +239,46 @@ class Engine:
         if self._running:
             raise RuntimeError(f"cannot {action} while a generation is running; cancel it first")
 
-    def _release(self) -> None:
-        if self._loaded is None:
-            return
-        self._loaded = None
+    def _release(self, keep: bool = False) -> None:
+        """Set the resident model aside: kept warm (``keep``: a swap) within the budget, or
+        dropped with every warm one (``unload``)."""
+        loaded, self._loaded = self._loaded, None
+        if not keep:
+            self._warm.clear()
+        elif loaded is not None:
+            self._warm.keep(loaded.vocabulary.model_id, park(loaded, self.device, self.coresident))
+        del loaded
+        self._free()
+
+    def _free(self) -> None:
         gc.collect()  # the model's tensors are freed here; the cache below can then shrink
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
+
+    def _bring(self, model_id: str, folder: Any) -> tuple[str, str]:
+        """Make ``model_id`` active: back from the warm store, else cold (``folder``: its files,
+        None when it was warm). Returns the swap's kind and why it fell back to a cold load."""
+        parked, note = self._warm.take(model_id), ""
+        if parked is not None:
+            try:
+                self._loaded = unpark(parked, self.device)
+                return parked.kind_back, ""
+            except (RuntimeError, MemoryError) as error:   # torch.OutOfMemoryError is a RuntimeError
+                note = f"the warm copy did not come back ({error}); loaded cold"
+                del parked
+                self._free()
+        folder = folder or materialize(resolve(model_id))
+        prefix = PrefixCache(self.kv_cache_mb * 2**20, self.kv_offload_mb * 2**20)
+        try:
+            self._loaded = self._weights.load(model_id, folder, prefix)
+        except (torch.OutOfMemoryError, MemoryError) as error:
+            if not self._warm:
+                raise
+            self._warm.clear()   # the memory they hold is what the load lacked
+            self._free()
+            note = f"memory short ({error}); the warm models were dropped and it loaded cold"
+            self._loaded = self._weights.load(model_id, folder, prefix)
+        return COLD, note
 
     def _prepare(self, request: GenerateRequest) -> tuple[Loaded, list[int]]:
         """The loaded model and the token ids to prefill for ``request``; raises if it cannot run."""
