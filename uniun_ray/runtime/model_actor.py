@@ -20,14 +20,15 @@ import os
 import threading
 import time
 from collections import deque
-from dataclasses import asdict
+from dataclasses import asdict, replace
 
 from .. import engines
 from ..models.requests.registry import prepared, resolve
 from ..models.requests.request import GenerateRequest
-from ..models.requests.settings import MAX_SLOTS, EngineSettings
+from ..models.requests.settings import MAX_SLOTS, EngineSettings, default_warm_mb
+from ..models.requests.swap import HOST, NONE, RESIDENT, Swap
 from .metrics import ModelMetrics
-from .placement import DEVICE_RESOURCE, assigned_resources, node_id, stand_ins_here
+from .placement import DEVICE_RESOURCE, assigned_resources, devices_here, node_id, stand_ins_here
 from .protocol import DeviceLost, LeaseRevoked
 
 log = logging.getLogger(__name__)
@@ -40,6 +41,8 @@ STREAM_INTERVAL_S = 0.02
 #: The same for background runs (revocable): nobody reads them token by token, and on a small
 #: host every stream item (Ray's stream, then HTTP's) takes CPU from the batch they decode in.
 BACKGROUND_STREAM_INTERVAL_S = 0.25
+#: The swaps `state` lists, the latest last.
+SWAPS_SHOWN = 16
 
 
 class ModelActor:
@@ -55,6 +58,8 @@ class ModelActor:
         budget = None
         if device == "cpu" and DEVICE_RESOURCE in assigned_resources():
             budget = max(1, settings.resolved_threads() // stand_ins_here())
+        if settings.warm_mb is None:   # the host's warm budget, shared by the node's devices
+            settings = replace(settings, warm_mb=default_warm_mb(devices_here()))
         self._engine = engines.create(settings, device, self._wake_threadsafe, budget)
         self._device = device
         self._epoch = 0                     # the newest epoch granted
@@ -66,6 +71,7 @@ class ModelActor:
         self._swap_lock = asyncio.Lock()
         self._last_revoke: dict[int, float] = {}
         self.stop_latencies: deque[float] = deque(maxlen=1024)  # the latest; the histogram has all
+        self._swaps: deque[Swap] = deque(maxlen=SWAPS_SHOWN)      # the latest, for status
         self._metrics = ModelMetrics()
         self._loop: asyncio.AbstractEventLoop | None = None
         if os.nice(0) > 0:
@@ -79,12 +85,16 @@ class ModelActor:
                 f"epoch={self._epoch}, live={sorted(self._live)}, generating={sorted(self._running)})")
 
     # -- swaps -----------------------------------------------------------------------------
-    async def load(self, model_id: str) -> float:
-        """Make `model_id` resident; returns the measured seconds (0.0 if it already was).
-        A generation still stopping (a fenced lease) is cancelled and awaited first."""
+    async def load(self, model_id: str) -> Swap:
+        """Make `model_id` resident; returns the swap (`Swap`: its kind, cold load, warm copy
+        or switch, and its measured seconds; kind "none" if it already was). A generation
+        still stopping (a fenced lease) is cancelled and awaited first."""
         async with self._swap_lock:
             await self._drain()
-            return await asyncio.to_thread(self._engine.load, model_id)
+            swap = await asyncio.to_thread(self._engine.load, model_id)
+            if swap.kind != NONE:
+                self._swaps.append(swap)
+            return swap
 
     async def unload(self) -> float:
         async with self._swap_lock:
@@ -274,8 +284,18 @@ class ModelActor:
                 "slots": {"rows": engine["running"], "steps_by_batch": engine.get("steps_by_batch", {})},
                 "context_length": engine.get("context_length"),
                 "engine": engine | {"niceness": os.nice(0)},   # its threads run at it
+                "models": _models(self._engine.loaded, self._swaps),
+                "swaps": [swap.describe() for swap in self._swaps],
                 "ray_resources": assigned_resources(), "node": node_id(),
                 "stop_latency_s": list(self.stop_latencies)}
+
+
+def _models(active: str | None, swaps: deque[Swap]) -> dict:
+    """Which models this device holds: the active one, and the idle ones resident beside it
+    or warm in host memory, as the latest swap left them (a reset or an unload keeps none)."""
+    kept = swaps[-1].kept if swaps and swaps[-1].model == active else {}
+    return {"active": active, "resident": [m for m, where in kept.items() if where == RESIDENT],
+            "warm": [m for m, where in kept.items() if where == HOST]}
 
 
 async def _ended(run, stepped: asyncio.Event) -> None:
