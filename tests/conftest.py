@@ -209,12 +209,14 @@ def pytest_testnodedown(node, error) -> None:
 # -- fakes for the Ray-free protocol tests (SchedulerService with a fake device) ---------------
 class FakeDevice:
     """The device as the scheduler sees it: loads (optionally slow, or failing for the models
-    in `fail`), grants and revokes are recorded; `epoch` is what it was last granted. Set
+    in `fail`; abandoned while in flight when asked), grants and revokes are recorded; `epoch` is what it was last granted. Set
     `gone` and every call raises DeviceGone, as a ModelActor killed for good does."""
 
     def __init__(self, load_s: float = 0.0, fail: set[str] = frozenset()) -> None:
         self.load_s, self.fail = load_s, fail
         self.loads: list[str] = []
+        self.abandoned: list[str] = []   # the loads given up (R13)
+        self._loading: tuple[str, asyncio.Event] | None = None
         self.granted: list[int] = []
         self.revoked: list[int] = []
         self.epoch = 0
@@ -227,13 +229,28 @@ class FakeDevice:
         if self.gone:
             raise DeviceGone("the fake device is gone")
 
-    async def load(self, model_id: str) -> float:
-        await asyncio.sleep(self.load_s)
+    async def load(self, model_id: str):
+        from uniun_ray.models.requests.swap import COLD, Swap, SwapAbandoned
+
+        self._loading = (model_id, asyncio.Event())
+        try:
+            await asyncio.wait_for(self._loading[1].wait(), self.load_s)
+        except asyncio.TimeoutError:
+            pass
+        else:
+            self.abandoned.append(model_id)
+            raise SwapAbandoned(f"the load of {model_id} was abandoned")
+        finally:
+            self._loading = None
         self._answer()
         if model_id in self.fail:
             raise RuntimeError(f"cannot load {model_id}")
         self.loads.append(model_id)
-        return self.load_s
+        return Swap(model_id, COLD, self.load_s)
+
+    async def abandon(self, model_id: str) -> None:
+        if self._loading is not None and self._loading[0] == model_id:
+            self._loading[1].set()
 
     async def grant(self, epoch: int, live: tuple[int, ...] = (), model: str | None = None) -> None:
         self._answer()

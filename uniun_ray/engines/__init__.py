@@ -53,7 +53,8 @@ class Engine(Protocol):
 
     * `load` returns a `Swap` (`models.requests.swap`: its kind, cold load, warm copy or
       switch, and the seconds it took: a swap's cost, reported to the policy), `unload` the
-      seconds it took;
+      seconds it took. A load stops early, raising `SwapAbandoned`, once its `abandon` flag
+      (a threading.Event) is set: the engine then holds no active model;
       `loaded` is the resident model, None when there is none, also when the engine lost it
       (its server died): the scheduler then reloads it before the next grant.
     * `check` refuses bad input (ValueError; a prompt too long is `PromptTooLong`) before anything
@@ -77,7 +78,7 @@ class Engine(Protocol):
     @property
     def capacity(self) -> int: ...
 
-    def load(self, model_id: str) -> "Swap": ...
+    def load(self, model_id: str, abandon: threading.Event | None = None) -> "Swap": ...
 
     def unload(self) -> float: ...
 

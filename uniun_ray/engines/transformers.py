@@ -67,8 +67,8 @@ class TransformersEngine:
     def capacity(self) -> int:
         return self._loop.capacity
 
-    def load(self, model_id: str) -> Swap:
-        return self.model.load(model_id)
+    def load(self, model_id: str, abandon: threading.Event | None = None) -> Swap:
+        return self.model.load(model_id, abandon)
 
     def unload(self) -> float:
         return self.model.unload()

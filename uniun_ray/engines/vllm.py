@@ -329,10 +329,11 @@ class VllmEngine:
     def server(self) -> ChildServer | None:
         return self._servers.get(self._loaded) if self._loaded else None
 
-    def load(self, model_id: str) -> Swap:
+    def load(self, model_id: str, abandon: threading.Event | None = None) -> Swap:
         """Make `model_id` the served model; what the swap was (a swap's cost, for the policy):
         WARM where a sleeping server woke (sleep mode, a GPU), else COLD (a new server: the
-        CPU build has no sleep mode, so every swap there is a cold start)."""
+        CPU build has no sleep mode, so every swap there is a cold start). A new server's start
+        stops once `abandon` is set (SwapAbandoned)."""
         previous = self.loaded
         if model_id == previous:
             return Swap(model_id, NONE, 0.0, previous, self._asleep())
@@ -344,7 +345,7 @@ class VllmEngine:
             _post(server.url, "/wake_up")
         else:
             server, kind = self._new_server(model_id, folder), COLD
-            server.start(self.start_timeout_s)
+            server.start(self.start_timeout_s, abandon)
         self._servers[model_id], self._loaded = server, model_id
         self._defaults, self._profile = generation_defaults(folder), {}
         self._kv_read = (-KV_READ_EVERY_S, None)

@@ -63,8 +63,7 @@ def _summary(snap: dict, now: float) -> Table:
         budget.append("  over budget: T2 yields to waiting T3/T4", style="bold yellow")
     wake = snap.get("next_wakeup")
     grid.add_row("queued", str(snap["queued"]), "T2 budget used", budget)
-    swaps = ", ".join(f"{m} {s:.1f}s" for m, s in sorted(snap.get("swap_s", {}).items())) or "-"
-    grid.add_row("swap times", swaps, "next wake-up", f"in {wake - now:.1f}s" if wake else "-")
+    grid.add_row("swaps", _swaps(snap, devices), "next wake-up", f"in {wake - now:.1f}s" if wake else "-")
     if snap.get("event_log"):
         grid.add_row("event log", snap["event_log"], "", "")
     niceness = max([(d.get("engine") or {}).get("niceness", 0) for d in devices] or [0])
@@ -72,6 +71,19 @@ def _summary(snap: dict, now: float) -> Table:
         grid.add_row("CPU priority", Text(f"model actors at niceness {niceness}: the host's other busy programs come "
                                           "first (start Ray with RAY_worker_niceness=0)", style="bold yellow"), "", "")
     return grid
+
+
+def _swaps(snap: dict, devices: list[dict]) -> str:
+    """Each device's last swap (its kind and time) and the models it keeps resident or warm;
+    else the measured times per model."""
+    lines = []
+    for device in devices:
+        last = (device.get("swaps") or {}).get("last")
+        if last:
+            kept = ", ".join(f"{m} {where}" for m, where in last["kept"].items())
+            name = f"{device['device']}: " if len(devices) > 1 else ""
+            lines.append(f"{name}{last['model']} {last['kind']} {last['seconds']:.3f}s" + (f" (kept: {kept})" if kept else ""))
+    return "; ".join(lines) or ", ".join(f"{m} {s:.1f}s" for m, s in sorted(snap.get("swap_s", {}).items())) or "-"
 
 
 def _bar(fraction: float, width: int = 10) -> str:

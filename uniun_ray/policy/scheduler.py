@@ -282,6 +282,11 @@ class SchedulerPolicy:
         return {d.name: [e.job for e in d.jobs.values()] for d in self._pool}
 
     @property
+    def drains(self) -> dict[str, str]:
+        """Device name -> the queued job it is emptied for (R21, R13), for the draining devices."""
+        return {d.name: d.drain_for for d in self._pool if d.drain_for is not None}
+
+    @property
     def slots(self) -> dict[str, int]:
         return {d.name: d.slots for d in self._pool}
 

@@ -91,6 +91,9 @@ class RayDevice:
     async def load(self, model_id: str) -> float:
         return await self._call("load", model_id)
 
+    async def abandon(self, model_id: str) -> None:
+        await self._call("abandon", model_id)
+
     async def grant(self, epoch: int, live: tuple[int, ...] = (), model: str | None = None) -> None:
         await self._call("grant", epoch, live, model)   # a restarted actor reloads `model` itself
 

@@ -69,6 +69,7 @@ class ModelActor:
         self._idle = asyncio.Event()
         self._idle.set()
         self._swap_lock = asyncio.Lock()
+        self._loading: tuple[str, threading.Event] | None = None   # the load in flight and its abandon flag
         self._last_revoke: dict[int, float] = {}
         self.stop_latencies: deque[float] = deque(maxlen=1024)  # the latest; the histogram has all
         self._swaps: deque[Swap] = deque(maxlen=SWAPS_SHOWN)      # the latest, for status
@@ -91,10 +92,22 @@ class ModelActor:
         still stopping (a fenced lease) is cancelled and awaited first."""
         async with self._swap_lock:
             await self._drain()
-            swap = await asyncio.to_thread(self._engine.load, model_id)
+            self._loading = (model_id, threading.Event())
+            try:
+                swap = await asyncio.to_thread(self._engine.load, model_id, self._loading[1])
+            finally:
+                self._loading = None
             if swap.kind != NONE:
                 self._swaps.append(swap)
             return swap
+
+    async def abandon(self, model_id: str) -> None:
+        """Give up a load of `model_id` still in flight (R13: a chat needs the device for
+        another model): it stops at its next step and raises SwapAbandoned; the model it
+        replaced stays warm. Anything else (no load, another model's) is left alone."""
+        loading = self._loading
+        if loading is not None and loading[0] == model_id:
+            loading[1].set()
 
     async def unload(self) -> float:
         async with self._swap_lock:

@@ -27,6 +27,7 @@ from typing import Mapping
 
 from ..models.requests.registry import DEFAULT_CHAT_MODEL
 from ..models.requests.settings import check_slot_count
+from ..models.requests.swap import SwapAbandoned
 from ..policy import Dispatch, Job, Outcome, PolicyConfig, Requeued, Revoke, RevokeCause, SchedulerPolicy
 from .driver import Device, DeviceDriver, EpochClock
 from ..events.log import EventLog
@@ -257,7 +258,8 @@ class SchedulerService:
         self._apply(actions, (RevokeCause.FOREGROUND, f"foreground set to {kind}" + (f" ({subject})" if subject else "")))
 
     async def status(self) -> dict:
-        """The policy's snapshot (`devices`: each device's model and running job), the
+        """The policy's snapshot (`devices`: each device's model and running job, and its swaps:
+        the last one's kind and what it kept warm, the seconds per model and kind), the
         measured swap times (the latest of any device) and the leases."""
         self._tick()  # so held and waited times are current
         snap = self.policy.snapshot()
@@ -265,6 +267,7 @@ class SchedulerService:
         for device in snap["devices"]:
             plan = self.drivers[device["device"]].plan or {}
             device["step_profile"], device["slots_auto"] = plan.get("step_profile"), plan.get("auto")
+            device["swaps"] = self.drivers[device["device"]].describe_swaps()
         snap["event_log"] = str(self.events.path)
         snap["chat_model"] = self.config.chat_model
         snap["leases"] = self.leases.snapshot()
@@ -290,6 +293,11 @@ class SchedulerService:
                                reason=tracked.drop_reason or worded or _REASONS[action.cause])
                 if tracked.lease is not None:
                     self._spawn(self.drivers[tracked.device].revoke(tracked.lease.epoch))
+                elif (drain := self.policy.drains.get(tracked.device)) is not None \
+                        and self.leases.jobs[drain].job.model_id != tracked.job.model_id:
+                    # R13: the job the device is emptied for (a chat) wants another model than
+                    # the one this job's swap loads: it must not wait for that swap
+                    self._spawn(self.drivers[tracked.device].abandon(tracked.job.model_id))
 
     async def _prepare(self, tracked: Tracked, dispatch: Dispatch) -> None:
         """Load the model if asked, fence a new epoch at the device, then hand out the lease,
@@ -302,13 +310,22 @@ class SchedulerService:
             swap_s = 0.0
             if dispatch.swap:
                 self._emit_run("swap_start", tracked, **{"from": driver.model})
-                swap_s = await driver.load(dispatch.model_id)
-                self._emit_run("swap_end", tracked, seconds=swap_s)
+                swap = await driver.load(dispatch.model_id)
+                swap_s = swap.seconds
+                self._emit_run("swap_end", tracked, seconds=swap_s, swap_kind=swap.kind)
+                if self.drivers.get(device) is driver:
+                    for model, seconds in driver.swap_costs().items():   # R12: the next swaps' costs
+                        self.policy.set_swap_cost(model, device, seconds)
                 if driver.plan is not None and self.drivers.get(device) is driver:
                     self._take_plan(device, dispatch.model_id, driver.plan)
             epoch = await driver.fence(dispatch.model_id, confirm=dispatch.swap)
         except Exception as error:
             if self.drivers.get(device) is not driver:
+                return
+            if isinstance(error, SwapAbandoned) and tracked.revoke_requested:   # for a chat (R13)
+                driver.lost()   # nothing active there; the model it replaced is kept warm
+                self._apply(self.policy.set_loaded_model(None, self._now(), device=device))
+                self._finish(tracked, Outcome.REVOKED)
                 return
             if isinstance(error, DeviceGone):  # the device leaves the pool: the job runs on another
                 self._remove_device(device, f"device lost while preparing: {error}")

@@ -172,7 +172,7 @@ class Engine:
         loaded = self._loaded
         return loaded.vocabulary.chat if loaded else None
 
-    def load(self, model_id: str) -> Swap:
+    def load(self, model_id: str, abandon: CancelFlag | None = None) -> Swap:
         """Make ``model_id`` the resident model; return what the swap was (``Swap``: its kind and
         seconds; kind NONE and 0.0 s if it already was).
 
@@ -183,7 +183,8 @@ class Engine:
         load short of memory while models are kept warm, falls back to a cold load (with the
         warm models dropped): the swap's ``note`` says why. A cold model's id is resolved, and
         a GGUF converted, before the old model is set aside, so an unknown id (UnknownModel)
-        leaves the engine as it was.
+        leaves the engine as it was. Once ``abandon`` is set, a cold load stops at its next step
+        (SwapAbandoned): nothing is then active, and the model it replaced stays warm.
         """
         with self._lock:
             self._refuse_while_running("load")
@@ -193,7 +194,7 @@ class Engine:
             started = time.perf_counter()
             folder = None if model_id in self._warm else materialize(resolve(model_id))
             self._release(keep=True)
-            kind, note = self._bring(model_id, folder)
+            kind, note = self._bring(model_id, folder, abandon)
             return Swap(model_id, kind, time.perf_counter() - started, previous, self._warm.kept(), note)
 
     def unload(self) -> float:
@@ -255,7 +256,7 @@ class Engine:
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
-    def _bring(self, model_id: str, folder: Any) -> tuple[str, str]:
+    def _bring(self, model_id: str, folder: Any, abandon: CancelFlag | None = None) -> tuple[str, str]:
         """Make ``model_id`` active: back from the warm store, else cold (``folder``: its files,
         None when it was warm). Returns the swap's kind and why it fell back to a cold load."""
         parked, note = self._warm.take(model_id), ""
@@ -270,14 +271,14 @@ class Engine:
         folder = folder or materialize(resolve(model_id))
         prefix = PrefixCache(self.kv_cache_mb * 2**20, self.kv_offload_mb * 2**20)
         try:
-            self._loaded = self._weights.load(model_id, folder, prefix)
+            self._loaded = self._weights.load(model_id, folder, prefix, abandon)
         except (torch.OutOfMemoryError, MemoryError) as error:
             if not self._warm:
                 raise
             self._warm.clear()   # the memory they hold is what the load lacked
             self._free()
             note = f"memory short ({error}); the warm models were dropped and it loaded cold"
-            self._loaded = self._weights.load(model_id, folder, prefix)
+            self._loaded = self._weights.load(model_id, folder, prefix, abandon)
         return COLD, note
 
     def _prepare(self, request: GenerateRequest) -> tuple[Loaded, list[int]]:

@@ -30,6 +30,7 @@ from ..kv.prefix import PrefixCache
 from ..requests.registry import cache_dir
 from ..requests.request import _is_int
 from ..requests.settings import DTYPES, EngineSettings, check_max_memory
+from ..requests.swap import SwapAbandoned
 from ..requests.vocabulary import Vocabulary, read_vocabulary
 
 #: CPU memory for the KV a GPU's cache pushes out, per GPU: a node with eight takes 32 GiB.
@@ -129,15 +130,18 @@ class Weights:
                             "probe": probe.taken.describe() | {"step_profile": probe.steps,
                                                                "slots_auto": auto_slots(probe.steps)}}
 
-    def load(self, model_id: str, folder: Any, prefix: PrefixCache) -> Loaded:
-        """Read the model in ``folder``, then measure it and keep the fastest dtype and threads."""
+    def load(self, model_id: str, folder: Any, prefix: PrefixCache, abandon: Any = None) -> Loaded:
+        """Read the model in ``folder``, then measure it and keep the fastest dtype and threads.
+        ``abandon`` (an Event): once set, the load stops before its next step (SwapAbandoned)."""
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
+        _check(abandon, model_id)
         tokenizer = AutoTokenizer.from_pretrained(folder)
         dtype = default_dtype(self.device) if self.dtype == "auto" else getattr(torch, self.dtype)
         from .attention import prefer_grouped
 
         model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, **self._placement(model_id))
+        _check(abandon, model_id)
         model.eval()
         prefer_grouped(model)
         loaded = Loaded(
@@ -241,6 +245,11 @@ class Weights:
         if probe is not None:
             loaded.probe = probe
             self._probes.put(loaded.probe_key, probe)
+
+
+def _check(abandon: Any, model_id: str) -> None:
+    if abandon is not None and abandon.is_set():
+        raise SwapAbandoned(f"the load of {model_id} was abandoned")
 
 
 def forward(loaded: Loaded, ids: list[int], cache: Any, device: torch.device) -> tuple[torch.Tensor, Any]:

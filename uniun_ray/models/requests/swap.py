@@ -24,6 +24,12 @@ RESIDENT = "resident"   # on the device, beside the active model: a switch
 HOST = "host"           # in host memory: a warm copy
 
 
+class SwapAbandoned(RuntimeError):
+    """A load given up before it ended (its ``abandon`` flag was set): a chat needs the device
+    for another model (R13). The engine then holds no active model; the one it replaced stays
+    warm."""
+
+
 @dataclass(frozen=True)
 class Swap:
     """One ``load``: the model made active, how (``kind``), in how many seconds (the swap's

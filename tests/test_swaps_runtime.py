@@ -1,0 +1,78 @@
+"""Issue 37 in the scheduler's shell, with fake devices and no Ray: every swap's kind and time
+reach the event log, `status` and the policy (R12: what the next swap to each model would
+cost), and a chat never waits for a swap to another model than its own (R13)."""
+from __future__ import annotations
+
+import asyncio
+
+from conftest import FakeDevice, lease_of, spec
+from uniun_ray.events.log import read
+from uniun_ray.models.requests.swap import COLD, HOST, WARM, Swap
+from uniun_ray.runtime.service import RuntimeConfig, SchedulerService
+
+
+class WarmDevice(FakeDevice):
+    """Keeps every model it swapped out warm: a swap back is a warm copy of `warm_s`."""
+
+    def __init__(self, cold_s: float, warm_s: float) -> None:
+        super().__init__(load_s=cold_s)
+        self.cold_s, self.warm_s = cold_s, warm_s
+
+    async def load(self, model_id: str) -> Swap:
+        warm = model_id in self.loads
+        self.load_s = self.warm_s if warm else self.cold_s
+        await super().load(model_id)
+        kept = {m: HOST for m in dict.fromkeys(self.loads) if m != model_id}
+        return Swap(model_id, WARM if warm else COLD, self.load_s, kept=kept)
+
+
+def run(coro):
+    return asyncio.run(asyncio.wait_for(coro, 10))
+
+
+async def one_job(s: SchedulerService, job_id: str, model: str) -> None:
+    await s.submit(spec(job_id, "nataraj", model=model))
+    lease = await lease_of(s, job_id)
+    await s.release(job_id, lease.epoch, "done")
+
+
+def test_each_swaps_kind_and_time_reach_the_log_the_status_and_the_policy(tmp_path):
+    async def go():
+        s = SchedulerService(WarmDevice(cold_s=0.05, warm_s=0.001),
+                             RuntimeConfig(event_log=str(tmp_path / "ev.jsonl"), reap_period_s=0.05))
+        costs = []   # what a swap away from the loaded model costs, as the policy has it
+        for n, (model, other) in enumerate((("a", "b"), ("b", "a"), ("a", "b"), ("b", "a"))):
+            await one_job(s, f"n{n}", model)
+            costs.append(s.policy.snapshot()["swap_cost_s"]["dev0"].get(other))
+        return costs, await s.status()
+    costs, status = run(go())
+    # after b's cold load a's swap back would be a warm copy, not measured yet: its cold time;
+    # once each came back warm, the other's next swap is its warm time
+    assert costs == [None, 0.05, 0.05, 0.001]
+    swaps = status["devices"][0]["swaps"]
+    assert (swaps["last"]["kind"], swaps["last"]["kept"]) == (WARM, {"a": HOST})
+    assert swaps["measured"] == {"a": {COLD: 0.05, WARM: 0.001}, "b": {COLD: 0.05, WARM: 0.001}}
+    ends = [e for e in read(tmp_path / "ev.jsonl") if e["ev"] == "swap_end"]
+    assert [(e["model"], e["swap_kind"], e["seconds"]) for e in ends] == [
+        ("a", COLD, 0.05), ("b", COLD, 0.05), ("a", WARM, 0.001), ("b", WARM, 0.001)]
+
+
+def test_a_chat_abandons_a_swap_to_another_model_and_waits_for_its_own():
+    """R13: a Nataraj's swap in flight to y is given up for a chat on m (the chat does not
+    wait for y's load), and the Nataraj runs later; a swap to the chat's own model is waited
+    for and serves the chat, loaded once."""
+    async def go(chat_model: str):
+        dev = FakeDevice(load_s=0.3)
+        s = SchedulerService(dev, RuntimeConfig(reap_period_s=0.05))
+        await s.submit(spec("n", "nataraj", model="y"))
+        await asyncio.sleep(0.05)                  # loading y
+        await s.submit(spec("c", "chat", model=chat_model))
+        chat = await lease_of(s, "c")
+        await s.release("c", chat.epoch, "done")
+        again = await lease_of(s, "n")             # requeued, not failed: the job is not lost
+        await s.release("n", again.epoch, "done")
+        return dev
+    other = run(go("m"))
+    assert (other.abandoned, other.loads) == (["y"], ["m", "y"])
+    own = run(go("y"))
+    assert (own.abandoned, own.loads) == ([], ["y"])
