@@ -338,7 +338,8 @@ def test_metrics_name_the_device_of_what_they_count_and_of_each_gauge(tmp_path):
         return m
     m = asyncio.run(asyncio.wait_for(go(), 10))
     assert (("device", "cpu1"), ("kind", "gana"), ("model", "b"), ("tier", "T4")) in m.dispatches.seen
-    assert set(m.swaps.seen) == {(("device", "cpu0"), ("model", "a")), (("device", "cpu1"), ("model", "b"))}
+    assert set(m.swaps.seen) == {(("device", "cpu0"), ("model", "a"), ("swap_kind", "cold")),
+                                 (("device", "cpu1"), ("model", "b"), ("swap_kind", "cold"))}
     assert m.running.seen[(("device", "cpu0"), ("kind", "nataraj"))] == 1
     assert m.running.seen[(("device", "cpu1"), ("kind", "nataraj"))] == 0
     assert m.loaded.seen == {(("device", "cpu0"), ("model", "a")): 1, (("device", "cpu1"), ("model", "b")): 1}

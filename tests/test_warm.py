@@ -15,7 +15,7 @@ from uniun_ray.models import Engine, GenerateRequest
 from uniun_ray.models.decode import engine as engine_module
 from uniun_ray.models.host import weights as weights_module
 from uniun_ray.models.host.warm import Parked, WarmStore
-from uniun_ray.models.requests.swap import COLD, HOST, NONE, RESIDENT, SWITCH, WARM
+from uniun_ray.models.requests.swap import COLD, HOST, NONE, RESIDENT, SWITCH, WARM, SwapAbandoned
 
 from test_models import tiny_cache  # noqa: F401 (fixture)
 
@@ -134,3 +134,17 @@ def test_the_warm_budget_is_never_exceeded_and_evicts_the_least_recently_used():
     assert kept == [(["a"], []), (["a", "b"], []), (["b", "c"], ["a"]), (["c", "b"], []),
                     (["d"], ["c", "b"]), (["d"], ["huge"])]
     assert store.take("d").nbytes == 70 and store.take("d") is None and len(store) == 0
+
+
+def test_an_abandoned_load_leaves_nothing_active_and_the_old_model_warm(cold, other):
+    """R13: a cold load whose abandon flag is set stops (SwapAbandoned); the model it replaced
+    comes back as a switch."""
+    _, outputs = cold
+    engine = Engine(dtype="float32")
+    engine.load("tiny")
+    abandon = threading.Event()
+    abandon.set()
+    with pytest.raises(SwapAbandoned):
+        engine.load(other, abandon)
+    assert engine.loaded is None and list(engine.warm["models"]) == ["tiny"]
+    assert engine.load("tiny").kind == SWITCH and tokens(engine) == outputs["tiny"]
