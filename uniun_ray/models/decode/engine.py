@@ -246,10 +246,13 @@ class Engine:
         loaded, self._loaded = self._loaded, None
         if not keep:
             self._warm.clear()
-        elif loaded is not None:
-            self._warm.keep(loaded.vocabulary.model_id, park(loaded, self.device, self.coresident))
+            dropped = True
+        else:   # nothing to free when it is kept and evicts nothing (a switch costs no collection)
+            dropped = loaded is not None and bool(
+                self._warm.keep(loaded.vocabulary.model_id, park(loaded, self.device, self.coresident)))
         del loaded
-        self._free()
+        if dropped:
+            self._free()
 
     def _free(self) -> None:
         gc.collect()  # the model's tensors are freed here; the cache below can then shrink
