@@ -9,15 +9,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-#: The model was resident already: nothing happened.
+from ...events.schema import COLD, SWAP_KINDS, SWITCH, WARM   # the event log's words for them
+
+#: The model was resident already: nothing happened. Else COLD (read from its files,
+#: ``from_pretrained``, tuned and packed), WARM (copied back from host memory: pinned on a GPU;
+#: on a CPU the weights never left it) or SWITCH (already on the device beside the active
+#: model: only the active model changed).
 NONE = "none"
-#: Read from its files (``from_pretrained``), tuned and packed.
-COLD = "cold"
-#: Copied back from host memory (pinned on a GPU; on a CPU the weights never left it).
-WARM = "warm"
-#: Already on the device beside the active model: only the active model changed.
-SWITCH = "switch"
-KINDS = (NONE, COLD, WARM, SWITCH)
+KINDS = (NONE, *SWAP_KINDS)
 
 #: Where an idle model is kept (``Swap.kept``): the kind its swap back will be.
 RESIDENT = "resident"   # on the device, beside the active model: a switch
