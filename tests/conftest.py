@@ -27,6 +27,9 @@ os.environ["UNIUN_STATE_DIR"] = tempfile.mkdtemp(prefix="uniun-test-state-")
 #: One slot per device unless a test asks for more: the R1-R20 scenarios, the jobs and the CLI
 #: are about one job at a time; the slot tests set their count (and "auto") themselves.
 os.environ.setdefault("UNIUN_SLOTS", "1")
+#: No warm start (issue 37): a test's runtime starts with its devices empty, as the tests of
+#: swaps, loads and the event log expect; test_swaps_runtime tests the warm start itself.
+os.environ.setdefault("UNIUN_WARM_START", "0")
 sys.path.insert(0, str(Path(__file__).parent))
 
 

@@ -76,3 +76,22 @@ def test_a_chat_abandons_a_swap_to_another_model_and_waits_for_its_own():
     assert (other.abandoned, other.loads) == (["y"], ["m", "y"])
     own = run(go("y"))
     assert (own.abandoned, own.loads) == ([], ["y"])
+
+
+def test_the_warm_start_loads_the_chat_model_before_it_is_ready_and_the_first_chat_swaps_nothing():
+    async def go():
+        dev = FakeDevice(load_s=0.1)
+        s = SchedulerService(dev, RuntimeConfig(reap_period_s=0.05, chat_model="m"))
+        assert await s.ready(wait=False) == "m on dev0"    # what /health names while it loads
+        assert await s.ready() is None and dev.loads == ["m"]
+        await s.submit(spec("c", "chat", model="m"))
+        chat = await lease_of(s, "c")
+        assert chat.swap_s == 0.0 and dev.loads == ["m"]
+        await s.release("c", chat.epoch, "done")
+        # a device the policy gave work first is left alone
+        busy = SchedulerService(FakeDevice(load_s=0.1), RuntimeConfig(reap_period_s=0.05, chat_model="m"))
+        await busy.submit(spec("n", "nataraj", model="y"))
+        assert await busy.ready() is None
+        await lease_of(busy, "n")
+        assert busy.drivers["dev0"].device.loads == ["y"]
+    run(go())

@@ -26,7 +26,7 @@ import os
 import sys
 
 from .policy import Kind
-from .models.requests.settings import ENGINE_ENV, ENGINES, SLOTS_ENV
+from .models.requests.settings import ENGINE_ENV, ENGINES, SLOTS_ENV, warm_start
 
 DEFAULT_PORT = 6379
 DEFAULT_DASHBOARD_PORT = 8265
@@ -177,11 +177,14 @@ def _up(args) -> int:
         state.address = context.address_info.get("gcs_address") or state.address
         state.session_dir = context.address_info.get("session_dir")
         state.dashboard_url = f"http://{context.dashboard_url}" if context.dashboard_url else None
-        handles = start(config_from_env(args.chat_model, args.slots))
+        handles = start(config_from_env(args.chat_model, args.slots), wait_ready=False)
         event_log = ray.get(handles.scheduler.status.remote())["event_log"]
         print(f"active chat model: {handles.chat_model}")
         state.actors = _actor_names()
-        http_url = None if args.no_http else _deploy_http(args.http_host, args.http_port)
+        http_url = None if args.no_http else _deploy_http(args.http_host, args.http_port)   # /health: 503 meanwhile
+        if warm_start():
+            print(f"loading {handles.chat_model} (warm start) ...", flush=True)
+            ray.get(handles.scheduler.ready.remote())
     except Exception as error:
         raise HeadError(f"the head is up, but its actors could not be created ({error_text(error)}); "
                         f"stop it with `uniun-ray down`") from error

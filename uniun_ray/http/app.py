@@ -116,6 +116,15 @@ async def scheduler_answers() -> bool:
     return True
 
 
+async def warm_start_loading() -> str | None:
+    """What the scheduler's warm start still loads ("MODEL on DEVICE"), None when it is done."""
+    import ray
+
+    from ..runtime.protocol import NAMESPACE, SCHEDULER_NAME
+    return await asyncio.wait_for(ray.get_actor(SCHEDULER_NAME, namespace=NAMESPACE).warming.remote(),
+                                  HEALTH_TIMEOUT_S)
+
+
 #: Models this process found ready: they stay so (a conversion is never undone).
 _READY: set[str] = set()
 #: The question to the device about a model, while it is out: a burst of requests asks once.
@@ -329,6 +338,9 @@ def create_app(api_key: str | None = None) -> FastAPI:
     async def health():
         if not await scheduler_answers():
             raise unavailable("the scheduler does not answer: start the runtime with `uniun-ray up`")
+        loading = await warm_start_loading()
+        if loading:
+            raise unavailable(f"loading {loading}: the runtime is ready once the active chat model is")
         return {"status": "ok"}
 
     @app.post("/v1/foreground", responses=openapi.ERRORS)

@@ -205,6 +205,15 @@ class SchedulerActor(SchedulerService):
     async def ping(self) -> str:
         return "ok"
 
+    async def ready(self, wait: bool = True) -> str | None:
+        """The warm start (`SchedulerService.ready`): what still loads, None once ready."""
+        self._keep_running()
+        return await super().ready(wait)
+
+    async def warming(self) -> str | None:
+        """What the warm start still loads ("MODEL on DEVICE"), None when none runs (/health)."""
+        return self.loading
+
     async def chat_model(self) -> str:
         """The active chat model: what every client means by `model_id=None`."""
         self._keep_running()

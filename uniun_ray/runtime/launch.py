@@ -21,7 +21,7 @@ from .protocol import EMBEDDER_NAME, NAMESPACE, SCHEDULER_NAME, UniunError, mode
 from .releases import RELEASES
 from .service import RuntimeConfig
 from ..models.requests.registry import DEFAULT_CHAT_MODEL, resolve
-from ..models.requests.settings import SLOTS_ENV, EngineSettings, parse_slots
+from ..models.requests.settings import SLOTS_ENV, EngineSettings, parse_slots, warm_start
 
 #: Resources a local cluster declares for one stand-in device of a CPU-only machine.
 LOCAL_RESOURCES = stand_in_resources(0)
@@ -152,12 +152,14 @@ def checking_model():
     return ray.get_actor(first if first in names else names[0], namespace=NAMESPACE)
 
 
-def start(config: RuntimeConfig | None = None) -> Handles:
+def start(config: RuntimeConfig | None = None, wait_ready: bool = True) -> Handles:
     """Get or create the scheduler, a model actor per device the cluster declares, and the
     embedder. `config` only applies when the scheduler is created here (a running one keeps
     its own, and its pool). Placement follows what the cluster declares (`placement`); an
     actor whose seat is taken is refused at once, naming the resource, rather than left
-    waiting for ever."""
+    waiting for ever. The scheduler then loads the active chat model on its device (the warm
+    start, `SchedulerService.ready`; `UNIUN_WARM_START=0` skips it), and `start` returns once
+    it has, unless not `wait_ready` (`uniun-ray up` serves /health meanwhile: 503 "loading")."""
     settings = EngineSettings.from_env()   # bad UNIUN_* settings fail here, clearly, before any actor
     config = config or config_from_env()
     forced, concurrency, embedder_on_cpu = placement.torch_device(), placement.embed_concurrency(), \
@@ -172,6 +174,10 @@ def start(config: RuntimeConfig | None = None) -> Handles:
     embedder = RemoteEmbedder.options(**embedder_options(EMBEDDER_NAME, embedder_seat, concurrency)).remote(
         device=embedder_seat.torch_device)
     scheduler = RemoteScheduler.options(**scheduler_options(SCHEDULER_NAME)).remote(devices, fleet, config)
+    if warm_start():
+        started = scheduler.ready.remote(wait_ready)
+        if wait_ready:
+            ray.get(started)
     return _remember(Handles(scheduler, models[devices[0]], embedder, ray.get(scheduler.chat_model.remote()),
                              models))
 

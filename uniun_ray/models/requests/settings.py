@@ -22,6 +22,8 @@ MAX_MEMORY_ENV = "UNIUN_MAX_MEMORY"
 SLOTS_ENV = "UNIUN_SLOTS"
 WARM_ENV = "UNIUN_WARM_MB"
 CORESIDENT_ENV = "UNIUN_CORESIDENT"
+#: "0": `start()` and `uniun-ray up` do not load the active chat model before they are ready.
+WARM_START_ENV = "UNIUN_WARM_START"
 #: The share of the host's available memory that idle models may keep by default (``default_warm_mb``).
 WARM_SHARE = 0.5
 #: The most slots a device may be given (R25): a batch's rows, each with its own KV.
@@ -117,6 +119,12 @@ class EngineSettings:
     def resolved_threads(self) -> int:
         """The thread count to give torch in this process."""
         return self.threads or len(os.sched_getaffinity(0)) or 1
+
+
+def warm_start(environ: Mapping[str, str] = os.environ) -> bool:
+    """Whether `start()` and `uniun-ray up` load the active chat model before they are ready
+    (``UNIUN_WARM_START``; on unless "0")."""
+    return environ.get(WARM_START_ENV, "1").strip() != "0"
 
 
 def default_warm_mb(shares: int = 1) -> int:
