@@ -3,9 +3,12 @@
     .venv/bin/python benchmarks/runtime_bench.py --repeat 5           # section "runtime" of BENCHMARKS.md
     .venv/bin/python benchmarks/runtime_bench.py --control-only
     .venv/bin/python benchmarks/runtime_bench.py --stream-only --repeat 3
+    .venv/bin/python benchmarks/runtime_bench.py --swaps-only                # section "swaps" (issue 37)
     ... --quick                                                        # fewer runs, no Gemma
 
-- swap time per model (load into the ModelActor from another resident model, cache warm);
+- swap time per model and kind (load into the ModelActor from another resident model, cache warm:
+  the first of each cold, then a switch to the model kept beside the other; `--swaps-only`: SmolLM2
+  <-> Gemma, also as warm copies with co-residency off, issue 37);
 - revoke-to-stop latency (chat arrives while Nataraj generates on smollm2: from the
   ModelActor's revoke to the generation's end);
 - chat TTFT with the device idle vs while Nataraj generates (smollm2, submit to first piece);
@@ -36,6 +39,7 @@ from uniun_ray.runtime.releases import RELEASES  # noqa: E402
 
 CHAT = "smollm2-135m-instruct"
 MODELS = ("tiny", "smollm2-135m-instruct", "gemma-3-270m")
+SWAP_PAIR = (CHAT, "gemma-3-270m")   # issue 37's pair, back and forth
 
 
 def pct(values, q):
@@ -129,12 +133,9 @@ def bare_stream(tokens: int = 1800, repeat: int = 3) -> dict:
 
 async def measure(h, repeat: int, models: tuple[str, ...]) -> dict:
     out = {}
-    # swaps: cycle through the models so each load replaces another one
-    swaps = {m: [] for m in models}
-    for _ in range(repeat):
-        for model in models:
-            swaps[model].append(await h.model.load.remote(model))
-    out["swap"] = {m: statistics.median(v) for m, v in swaps.items()}
+    # swaps: cycle through the models so each load replaces another one (the first of each is
+    # cold, the rest as the engine kept the model: a switch by default, issue 37)
+    out["swap"] = await cycle(h, models, repeat)
 
     await agenerate("chat", "warm up", max_new_tokens=2)
     idle = [(await agenerate("chat", "Say hello.", max_new_tokens=8)).ttft_s for _ in range(repeat)]
@@ -205,10 +206,49 @@ def record_control(r: dict, quick: bool) -> None:
     record.save()
 
 
+async def cycle(h, models: tuple[str, ...], repeat: int) -> dict[tuple[str, str], list[float]]:
+    """`ModelActor.load` of each model in turn, `repeat` rounds: seconds by (model, swap kind)."""
+    swaps: dict[tuple[str, str], list[float]] = {}
+    for _ in range(repeat):
+        for model in models:
+            swap = await h.model.load.remote(model)
+            if swap.kind != "none":   # the warm start's model, already resident
+                swaps.setdefault((model, swap.kind), []).append(swap.seconds)
+    return swaps
+
+
+def warm_copies(models: tuple[str, ...], repeat: int) -> dict[tuple[str, str], list[float]]:
+    """The same cycle on an engine in this process with co-residency off (`UNIUN_CORESIDENT=0`):
+    every swap back is a warm copy from host memory (on a CPU an empty one)."""
+    from uniun_ray.models.decode.engine import Engine
+
+    engine, swaps = Engine(coresident=False), {}
+    for _ in range(repeat):
+        for model in models:
+            swap = engine.load(model)
+            swaps.setdefault((model, swap.kind), []).append(swap.seconds)
+    engine.unload()
+    return swaps
+
+
+def swap_rows(record: Record, swaps: dict[tuple[str, str], list[float]], where: str, goal: bool) -> None:
+    for (model, kind), seconds in sorted(swaps.items()):
+        p50 = statistics.median(seconds)
+        record.row(f"swap to `{model}`, {kind} ({where}): p50 / max (n={len(seconds)})",
+                   f"{p50 * 1e3:.1f} / {max(seconds) * 1e3:.1f} ms",
+                   **(dict(goal="≤ 50 ms p50 (issue 37)", met=p50 <= 0.05) if goal and kind != "cold" else {}))
+
+
+def record_swaps(r: dict, quick: bool) -> None:
+    record = Record("swaps", quick=quick, name="runtime_bench-swaps")
+    swap_rows(record, r["actor"], "`ModelActor.load`, co-resident: the default", goal=True)
+    swap_rows(record, r["engine"], "the engine in the driver process, `UNIUN_CORESIDENT=0`", goal=True)
+    record.save()
+
+
 def record_runtime(r: dict, quick: bool) -> None:
     record = Record("runtime", quick=quick)
-    for model, s in r["swap"].items():
-        record.row(f"swap in `{model}` (p50)", f"{s:.2f} s")
+    swap_rows(record, r["swap"], "`ModelActor.load`", goal=False)
     record.runs_on(**on(r["engine"]))
     stop = r["stop"]
     record.row(f"revoke to stop, {CHAT} decoding (p50 / max, n={len(stop)})",
@@ -228,19 +268,26 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--control-only", action="store_true", help="only the control plane against a bare call")
     ap.add_argument("--stream-only", action="store_true", help="only a fast model's stream against the bare engine")
+    ap.add_argument("--swaps-only", action="store_true",
+                    help=f"only swaps {CHAT} <-> {SWAP_PAIR[1]} by kind (co-resident switch, warm copy)")
     ap.add_argument("--quick", action="store_true", help="fewer runs and jobs; swaps without Gemma")
     args = ap.parse_args()
     repeat = 1 if args.quick else args.repeat
     with local_cluster():
         h = start()
-        if args.stream_only:
+        if args.swaps_only:
+            rounds = 3 if args.quick else 10
+            r = {"actor": asyncio.run(cycle(h, SWAP_PAIR, rounds)), "engine": warm_copies(SWAP_PAIR, rounds)}
+        elif args.stream_only:
             tokens = 400 if args.quick else 1800
             r = asyncio.run(stream(h, tokens, repeat)) | bare_stream(tokens, repeat) | {"tokens": tokens}
         elif args.control_only:
             r = asyncio.run(control_plane(h, *((50, 5, 10) if args.quick else ())))
         else:
             r = asyncio.run(measure(h, max(repeat, 2), MODELS[:2] if args.quick else MODELS))
-    if args.stream_only:
+    if args.swaps_only:
+        record_swaps(r, args.quick)
+    elif args.stream_only:
         record_stream(r, args.quick)
     elif args.control_only:
         record_control(r, args.quick)

@@ -194,9 +194,9 @@ PROFILES: dict[str, DeviceProfile] = {
 
 #: Issue 37: seconds of `ModelActor.load` switching back to a model kept co-resident on this
 #: CPU (the runtime's default since then), SmolLM2 <-> Gemma back and forth
-#: (``benchmarks/runtime_bench.py --quick``, the "switch" rows). PROVISIONAL: measured beside
-#: other sessions' work; `tiny` is not measured and takes SmolLM2's.
-CPU_SWITCH_S = {SMOLLM2: 0.003, GEMMA3: 0.003, TINY: 0.003}
+#: (``benchmarks/runtime_bench.py --swaps-only --quick``: p50 of 2, 1.3 and 1.4 ms). PROVISIONAL:
+#: measured beside other sessions' work; `tiny` is not measured and takes SmolLM2's.
+CPU_SWITCH_S = {SMOLLM2: 0.0013, GEMMA3: 0.0014, TINY: 0.0013}
 #: The `cpu` profile as the runtime now runs it: a model that was on the device comes back
 #: as a switch (``keeps``); its first load is the same cold load.
 PROFILES["cpu-warm"] = replace(PROFILES["cpu"], name="cpu-warm", keeps=SWITCH, models={
