@@ -1,6 +1,7 @@
 """Issue 37 in the scheduler's shell, with fake devices and no Ray: every swap's kind and time
 reach the event log, `status` and the policy (R12: what the next swap to each model would
-cost), and a chat never waits for a swap to another model than its own (R13)."""
+cost), a chat never waits for a swap to another model than its own (R13), and the warm start
+loads the chat model before the runtime is ready."""
 from __future__ import annotations
 
 import asyncio
@@ -9,6 +10,7 @@ from conftest import FakeDevice, lease_of, spec
 from uniun_ray.events.log import read
 from uniun_ray.models.requests.swap import COLD, HOST, WARM, Swap
 from uniun_ray.runtime.service import RuntimeConfig, SchedulerService
+from uniun_ray.runtime.warmstart import WarmStart
 
 
 class WarmDevice(FakeDevice):
@@ -82,8 +84,9 @@ def test_the_warm_start_loads_the_chat_model_before_it_is_ready_and_the_first_ch
     async def go():
         dev = FakeDevice(load_s=0.1)
         s = SchedulerService(dev, RuntimeConfig(reap_period_s=0.05, chat_model="m"))
-        assert await s.ready(wait=False) == "m on dev0"    # what /health names while it loads
-        assert await s.ready() is None and dev.loads == ["m"]
+        warm = WarmStart(s)
+        assert await warm.ready(wait=False) == "m on dev0"    # what /health names while it loads
+        assert await warm.ready() is None and dev.loads == ["m"]
         await s.submit(spec("c", "chat", model="m"))
         chat = await lease_of(s, "c")
         assert chat.swap_s == 0.0 and dev.loads == ["m"]
@@ -91,7 +94,7 @@ def test_the_warm_start_loads_the_chat_model_before_it_is_ready_and_the_first_ch
         # a device the policy gave work first is left alone
         busy = SchedulerService(FakeDevice(load_s=0.1), RuntimeConfig(reap_period_s=0.05, chat_model="m"))
         await busy.submit(spec("n", "nataraj", model="y"))
-        assert await busy.ready() is None
+        assert await WarmStart(busy).ready() is None
         await lease_of(busy, "n")
         assert busy.drivers["dev0"].device.loads == ["y"]
     run(go())

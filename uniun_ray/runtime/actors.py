@@ -21,6 +21,7 @@ from .metrics import SchedulerMetrics
 from .model_actor import ModelActor
 from .protocol import NAMESPACE, DeviceGone, DeviceLost, UniunError, model_actor_name
 from .service import RuntimeConfig, SchedulerService
+from .warmstart import WarmStart
 from ..models.requests.settings import EngineSettings
 
 from .placement import Seat
@@ -183,6 +184,7 @@ class SchedulerActor(SchedulerService):
         self._nodes: dict[str, nodes.Node] = {}   # node id -> the node, as the GCS last said
         self._pool_lock = asyncio.Lock()         # one look at the cluster at a time
         self._retiring: set[str] = set()         # devices of a dead node whose actors are being killed
+        self._warm_start = WarmStart(self)
 
     def __repr__(self) -> str:
         running = {d: [f"{j.kind.value}:{j.id}" for j in jobs] for d, jobs in self.policy.slot_jobs.items() if jobs}
@@ -206,13 +208,13 @@ class SchedulerActor(SchedulerService):
         return "ok"
 
     async def ready(self, wait: bool = True) -> str | None:
-        """The warm start (`SchedulerService.ready`): what still loads, None once ready."""
+        """The warm start (`warmstart`): what still loads, None once ready."""
         self._keep_running()
-        return await super().ready(wait)
+        return await self._warm_start.ready(wait)
 
     async def warming(self) -> str | None:
         """What the warm start still loads ("MODEL on DEVICE"), None when none runs (/health)."""
-        return self.loading
+        return self._warm_start.loading
 
     async def chat_model(self) -> str:
         """The active chat model: what every client means by `model_id=None`."""

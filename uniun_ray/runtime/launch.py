@@ -158,7 +158,7 @@ def start(config: RuntimeConfig | None = None, wait_ready: bool = True) -> Handl
     its own, and its pool). Placement follows what the cluster declares (`placement`); an
     actor whose seat is taken is refused at once, naming the resource, rather than left
     waiting for ever. The scheduler then loads the active chat model on its device (the warm
-    start, `SchedulerService.ready`; `UNIUN_WARM_START=0` skips it), and `start` returns once
+    start, `warmstart`; `UNIUN_WARM_START=0` skips it), and `start` returns once
     it has, unless not `wait_ready` (`uniun-ray up` serves /health meanwhile: 503 "loading")."""
     settings = EngineSettings.from_env()   # bad UNIUN_* settings fail here, clearly, before any actor
     config = config or config_from_env()

@@ -115,15 +115,17 @@ class ModelActor:
             return await asyncio.to_thread(self._engine.unload)
 
     async def reset(self) -> None:
-        """Back to a just-started device: no model, no cached KV, no stop history. The lease
+        """Back to a just-started device: no model (none warm), no cached KV, no stop or swap
+        history. The lease
         epoch stays (it only ever grows, so that every older lease stays fenced). A new
         scheduler on a running cluster, or a test wanting a fresh device, gets one without the
         cost of a new actor process (torch and transformers imported again: seconds)."""
         async with self._swap_lock:
             await self._drain()
-            await asyncio.to_thread(self._engine.unload)
+            await asyncio.to_thread(self._engine.unload)   # the warm models too
             self._last_revoke.clear()
             self.stop_latencies.clear()
+            self._swaps.clear()
 
     async def _drain(self) -> None:
         for epoch in list(self._running):

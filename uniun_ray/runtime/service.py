@@ -19,7 +19,6 @@ nothing here re-derives a policy fact.
 from __future__ import annotations
 
 import asyncio
-import logging
 import math
 import os
 import time
@@ -113,8 +112,6 @@ class SchedulerService:
         # every event, refresh(snapshot_fn) from the timer
         self.metrics = metrics
         self._tasks: set[asyncio.Task] = set()
-        self._warming: asyncio.Task | None = None   # the warm start (`ready`)
-        self.loading: str | None = None             # what it loads, while it does
 
     # -- the producer-facing protocol ---------------------------------------------------
     async def submit(self, job: Job) -> str:
@@ -275,41 +272,6 @@ class SchedulerService:
         snap["chat_model"] = self.config.chat_model
         snap["leases"] = self.leases.snapshot()
         return snap
-
-    async def ready(self, wait: bool = True) -> str | None:
-        """The warm start: the active chat model loaded on the first device before anyone asks
-        (`uniun-ray up`, `start()`), so the first chat waits for no cold load; skipped when the
-        policy gave that device work or a model first. The first call starts it; with `wait` it
-        returns once it ended (a load that fails is the first chat's to meet again). Returns
-        what is still loading ("MODEL on DEVICE"), None when ready."""
-        if self._warming is None:
-            device = next(iter(self.drivers))
-            if self.policy.loaded_models.get(device) is None and not self.policy.slot_jobs.get(device):
-                self.loading = f"{self.config.chat_model} on {device}"
-            self._warming = asyncio.get_running_loop().create_task(self._warm_start(device))
-        if wait:
-            await asyncio.shield(self._warming)
-        return self.loading
-
-    async def _warm_start(self, device: str) -> None:
-        """Load the chat model on `device` (when `ready` found it idle); then, unless the policy
-        gave it work or a model meanwhile, tell the policy what it holds (and its slots, R25)."""
-        if self.loading is None:
-            return
-        model, driver = self.config.chat_model, self.drivers[device]
-        try:
-            await driver.load(model)
-        except Exception as error:   # the first chat's dispatch loads it again, and fails as a job does
-            driver.lost()
-            logging.getLogger(__name__).warning("the warm start of %s on %s failed: %s", model, device, error)
-            return
-        finally:
-            self.loading = None
-        idle = self.policy.loaded_models.get(device) is None and not self.policy.slot_jobs.get(device)
-        if self.drivers.get(device) is driver and idle:
-            self._apply(self.policy.set_loaded_model(model, self._now(), device=device))
-            if driver.plan is not None:
-                self._take_plan(device, model, driver.plan)
 
     # -- executing the policy's actions ---------------------------------------------------
     def _apply(self, actions, context: tuple[RevokeCause, str] | None = None) -> None:
