@@ -3,8 +3,9 @@
 The ModelActor is a thin Ray shell around ``Engine``. Everything that decides *how* a model runs
 lives here, so it can be tested (and benchmarked) without a cluster:
 
-* ``load`` / ``unload`` swap the single resident model and report how long that took, because
-  the scheduler weighs swaps by their measured cost (SPEC R12).
+* ``load`` / ``unload`` swap the single resident model and report how (a ``Swap``: cold load,
+  warm copy or switch) and how long that took, because the scheduler weighs swaps by their
+  measured cost (SPEC R12); the model a swap replaces stays warm (``host.warm``).
 * ``generate`` streams text and stops at the next token once its ``cancel`` event is set: this
   is how a revoke (SPEC R4) takes effect. The decode loop is our own rather than
   ``model.generate``: it checks the flag before every forward pass, including between the chunks
