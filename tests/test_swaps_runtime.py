@@ -98,3 +98,26 @@ def test_the_warm_start_loads_the_chat_model_before_it_is_ready_and_the_first_ch
         await lease_of(busy, "n")
         assert busy.drivers["dev0"].device.loads == ["y"]
     run(go())
+
+
+def test_the_jobs_that_joined_an_abandoned_swap_go_back_to_their_queue_revoked_not_failed(tmp_path):
+    """Two slots: a second Nataraj on y joins the device while y loads; a chat on m empties the
+    device (R22), the load is given up, and both go back to their queue as revoked (no device
+    fault), then run."""
+    async def go():
+        dev = FakeDevice(load_s=0.3)
+        s = SchedulerService(dev, RuntimeConfig(reap_period_s=0.05, slots=2, event_log=str(tmp_path / "ev.jsonl")))
+        await s.submit(spec("n1", "nataraj", model="y"))
+        await s.submit(spec("n2", "nataraj", model="y"))
+        await asyncio.sleep(0.05)                  # loading y, both dispatched
+        await s.submit(spec("c", "chat", model="m"))
+        chat = await lease_of(s, "c")
+        await s.release("c", chat.epoch, "done")
+        for job in ("n1", "n2"):
+            lease = await lease_of(s, job)
+            await s.release(job, lease.epoch, "done")
+        return dev
+    dev = run(go())
+    assert dev.abandoned == ["y"] and dev.loads == ["m", "y"]
+    finishes = [(e["job"], e["outcome"]) for e in read(tmp_path / "ev.jsonl") if e["ev"] == "finish"]
+    assert sorted(finishes[:2]) == [("n1", "revoked"), ("n2", "revoked")]

@@ -82,6 +82,7 @@ class DeviceDriver:
         self._loaded = asyncio.Event()          # cleared while a load runs ...
         self._loaded.set()
         self.loading: str | None = None         # ... of this model
+        self.abandoned: str | None = None       # the model whose load was given up, until the next load
         self._newest = 0                        # the newest epoch granted here ...
         self._told = 0                          # ... and the newest the device was sent
         self._next_notice = 0.0                 # loop time before which a notice waits
@@ -93,7 +94,7 @@ class DeviceDriver:
         self.model, self.plan = None, None
         self._drop_notice()   # it names ended leases only: the grant after the load fences them
         self._loaded.clear()
-        self.loading = model_id
+        self.loading, self.abandoned = model_id, None
         try:
             swap = await self.device.load(model_id)
             planned = getattr(self.device, "slots", None)
@@ -198,6 +199,7 @@ class DeviceDriver:
         can (R13: a chat must not wait for another model's swap)."""
         abandon = getattr(self.device, "abandon", None)
         if abandon is not None and self.loading == model_id:
+            self.abandoned = model_id
             await abandon(model_id)
 
     def describe_swaps(self) -> dict:

@@ -322,9 +322,10 @@ class SchedulerService:
         except Exception as error:
             if self.drivers.get(device) is not driver:
                 return
-            if isinstance(error, SwapAbandoned) and tracked.revoke_requested:   # for a chat (R13)
-                driver.lost()   # nothing active there; the model it replaced is kept warm
-                self._apply(self.policy.set_loaded_model(None, self._now(), device=device))
+            if tracked.revoke_requested and driver.abandoned == dispatch.model_id:   # given up for a chat (R13)
+                if isinstance(error, SwapAbandoned):   # the job whose load it was; the others waited for it
+                    driver.lost()   # nothing active there; the model it replaced is kept warm
+                    self._apply(self.policy.set_loaded_model(None, self._now(), device=device))
                 self._finish(tracked, Outcome.REVOKED)
                 return
             if isinstance(error, DeviceGone):  # the device leaves the pool: the job runs on another
