@@ -609,8 +609,9 @@ def unprobed_model(tmp_path) -> str:
 @pytest.mark.ray
 @pytest.mark.slow
 def test_revoke_during_a_real_model_load(live_runtime, unprobed_model):
-    """A Gana's swap to another model is under way when a chat on tiny arrives: the load
-    completes, the Gana ends its turn unserved, the chat runs (swapping back), then the Gana."""
+    """A Gana's swap to another model is under way when a chat on tiny arrives: the load is
+    given up for the chat (R13, issue 37), the Gana ends its turn unserved, the chat runs
+    (switching back to tiny, kept warm), then the Gana (loading its model anew)."""
     from uniun_ray.events.log import tail
 
     async def go():
@@ -632,6 +633,8 @@ def test_revoke_during_a_real_model_load(live_runtime, unprobed_model):
                      ("dispatch", "chat"), ("swap_end", "chat"), ("finish", "chat"),
                      ("dispatch", "gana"), ("swap_end", "gana"), ("finish", "gana")], story
     assert chat.tokens == 4 and gana.tokens == 4 and gana.revokes == 0   # never ran on the stale grant
+    ends = [e for e in events if e["ev"] == "swap_end"]
+    assert [e.get("abandoned", False) for e in ends] == [True, False, False] and ends[1]["swap_kind"] == "switch"
 
 
 # == 3. Overload (its tests are last: each needs a scheduler of its own) ========================

@@ -187,7 +187,8 @@ def describe(ev: dict) -> str:
     if ev["ev"] == "revoke":
         text = f"{job}: {ev.get('reason') or 'revoked'}"
     elif ev["ev"] == "swap_end":
-        text = f"loaded {ev['model']} in {ev.get('seconds', 0.0):.2f}s for {job}"
+        text = (f"gave up loading {ev['model']} for a chat (R13), for {job}" if ev.get("abandoned") else
+                f"loaded {ev['model']} ({ev.get('swap_kind', 'cold')}) in {ev.get('seconds', 0.0):.3f}s for {job}")
     else:
         text = f"{job}: {ev.get('reason', '')}"
     return text + (f" [{ev['device']}]" if ev.get("device") else "")

@@ -90,7 +90,7 @@ class SchedulerMetrics:
             since = self._queued_since.pop(job, None)
             if since is not None:
                 self.wait.observe(t - since, tags={"kind": event["kind"], "tier": tier})
-        elif ev == "swap_end":
+        elif ev == "swap_end" and not event.get("abandoned"):   # a load given up loaded nothing
             tags = {"model": event["model"], "device": _device(event), "swap_kind": event.get("swap_kind", "cold")}
             self.swaps.inc(tags=tags)
             self.swap_s.observe(event["seconds"], tags=tags)

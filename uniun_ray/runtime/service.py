@@ -324,6 +324,7 @@ class SchedulerService:
                 return
             if tracked.revoke_requested and driver.abandoned == dispatch.model_id:   # given up for a chat (R13)
                 if isinstance(error, SwapAbandoned):   # the job whose load it was; the others waited for it
+                    self._emit_run("swap_end", tracked, abandoned=True)
                     driver.lost()   # nothing active there; the model it replaced is kept warm
                     self._apply(self.policy.set_loaded_model(None, self._now(), device=device))
                 self._finish(tracked, Outcome.REVOKED)

@@ -200,7 +200,8 @@ function describe(e) {
   switch (e.ev) {
     case "revoke": return `<span class="what">revoke</span> ${kindBadge(e.kind)} ${jobLink(e.job)}: ${esc(e.reason || "")}`;
     case "reclaim": return `<span class="what">reclaim</span> ${kindBadge(e.kind)} ${jobLink(e.job)}: ${esc(e.reason || "")}`;
-    case "swap_end": return `<span class="what">${esc(SWAP_KINDS[e.swap_kind] || "swap")}</span> to <b>${esc(e.model)}</b> in ${secs(e.seconds)} for ${jobLink(e.job)}`;
+    case "swap_end": return e.abandoned ? `<span class="what">swap</span> to <b>${esc(e.model)}</b> given up for a chat, for ${jobLink(e.job)}`
+      : `<span class="what">${esc(SWAP_KINDS[e.swap_kind] || "swap")}</span> to <b>${esc(e.model)}</b> in ${secs(e.seconds)} for ${jobLink(e.job)}`;
     case "foreground": return `<span class="what">foreground</span> → ${e.kind ? kindBadge(e.kind) : "none"}${e.subject ? " subject " + esc(e.subject) : ""}`;
     case "drop": return `<span class="what">dropped</span> ${kindBadge(e.kind)} ${jobLink(e.job)}: ${esc(e.reason || "")}`;
     case "device": return `<span class="what">device</span> <b>${esc(e.device)}</b> ${esc(e.change)}${e.reason ? ": " + esc(e.reason) : ""}`;

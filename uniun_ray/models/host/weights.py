@@ -156,7 +156,7 @@ class Weights:
             prefix=prefix,
             gate=layer_gate(model),
         )
-        self._tune(loaded, folder)
+        self._tune(loaded, folder, abandon)
         return loaded
 
     def _placement(self, model_id: str) -> dict:
@@ -166,7 +166,7 @@ class Weights:
         return {"device_map": "auto", "offload_folder": str(cache_dir() / "offload" / model_id),
                 "max_memory": {int(k) if k.isdigit() else k: v for k, v in self.max_memory.items()}}
 
-    def _tune(self, loaded: Loaded, folder: Any) -> None:
+    def _tune(self, loaded: Loaded, folder: Any, abandon: Any = None) -> None:
         """Measure the loaded model (once per host, model and setting; cached) and keep the
         fastest dtype and thread count: on CPU with "auto", bf16 against float32, each with the
         whole thread budget and with half of it unless threads are fixed; otherwise the dtype
@@ -185,7 +185,7 @@ class Weights:
         probe = self._probes.get(key)
         if (probe is None or sorted((s.dtype, s.threads) for s in probe.speeds) != sorted(candidates)
                 or probe.provisional and quiet(max(threads))):
-            probe = self._probe(loaded, candidates)
+            probe = self._probe(loaded, candidates, abandon)
             self._probes.put(key, probe)
         best = fastest(probe.speeds)
         _cast(loaded, best.dtype)
@@ -194,7 +194,7 @@ class Weights:
         steps = GATED_CHUNK_DECODE_STEPS if loaded.gate is not None else CHUNK_DECODE_STEPS
         loaded.probe, loaded.clock, loaded.probe_key = probe, StepClock(best, steps), key
 
-    def _probe(self, loaded: Loaded, candidates: list[tuple[str, int]]) -> Probe:
+    def _probe(self, loaded: Loaded, candidates: list[tuple[str, int]], abandon: Any = None) -> Probe:
         """Time every (dtype, threads) candidate, then the step profile at the fastest, watching
         what else ran on the cores meanwhile. A model that cannot be batched (a sliding-window
         cache, ``kv.rows.batchable``) is profiled at one row only."""
@@ -205,6 +205,7 @@ class Weights:
             _cast(loaded, dtype)
             with self._packed_for_now(loaded):
                 for n in (n for candidate, n in candidates if candidate == dtype):
+                    _check(abandon, loaded.vocabulary.model_id)   # a probe takes seconds: a chat may not wait
                     torch.set_num_threads(n)
                     speeds.append(measure(lambda ids, cache: _synced(forward(loaded, ids, cache, self.device)),
                                           vocab_size, dtype, n))
@@ -212,6 +213,7 @@ class Weights:
         _cast(loaded, best.dtype)
         torch.set_num_threads(best.threads)
         self._pack(loaded)
+        _check(abandon, loaded.vocabulary.model_id)
         sizes = batch_sizes(self.device) if kv_rows.batchable(loaded.model) else (1,)
         steps = measure_profile(loaded.model, loaded.cache_arg, loaded.forward_kwargs, vocab_size, self.device, sizes)
         return Probe(speeds, steps, watch.stop())
