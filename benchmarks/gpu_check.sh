@@ -3,7 +3,7 @@
 # lent GPU machine as it is: it reaches no package registry and has no Ray, so nothing is
 # installed and nothing imports Ray. It runs the machine's python3 (.venv/bin/python where the
 # checkout has one, or $PYTHON) on this checkout, with the wheels ../shared/gpu/pack.sh packed into
-# .gpu/ unpacked offline (pip --no-index, into GPU_CHECK_SITE) first on PYTHONPATH:
+# .gpu/ (GPU_CHECK_WHEELS) unpacked offline (pip --no-index, into GPU_CHECK_SITE) first on PYTHONPATH:
 #   1. the engine tests on CUDA: tests/test_models.py and tests/test_batch.py (UNIUN_TEST_DEVICE),
 #      without tests/conftest.py, which imports Ray; within GPU_CHECK_TESTS_S;
 #   2. benchmarks/gpu_bench.py within what is left of GPU_CHECK_BUDGET (its plan trimmed to fit).
@@ -29,11 +29,11 @@ else
 fi
 
 site_packages() {  # the carried wheels, unpacked offline; one at a time where some do not fit this Python
-  local site=${GPU_CHECK_SITE:-/tmp/uniun-gpu-site} pip=("$python" -m pip install -q --no-index --no-deps
+  local wheels=${GPU_CHECK_WHEELS:-.gpu/whl} site=${GPU_CHECK_SITE:-/tmp/uniun-gpu-site} pip=("$python" -m pip install -q --no-index --no-deps
     --no-compile --no-cache-dir --disable-pip-version-check --upgrade --target)
-  compgen -G ".gpu/whl/*.whl" > /dev/null || return 0
-  if ! "${pip[@]}" "$site" .gpu/whl/*.whl 2> /dev/null; then
-    for wheel in .gpu/whl/*.whl; do
+  compgen -G "$wheels/*.whl" > /dev/null || return 0
+  if ! "${pip[@]}" "$site" "$wheels"/*.whl 2> /dev/null; then
+    for wheel in "$wheels"/*.whl; do
       "${pip[@]}" "$site" "$wheel" 2> /dev/null || echo "gpu-check: $wheel does not install on $python" >&2
     done
   fi
@@ -43,10 +43,6 @@ export PYTHONPATH="$(site_packages)$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONUNBUFFERED=1 RAY_AUTH_MODE=${RAY_AUTH_MODE:-disabled}
 export USE_HUB_KERNELS=${USE_HUB_KERNELS:-0}   # until issue 35: transformers asks the Hub for kernels at load
 [ -n "${OUT:-}" ] && export BENCH_RESULTS=$out_dir/results
-if [ "$device" = cuda ] && ! "$python" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)'; then
-  echo "gpu-check: torch sees no CUDA GPU here; run it on a GPU machine (GPU_CHECK_DEVICE=cpu tries it on a CPU)" >&2
-  exit 2
-fi
 
 status=0
 step() {  # step TITLE COMMAND...: run it, its output into the file under a heading
@@ -60,9 +56,17 @@ step() {  # step TITLE COMMAND...: run it, its output into the file under a head
   echo "# gpu-check, $(date -u +%Y-%m-%dT%H:%MZ), $(git rev-parse --short HEAD 2> /dev/null || echo 'no git')"
   echo
   [ "$device" = cuda ] && nvidia-smi -L
-  "$python" -c 'import platform, torch, transformers; print("python", platform.python_version(), "torch", torch.__version__,
-"cuda", torch.version.cuda, "transformers", transformers.__version__)'
 } > "$out"
+if ! "$python" - "$device" >> "$out" <<'EOF'
+import platform, sys, torch, transformers
+print("python", platform.python_version(), "torch", torch.__version__, "cuda", torch.version.cuda,
+      "transformers", transformers.__version__)
+sys.exit(sys.argv[1] == "cuda" and not torch.cuda.is_available())
+EOF
+then
+  echo "gpu-check: torch sees no CUDA GPU here; run it on a GPU machine (GPU_CHECK_DEVICE=cpu tries it on a CPU)" >&2
+  exit 2
+fi
 step "engine tests on $device" timeout "$tests_s" env UNIUN_TEST_DEVICE="$device" "$python" -m pytest --noconftest -q \
   -p no:cacheprovider tests/test_models.py tests/test_batch.py ${GPU_CHECK_PYTEST_ARGS:-}
 left=$((budget - (SECONDS - started) - 10))
