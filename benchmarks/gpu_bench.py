@@ -4,6 +4,7 @@
                                     [--budget 420] [--device cuda]
     python3 benchmarks/gpu_bench.py --device cpu --shapes tiny --tokenizer tiny --rows 1,2   # a dry run
     python3 benchmarks/gpu_bench.py --plan                                                  # what would run
+    python3 benchmarks/gpu_bench.py --quick                                    # the 1B shape at 1 and 64 rows
 
 `make gpu-check` runs it on a lent GPU machine, which has no package registry and no Ray: it
 imports neither Ray nor anything it would have to install. Per named shape (``gpu_shapes``:
@@ -144,7 +145,10 @@ def arguments(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--models", help="where the shapes' folders are made (default: a temporary folder)")
     ap.add_argument("--kv-cache-mb", type=int, default=0, help="the engine's prefix cache (0: off; no prompt repeats)")
     ap.add_argument("--plan", action="store_true", help="print the trimmed plan and exit")
+    ap.add_argument("--quick", action="store_true", help="the 1B shape's goals only: 1 and 64 rows (`make bench QUICK=1`)")
     args = ap.parse_args(argv)
+    if args.quick:
+        args.shapes, args.rows = "llama-1b", "1,64"
     args.rows = [int(r) for r in args.rows.split(",")]
     args.anchor_rows = [int(r) for r in args.anchor_rows.split(",")] if args.anchor_rows else args.rows
     args.shapes = args.shapes.split(",")
@@ -461,7 +465,7 @@ def main(argv: list[str] | None = None) -> int:
                       prompt_tokens=args.prompt_tokens, new_tokens=args.new_tokens, env=environment(args),
                       plan=[asdict(p) for p in points], trimmed=[asdict(p) for p in trimmed])
     log("env", run.detail["env"], f"{len(points)} points planned, {len(trimmed)} trimmed")
-    record = Record("GPU", name="gpu_bench", note=os.environ.get("GPU_CHECK_NOTE", ""))
+    record = Record("GPU", quick=args.quick, name="gpu_bench", note=os.environ.get("GPU_CHECK_NOTE", ""))
     record.runs_on(dtype="bfloat16" if args.device == "cuda" else "float32", engine="transformers")
     try:
         for shape in dict.fromkeys(p.shape for p in points):

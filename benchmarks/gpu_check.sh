@@ -43,6 +43,7 @@ export PYTHONPATH="$(site_packages)$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONUNBUFFERED=1 RAY_AUTH_MODE=${RAY_AUTH_MODE:-disabled}
 export USE_HUB_KERNELS=${USE_HUB_KERNELS:-0}   # until issue 35: transformers asks the Hub for kernels at load
 [ -n "${OUT:-}" ] && export BENCH_RESULTS=$out_dir/results
+export GPU_CHECK_NOTE=${GPU_CHECK_NOTE:-make gpu-check}   # the record's note: how it ran
 
 status=0
 step() {  # step TITLE COMMAND...: run it, its output into the file under a heading

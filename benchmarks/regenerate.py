@@ -57,6 +57,7 @@ PLAN = (
     Step("http_bench.py", ("--requests", "60", "--turns", "10")),
     Step("real_vs_sim.py"),
     Step("node_loss.py"),
+    Step("gpu_bench.py", needs="gpu"),
 )
 
 
