@@ -46,6 +46,7 @@ import sys
 import tempfile
 import threading
 import time
+import traceback
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -104,18 +105,21 @@ class Budget:
         return self.step_s * (point.rows + 2) + min(a.point_s, a.new_tokens * self.step_s) + chat + 1
 
     def trim(self, points: list[Point]) -> tuple[list[Point], list[Point]]:
-        """The points that fit, best first (in the order they run: shape by shape), and the rest."""
-        kept = []
+        """The goals' points and the others that fit beside them, in the order they run (shape by
+        shape), and the rest. A goal's point is never trimmed on an estimate: the run skips it
+        only if, when its turn comes, what the run has measured says it no longer fits."""
+        kept = [point for point in points if point.key]
         for point in sorted(points, key=self.rank):
-            if self.need(kept + [point]) <= self.args.budget:
+            if not point.key and self.need(kept + [point]) <= self.args.budget:
                 kept.append(point)
         run = sorted(kept, key=lambda p: (self.args.shapes.index(p.shape), p.kind != "project", not p.key, p.rows))
         return run, [p for p in points if p not in kept]
 
-    def affords(self, point: Point, later: list[Point], current: str) -> bool:
-        """Whether ``point`` fits in the time left beside the better-ranked points after it."""
+    def affords(self, point: Point, later: list[Point], committed: float = 0.0) -> bool:
+        """Whether ``point`` fits in the time left beside the better-ranked points after it (and
+        ``committed`` seconds of points it runs with, e.g. in one anchor process)."""
         better = [p for p in later if self.rank(p) < self.rank(point)]
-        return self.need([point] + better, started={current}) <= self.left()
+        return committed + self.need([point] + better, started={point.shape}) <= self.left()
 
     def need(self, points: list[Point], started: set = frozenset()) -> float:
         shapes = {p.shape for p in points} - set(started)
@@ -292,27 +296,38 @@ class Run:
         engine = Engine(device=args.device, dtype="bfloat16" if args.device == "cuda" else "float32",
                         kv_cache_mb=args.kv_cache_mb, prefill_chunk=args.prompt_tokens)
         out["load_s"] = engine.load(str(folder))
-        out["describe"] = engine.describe()
-        out["capture"] = reported(out["describe"], r"graph|captur")
-        out["determinism"] = reported(out["describe"], r"determin|invariant")
-        chat_alone(engine, args, vocabulary)                              # a warm-up
-        out["chat_alone"] = chat_alone(engine, args, vocabulary)
-        out["project"] = []
-        for point in points:
-            if not self.affords(point, out):
-                continue
-            result = decode_rows(engine, point.rows, args, vocabulary, chat=point.rows == chat_rows(args))
-            self.budget.step_s = 1.5 * result.get("step_ms", 1e3 * self.budget.step_s) / 1e3
-            out["project"].append(result)
-            log(point.shape, "project", result)
-            self.keep()
-        engine.unload()
+        try:
+            out["describe"] = engine.describe()
+            out["capture"] = reported(out["describe"], r"graph|captur")
+            out["determinism"] = reported(out["describe"], r"determin|invariant")
+            chat_alone(engine, args, vocabulary)                              # a warm-up
+            out["chat_alone"] = chat_alone(engine, args, vocabulary)
+            out["project"] = []
+            for point in points:
+                if self.affords(point, out):
+                    out["project"].append(self.decode(engine, point, vocabulary))
+                    self.keep()
+        finally:
+            engine.unload()
+
+    def decode(self, engine: Engine, point: Point, vocabulary: int) -> dict:
+        try:
+            result = decode_rows(engine, point.rows, self.args, vocabulary, chat=point.rows == chat_rows(self.args))
+        except Exception as error:  # noqa: BLE001 - a row count that fails (memory) is a finding; go on
+            result = {"rows": point.rows, "error": f"{type(error).__name__}: {error}"[:400]}
+        self.budget.step_s = 1.5 * result.get("step_ms", 1e3 * self.budget.step_s) / 1e3
+        log(point.shape, "project", result)
+        return result
 
     def anchor(self, folder: Path, points: list[Point], vocabulary: int, out: dict) -> None:
         """transformers' generate at the points' rows, in a process of its own, within the time left."""
-        points = [point for point in points if self.affords(point, out)]
-        if not points:
+        kept: list[Point] = []
+        for point in points:
+            if self.affords(point, out, sum(map(self.budget.cost, kept))):
+                kept.append(point)
+        if not kept:
             return
+        points = kept
         args, rows = self.args, [p.rows for p in points]
         limit = self.budget.left() - self.budget.need([p for p in self.later if p.key], started={points[0].shape})
         out["anchor"] = {"rows_asked": rows, "limit_s": round(limit, 1), "points": []}
@@ -334,10 +349,10 @@ class Run:
             self.budget.compile_s = max(compiles)
         log(points[0].shape, "anchor", out["anchor"])
 
-    def affords(self, point: Point, out: dict) -> bool:
+    def affords(self, point: Point, out: dict, committed: float = 0.0) -> bool:
         """Take ``point`` off the points to come; whether the time left covers it (else noted skipped)."""
         self.later.remove(point)
-        if self.budget.affords(point, self.later, point.shape):
+        if self.budget.affords(point, self.later, committed):
             return True
         out["skipped"].append(asdict(point) | {"why": "budget"})
         return False
@@ -381,18 +396,21 @@ def record_rows(record: Record, detail: dict, args) -> None:
         anchored = {p["rows"]: p for p in out.get("anchor", {}).get("points", []) if "step_ms" in p}
         for point in out.get("project", []):
             step_row(record, label, shape, point, anchored.get(point["rows"]))
+        if "error" in out:
+            record.row(f"{label}: the run", "failed: " + out["error"].strip().splitlines()[-1][:200])
+        if "roofline_step_ms" not in out:
+            continue
         roofline, most = out["roofline_step_ms"], max(args.rows)
         record.row(f"{label}: roofline step ({out['weight_bytes'] / 1e9:.3g} GB of weights / {args.hbm_tbps} TB/s)",
                    f"{roofline:.3g} ms ({most / roofline * 1e3:,.0f} tok/s at {rows(most)})")
         chat_row(record, label, shape, out, detail["prompt_tokens"])
         if "load_s" in out:
             record.row(f"{label}: load through `Engine` (its probe included)", f"{out['load_s']:.1f} s")
-            record.row(f"{label}: graph capture at load (`describe()`)", shown(out["capture"]) or "not reported")
-        for point in out["skipped"]:
-            record.row(f"{label}, {rows(point['rows'])}, {point['kind']}", f"skipped ({point['why']})")
-    for point in detail["trimmed"]:
-        record.row(f"{LABELS.get(point['shape'], point['shape'])}, {rows(point['rows'])}, {point['kind']}",
-                   "trimmed from the plan (--budget)")
+            record.row(f"{label}: graph capture at load (`describe()`)", shown(out.get("capture", {})) or "not reported")
+        left_out(record, label, "skipped for the time left", out["skipped"])
+    for shape in dict.fromkeys(p["shape"] for p in detail["trimmed"]):
+        left_out(record, LABELS.get(shape, shape), "trimmed from the plan (--budget)",
+                 [p for p in detail["trimmed"] if p["shape"] == shape])
     determinism = {k: v for out in detail["shapes"].values() for k, v in out.get("determinism", {}).items()}
     record.row("determinism setting the figures were taken with",
                (shown(determinism) or "none reported by the engine: its default")
@@ -435,6 +453,14 @@ def chat_row(record: Record, label: str, shape: str, out: dict, prompt_tokens: i
                    f"≤ {CHAT_PACE_GOAL}×" if goal else "", pace <= CHAT_PACE_GOAL if goal else None)
 
 
+def left_out(record: Record, label: str, why: str, points: list[dict]) -> None:
+    """One row for the points of a shape that did not run: which kind at which rows."""
+    kinds = {kind: [str(p["rows"]) for p in points if p["kind"] == kind] for kind in ("project", "anchor")}
+    if points:
+        record.row(f"{label}: {why}", "; ".join(f"{kind} at {', '.join(counts)} rows"
+                                                 for kind, counts in kinds.items() if counts))
+
+
 def rows(count: int, what: str = "row") -> str:
     return f"{count} {what}{'s' if count != 1 else ''}"
 
@@ -469,7 +495,12 @@ def main(argv: list[str] | None = None) -> int:
     record.runs_on(dtype="bfloat16" if args.device == "cuda" else "float32", engine="transformers")
     try:
         for shape in dict.fromkeys(p.shape for p in points):
-            run.shape(shape)
+            try:
+                run.shape(shape)
+            except Exception:  # noqa: BLE001 - the next shape still runs; the record says what failed
+                run.detail["shapes"][shape]["error"] = traceback.format_exc()[-1500:]
+                log(shape, "failed:", run.detail["shapes"][shape]["error"])
+                run.later = [p for p in run.later if p.shape != shape]
     finally:
         run.detail |= {"elapsed_s": time.monotonic() - budget.started, "ray_imported": "ray" in sys.modules}
         run.keep()
@@ -479,7 +510,7 @@ def main(argv: list[str] | None = None) -> int:
     if run.detail["ray_imported"]:
         print("gpu_bench: Ray was imported; the lent GPU machine has none", file=sys.stderr)
         return 3
-    return 0
+    return 1 if any("error" in out for out in run.detail["shapes"].values()) else 0
 
 
 if __name__ == "__main__":
