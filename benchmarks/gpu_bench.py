@@ -336,14 +336,19 @@ class Run:
                    "--new-tokens", str(args.new_tokens), "--vocabulary", str(vocabulary)]
         try:
             done = subprocess.run(command, capture_output=True, text=True, timeout=max(limit, 10))
-            printed, failure = done.stdout, (done.stderr[-1500:] if done.returncode else None)
+            printed, warned = done.stdout, done.stderr
+            failure = done.stderr[-1500:] if done.returncode else None
         except subprocess.TimeoutExpired as expired:
-            printed, failure = text(expired.stdout), f"timed out after {max(limit, 10):.0f} s"
+            printed, warned = text(expired.stdout), text(expired.stderr)
+            failure = f"timed out after {max(limit, 10):.0f} s"
         lines = [json.loads(line[len("ANCHOR "):]) for line in printed.splitlines() if line.startswith("ANCHOR ")]
         if lines:
             out["anchor"] |= lines[0] | {"points": lines[1:]}
         if failure:
             out["anchor"]["error"] = failure
+        # whether the compile kept its CUDA graphs: torch says so on stderr when it does not
+        out["anchor"]["compile_notes"] = [line[:300] for line in warned.splitlines()
+                                          if re.search(r"cudagraph|graph break|recompil", line, re.IGNORECASE)][:10]
         compiles = [p["first_call_s"] for p in lines[1:] if "first_call_s" in p]
         if compiles and args.device == "cuda":
             self.budget.compile_s = max(compiles)

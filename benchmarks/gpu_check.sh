@@ -32,9 +32,9 @@ site_packages() {  # the carried wheels, unpacked offline; one at a time where s
   local wheels=${GPU_CHECK_WHEELS:-.gpu/whl} site=${GPU_CHECK_SITE:-/tmp/uniun-gpu-site} pip=("$python" -m pip install -q --no-index --no-deps
     --no-compile --no-cache-dir --disable-pip-version-check --upgrade --target)
   compgen -G "$wheels/*.whl" > /dev/null || return 0
-  if ! "${pip[@]}" "$site" "$wheels"/*.whl 2> /dev/null; then
+  if ! "${pip[@]}" "$site" "$wheels"/*.whl > /dev/null 2>&1; then
     for wheel in "$wheels"/*.whl; do
-      "${pip[@]}" "$site" "$wheel" 2> /dev/null || echo "gpu-check: $wheel does not install on $python" >&2
+      "${pip[@]}" "$site" "$wheel" > /dev/null 2>&1 || echo "gpu-check: $wheel does not install on $python" >&2
     done
   fi
   echo "$site:"
