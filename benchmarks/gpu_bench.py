@@ -280,7 +280,7 @@ class Run:
         out["make_s"] = time.perf_counter() - started
         out["weight_bytes"] = out["params"] * (2 if dtype == "bfloat16" else 4)
         out["roofline_step_ms"] = out["weight_bytes"] / (args.hbm_tbps * 1e12) * 1e3
-        vocabulary = gpu_shapes.vocabulary(folder)
+        vocabulary = self.budget.vocabulary     # the tokenizer's model's: prompts draw their ids below it
         log(shape, f"{out['params']:,} parameters, made in {out['make_s']:.1f} s")
         try:
             self.project(folder, [p for p in points if p.kind == "project"], vocabulary, out)

@@ -69,14 +69,6 @@ def parameters(shape: str, vocabulary: int) -> int:
     return s["num_hidden_layers"] * layer + vocabulary * h * (1 if s["tie_word_embeddings"] else 2) + h
 
 
-def vocabulary(folder: Path) -> int:
-    """The ids a prompt may hold: those of both the model's embedding and its tokenizer."""
-    from transformers import AutoTokenizer
-
-    size = json.loads((folder / "config.json").read_text())["vocab_size"]
-    return min(size, len(AutoTokenizer.from_pretrained(folder)))
-
-
 def never_ending(model) -> None:
     """Zero the output head's rows of the end-of-sequence ids (see the module's docstring)."""
     import torch
