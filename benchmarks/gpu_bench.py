@@ -24,13 +24,14 @@ seeded random weights, SmolLM2's tokenizer, made in a temporary folder) it recor
   ``--chat-rows`` rows one is revoked, as the scheduler does for a chat (R22), and the chat joins
   the others; with its tokens' pace beside and alone (R23).
 
-``--budget`` trims the plan to fit: the goals' points first (the 1B and 8B shapes at 1 and 64
-rows, project and anchor, and the chat), then the others, each point's cost estimated (the
-anchor's compile dominates; estimates follow what the run measures) and every point skipped,
-with the reason recorded, when the time left would not cover it and the better points after
-it. The record (``record.py``, section "GPU", named ``gpu_bench-gpu`` on a GPU) keeps the rows
-BENCHMARKS.md shows and, under "detail", everything measured; ``$OUT/gpu_bench-progress.json`` holds the
-same detail as the run goes (what a time limit leaves).
+``--budget`` trims the plan to fit: the goals' points (the 1B and 8B shapes at 1 and 64 rows,
+project and anchor, the chat) are always planned, the others as far as their estimated costs
+fit beside them (the anchor's compile dominates); as it runs, a point is skipped, the reason
+recorded, when the time left would not cover it and the better-ranked points after it, by
+estimates revised from what the run has measured. The record (``record.py``, section "GPU",
+named ``gpu_bench-gpu`` on a GPU) keeps the rows BENCHMARKS.md shows and, under "detail",
+everything measured; ``$OUT/gpu_bench-progress.json`` holds that detail as the run goes (what a
+time limit leaves).
 """
 from __future__ import annotations
 
@@ -136,7 +137,8 @@ def arguments(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--rows", default="1,2,4,8,16,32,64", help="row counts of the project's Batch")
     ap.add_argument("--anchor-rows", help="row counts of the anchor (default: --rows; 1 and 64 are the goals')")
     ap.add_argument("--prompt-tokens", type=int, default=256)
-    ap.add_argument("--new-tokens", type=int, default=128, help="the anchor's tokens; the project's timed steps, at most")
+    ap.add_argument("--new-tokens", type=int, default=128,
+                    help="the anchor's tokens; the project's timed steps, at most")
     ap.add_argument("--chat-rows", type=int, default=64, help="slots the chat joins full (one revoked for it)")
     ap.add_argument("--chat-tokens", type=int, default=16)
     ap.add_argument("--budget", type=float, default=420, help="seconds for the whole run; the plan is trimmed to fit")
@@ -149,7 +151,8 @@ def arguments(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--models", help="where the shapes' folders are made (default: a temporary folder)")
     ap.add_argument("--kv-cache-mb", type=int, default=0, help="the engine's prefix cache (0: off; no prompt repeats)")
     ap.add_argument("--plan", action="store_true", help="print the trimmed plan and exit")
-    ap.add_argument("--quick", action="store_true", help="the 1B shape's goals only: 1 and 64 rows (`make bench QUICK=1`)")
+    ap.add_argument("--quick", action="store_true",
+                    help="the 1B shape's goals only: 1 and 64 rows (`make bench QUICK=1`)")
     args = ap.parse_args(argv)
     if args.quick:
         args.shapes, args.rows = "llama-1b", "1,64"
@@ -411,7 +414,8 @@ def record_rows(record: Record, detail: dict, args) -> None:
         chat_row(record, label, shape, out, detail["prompt_tokens"])
         if "load_s" in out:
             record.row(f"{label}: load through `Engine` (its probe included)", f"{out['load_s']:.1f} s")
-            record.row(f"{label}: graph capture at load (`describe()`)", shown(out.get("capture", {})) or "not reported")
+            record.row(f"{label}: graph capture at load (`describe()`)",
+                       shown(out.get("capture", {})) or "not reported")
         left_out(record, label, "skipped for the time left", out["skipped"])
     for shape in dict.fromkeys(p["shape"] for p in detail["trimmed"]):
         left_out(record, LABELS.get(shape, shape), "trimmed from the plan (--budget)",
