@@ -88,3 +88,32 @@ def test_gpu_check_installs_nothing_and_imports_no_ray(without_ray, tmp_path):
     summary = (tmp_path / "out" / "gpu-check.md").read_text()
     assert done.returncode == 0, summary + done.stderr[-3000:]
     assert "tests collected" in summary and "run  Point(shape='tiny', kind='anchor'" in summary
+
+
+def test_the_budget_plans_the_goals_and_trims_the_rest_to_fit():
+    """`--budget` never trims a goal's point on an estimate; the other points fit beside them or
+    are trimmed; as the run goes, a point is skipped when it would take the time of a better one."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import gpu_bench
+
+    def planned(*argv: str) -> tuple[gpu_bench.Budget, list, list]:
+        budget = gpu_bench.Budget(gpu_bench.arguments(list(argv)), vocabulary=49152)
+        return budget, *budget.trim(gpu_bench.plan(budget.args))
+
+    _, kept, trimmed = planned("--budget", "100000")
+    assert not trimmed and len(kept) == 3 * 2 * 7
+    budget, kept, trimmed = planned("--budget", "300")
+    goals = [(p.shape, p.kind, p.rows) for p in kept]
+    assert sorted(goals) == sorted((s, k, r) for s in ("llama-1b", "llama-8b") for k in ("project", "anchor")
+                                   for r in (1, 64))
+    assert budget.need(kept) > 300                    # the goals' points stay, though their estimate is over
+    budget, kept, trimmed = planned("--budget", "420")
+    assert trimmed and not any(p.key for p in trimmed) and budget.need(kept) <= 420
+    assert [p.shape for p in kept] == sorted((p.shape for p in kept), key=["llama-1b", "llama-8b"].index)
+    spare = next(p for p in kept if not p.key and p.shape == "llama-1b")
+    later = [p for p in kept if p.key and p.shape == "llama-8b"]
+    enough = budget.need([spare] + later, started={"llama-1b"})
+    budget.left = lambda: enough
+    assert budget.affords(spare, later)
+    budget.left = lambda: enough - 1
+    assert not budget.affords(spare, later) and budget.affords(later[0], later[1:])
