@@ -56,7 +56,7 @@ step() {  # step TITLE COMMAND...: run it, its output into the file under a head
 {
   echo "# gpu-check, $(date -u +%Y-%m-%dT%H:%MZ), $(git rev-parse --short HEAD 2> /dev/null || echo 'no git')"
   echo
-  [ "$device" = cuda ] && nvidia-smi -L
+  [ "$device" = cuda ] && { nvidia-smi -L 2> /dev/null || echo "(no nvidia-smi)"; }
 } > "$out"
 if ! "$python" - "$device" >> "$out" <<'EOF'
 import platform, sys, torch, transformers
