@@ -184,3 +184,4 @@ def test_any_text_the_grammar_allows_is_a_call_the_reader_reads_back(tokenizers,
         for call in calls:
             assert choice in ("required", call.name)
             jsonschema.validate(json.loads(call.arguments), schemas[call.name])
+            assert json.dumps(json.loads(call.arguments), ensure_ascii=False) == call.arguments  # as tojson renders it

@@ -36,6 +36,8 @@ from dataclasses import dataclass
 
 import regex
 
+from .request import GenerateRequest, InvalidRequest
+
 #: A forced call's tool_choice: any offered tool.
 REQUIRED = "required"
 
@@ -340,6 +342,12 @@ def tool_names(tools: Iterable[Mapping]) -> list[str]:
     return [tool["function"]["name"] for tool in tools]
 
 
+#: How a forced call lays out its arguments: as `json.dumps` and the templates' `tojson` do, so
+#: that the conversation rendered again holds the call as the model wrote it (the prefix cache
+#: then reuses the turn through the call).
+ARGUMENTS_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
 def call_grammar(format_: CallFormat, tools: Iterable[Mapping], choice: str, parallel: bool) -> str:
     """llguidance's grammar (Lark) of a forced answer: one call (several when ``parallel``) of
     the tool named ``choice``, or of any offered tool for "required", in ``format_``; each call's
@@ -352,7 +360,7 @@ def call_grammar(format_: CallFormat, tools: Iterable[Mapping], choice: str, par
     for i, function in enumerate(offered):
         head = f'{{"name": {json.dumps(function["name"])}, "{format_.arguments_key}": '
         schema = dict(function.get("parameters") or {"type": "object"})
-        schema.setdefault("x-guidance", {"whitespace_flexible": False})
+        schema.setdefault("x-guidance", ARGUMENTS_LAYOUT)
         rules += [f"call_{i}: {_literal(head)} arguments_{i} {_literal('}')}",
                   f"arguments_{i}: %json {json.dumps(schema)}"]
     return "\n".join(rules) + "\n"
@@ -360,3 +368,24 @@ def call_grammar(format_: CallFormat, tools: Iterable[Mapping], choice: str, par
 
 def _literal(text: str) -> str:
     return json.dumps(text)
+
+
+def request_grammar(request: GenerateRequest, template: str | None) -> str | None:
+    """The llguidance grammar a request's output follows (its JSON Schema, or the forced call in
+    the format ``template`` teaches), None for free text: what both engines' masks compile."""
+    from llguidance import LLMatcher
+
+    if request.json_schema is not None:
+        return LLMatcher.grammar_from_json_schema(dict(request.json_schema))
+    if not request.forces_call:
+        return None
+    format_ = call_format(template)
+    if format_ is None:
+        raise InvalidRequest(UNKNOWN_FORMAT, "tool_choice")
+    return LLMatcher.grammar_from_lark(call_grammar(format_, request.tools, request.tool_choice,
+                                                    request.parallel_tool_calls))
+
+
+#: Why a call cannot be forced on a model whose template shows no format this module reads.
+UNKNOWN_FORMAT = ("the model's chat template writes tool calls in no format this server reads (hermes, "
+                  "llama3_json, mistral): a call cannot be forced; with tool_choice 'auto' its answer is content")
