@@ -13,13 +13,12 @@ from dataclasses import replace
 import jsonschema
 import pytest
 
-from tool_models import CLOCK, TOOLS, WEATHER, tool_model
+from tool_models import CLOCK, SCHEMAS, TOOLS, WEATHER, tool_model
 from uniun_ray.models import Engine, GenerateRequest, materialize, resolve
 from uniun_ray.models.requests.tools import FORMATS, read_calls, tool_names
 
 DEVICE = os.environ.get("UNIUN_TEST_DEVICE", "cpu")
 ASK = [{"role": "user", "content": "What is the weather in Oslo this week?"}]
-SCHEMAS = {tool["function"]["name"]: tool["function"]["parameters"] for tool in TOOLS}
 
 
 @pytest.fixture(scope="module")

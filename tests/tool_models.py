@@ -91,3 +91,4 @@ CLOCK = {"type": "function", "function": {
     "parameters": {"type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"],
                    "additionalProperties": False}}}
 TOOLS = [WEATHER, CLOCK]
+SCHEMAS = {tool["function"]["name"]: tool["function"]["parameters"] for tool in TOOLS}

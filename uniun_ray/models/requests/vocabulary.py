@@ -48,6 +48,12 @@ def prompt_ids(spec: ModelSpec, request: GenerateRequest) -> list[int]:
     return context_of(_vocabulary_of(spec), request)
 
 
+def chat_template(spec: ModelSpec) -> str | None:
+    """The model's chat template (None for a completion model), read from its tokenizer: what
+    a server reads the model's tool-call format from (`tools.call_format`)."""
+    return getattr(_vocabulary_of(spec).tokenizer, "chat_template", None)
+
+
 _VOCABULARY_LOCK = threading.Lock()
 
 
