@@ -105,8 +105,9 @@ print(json.dumps({"fresh": allowed(Params(uniun_grammar=schema, uniun_eos=[2]), 
                   "resumed": allowed(Params(uniun_grammar=schema, uniun_eos=[2], uniun_resumed=len(output)),
                                      prompt + output),
                   "none": masks.new_req_logits_processor(Params()) is None,
-                  "call_opens_with": [int(t) for t in torch.nonzero(masks.new_req_logits_processor(Params(
-                      uniun_grammar=sys.argv[2], uniun_eos=[2]))(prompt, [], torch.zeros(len(tokenizer))) > float("-inf"))],
+                  "call_opens_with": [int(t) for t in torch.nonzero(
+                      masks.new_req_logits_processor(Params(uniun_grammar=sys.argv[2], uniun_eos=[2]))(
+                          prompt, [], torch.zeros(len(tokenizer))) > float("-inf"))],
                   "call_marker": tokenizer("<tool_call>", add_special_tokens=False)["input_ids"][:1]}))
 """
 

@@ -580,6 +580,7 @@ def test_a_tool_result_fed_back_continues_the_conversation_from_its_cached_prefi
     # tiny's tokenizer merges with the template's next text)
     reused = after.usage.prompt_tokens_details.cached_tokens
     assert reused >= asked.usage.prompt_tokens + asked.usage.completion_tokens - 1, (reused, asked.usage)
+    assert server.status()["devices"][0]["engine"]["tool_call_format"] == "hermes"
 
 
 def test_langchain_bind_tools_reads_the_calls_whole_and_streamed(server, tool_model_id):

@@ -113,6 +113,9 @@ def test_a_forced_call_needs_a_template_whose_format_is_known_and_an_offered_nam
         engine.load(str(unknown))
         engine.check(request)
     assert refused.value.field == "tool_choice"
+    from uniun_ray.models.requests.vocabulary import tool_call_format
+    assert [tool_call_format(resolve(model)) for model in (folders["mistral"], str(unknown), "tiny")] == [
+        "mistral", "unknown: the model's tool calls are answered as content", None]   # what status says
     with pytest.raises(ValueError, match="tool_choice must be 'auto', 'required' or the name of an offered tool"):
         GenerateRequest(messages=ASK, tools=[WEATHER], tool_choice="clock")
     with pytest.raises(ValueError, match="not both"):

@@ -12,11 +12,8 @@ from __future__ import annotations
 
 import asyncio
 
-from ..models.requests.tools import CallDelta, CallReader, call_format, tool_names
+from ..models.requests.tools import UNKNOWN, CallDelta, CallReader, call_format, tool_names
 from .schemas import ChatCompletionRequest, JobFields
-
-#: What `uniun.tool_call_format` says of a model whose template teaches no format known here.
-UNKNOWN = "unknown: the model's tool calls are returned as content"
 
 
 class Reading:

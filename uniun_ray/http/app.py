@@ -256,7 +256,8 @@ def _stream(jobs: list[Job], readings: list[Reading], first, running: Detached, 
         job, read = jobs[index], readings[index]
         for delta in read.end():
             yield _sse(chunk(index, delta))
-        yield _sse(chunk(index, finish_reason=read.finish_reason(job.finish_reason())) | {"uniun": await _facts(job, read)})
+        reason = read.finish_reason(job.finish_reason())
+        yield _sse(chunk(index, finish_reason=reason) | {"uniun": await _facts(job, read)})
 
     async def events():
         try:

@@ -29,7 +29,6 @@ Pure Python (the grammar is text; llguidance compiles it where the tokens are).
 from __future__ import annotations
 
 import json
-import re
 import secrets
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
@@ -67,7 +66,8 @@ HERMES = CallFormat("hermes", marker="<tool_call>", opening=r"\s*(?=\{)", after=
 LLAMA3_JSON = CallFormat("llama3_json", marker=None, opening=r"\s*(?:<\|python_tag\|>\s*)?(?=\{)",
                          after=r"\s*(?P<next>;)\s*", arguments_key="parameters", grammar_open="",
                          grammar_between="; ", grammar_close="")
-MISTRAL = CallFormat("mistral", marker="[TOOL_CALLS]", opening=r"\s*\[\s*(?=\{)", after=r"\s*(?:(?P<next>,)\s*|(?P<done>\]))",
+MISTRAL = CallFormat("mistral", marker="[TOOL_CALLS]", opening=r"\s*\[\s*(?=\{)",
+                     after=r"\s*(?:(?P<next>,)\s*|(?P<done>\]))",
                      arguments_key="arguments", grammar_open="[TOOL_CALLS][", grammar_between=", ",
                      grammar_close="]")
 FORMATS = {f.name: f for f in (HERMES, LLAMA3_JSON, MISTRAL)}
@@ -116,7 +116,6 @@ def new_call_id() -> str:
 
 #: A call's JSON up to its arguments' opening brace, in the order the templates write it.
 _HEAD = regex.compile(r'\{\s*"name"\s*:\s*"([A-Za-z0-9_-]{1,64})"\s*,\s*"(?:arguments|parameters)"\s*:\s*\{')
-_SPACE = re.compile(r"\s*")
 
 
 class CallReader:
@@ -212,15 +211,15 @@ class CallReader:
         if end is None:
             return False
         try:
-            call = json.loads(self._object)
+            call = json.loads(self._object)      # an object: it began with "{" and ended at its "}"
         except ValueError:
             return self._fail()
-        arguments = call.get(self.format.arguments_key, call.get("arguments")) if isinstance(call, dict) else None
+        arguments = call.get(self.format.arguments_key, call.get("arguments"))
         if set(call) - {"name", "arguments", "parameters"} or call.get("name") not in self.tools \
                 or not isinstance(arguments, dict):
             return self._fail()
         self._open_call(call["name"])
-        self._arguments(json.dumps(arguments))
+        self._arguments(json.dumps(arguments, ensure_ascii=False))   # as the templates' tojson writes it
         self._state = "after"
         return True
 
@@ -386,6 +385,8 @@ def request_grammar(request: GenerateRequest, template: str | None) -> str | Non
                                                     request.parallel_tool_calls))
 
 
+#: What `status` and an answer's `uniun.tool_call_format` say of a template whose format is unknown.
+UNKNOWN = "unknown: the model's tool calls are answered as content"
 #: Why a call cannot be forced on a model whose template shows no format this module reads.
 UNKNOWN_FORMAT = ("the model's chat template writes tool calls in no format this server reads (hermes, "
                   "llama3_json, mistral): a call cannot be forced; with tool_choice 'auto' its answer is content")
