@@ -49,7 +49,7 @@ def logits_seen(monkeypatch):
 def alone(engine, requests) -> list[tuple[int, ...]]:
     """Each request's tokens when it runs by itself, then an empty prefix cache."""
     tokens = [run(engine, request)[1].token_ids for request in requests]
-    engine._loaded.prefix.clear()
+    engine.resident.prefix.clear()
     return tokens
 
 
@@ -143,7 +143,7 @@ def test_stop_strings_and_the_stream_per_job(engine):
     stop = whole.text[len(whole.text) // 2 :][:3]
     stopped = GenerateRequest(prompt=PROMPT, max_new_tokens=40, stop=(stop,))
     expected = run(engine, stopped)[1]
-    engine._loaded.prefix.clear()
+    engine.resident.prefix.clear()
     batch = Batch(engine)
     jobs = [batch.add(stopped, threading.Event()), batch.add(REQUESTS[2], threading.Event())]
     streamed = []
@@ -165,7 +165,7 @@ def test_load_is_refused_while_a_batch_holds_jobs(engine):
 
 
 def test_only_plain_full_attention_caches_are_batched(engine):
-    assert batchable(engine._loaded.model) and Batch(engine).slots > 1
+    assert batchable(engine.resident.model) and Batch(engine).slots > 1
 
     class SlidingModel:
         config = MistralConfig(num_hidden_layers=2, sliding_window=8, hidden_size=64, num_attention_heads=4,
@@ -200,7 +200,7 @@ def test_a_seeded_sampled_job_draws_in_a_batch_what_it_draws_alone(engine):
 
 
 def test_a_chat_reads_its_prompt_in_one_pass_and_a_background_prompt_in_short_chunks(engine, monkeypatch, forwards):
-    clock = engine._loaded.clock
+    clock = engine.resident.clock
     monkeypatch.setattr(clock, "_chunk", 320.0)                            # a gated model's chunk, alone
     monkeypatch.setattr(clock, "observe", lambda tokens, seconds: None)    # and it stays so
     batch = Batch(engine)

@@ -124,8 +124,8 @@ def test_decode_steps_that_beat_a_stretched_probe_revise_it_and_a_quiet_load_mea
     # as if taken busy; by far more than a load beside this run may stretch its own steps (two
     # threads on two cores with a burner beside them: 30x)
     stretched = {batch: seconds * 1000 for batch, seconds in engine.step_profile().items()}
-    engine._loaded.probe = replace(engine._loaded.probe, steps=stretched,
-                                   taken=replace(engine._loaded.probe.taken, busy=False))
+    engine.resident.probe = replace(engine.resident.probe, steps=stretched,
+                                   taken=replace(engine.resident.probe.taken, busy=False))
     generation = engine.generate(GenerateRequest(prompt="def fibonacci(n):", max_new_tokens=BEATEN_AFTER + 8),
                                  threading.Event())
     assert len(list(generation)) > 0 and generation.result.tokens >= BEATEN_AFTER + 1

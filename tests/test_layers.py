@@ -116,12 +116,22 @@ def _imported_packages(path: Path) -> set[str]:
     return {name.split(".")[1] for name in _imported_names(path) if name.startswith("uniun_ray.")}
 
 
+def _runtime_nodes(tree: ast.AST):
+    """Every node of ``tree`` but those under ``if TYPE_CHECKING:`` (imports for annotations only)."""
+    for node in ast.iter_child_nodes(tree):
+        if isinstance(node, ast.If) and getattr(node.test, "id", None) == "TYPE_CHECKING":
+            yield from (child for orelse in node.orelse for child in [orelse, *_runtime_nodes(orelse)])
+            continue
+        yield node
+        yield from _runtime_nodes(node)
+
+
 def _imported_names(path: Path) -> set[str]:
     """Every dotted name a module imports anywhere in it (``from a import b`` gives a and a.b)."""
     module = ".".join(path.relative_to(ROOT).with_suffix("").parts)
     package = module.removesuffix(".__init__") if path.name == "__init__.py" else module.rpartition(".")[0]
     names = set()
-    for node in ast.walk(ast.parse(path.read_text())):
+    for node in _runtime_nodes(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
             names |= {alias.name for alias in node.names}
         elif isinstance(node, ast.ImportFrom):

@@ -90,7 +90,7 @@ def engine(loaded_engine):
     """The module's engine with an empty prefix cache: no test starts from another's KV."""
     if loaded_engine.loaded != "tiny":
         loaded_engine.load("tiny")
-    loaded_engine._loaded.prefix.clear()
+    loaded_engine.resident.prefix.clear()
     return loaded_engine
 
 
@@ -109,7 +109,7 @@ def forwards(engine):
                 self.actions[self.count]()
 
     counter = Counter()
-    handle = engine._loaded.model.register_forward_hook(counter)
+    handle = engine.resident.model.register_forward_hook(counter)
     yield counter
     handle.remove()
 
@@ -341,7 +341,7 @@ def test_streams_pieces_and_reports_the_run(engine):
 
 def test_greedy_matches_transformers_generate_with_chunked_prefill(engine, monkeypatch):
     monkeypatch.setattr(engine, "prefill_chunk", 16)
-    model, tokenizer = engine._loaded.model, engine._loaded.vocabulary.tokenizer
+    model, tokenizer = engine.resident.model, engine.resident.vocabulary.tokenizer
     inputs = tokenizer(LONG_PROMPT, return_tensors="pt").to(model.device)
     assert inputs.input_ids.shape[1] > 10 * 16
     with torch.inference_mode():
@@ -394,8 +394,8 @@ def test_cancel_during_chunked_prefill_stops_before_prefill_ends(engine, forward
 
 
 def test_a_run_only_its_own_cancel_can_stop_reads_its_prompt_in_one_pass(engine, forwards, monkeypatch):
-    monkeypatch.setattr(engine._loaded.clock, "_chunk", 16.0)    # revoke-sized chunks: 16 tokens
-    monkeypatch.setattr(engine._loaded.clock, "observe", lambda tokens, seconds: None)  # and they stay so
+    monkeypatch.setattr(engine.resident.clock, "_chunk", 16.0)    # revoke-sized chunks: 16 tokens
+    monkeypatch.setattr(engine.resident.clock, "observe", lambda tokens, seconds: None)  # and they stay so
     prompts = [" ".join(f"{word}{i}" for i in range(120)) for word in ("north", "south")]  # never cached
     request = lambda prompt: GenerateRequest(prompt=prompt, max_new_tokens=1)  # noqa: E731
     assert min(engine.check(request(p)) for p in prompts) > 10 * 16
@@ -445,7 +445,7 @@ SAMPLING = dict(temperature=0.8, top_k=40, top_p=0.9, repetition_penalty=1.3)
 
 def test_seeded_sampling_draws_what_transformers_generate_draws(engine):
     """The processors are transformers' own, built from generation_config + the request."""
-    model, tokenizer = engine._loaded.model, engine._loaded.vocabulary.tokenizer
+    model, tokenizer = engine.resident.model, engine.resident.vocabulary.tokenizer
     inputs = tokenizer(PROMPT, return_tensors="pt").to(model.device)
     torch.manual_seed(11)
     with torch.inference_mode():
@@ -458,7 +458,7 @@ def test_seeded_sampling_draws_what_transformers_generate_draws(engine):
 
 
 def test_greedy_with_a_repetition_penalty_matches_transformers_generate(engine):
-    model, tokenizer = engine._loaded.model, engine._loaded.vocabulary.tokenizer
+    model, tokenizer = engine.resident.model, engine.resident.vocabulary.tokenizer
     inputs = tokenizer(PROMPT, return_tensors="pt").to(model.device)
     with torch.inference_mode():
         output = model.generate(**inputs, max_new_tokens=30, do_sample=False, repetition_penalty=1.5)
@@ -467,7 +467,7 @@ def test_greedy_with_a_repetition_penalty_matches_transformers_generate(engine):
 
 
 def test_the_models_generation_config_is_the_default(engine, monkeypatch):
-    config = engine._loaded.model.generation_config
+    config = engine.resident.model.generation_config
     monkeypatch.setattr(config, "do_sample", True)      # a model that samples by default
     monkeypatch.setattr(config, "temperature", 1.7)
     sampled = [run(engine, GenerateRequest(prompt=PROMPT, max_new_tokens=20, seed=seed))[1].token_ids
@@ -502,7 +502,7 @@ def test_prompt_too_long_is_refused_before_touching_the_device(engine, forwards)
     long_request = GenerateRequest(prompt=LONG_PROMPT * 5, max_new_tokens=100)
     with pytest.raises(PromptTooLong) as raised:
         engine.generate(long_request, threading.Event())
-    prompt_tokens = len(engine._loaded.vocabulary.tokenizer(LONG_PROMPT * 5)["input_ids"])
+    prompt_tokens = len(engine.resident.vocabulary.tokenizer(LONG_PROMPT * 5)["input_ids"])
     assert str(prompt_tokens) in str(raised.value) and "2048" in str(raised.value)
     assert isinstance(raised.value, ValueError)
     fits = GenerateRequest(prompt=PROMPT, max_new_tokens=2048 - engine.check(GenerateRequest(prompt=PROMPT)))
@@ -573,7 +573,7 @@ def test_bad_requests_are_refused_with_a_clear_message(fields, message):
 
 
 def test_a_prompt_of_token_ids_is_read_as_given(engine):
-    tokenizer = engine._loaded.vocabulary.tokenizer
+    tokenizer = engine.resident.vocabulary.tokenizer
     ids = tokenizer(PROMPT)["input_ids"]
     by_text = run(engine, GenerateRequest(prompt=PROMPT, max_new_tokens=12))[1]
     by_ids = run(engine, GenerateRequest(prompt=ids, max_new_tokens=12))[1]
@@ -732,7 +732,7 @@ def test_the_engine_packs_its_linear_layers_on_cpu_and_says_so(engine):
     if DEVICE != "cpu" or not packing.available(torch.device("cpu")):
         assert described["packed_linears"] == 0
         return
-    linears = sum(isinstance(module, packing.PackedLinear) for module in engine._loaded.model.modules())
+    linears = sum(isinstance(module, packing.PackedLinear) for module in engine.resident.model.modules())
     assert described["packed_linears"] == linears > 0
 
 
@@ -829,7 +829,7 @@ def test_a_revoked_run_keeps_its_kv_and_its_resume_prefills_one_token(engine, un
 def test_a_revoke_inside_a_prefill_chunk_stops_at_the_next_layer_and_the_resume_matches(engine, uncached,
                                                                                         monkeypatch):
     monkeypatch.setattr(engine, "prefill_chunk", 16)
-    layers = engine._loaded.model.model.layers
+    layers = engine.resident.model.model.layers
     request = GenerateRequest(prompt="Cut short in a chunk. " + LONG_PROMPT, max_new_tokens=10)
     cancel, calls = threading.Event(), {"first": 0, "last": 0}
 
@@ -856,8 +856,8 @@ def test_a_revoke_inside_a_prefill_chunk_stops_at_the_next_layer_and_the_resume_
 
 def test_a_long_revocable_prefill_is_read_in_long_chunks_when_layers_are_gated(engine, forwards):
     request = GenerateRequest(prompt="Read in long chunks. " + LONG_PROMPT, max_new_tokens=1)
-    clock = engine._loaded.clock
-    assert engine._loaded.gate is not None and clock.target_s == GATED_CHUNK_DECODE_STEPS * clock.decode_s
+    clock = engine.resident.clock
+    assert engine.resident.gate is not None and clock.target_s == GATED_CHUNK_DECODE_STEPS * clock.decode_s
     list(engine.generate(request, threading.Event()))
     assert forwards.count < engine.check(request) / 64    # not the short chunks of an ungated model
 
@@ -882,9 +882,9 @@ def test_the_cache_is_bounded_evicts_the_least_recent_first_and_revoked_runs_las
 
     for i in range(4):                                 # real caches, from the model
         run(engine, GenerateRequest(prompt=f"{i}: " + PROMPT * 3, max_new_tokens=2))
-    entry_bytes = engine._loaded.prefix.held_bytes // len(engine._loaded.prefix._entries)
+    entry_bytes = engine.resident.prefix.held_bytes // len(engine.resident.prefix._entries)
     store = PrefixCache(budget_bytes=int(2.5 * entry_bytes))
-    source = engine._loaded.prefix._entries
+    source = engine.resident.prefix._entries
     entries = list(source.values())[-4:]
     store.put(list(entries[0].tokens), entries[0].cache, preempted=True)     # a revoked job's
     store.put(list(entries[1].tokens), entries[1].cache, preempted=False)
@@ -971,7 +971,7 @@ def test_grouped_attention_over_a_cache_equals_transformers_sdpa_to_the_bit(new_
 def test_models_load_with_the_grouped_attention(engine):
     from uniun_ray.models.host.attention import NAME
 
-    assert engine._loaded.model.config._attn_implementation == NAME
+    assert engine.resident.model.config._attn_implementation == NAME
 
 
 def test_a_sliding_window_layer_past_its_window_is_not_cropped_and_its_entry_is_reused_only_whole():
@@ -1010,9 +1010,9 @@ def equal_entries(engine, count: int) -> list:
     each read from nothing (a run from a cache hit keeps room to grow in its entry)."""
     entries = []
     for i in range(count):
-        engine._loaded.prefix.clear()
+        engine.resident.prefix.clear()
         run(engine, GenerateRequest(prompt=f"{i}: " + PROMPT * 3, max_new_tokens=2))
-        entries += engine._loaded.prefix._entries.values()
+        entries += engine.resident.prefix._entries.values()
     assert len({e.nbytes for e in entries}) == 1
     return entries
 
@@ -1066,9 +1066,9 @@ def test_a_conversation_whose_history_went_to_cpu_memory_and_back_decodes_as_wit
     other = GenerateRequest(prompt="x = [1, 2, 3]" * 4, max_new_tokens=40)
     reply = run(engine, first)[1]
     run(engine, other)
-    small, large = sorted(entry.nbytes for entry in engine._loaded.prefix._entries.values())
+    small, large = sorted(entry.nbytes for entry in engine.resident.prefix._entries.values())
     store = PrefixCache(budget_bytes=large + small // 2, offload_bytes=8 * large)   # room for one of them
-    monkeypatch.setattr(engine._loaded, "prefix", store)
+    monkeypatch.setattr(engine.resident, "prefix", store)
     assert run(engine, first)[1].token_ids == reply.token_ids                 # the conversation's entry
     run(engine, other)                                                        # pushes it to CPU memory
     assert store.offloads == 1 and store.describe()["offloaded_entries"] == 1

@@ -8,11 +8,12 @@ pieces and result (``token_ids`` for an exact resume), and its own prefix-cache 
 
 * A joining job's prefill runs on its own (batch 1, its own cache, starting from its prefix-cache
   hit), one chunk per step between the others' decode steps, so nobody waits for a long prompt
-  for more than about one step. Its KV then joins the batched cache: every row is left-padded to
-  the longest, an attention mask hides the padding and each row gets its own position ids.
-* A leaving job's row is dropped (and the padding columns no row needs any more); its KV, cut
-  out of the batch, goes into the prefix cache as the engine stores it (a revoked job's for its
-  resume).
+  for more than about one step. Its KV then joins the batch's rows (``kv.rows``: how rows are
+  kept, padded or static, is the device's mechanism; when they join and leave is decided here).
+* A leaving job's row is dropped; its KV, cut out of the rows, goes into the prefix cache as the
+  engine stores it (a revoked job's for its resume).
+* One run alone is a batch of one row (``generation.Generation``): the prefill-chunk rule and
+  the decode step live here once.
 * Only models whose every cache layer is a plain full-attention ``DynamicLayer`` are batched:
   a sliding-window layer (Gemma) drops its oldest tokens per row and cannot be padded or cut out
   the same way. Those run one job at a time (``slots`` is 1; the others wait their turn).
@@ -26,17 +27,21 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from typing import Any, Callable
+from contextlib import nullcontext
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
-from .engine import Engine, prefill_chunk
 from .sequence import Sequence
-from ..host.gate import CancelFlag
+from ..host.gate import CancelFlag, Interrupted
 from ..host.tuning import CHUNK_DECODE_STEPS, MAX_CHUNK, MIN_CHUNK
+from ..host.weights import Loaded, forward
 from ..kv import rows as kv_rows
-from ..kv.prefix import fork
+from ..kv.prefix import crop_layers
 from ..requests.request import GenerateRequest, GenerationResult
+
+if TYPE_CHECKING:   # the engine makes batches (a lone run is one); a batch only calls it
+    from .engine import Engine
 
 #: Rows a batch decodes together unless told otherwise.
 DEFAULT_SLOTS = 8
@@ -78,7 +83,7 @@ class Batch:
         """``first_token``: called (from the stepping thread) as soon as a joining job has its
         first token, before that step's batched decode and the job's KV joining the batch, so
         that its stream need not wait for them (a chat's TTFT beside busy slots, R23)."""
-        loaded = engine._loaded
+        loaded = engine.resident
         if loaded is None:
             raise RuntimeError("no model is loaded; call load(model_id) first")
         if slots is not None and (not isinstance(slots, int) or slots < 1):
@@ -90,8 +95,7 @@ class Batch:
         self._waiting: deque[Job] = deque()
         self._joining: Job | None = None
         self._rows: list[Job] = []
-        self._cache: Any = None
-        self._mask: torch.Tensor | None = None   # [rows, cached tokens]: 0 where a row is padded
+        self._kv: kv_rows.Rows = kv_rows.PaddedRows(engine.device)   # the rows' KV, in the order of _rows
         self.last_step_rows = 0                  # rows the last step decoded (0: it only prefilled)
 
     @property
@@ -106,17 +110,15 @@ class Batch:
     def add(self, request: GenerateRequest, cancel: CancelFlag, revocable: bool = True) -> Job:
         """Queue a run; checked here, eagerly, as ``Engine.generate`` checks it. A run that is
         not ``revocable`` (chat) reads its prompt in one pass (see ``_chunk``)."""
-        if not callable(getattr(cancel, "is_set", None)):
-            raise ValueError(f"cancel must have an is_set() method (a threading.Event), got {cancel!r}")
-        loaded, context = self.engine._prepare(request)
-        if loaded is not self.loaded:
+        sequence = self.engine.admit(request, cancel)
+        if sequence.loaded is not self.loaded:
             raise RuntimeError("the engine's model changed after this batch was made")
-        self.engine._begin(loaded)
-        try:
-            job = Job(Sequence(loaded, context, request, cancel, self.engine.device), revocable)
-        except BaseException:
-            self.engine._end()
-            raise
+        return self.enqueue(sequence, revocable)
+
+    def enqueue(self, sequence: Sequence, revocable: bool = True) -> Job:
+        """Queue a run the engine admitted (``Engine.admit``); it counts as running from now on."""
+        self.engine.begin(sequence)
+        job = Job(sequence, revocable)
         with self._lock:
             self._waiting.append(job)
         return job
@@ -128,7 +130,8 @@ class Batch:
 
     def step(self) -> bool:
         """Drop the cancelled jobs, read one chunk of the joining job's prompt, then decode one
-        token for every row in one forward pass. Returns whether any job is left.
+        token for every row in one forward pass (not in the step a job joined an empty batch: its
+        first token is handed out before its next is computed). Returns whether any job is left.
 
         While a chat waits with a row free for it, the cancelled rows leave after its prefill
         instead: leaving copies each one's KV out of the batch (for its resume), and a chat that
@@ -139,10 +142,11 @@ class Batch:
                 self._leave_cancelled()
             self._drop_cancelled_waiting()
             self._next_joining()
+            alone = not self._rows
             if self._joining is not None:
                 self._prefill(self._joining)
             self._leave_cancelled()
-            if self._rows:
+            if self._rows and not (alone and len(self._rows) == 1):   # a lone joiner's first token ends its step
                 self._decode()
         except BaseException:
             self._fail()
@@ -238,17 +242,8 @@ class Batch:
         return clock.chunk
 
     def _join(self, job: Job) -> None:
-        """Add the job's KV to the batch as a new row, padded on the left to the batch's length."""
-        fed = job.sequence.fed
-        if not self._rows:
-            self._cache, self._mask = job.cache, torch.ones((1, fed), dtype=torch.long, device=self.engine.device)
-        else:
-            length = max(self._mask.shape[1], fed)
-            for layer, joining in zip(self._cache.layers, job.cache.layers):
-                layer.keys = torch.cat([_left_padded(layer.keys, length), _left_padded(joining.keys, length)])
-                layer.values = torch.cat([_left_padded(layer.values, length), _left_padded(joining.values, length)])
-            row = torch.ones((1, fed), dtype=torch.long, device=self._mask.device)
-            self._mask = torch.cat([_left_padded(self._mask, length), _left_padded(row, length)])
+        """Add the job's KV to the batch as a new row."""
+        self._kv.join(job.cache, job.sequence.fed)
         job.cache = None
         self._rows.append(job)
 
@@ -258,17 +253,13 @@ class Batch:
         """One forward pass over every row's last token; each row then chooses its next one."""
         rows, device = self._rows, self.engine.device
         ids = torch.tensor([[job.sequence.last_token] for job in rows], device=device)
-        self._mask = torch.cat([self._mask, torch.ones((len(rows), 1), dtype=torch.long, device=device)], dim=1)
-        shaping = {}
-        if len(rows) > 1:   # one row is never padded: it runs exactly as the engine runs it
-            shaping = {"attention_mask": self._mask,
-                       "position_ids": torch.tensor([[job.sequence.fed] for job in rows], device=device)}
+        cache, shaping = self._kv.inputs([job.sequence.fed for job in rows])
         started = time.perf_counter()
         with torch.inference_mode():
-            output = self.loaded.model(input_ids=ids, use_cache=True, **{self.loaded.cache_arg: self._cache},
+            output = self.loaded.model(input_ids=ids, use_cache=True, **{self.loaded.cache_arg: cache},
                                        **shaping, **self.loaded.forward_kwargs)
         self.loaded.clock.observe(1, time.perf_counter() - started)
-        self._cache = getattr(output, self.loaded.cache_arg)
+        self._kv.stepped(getattr(output, self.loaded.cache_arg))
         logits = output.logits[:, -1].to(dtype=torch.float32, device="cpu")   # one copy, not one per row
         self.last_step_rows = len(rows)
         for row, job in enumerate(rows):
@@ -283,43 +274,18 @@ class Batch:
         self._leave([job for job in self._rows if job.sequence.cancelled], "cancel")
 
     def _leave(self, jobs: list[Job], reason: str | None) -> None:
-        """Drop the jobs' rows (and the padding no row left needs) in one cut of the batch's KV,
-        each job's own KV kept: a chat that revokes ten companions (R23) costs one copy of the
-        batch, not ten."""
+        """Drop the jobs' rows in one cut of the rows' KV, each job's own KV kept."""
         if not jobs:
             return
-        rows = [self._rows.index(job) for job in jobs]
-        caches = [self._row_cache(row) for row in rows]
-        keep = [index for index in range(len(self._rows)) if index not in rows]
-        self._rows = [self._rows[index] for index in keep]
-        if not self._rows:
-            self._cache = self._mask = None
-        else:
-            self._mask = self._mask[keep]
-            start = int(self._mask.any(dim=0).int().argmax())     # the first column a row uses
-            self._mask = self._mask[:, start:]
-            for layer in self._cache.layers:
-                layer.keys, layer.values = layer.keys[keep, :, start:], layer.values[keep, :, start:]
+        caches = self._kv.leave([self._rows.index(job) for job in jobs])
+        self._rows = [job for job in self._rows if job not in jobs]
         for job, cache in zip(jobs, caches):
             self._end(job, reason, cache)
-
-    def _row_cache(self, row: int) -> Any:
-        """A batch-1 cache of one row's tokens, without its padding, in storage of its own (a
-        view would keep the whole batch's tensors alive in the prefix cache)."""
-        if len(self._rows) == 1:
-            return self._cache
-        padding = int((self._mask[row] == 0).sum())
-        cache = fork(self._cache)
-        for layer in cache.layers:
-            layer.keys = layer.keys[row : row + 1, :, padding:].clone()
-            layer.values = layer.values[row : row + 1, :, padding:].clone()
-        return cache
 
     def _end(self, job: Job, reason: str | None, cache: Any) -> None:
         sequence = job.sequence
         sequence.finish(reason)
-        sequence.keep(self.loaded.prefix, cache)
-        self.engine._end()
+        self.engine.retire(sequence, cache)
         job.result = sequence.result()
         job.done.set()
 
@@ -327,15 +293,31 @@ class Batch:
         """The model raised: every job ends with "error" (no KV kept: it may be half written)."""
         jobs = self._rows + ([self._joining] if self._joining is not None else []) + list(self._waiting)
         self._rows, self._joining, self._waiting = [], None, deque()
-        self._cache = self._mask = None
+        self._kv.clear()
         for job in jobs:
             if job.result is None:
                 job.sequence.reason = "error"
                 self._end(job, None, None)
 
 
-def _left_padded(tensor: torch.Tensor, length: int) -> torch.Tensor:
-    """``tensor`` with zeros before its sequence dimension (dim -2 of KV, -1 of a mask) up to ``length``."""
-    if tensor.dim() == 2:
-        return torch.nn.functional.pad(tensor, (length - tensor.shape[-1], 0))
-    return torch.nn.functional.pad(tensor, (0, 0, length - tensor.shape[-2], 0))
+def prefill_chunk(
+    loaded: Loaded, context: list[int], cache: Any, start: int, chunk: int, device: torch.device,
+    cancel: CancelFlag,
+) -> tuple[torch.Tensor | None, Any, int]:
+    """Read ``context[start:start + chunk]`` into ``cache`` (which holds ``context[:start]``),
+    checking ``cancel`` before the pass and, where the model has a layer gate, before each of
+    its layers. Returns the last logits (None when cancelled), the cache and how many tokens it
+    holds: a chunk cut short is cropped away; a cache that cannot be cropped back is dropped."""
+    if cancel.is_set():
+        return None, cache, start
+    try:
+        with loaded.gate.armed(cancel) if loaded.gate is not None else nullcontext():
+            started = time.perf_counter()
+            ids = context[start : start + chunk]
+            logits, extended = forward(loaded, ids, cache, device)
+            loaded.clock.observe(len(ids), time.perf_counter() - started)
+    except Interrupted:
+        if cache is None or not crop_layers(cache, start):
+            return None, None, 0
+        return None, cache, start
+    return logits, extended, min(start + chunk, len(context))

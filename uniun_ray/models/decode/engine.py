@@ -17,8 +17,9 @@ lives here, so it can be tested (and benchmarked) without a cluster:
   is also read before every decoder layer (``gate``), so chunks can be long and a revoke still
   waits about one decode step.
 
-This module is the decode loop; the weights and their tuning, the request checks
-(``vocabulary``) and the detokenizer live beside it.
+This module is the resident model and the admission of its runs; the decode loop is ``batch``
+(a lone run is a one-row batch, ``generation``), the weights and their tuning live in ``host``,
+the request checks in ``requests``.
 """
 
 from __future__ import annotations
@@ -26,16 +27,15 @@ from __future__ import annotations
 import gc
 import threading
 import time
-from contextlib import nullcontext
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 
+from .generation import Generation
 from .sequence import Sequence
-from ..host.gate import CancelFlag, Interrupted
-from ..host.tuning import MAX_CHUNK
-from ..host.weights import DEFAULT_KV_OFFLOAD_MB, Loaded, Weights, default_kv_cache_mb, forward
-from ..kv.prefix import Hit, PrefixCache, crop_layers
+from ..host.gate import CancelFlag
+from ..host.weights import DEFAULT_KV_OFFLOAD_MB, Loaded, Weights, default_kv_cache_mb
+from ..kv.prefix import PrefixCache
 from ..requests.registry import materialize, resolve
 from ..requests.request import GenerateRequest, GenerationResult, _is_int
 from ..requests.settings import check_megabytes
@@ -95,6 +95,11 @@ class Engine:
         """The id of the resident model, or None."""
         loaded = self._loaded
         return loaded.vocabulary.model_id if loaded else None
+
+    @property
+    def resident(self) -> Loaded | None:
+        """The resident model as the decode loop runs it, or None."""
+        return self._loaded
 
     @property
     def context_length(self) -> int | None:
@@ -207,10 +212,32 @@ class Engine:
         stops it: chat) reads its prompt in chunks of up to MAX_CHUNK tokens instead of chunks
         sized to one decode step.
         """
+        return Generation(self, self.admit(request, cancel), revocable)
+
+    def admit(self, request: GenerateRequest, cancel: CancelFlag) -> Sequence:
+        """Check ``request`` against the resident model (as ``check``) and make its run's
+        ``Sequence``; a batch then ``begin``s it and, when it ends, ``retire``s it."""
         if not callable(getattr(cancel, "is_set", None)):
             raise ValueError(f"cancel must have an is_set() method (a threading.Event), got {cancel!r}")
         loaded, context = self._prepare(request)
-        return Generation(self, loaded, context, request, cancel, revocable)
+        return Sequence(loaded, context, request, cancel, self.device)
+
+    def begin(self, sequence: Sequence) -> None:
+        """Count the admitted run as running: ``load`` and ``unload`` refuse until it is retired."""
+        with self._lock:
+            if self._loaded is not sequence.loaded:
+                raise RuntimeError(
+                    f"model {sequence.loaded.vocabulary.model_id!r} was unloaded after this generation was checked")
+            self._running += 1
+
+    def retire(self, sequence: Sequence, cache: Any) -> None:
+        """The run ended: keep the KV of its tokens (``cache``) for the next turn or its resume."""
+        sequence.keep(sequence.loaded.prefix, cache)
+        with self._lock:
+            self._running -= 1
+            idle, loaded = not self._running, self._loaded
+        if idle and loaded is not None:
+            self._weights.revise(loaded)   # the runs since the load may have beaten its probe
 
     # -- internals ---------------------------------------------------------------------------
 
@@ -232,148 +259,3 @@ class Engine:
         if loaded is None:
             raise RuntimeError("no model is loaded; call load(model_id) first")
         return loaded, context_of(loaded.vocabulary, request)
-
-    def _begin(self, loaded: Loaded) -> None:
-        with self._lock:
-            if self._loaded is not loaded:
-                raise RuntimeError(
-                    f"model {loaded.vocabulary.model_id!r} was unloaded after this generation was checked"
-                )
-            self._running += 1
-
-    def _end(self) -> None:
-        with self._lock:
-            self._running -= 1
-            idle, loaded = not self._running, self._loaded
-        if idle and loaded is not None:
-            self._weights.revise(loaded)   # the runs since the load may have beaten its probe
-
-
-class Generation(Iterator[str]):
-    """One run of the engine: an iterator of text pieces, with ``result`` set when it ends.
-
-    Advance it from one thread at a time; which thread may change between pieces (the actor
-    hands each ``next`` to a thread pool). ``close()``, or dropping it, ends the run early,
-    recorded as a cancel. ``result`` stays None if the iterator was never advanced.
-    """
-
-    def __init__(
-        self,
-        engine: Engine,
-        loaded: Loaded,
-        context: list[int],
-        request: GenerateRequest,
-        cancel: CancelFlag,
-        revocable: bool = True,
-    ) -> None:
-        self.result: GenerationResult | None = None
-        #: Generated tokens whose text has been handed out so far: what a consumer that loses
-        #: the run (and `result`) has of it.
-        self.emitted_tokens = 0
-        # A run nobody else can revoke (chat: only its own cancel stops it) reads its prompt in
-        # as few forward passes as memory allows; chunks sized to one decode step are the price
-        # of a quick revoke, and cost a CPU about half its prefill speed.
-        chunk = engine.prefill_chunk or (None if revocable else MAX_CHUNK)
-        self._steps = self._run(engine, loaded, context, request, cancel, chunk)
-
-    def __next__(self) -> str:
-        return next(self._steps)
-
-    def close(self) -> None:
-        self._steps.close()
-
-    def _run(
-        self,
-        engine: Engine,
-        loaded: Loaded,
-        context: list[int],
-        request: GenerateRequest,
-        cancel: CancelFlag,
-        chunk: int | None,
-    ) -> Iterator[str]:
-        engine._begin(loaded)
-        sequence, cache = None, None
-        try:
-            sequence = Sequence(loaded, context, request, cancel, engine.device)
-            sequence.hit = loaded.prefix.take(context)
-            logits, cache, sequence.fed = _prefill(loaded, context, sequence.hit, chunk, engine.device,
-                                                   sequence.decoding.cancel)
-            if logits is not None:
-                sequence.prefilled_at = time.perf_counter()
-            while logits is not None:
-                piece = sequence.accept(logits)
-                if piece:
-                    self.emitted_tokens = sequence.emitted_tokens
-                    yield piece
-                if sequence.ended:
-                    break
-                logits, cache = _step(loaded, [sequence.last_token], cache, engine.device, sequence.decoding.cancel)
-                if logits is not None:
-                    sequence.fed += 1
-                    sequence.stepped(1)
-            tail = sequence.finish(None if sequence.ended else "cancel")  # the flag was seen before a pass
-            if tail:
-                yield tail
-        except GeneratorExit:
-            if sequence is not None:
-                sequence.reason = "cancel"  # the consumer closed the iterator
-            raise
-        finally:
-            if sequence is not None:
-                sequence.keep(loaded.prefix, cache)
-            engine._end()
-            if sequence is not None:
-                self.result = sequence.result()
-
-
-def _prefill(
-    loaded: Loaded, context: list[int], hit: Hit, fixed_chunk: int | None, device: torch.device,
-    cancel: CancelFlag,
-) -> tuple[torch.Tensor | None, Any, int]:
-    """Read the context after the cached prefix in chunks (``prefill_chunk``). Returns the last
-    logits (None when cancelled), the cache and how many tokens it holds. Unless fixed, each
-    chunk is sized anew from the step times measured so far."""
-    logits, cache, start = None, hit.cache, hit.tokens
-    while start < len(context):
-        logits, cache, start = prefill_chunk(loaded, context, cache, start, fixed_chunk or loaded.clock.chunk,
-                                             device, cancel)
-        if logits is None:
-            break
-    return logits, cache, start
-
-
-def prefill_chunk(
-    loaded: Loaded, context: list[int], cache: Any, start: int, chunk: int, device: torch.device,
-    cancel: CancelFlag,
-) -> tuple[torch.Tensor | None, Any, int]:
-    """Read ``context[start:start + chunk]`` into ``cache`` (which holds ``context[:start]``),
-    checking ``cancel`` before the pass and, where the model has a layer gate, before each of
-    its layers. Returns the last logits (None when cancelled), the cache and how many tokens it
-    holds: a chunk cut short is cropped away; a cache that cannot be cropped back is dropped."""
-    try:
-        with loaded.gate.armed(cancel) if loaded.gate is not None else nullcontext():
-            logits, extended = _step(loaded, context[start : start + chunk], cache, device, cancel)
-    except Interrupted:
-        if cache is None or not crop_layers(cache, start):
-            return None, None, 0
-        return None, cache, start
-    if logits is None:
-        return None, cache, start
-    return logits, extended, min(start + chunk, len(context))
-
-
-def _step(
-    loaded: Loaded, ids: list[int], cache: Any, device: torch.device, cancel: CancelFlag
-) -> tuple[torch.Tensor | None, Any]:
-    """One forward pass over ``ids`` extending ``cache``, unless ``cancel`` is set (logits None).
-
-    Inference mode is entered per call, not around the generator: a generator suspended inside
-    the context manager would leave the consumer's thread in inference mode between pieces.
-    """
-    if cancel.is_set():
-        return None, cache
-    started = time.perf_counter()
-    logits, cache = forward(loaded, ids, cache, device)
-    loaded.clock.observe(len(ids), time.perf_counter() - started)
-    return logits, cache
-

@@ -63,7 +63,7 @@ class DecodeLoop:
     def _current(self) -> Batch:
         """The batch of the resident model (a new one after a load)."""
         with self._lock:
-            if self._batch is None or self._batch.loaded is not self._engine._loaded:
+            if self._batch is None or self._batch.loaded is not self._engine.resident:
                 self._batch = Batch(self._engine, self._slots, first_token=self._wake)
                 # the probe of this load just set torch's threads: the most the loop may run
                 self._cores = CoreShare(torch.get_num_threads(), self._engine.threads_fixed)

@@ -1,8 +1,8 @@
 """One request's side of a decode loop: its tokens, its decoding, its text and how it ended.
 
-Apart from the loops that drive it (``engine.Generation`` runs one sequence at a time,
-``batch.Batch`` several in one forward pass per step), so that both choose tokens, cut stop
-strings, keep the KV of a finished or revoked run and report it the same way.
+Apart from the loop that drives it (``batch.Batch``, several in one forward pass per step; a
+lone run is a one-row batch), so that the tokens it chooses, the stop strings it cuts, the KV it
+keeps of a finished or revoked run and its report are one run's, whatever ran beside it.
 """
 from __future__ import annotations
 
@@ -19,12 +19,13 @@ from ..requests.request import GenerateRequest, GenerationResult
 
 
 class Sequence:
-    """The state of one run. ``fed``: how many of its tokens the KV cache holds; ``reason``:
+    """The state of one run on ``loaded``. ``fed``: how many of its tokens the KV cache holds; ``reason``:
     why it ended ("error" until a loop says otherwise); ``pieces``: the text handed out."""
 
     def __init__(self, loaded: Loaded, context: list[int], request: GenerateRequest, cancel: Any,
                  device: torch.device) -> None:
         self.started = time.perf_counter()
+        self.loaded = loaded
         self.context = context
         self.eos_ids = loaded.eos_ids
         self.decoding = decoding(loaded.model, loaded.vocabulary.tokenizer, request, len(context),
