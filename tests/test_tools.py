@@ -73,6 +73,9 @@ CASES = [
      ('The call would be {"name": "weather", "parameters": {}}.', [])),
     (LLAMA3_JSON, '{"city": "Oslo"}', ('{"city": "Oslo"}', [])),                                   # JSON, no call
     (MISTRAL, "[TOOL_CALLS] no list", ("[TOOL_CALLS] no list", [])),
+    (MISTRAL, f" [{WEATHER}]", ("", [OSLO])),            # [TOOL_CALLS], a special token, dropped from the text
+    (MISTRAL, f"Look: [{WEATHER}]", (f"Look: [{WEATHER}]", [])),                                  # not at the start
+    (MISTRAL, "[1, 2]", ("[1, 2]", [])),
     # content after the calls of a format that allows it
     (HERMES, f"<tool_call>{WEATHER}</tool_call>\nDone.", ("\nDone.", [OSLO])),
     # plain answers keep every character

@@ -10,7 +10,8 @@ so no user has to name a parser (vLLM's `--tool-call-parser`). Three formats are
 * ``llama3_json`` (Llama 3.1/3.2/3.3 Instruct): the answer *is* the call, a JSON object
   ``{"name": ..., "parameters": {...}}`` (``<|python_tag|>`` may open it), calls joined by ``;``;
 * ``mistral`` (Mistral-7B-Instruct-v0.3 and its kin): ``[TOOL_CALLS][{"name": ..., "arguments":
-  {...}}, ...]`` after any content.
+  {...}}, ...]`` after any content; at the answer's start the list alone is calls too (the
+  marker is a special token there, which the detokenizer drops from the text).
 
 `CallReader` reads a text as it streams in (pieces of any size) into content and call deltas,
 as OpenAI streams them: a call's first delta names it (index, id, name), the next ones carry
@@ -47,13 +48,15 @@ class CallFormat:
     the answer (None: calls only open the answer); ``opening``: what may follow the marker (or
     start the answer) before the first call's JSON; ``after``: what follows a call's JSON, a
     pattern whose group ``next`` means another call follows at once and ``done`` that the calls
-    end there (neither: the calls end and what follows is content)."""
+    end there (neither: the calls end and what follows is content). ``bare``: the calls may also
+    open the answer without the marker, a special token that a detokenizer drops (Mistral's)."""
 
     name: str
     marker: str | None
     opening: str
     after: str
     arguments_key: str
+    bare: bool
     #: in `call_grammar`: text before the first call, between two, after the last
     grammar_open: str
     grammar_between: str
@@ -61,14 +64,14 @@ class CallFormat:
 
 
 HERMES = CallFormat("hermes", marker="<tool_call>", opening=r"\s*(?=\{)", after=r"\s*(?P<done></tool_call>)",
-                    arguments_key="arguments", grammar_open="<tool_call>\n",
+                    arguments_key="arguments", bare=False, grammar_open="<tool_call>\n",
                     grammar_between="\n</tool_call>\n<tool_call>\n", grammar_close="\n</tool_call>")
 LLAMA3_JSON = CallFormat("llama3_json", marker=None, opening=r"\s*(?:<\|python_tag\|>\s*)?(?=\{)",
-                         after=r"\s*(?P<next>;)\s*", arguments_key="parameters", grammar_open="",
+                         after=r"\s*(?P<next>;)\s*", arguments_key="parameters", bare=False, grammar_open="",
                          grammar_between="; ", grammar_close="")
 MISTRAL = CallFormat("mistral", marker="[TOOL_CALLS]", opening=r"\s*\[\s*(?=\{)",
                      after=r"\s*(?:(?P<next>,)\s*|(?P<done>\]))",
-                     arguments_key="arguments", grammar_open="[TOOL_CALLS][", grammar_between=", ",
+                     arguments_key="arguments", bare=True, grammar_open="[TOOL_CALLS][", grammar_between=", ",
                      grammar_close="]")
 FORMATS = {f.name: f for f in (HERMES, LLAMA3_JSON, MISTRAL)}
 
@@ -129,7 +132,7 @@ class CallReader:
         self.calls: list[ToolCall] = []
         self._held = ""                     # text read but not yet decided
         self._raw = ""                      # the calls' text since the marker, for content if they fail
-        self._state = "content" if format_.marker else "opening"
+        self._state = "bare" if format_.bare else "content" if format_.marker else "opening"
         self._space = ""                    # content's trailing whitespace, dropped before a call
         self._json: _JsonScanner | None = None
         self._object = ""                   # a call read whole (`_read_whole`)
@@ -148,7 +151,7 @@ class CallReader:
             self._content(self._held)
             if not self.calls and self._space:    # an answer's own last whitespace, kept
                 self._out.append(self._space)
-        elif self._state in ("opening", "head", "whole"):
+        elif self._state in ("bare", "opening", "head", "whole"):
             self._content(self._raw + self._held)        # a call that never got going is content
         self._held, self._space, self._state = "", "", "dropped"
         return self._take()
@@ -167,6 +170,14 @@ class CallReader:
             return False
         self._content(self._held[:at])
         self._raw, self._held, self._state = marker, self._held[at + len(marker):], "opening"
+        return True
+
+    def _read_bare(self) -> bool:
+        """The answer's start, where the calls may open without their marker (`CallFormat.bare`)."""
+        found = regex.match(self.format.opening, self._held, partial=True)
+        if found is not None and found.partial:
+            return False
+        self._state = "content" if found is None else "opening"
         return True
 
     def _read_text(self) -> bool:
