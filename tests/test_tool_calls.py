@@ -14,7 +14,7 @@ import jsonschema
 import pytest
 
 from tool_models import CLOCK, SCHEMAS, TOOLS, WEATHER, tool_model
-from uniun_ray.models import Engine, GenerateRequest, materialize, resolve
+from uniun_ray.models import Engine, GenerateRequest, inspect_request, materialize, resolve
 from uniun_ray.models.requests.tools import FORMATS, read_calls, tool_names
 
 DEVICE = os.environ.get("UNIUN_TEST_DEVICE", "cpu")
@@ -103,15 +103,14 @@ def test_the_turn_after_a_call_renders_its_result_and_reuses_the_cache_through_t
                                                                          turn.tokens)
 
 
-def test_a_forced_call_needs_a_template_whose_format_is_known_and_an_offered_name(engine, folders, tmp_path):
+def test_a_forced_call_needs_a_template_whose_format_is_known_and_an_offered_name(folders, tmp_path):
     tiny = materialize(resolve("tiny"))
     unknown = tool_model(tiny, tmp_path / "unknown", "hermes")
     (unknown / "chat_template.jinja").write_text("{% for t in tools %}{{ t.function.name }}{% endfor %}"
                                                  "{% for m in messages %}{{ m.content }}{% endfor %}")
     request = GenerateRequest(messages=ASK, tools=[WEATHER], tool_choice="required")
     with pytest.raises(ValueError, match="no format this server reads") as refused:
-        engine.load(str(unknown))
-        engine.check(request)
+        inspect_request(resolve(str(unknown)), request)      # before it is queued, with no model loaded
     assert refused.value.field == "tool_choice"
     from uniun_ray.models.requests.vocabulary import tool_call_format
     assert [tool_call_format(resolve(model)) for model in (folders["mistral"], str(unknown), "tiny")] == [
