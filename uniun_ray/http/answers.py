@@ -11,6 +11,7 @@ arguments; content deltas as they are decided (the reader holds back what may op
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 
 from ..models.requests.tools import UNKNOWN, CallDelta, CallReader, call_format, tool_names
 from .schemas import ChatCompletionRequest, JobFields
@@ -86,13 +87,14 @@ def _call_delta(delta: CallDelta) -> dict:
     return {"index": delta.index, "function": {"arguments": delta.arguments}}
 
 
-async def reading(body: JobFields, model_id: str) -> Reading:
-    """How the answer of ``body``'s job on ``model_id`` reads."""
+async def reading(body: JobFields, model: Callable[[], str]) -> Reading:
+    """How the answer of ``body``'s job reads; ``model`` names the model it runs on (asked only
+    where the answer may hold calls)."""
     if not isinstance(body, ChatCompletionRequest):
         return Reading(chat=False)
     if not body.offers_tools():
         return Reading(chat=True)
-    format_ = call_format(await asyncio.to_thread(_template, model_id))
+    format_ = call_format(await asyncio.to_thread(_template, model()))
     if format_ is None:
         return CallReading(None, UNKNOWN)
     names = tool_names(tool.model_dump() for tool in body.tools)

@@ -170,7 +170,8 @@ async def generate(body: JobFields, prompts: list[dict], shape: Shape):
     require_scheduler()
     try:
         jobs = [open_job(body, **prompt) for prompt in prompts]
-        readings = [await reading(body, body.model_id() or _active_chat_model() or job.model) for job in jobs]
+        readings = [await reading(body, lambda job=job: body.model_id() or _active_chat_model() or job.model)
+                    for job in jobs]
     except Exception as error:
         raise from_client(error) from error
     if body.stream:
