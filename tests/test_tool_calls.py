@@ -117,5 +117,7 @@ def test_a_forced_call_needs_a_template_whose_format_is_known_and_an_offered_nam
         "mistral", "unknown: the model's tool calls are answered as content", None]   # what status says
     with pytest.raises(ValueError, match="tool_choice must be 'auto', 'required' or the name of an offered tool"):
         GenerateRequest(messages=ASK, tools=[WEATHER], tool_choice="clock")
+    with pytest.raises(ValueError, match="'required' needs tools"):
+        GenerateRequest(messages=ASK, tool_choice="required")
     with pytest.raises(ValueError, match="not both"):
         GenerateRequest(messages=ASK, tools=[WEATHER], tool_choice="weather", json_schema={"type": "object"})

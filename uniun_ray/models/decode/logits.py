@@ -50,14 +50,15 @@ class GrammarMask(LogitsProcessor):
     the mask allows: the conversation re-tokenized in the next turn then holds the same tokens,
     and the prefix cache reuses it through the forced text."""
 
-    def __init__(self, tokenizer: Any, grammar: str, output_start: int, resumed_text: str = "") -> None:
+    def __init__(self, tokenizer: Any, grammar: str, output_start: int, resumed_text: str = "",
+                 field: str = "json_schema") -> None:
         from llguidance import LLMatcher
 
         self.matcher = LLMatcher(tokenizer, grammar)
         if resumed_text:
             self.matcher.consume_tokens(tokenizer.tokenize_str(resumed_text))
         if self.matcher.is_error():
-            raise InvalidRequest(f"the output's grammar cannot be followed: {self.matcher.get_error()}", "json_schema")
+            raise InvalidRequest(f"the output's grammar cannot be followed: {self.matcher.get_error()}", field)
         self.eos = list(tokenizer.eos_tokens)
         self.start = output_start
         self.fed = 0
@@ -90,7 +91,8 @@ def shaping(request: GenerateRequest, tokenizer: Any, eos_ids: frozenset[int], o
         chain.append(SequenceBiasLogitsProcessor({(token,): bias for token, bias in request.logit_bias.items()}))
     grammar = request_grammar(request, getattr(tokenizer, "chat_template", None))
     if grammar is not None:
-        chain.append(GrammarMask(grammar_tokenizer(tokenizer, eos_ids), grammar, output_start, request.resume_text))
+        chain.append(GrammarMask(grammar_tokenizer(tokenizer, eos_ids), grammar, output_start, request.resume_text,
+                                 "tool_choice" if request.forces_call else "json_schema"))
     return chain
 
 

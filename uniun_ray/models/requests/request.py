@@ -249,6 +249,8 @@ def _check_tool_choice(request: GenerateRequest) -> None:
     if not isinstance(request.parallel_tool_calls, bool):
         raise InvalidRequest(f"parallel_tool_calls must be a bool, got {request.parallel_tool_calls!r}",
                              "parallel_tool_calls")
+    if choice == "required" and not names:
+        raise InvalidRequest("tool_choice 'required' needs tools to call", "tool_choice")
     if choice != "auto" and request.json_schema is not None:
         raise InvalidRequest("a forced tool call is its own grammar: give json_schema or a tool_choice that "
                              "forces a call, not both", "tool_choice")
