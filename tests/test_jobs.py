@@ -34,6 +34,8 @@ JOBS = [
      r"opened a note with \d+ jobs queued: its extraction \(T1\)"),
     ("gana_cron.py", ["--runs", "2", "--every", "1", "--model", "tiny", "--max-new-tokens", "8"],
      r"cron run due at \+[\d.]+s on tiny"),
+    ("gana_agent.py", ["--tasks", "1", "--chats", "1", "--max-tokens", "48"],
+     r"gana agent: 1 tasks, [1-9]\d* tool calls on \S*uniun-tiny-hermes; chat TTFT beside it: [\d.]+s"),
     ("embed_flood.py", ["--texts", "32", "--batch", "8", "--concurrency", "4"], r"embedded 32 texts in 4 calls"),
     ("issue_118.py", ["--turns", "2", "--deck", "2", "--card-tokens", "400", "--chat-tokens", "4"],
      r"chat TTFT, while Nataraj fills: median [\d.]+s"),

@@ -142,6 +142,9 @@ def test_status_view_shows_each_slot_of_a_device_and_its_job():
     assert "2 of 3 slots busy" in text
     for i in range(2):
         assert re.search(rf"slot {i}  T4 nataraj +producer nataraj:{i} .* job n{i}", text), text
+    snap["devices"][0]["engine"] = {"tool_call_format": "hermes"}
+    console.print(render(snap))
+    assert re.search(r"loaded model +m \(tool calls: hermes\)", console.export_text())   # its template's format
 
 
 def test_explain_names_the_slot_and_the_jobs_beside_and_replay_keeps_slot_mates_open(tmp_path):

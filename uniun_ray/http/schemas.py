@@ -55,8 +55,8 @@ ONLY = {
     "service_tier": "service_tier must be 'auto' or 'default': there is one tier here (uniun's `kind` is the "
                     "scheduling class)",
     "modalities": "modalities must be [\"text\"]: this server reads and writes text only",
-    "tool_choice": "tool_choice must be 'auto' or 'none': a tool call cannot be forced here",
-    "parallel_tool_calls": "parallel_tool_calls may be given only with tools, and only true",
+    "tool_choice": "tool_choice may force a call ('required' or a named function) only with tools",
+    "parallel_tool_calls": "parallel_tool_calls may be given only with tools",
     "stream_options": "stream_options may be given only with stream: true",
 }
 
@@ -220,6 +220,15 @@ class Tool(Strict):
     function: Function
 
 
+class NamedFunction(Strict):
+    name: Text
+
+
+class NamedToolChoice(Strict):
+    type: Literal["function"]
+    function: NamedFunction
+
+
 class StreamOptions(Strict):
     include_usage: StrictBool | None = None
     include_obfuscation: StrictBool | None = None
@@ -299,8 +308,8 @@ class ChatCompletionRequest(JobFields):
     logprobs: Literal[False] | None = None
     response_format: ResponseFormat | None = None
     tools: Annotated[list[Tool], Field(max_length=128)] | None = None
-    tool_choice: Literal["auto", "none"] | None = None
-    parallel_tool_calls: Literal[True] | None = None
+    tool_choice: Literal["auto", "none", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: StrictBool | None = None
     modalities: list[Literal["text"]] | None = None
     top_logprobs: Nothing = None
     functions: Nothing = None
@@ -311,6 +320,17 @@ class ChatCompletionRequest(JobFields):
     verbosity: Nothing = None
     web_search_options: Nothing = None
     _parallel_calls_need_tools = _given_only_with("parallel_tool_calls", "tools")
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _forcing_needs_tools(cls, value, info: ValidationInfo):
+        if value not in (None, "auto", "none") and not info.data.get("tools"):
+            raise PydanticCustomError("unsupported_value", ONLY["tool_choice"])
+        return value
+
+    def offers_tools(self) -> bool:
+        """Whether the model is shown tools (and its answer read for calls)."""
+        return bool(self.tools) and self.tool_choice != "none"
 
     def new_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
@@ -324,8 +344,11 @@ class ChatCompletionRequest(JobFields):
             fields["json_schema"] = JSON_OBJECT
         elif isinstance(self.response_format, JsonSchemaFormat):
             fields["json_schema"] = self.response_format.json_schema.schema_
-        if self.tools and self.tool_choice != "none":   # "none": the model is not shown the tools
+        if self.offers_tools():   # "none": the model is not shown the tools
             fields["tools"] = tuple(tool.model_dump(exclude_none=True) for tool in self.tools)
+            choice = self.tool_choice
+            fields["tool_choice"] = choice.function.name if isinstance(choice, NamedToolChoice) else choice or "auto"
+            fields["parallel_tool_calls"] = self.parallel_tool_calls is not False
         return fields
 
 

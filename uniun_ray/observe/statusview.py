@@ -49,10 +49,11 @@ def _summary(snap: dict, now: float) -> Table:
     foreground = (fg["kind"] or "none") + (f" ({fg['subject']})" if fg["subject"] else "")
     devices = snap.get("devices") or []
     if len(devices) > 1:
-        grid.add_row("loaded models", ", ".join(f"{d['device']} {d['loaded_model'] or 'none'}" for d in devices),
-                     "foreground (T1)", foreground)
+        grid.add_row("loaded models", ", ".join(f"{d['device']} {d['loaded_model'] or 'none'}{_calls(d)}"
+                                                for d in devices), "foreground (T1)", foreground)
     else:
-        grid.add_row("loaded model", str(snap["loaded_model"] or "none"), "foreground (T1)", foreground)
+        grid.add_row("loaded model", str(snap["loaded_model"] or "none") + (_calls(devices[0]) if devices else ""),
+                     "foreground (T1)", foreground)
     if snap.get("chat_model"):
         grid.add_row("chat model", snap["chat_model"], "", "")
     if len(snap.get("nodes") or []) > 1:
@@ -72,6 +73,12 @@ def _summary(snap: dict, now: float) -> Table:
         grid.add_row("CPU priority", Text(f"model actors at niceness {niceness}: the host's other busy programs come "
                                           "first (start Ray with RAY_worker_niceness=0)", style="bold yellow"), "", "")
     return grid
+
+
+def _calls(device: dict) -> str:
+    """The loaded model's tool-call format, where its template takes tools."""
+    calls = (device.get("engine") or {}).get("tool_call_format")
+    return f" (tool calls: {calls})" if calls else ""
 
 
 def _bar(fraction: float, width: int = 10) -> str:

@@ -15,6 +15,7 @@ event loop stays free to take a revoke while the device decodes.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 import threading
@@ -26,6 +27,7 @@ from .. import engines
 from ..models.requests.registry import prepared, resolve
 from ..models.requests.request import GenerateRequest
 from ..models.requests.settings import MAX_SLOTS, EngineSettings
+from ..models.requests.vocabulary import tool_call_format
 from .metrics import ModelMetrics
 from .placement import DEVICE_RESOURCE, assigned_resources, node_id, stand_ins_here
 from .protocol import DeviceLost, LeaseRevoked
@@ -269,13 +271,26 @@ class ModelActor:
 
     async def state(self) -> dict:
         engine = await asyncio.to_thread(self._engine.status)   # it may ask the engine's server
+        calls = await asyncio.to_thread(_tool_call_format, self._engine.loaded)   # reads a tokenizer once
         return {"device": self._device, "loaded": self._engine.loaded, "epoch": self._epoch,
                 "live": sorted(self._live), "generating": sorted(self._running),
                 "slots": {"rows": engine["running"], "steps_by_batch": engine.get("steps_by_batch", {})},
                 "context_length": engine.get("context_length"),
-                "engine": engine | {"niceness": os.nice(0)},   # its threads run at it
+                "engine": engine | {"niceness": os.nice(0),   # its threads run at it
+                                    "tool_call_format": calls},
                 "ray_resources": assigned_resources(), "node": node_id(),
                 "stop_latency_s": list(self.stop_latencies)}
+
+
+@functools.lru_cache(maxsize=16)
+def _tool_call_format(model_id: str | None) -> str | None:
+    """The loaded model's tool-call format, for status (its tokenizer is read once)."""
+    if model_id is None:
+        return None
+    try:
+        return tool_call_format(resolve(model_id))
+    except (ValueError, OSError) as error:   # for status only: never fail a state query
+        return f"unknown: {error}"
 
 
 async def _ended(run, stepped: asyncio.Event) -> None:
