@@ -265,7 +265,9 @@ MESSAGES = {"model": CHAT_MODEL, "messages": [{"role": "user", "content": "hi"}]
     ("/v1/embeddings", {"input": "x", "model": "text-embedding-3-small"}, 404, "model_not_found", "model"),
     ("/v1/embeddings", {"input": [1, "a"]}, 400, None, None),
     ("/v1/embeddings", {"input": [[]]}, 400, None, "input[0]"),
-    ("/v1/embeddings", {"input": [100300]}, 400, None, "input"),                          # not a cl100k token
+    ("/v1/embeddings", {"input": [100300]}, 400, None, "input[0]"),                       # not a cl100k token
+    ("/v1/completions", CHAT | {"model": "/etc"}, 404, "model_not_found", "model"),        # a path: never read
+    ("/v1/completions", CHAT | {"model": "~nosuchuser"}, 404, "model_not_found", "model"),
     ("/v1/foreground", {"kind": "urgent"}, 400, None, "kind"),
     ("/v1/foreground", {"kind": None, "subject": "note-1"}, 400, None, "subject"),
 ])
@@ -563,6 +565,8 @@ def test_health_answers_without_the_key_and_models_have_details(server):
     assert client.models.retrieve("tiny").id == "tiny" and client.models.retrieve("all-MiniLM-L6-v2").owned_by
     error_of(server.get("/v1/models/no-such-model"), 404, code="model_not_found")
     error_of(server.get("/v1/models/org/no-such-model"), 404, code="model_not_found")
+    error_of(server.get("/v1/models//etc"), 404, code="model_not_found")
+    assert [m.id for m in client.models.list()][0] == CHAT_MODEL   # the scheduler's served ids first
 
 
 def test_a_model_being_converted_is_a_503_with_retry_after_not_a_silent_wait(monkeypatch):

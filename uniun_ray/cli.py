@@ -1,7 +1,7 @@
 """`uniun-ray`: start and stop a local head, look at the scheduler, and poke it.
 
     uniun-ray up [--port 6379] [--auth disabled|token] [--devices N] [--slots N|auto]
-                 [--engine transformers|vllm]
+                 [--engine transformers|vllm] [--chat-model ID] [--model ID=PATH]... [--hub-models]
                  [--no-http | --http-host H --http-port P] [-- more `ray start` args]
     uniun-ray down
     uniun-ray status [--json | --watch [--interval S]]
@@ -44,6 +44,13 @@ def _count(text: str) -> int:
     if not text.isdigit() or int(text) < 1:
         raise argparse.ArgumentTypeError(f"{text!r} is not a device count (an integer >= 1)")
     return int(text)
+
+
+def _model_entry(text: str) -> tuple[str, str]:
+    model_id, sep, folder = text.partition("=")
+    if not sep or not model_id.strip() or not folder.strip():
+        raise argparse.ArgumentTypeError(f"{text!r} is not ID=PATH (a model id, then the folder of its weights)")
+    return model_id.strip(), folder.strip()
 
 
 def _fail(message: str, code: int) -> int:
@@ -163,8 +170,9 @@ def _up(args) -> int:
         os.environ[ENGINE_ENV] = args.engine
     if args.slots:    # the scheduler's slots, and the batch an engine fixes at start (vLLM's max_num_seqs)
         os.environ[SLOTS_ENV] = args.slots
-    try:
-        config_from_env(args.chat_model, args.slots)   # a bad setting is refused before the head starts
+    models = dict(args.model or ())
+    try:   # a bad setting is refused before the head starts
+        config = config_from_env(args.chat_model, args.slots, models, args.hub_models)
     except ValueError as error:
         raise UsageError(str(error)) from error
     os.environ["RAY_AUTH_MODE"] = args.auth  # this process must speak the head's auth mode too
@@ -177,7 +185,7 @@ def _up(args) -> int:
         state.address = context.address_info.get("gcs_address") or state.address
         state.session_dir = context.address_info.get("session_dir")
         state.dashboard_url = f"http://{context.dashboard_url}" if context.dashboard_url else None
-        handles = start(config_from_env(args.chat_model, args.slots))
+        handles = start(config)
         event_log = ray.get(handles.scheduler.status.remote())["event_log"]
         print(f"active chat model: {handles.chat_model}")
         state.actors = _actor_names()
@@ -288,8 +296,15 @@ def _parser() -> argparse.ArgumentParser:
     up.add_argument("--devices", type=_count, default=1,
                     help="stand-in devices to declare on a machine without GPUs: a ModelActor each, "
                          "model:cpu0, model:cpu1, ... (default 1; GPUs, where there are, are the devices)")
-    up.add_argument("--chat-model", help="the active chat model every client's model_id=None means "
+    up.add_argument("--chat-model", help="the active chat model every client's model_id=None means: an id, or "
+                    "a folder of weights, then served under the folder's name "
                     "(default: UNIUN_CHAT_MODEL, else smollm2-135m-instruct)")
+    up.add_argument("--model", action="append", type=_model_entry, metavar="ID=PATH",
+                    help="serve the Hugging Face weights in folder PATH as model ID (repeatable); HTTP requests "
+                         "name models by id only, never by path")
+    up.add_argument("--hub-models", action="store_true",
+                    help="let HTTP requests name any Hugging Face repo id already in this machine's cache "
+                         "(default: only the embedded ids, --model ids and the chat model)")
     up.add_argument("--slots", help="jobs each device decodes together (continuous batching): a count, or "
                     "'auto' to measure per host and model at each load (default: UNIUN_SLOTS, else auto)")
     up.add_argument("--engine", choices=ENGINES, help="what runs each device's forward passes: transformers "

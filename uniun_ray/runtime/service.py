@@ -65,6 +65,8 @@ class RuntimeConfig:
     event_log: str | None = None      # JSONL path (default ~/.cache/uniun-ray/events.jsonl)
     event_log_max_bytes: int = 20 * 1024 * 1024
     chat_model: str = DEFAULT_CHAT_MODEL   # what `model_id=None` means, for every process alike
+    models: Mapping[str, str] = field(default_factory=dict)   # the operator's ids -> folders of weights
+    hub_models: bool = False          # HTTP requests may name any Hugging Face repo id cached on the device's host
     slots: int | None = None          # jobs a device decodes together (SPEC §6); None: auto, measured at each load
     grant_notice_s: float = 0.05      # the least time between two unconfirmed grant notices to a device (driver)
 
@@ -85,6 +87,10 @@ class RuntimeConfig:
         check_slot_count(self.slots)
         if not isinstance(self.chat_model, str) or not self.chat_model:
             raise ValueError(f"chat_model must be a model id, got {self.chat_model!r}")
+        if not isinstance(self.models, Mapping):
+            raise ValueError(f"models must map model ids to folders, got {self.models!r}")
+        if not isinstance(self.hub_models, bool):
+            raise ValueError(f"hub_models must be a bool, got {self.hub_models!r}")
         if self.event_log is not None and (not isinstance(self.event_log, (str, os.PathLike)) or not str(self.event_log)):
             raise ValueError(f"event_log must be a path (or None for the default), got {self.event_log!r}")
 
