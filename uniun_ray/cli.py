@@ -25,8 +25,9 @@ import logging
 import os
 import sys
 
+from . import engines
 from .policy import Kind
-from .models.requests.settings import ENGINE_ENV, ENGINES, SLOTS_ENV
+from .models.requests.settings import ENGINE_ENV, ENGINES, SLOTS_ENV, EngineSettings
 
 DEFAULT_PORT = 6379
 DEFAULT_DASHBOARD_PORT = 8265
@@ -171,10 +172,12 @@ def _up(args) -> int:
     if args.slots:    # the scheduler's slots, and the batch an engine fixes at start (vLLM's max_num_seqs)
         os.environ[SLOTS_ENV] = args.slots
     models = dict(args.model or ())
-    try:   # a bad setting is refused before the head starts
+    try:   # a bad setting is refused before the head starts, and so is an engine this host cannot run
         config = config_from_env(args.chat_model, args.slots, models, args.hub_models)
+        settings = EngineSettings.from_env()
     except ValueError as error:
         raise UsageError(str(error)) from error
+    engines.check(settings)
     os.environ["RAY_AUTH_MODE"] = args.auth  # this process must speak the head's auth mode too
     state = start_head(port=args.port, dashboard_host=args.dashboard_host, dashboard_port=args.dashboard_port,
                        auth_mode=args.auth, temp_dir=args.temp_dir, devices=args.devices, extra=args.ray_args)
@@ -392,7 +395,7 @@ def _report(error: Exception) -> int:
     cause = error_cause(error)  # a RayTaskError carries the remote exception
     if isinstance(cause, ValueError):  # bad input: unknown kind or model, prompt too long...
         return _fail(str(cause), 2)
-    if isinstance(cause, (NoCluster, HeadError)):
+    if isinstance(cause, (NoCluster, HeadError, engines.EngineUnavailable)):
         return _fail(str(cause), 1)
     if isinstance(error, RayError) or isinstance(cause, (UniunError, ConnectionError, TimeoutError)):
         return _fail(error_text(error), 1)

@@ -17,6 +17,7 @@ from typing import Mapping
 import ray
 
 from . import placement
+from .. import engines
 from .actors import ModelFleet, RemoteEmbedder, RemoteScheduler, embedder_options, scheduler_options
 from .head import stand_in_resources, worker_niceness
 from .protocol import EMBEDDER_NAME, NAMESPACE, SCHEDULER_NAME, UniunError, model_actor_name
@@ -193,6 +194,7 @@ def start(config: RuntimeConfig | None = None, *, models: Mapping[str, str] | No
     declares (`placement`); an actor whose seat is taken is refused at once, naming the
     resource, rather than left waiting for ever."""
     settings = EngineSettings.from_env()   # bad UNIUN_* settings fail here, clearly, before any actor
+    engines.check(settings)                # and an engine this host cannot run (EngineUnavailable)
     config = config or config_from_env()
     config = served_by_id(replace(config, models={**config.models, **(models or {})},
                                   hub_models=config.hub_models if hub_models is None else hub_models))

@@ -31,7 +31,7 @@ from ..policy import Dispatch, Job, Outcome, PolicyConfig, Requeued, Revoke, Rev
 from .driver import Device, DeviceDriver, EpochClock
 from ..events.log import EventLog
 from .leases import LeaseTable, Tracked
-from .protocol import DeviceGone, DeviceLost, JobDropped, Lease, Preempted
+from .protocol import DeviceGone, DeviceLost, JobDropped, Lease, ModelUnavailable, Preempted, UniunError
 from .reaper import Reaper
 
 __all__ = ["Device", "RuntimeConfig", "SchedulerService"]
@@ -94,6 +94,18 @@ class RuntimeConfig:
         if self.event_log is not None and (not isinstance(self.event_log, (str, os.PathLike)) or not str(self.event_log)):
             raise ValueError(f"event_log must be a path (or None for the default), got {self.event_log!r}")
 
+
+
+def _unloadable(error: Exception, dispatch: Dispatch) -> Exception:
+    """A failed load as the job's caller gets it: bad input (an unknown model: ValueError) and
+    the runtime's own errors as they are; anything else means the model cannot run on that
+    device (ModelUnavailable), with the cause's first line (a Ray task error's carries its
+    traceback after it)."""
+    if isinstance(error, (ValueError, UniunError)):
+        return error
+    cause = str(getattr(error, "cause", None) or error).strip()
+    return ModelUnavailable(f"model {dispatch.model_id!r} cannot run on device {dispatch.device}: "
+                            f"{cause.splitlines()[0] if cause else type(error).__name__}")
 
 
 class SchedulerService:
@@ -324,7 +336,7 @@ class SchedulerService:
                 self._lose_device(tracked, device, f"device lost while preparing: {error}")
                 return
             self._apply(self.policy.set_loaded_model(None, self._now(), device=device))
-            self._fail(tracked, error)
+            self._fail(tracked, _unloadable(error, dispatch))
             return
         if self.drivers.get(device) is not driver:
             return
