@@ -31,7 +31,7 @@ from uniun_ray.runtime.protocol import (EMBEDDER_NAME, NAMESPACE, JobDropped, Le
                                         SchedulerUnavailable, UnknownJob)
 from uniun_ray.runtime.service import RuntimeConfig, SchedulerService
 
-from conftest import FakeDevice, lease_of, spec
+from conftest import FakeDevice, ManualClock, lease_of, spec
 from waits import started
 
 ROOT = Path(__file__).parent.parent
@@ -248,9 +248,18 @@ def test_embedding_actor_killed_mid_embed_is_retried(live_runtime):
 FAST = dict(lease_timeout_s=0.3, waiter_timeout_s=0.3, reap_period_s=0.05)
 
 
-def service(tmp_path, device=None, **config) -> SchedulerService:
+def service(tmp_path, device=None, clock=None, **config) -> SchedulerService:
     return SchedulerService(device or FakeDevice(), RuntimeConfig(**(FAST | config),
-                                                                  event_log=str(tmp_path / "events.jsonl")))
+                                                                  event_log=str(tmp_path / "events.jsonl")), clock=clock)
+
+
+async def drive(clock: ManualClock, *running: asyncio.Future, step_s: float = 0.05) -> None:
+    """Move the clock on by `step_s` at a time (letting the workers' own turns run between)
+    until every one of `running` is done: the loads on it end, the workers' work goes on."""
+    while not all(future.done() for future in running):
+        await clock.advance(step_s)
+        await asyncio.sleep(0.001)
+    await asyncio.gather(*running)
 
 
 async def assert_settled(s: SchedulerService) -> list[dict]:
@@ -287,14 +296,17 @@ async def worker(s: SchedulerService, job_id: str, hold_s: float = 0.02, slices:
 
 def test_revoke_during_a_model_load_then_state_is_consistent(tmp_path):
     async def go():
-        dev = FakeDevice(load_s=0.2)
-        s = service(tmp_path, dev)
+        clock = ManualClock()
+        dev = FakeDevice(load_s=0.2, clock=clock)
+        s = service(tmp_path, dev, clock, lease_timeout_s=60, waiter_timeout_s=60)
         await s.submit(spec("g", "gana", model="y"))
         gana = asyncio.ensure_future(worker(s, "g"))
-        await asyncio.sleep(0.05)                        # g's model is loading
+        await clock.advance(0.05)                        # g's model is loading
         await s.submit(spec("c", "chat", model="m"))     # revokes g mid-load
-        assert await worker(s, "c") == 0
-        assert await gana == 0                            # never ran on the stale grant: no revoke seen
+        chat = asyncio.ensure_future(worker(s, "c"))
+        await drive(clock, chat, gana)
+        assert chat.result() == 0
+        assert gana.result() == 0                         # never ran on the stale grant: no revoke seen
         assert dev.loads == ["y", "m", "y"]
         return await assert_settled(s)
     events = asyncio.run(asyncio.wait_for(go(), 10))
@@ -322,10 +334,11 @@ def test_release_after_revoke_ends_the_job_once(tmp_path):
 
 def test_release_after_a_reclaim_is_refused_and_changes_nothing(tmp_path):
     async def go():
-        s = service(tmp_path)
+        clock = ManualClock()
+        s = service(tmp_path, clock=clock)
         await s.submit(spec("n", "nataraj"))
         lease = await lease_of(s, "n")
-        await asyncio.sleep(0.6)                          # the holder stalls past the lease timeout
+        await clock.advance(0.6)                          # the holder stalls past the lease timeout
         with pytest.raises(JobDropped, match="lease reclaimed"):
             await s.release("n", lease.epoch, "done")
         return await assert_settled(s)
@@ -423,15 +436,17 @@ def test_deadline_passing_during_a_swap_revokes_the_loading_job(tmp_path, due_mo
     from uniun_ray.policy import PolicyConfig
 
     async def go():
-        dev = FakeDevice(load_s=0.3)
-        s = service(tmp_path, dev, lease_timeout_s=5, waiter_timeout_s=5,
+        clock = ManualClock()
+        dev = FakeDevice(load_s=0.3, clock=clock)
+        s = service(tmp_path, dev, clock, lease_timeout_s=60, waiter_timeout_s=60,
                     policy=PolicyConfig(max_affinity_wait_s=0))
         await s.submit(spec("n", "nataraj", model="y"))
         card = asyncio.ensure_future(worker(s, "n"))
-        await asyncio.sleep(0.05)                                     # loading y
-        await s.submit(spec("g", "gana", model=due_model, deadline=time.time() + 0.1))
+        await clock.advance(0.05)                                     # loading y
+        await s.submit(spec("g", "gana", model=due_model, deadline=clock.time() + 0.1))
         due = asyncio.ensure_future(worker(s, "g"))
-        assert await due == 0 and await card == 0
+        await drive(clock, due, card)
+        assert due.result() == 0 and card.result() == 0
         return dev, await assert_settled(s)
     dev, events = asyncio.run(asyncio.wait_for(go(), 10))
     assert dev.loads == loads

@@ -21,13 +21,13 @@ from __future__ import annotations
 import asyncio
 import math
 import os
-import time
 from dataclasses import dataclass, field
 from typing import Mapping
 
 from ..models.requests.registry import DEFAULT_CHAT_MODEL
 from ..models.requests.settings import check_slot_count
 from ..policy import Dispatch, Job, Outcome, PolicyConfig, Requeued, Revoke, RevokeCause, SchedulerPolicy
+from .clock import Clock
 from .driver import Device, DeviceDriver, EpochClock
 from ..events.log import EventLog
 from .leases import LeaseTable, Tracked
@@ -110,20 +110,22 @@ def _unloadable(error: Exception, dispatch: Dispatch) -> Exception:
 
 class SchedulerService:
     def __init__(self, devices: Device | Mapping[str, Device], config: RuntimeConfig | None = None,
-                 metrics=None) -> None:
+                 metrics=None, clock: Clock | None = None) -> None:
         """`devices`: the pool, device name -> device (in the order ties go by), or one
-        device, then named LONE_DEVICE."""
+        device, then named LONE_DEVICE. `clock`: the time it reads and its timers wait on
+        (real time; a test passes one it moves by hand)."""
         named = dict(devices) if isinstance(devices, Mapping) else {LONE_DEVICE: devices}
         self.config = config or RuntimeConfig()
+        self.clock = clock or Clock()
         self.policy = SchedulerPolicy(self.config.policy, devices=tuple(named), slots=self.config.slots or 1)
-        self.leases = LeaseTable(self.config.max_queued)
+        self.leases = LeaseTable(self.config.max_queued, self.clock.monotonic)
         self._epochs = EpochClock()   # one for the pool: a lease's (job, epoch) names one grant
         self.drivers = {name: self._driver(device) for name, device in named.items()}
         self.reaper = Reaper(self.config.reap_period_s, self.policy.next_wakeup, self._tick,
                              lambda mono: self.leases.idle(mono, self.config.waiter_timeout_s,
                                                            self.config.lease_timeout_s),
-                             self._withdraw, self._refresh_metrics)
-        self._clock = 0.0
+                             self._withdraw, self._refresh_metrics, self.clock)
+        self._last_now = 0.0
         self.events = EventLog(self.config.event_log, self.config.event_log_max_bytes)
         # optional sink beside the log (runtime.metrics.SchedulerMetrics): write(event) for
         # every event, refresh(snapshot_fn) from the timer
@@ -192,7 +194,7 @@ class SchedulerService:
         heartbeat ignores the answer; `LeaseLoop.still_held` reads it to tell a revoke from a
         device that restarted. A holder whose work no device fences would stop on False."""
         tracked = self.leases.holder(job_id, epoch)
-        tracked.last_seen = time.monotonic()
+        tracked.last_seen = self.clock.monotonic()
         return not tracked.revoke_requested
 
     async def report_first_token(self, job_id: str, epoch: int) -> None:
@@ -454,8 +456,8 @@ class SchedulerService:
     # -- time ---------------------------------------------------------------------------
     def _now(self) -> float:
         """Wall-clock epoch seconds (deadlines are time.time()), never going backwards."""
-        self._clock = max(self._clock, time.time())
-        return self._clock
+        self._last_now = max(self._last_now, self.clock.time())
+        return self._last_now
 
     def _keep_running(self) -> None:
         """Start the timers that a call needs running (the reaper; a subclass adds its own)."""
