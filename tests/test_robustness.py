@@ -677,30 +677,59 @@ TIMES = st.one_of(st.none(), st.floats(allow_nan=True, allow_infinity=True), st.
                   st.just(time.time() + 60), JUNK)
 
 
-@given(kind=KINDS, prompt=PROMPTS, messages=MESSAGES, model_id=st.one_of(st.none(), st.just("tiny"), JUNK),
-       producer=st.one_of(st.none(), st.just("gana:1"), JUNK), deadline=TIMES,
-       foreground_hint=st.one_of(st.booleans(), JUNK), subject=st.one_of(st.none(), st.just("note-1"), JUNK),
-       max_new_tokens=st.one_of(st.integers(-5, 5000), JUNK),
-       temperature=st.one_of(st.none(), st.floats(-1, 2), st.just(float("nan")), JUNK),
-       sampling=st.fixed_dictionaries({}, optional={
-           "top_p": st.one_of(st.floats(-0.5, 1.5), st.just(float("nan")), JUNK),
-           "top_k": st.one_of(st.integers(-3, 100), JUNK),
-           "repetition_penalty": st.one_of(st.floats(-1, 3), st.just(float("inf")), JUNK),
-           "stop": st.one_of(st.text(max_size=3), st.lists(st.text(max_size=3), max_size=3), JUNK),
-           "seed": st.one_of(st.integers(-2, 2**40), JUNK)}))
-@settings(max_examples=500, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-def test_fuzz_client_validation_accepts_only_valid_jobs(kind, prompt, messages, model_id, producer, deadline,
-                                                        foreground_hint, subject, max_new_tokens, temperature,
-                                                        sampling):
+#: Any value for each field, mostly not one astream takes: a job drawn from these is refused.
+ANY_JOB = st.fixed_dictionaries({
+    "kind": KINDS, "prompt": PROMPTS, "messages": MESSAGES, "model_id": st.one_of(st.none(), st.just("tiny"), JUNK),
+    "producer": st.one_of(st.none(), st.just("gana:1"), JUNK), "deadline": TIMES,
+    "foreground_hint": st.one_of(st.booleans(), JUNK), "subject": st.one_of(st.none(), st.just("note-1"), JUNK),
+    "max_new_tokens": st.one_of(st.integers(-5, 5000), JUNK),
+    "temperature": st.one_of(st.none(), st.floats(-1, 2), st.just(float("nan")), JUNK)}, optional={
+    "top_p": st.one_of(st.floats(-0.5, 1.5), st.just(float("nan")), JUNK),
+    "top_k": st.one_of(st.integers(-3, 100), JUNK),
+    "repetition_penalty": st.one_of(st.floats(-1, 3), st.just(float("inf")), JUNK),
+    "stop": st.one_of(st.text(max_size=3), st.lists(st.text(max_size=3), max_size=3), JUNK),
+    "seed": st.one_of(st.integers(-2, 2**40), JUNK)})
+WORDS = st.text(min_size=1, max_size=40).filter(str.strip)
+#: A value astream takes for each field: a prompt or messages (exactly one), the rest valid or left out.
+VALID_JOB = st.fixed_dictionaries({
+    "kind": st.one_of(st.sampled_from(["chat", "nataraj", "gana", "extract"]), st.sampled_from(list(Kind))),
+    "model_id": st.sampled_from([None, "tiny", "gemma-3-270m"]),
+    "producer": st.one_of(st.none(), WORDS), "deadline": st.one_of(st.none(), st.just(time.time() + 60)),
+    "foreground_hint": st.booleans(), "subject": st.one_of(st.none(), WORDS),
+    "max_new_tokens": st.integers(1, 5000), "temperature": st.one_of(st.none(), st.floats(0, 2))}, optional={
+    "top_p": st.floats(0.01, 1), "top_k": st.integers(0, 100), "repetition_penalty": st.floats(0.1, 3),
+    "stop": st.one_of(st.text(min_size=1, max_size=3), st.lists(st.text(min_size=1, max_size=3), max_size=3)),
+    "seed": st.integers(0, 2**40)}).flatmap(lambda job: st.one_of(
+        st.builds(lambda prompt: job | {"prompt": prompt, "messages": None}, WORDS),
+        st.builds(lambda messages: job | {"prompt": None, "messages": messages},
+                  st.lists(st.fixed_dictionaries({"role": st.sampled_from(["user", "system"]), "content": WORDS}),
+                           min_size=1, max_size=2))))
+#: Valid jobs at least a third of the time (a draw from ANY_JOB is almost never one: 0 of 500).
+JOBS = st.one_of(VALID_JOB, ANY_JOB)
+
+
+def test_fuzz_client_validation_accepts_only_valid_jobs():
     """`astream` validates everything before anything runs (no Ray here): it either raises
-    a ValueError with a message, or returns a stream whose job and request are sound."""
+    a ValueError with a message, or returns a stream whose job and request are sound. The
+    checks after a valid job run for at least a third of the examples (counted)."""
+    accepted = []
+
+    @given(job=JOBS)
+    @settings(max_examples=500, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+    def check(job):
+        accepted.append(_validated(dict(job)))
+    check()
+    assert sum(accepted) >= len(accepted) / 3, f"{sum(accepted)} of {len(accepted)} examples were valid jobs"
+
+
+def _validated(job: dict) -> bool:
+    """Whether astream took `job`; when it did, that its job and request are sound."""
+    kind, prompt = job.pop("kind"), job.pop("prompt")
     try:
-        stream = client.astream(kind, prompt, messages=messages, model_id=model_id, producer=producer,
-                                deadline=deadline, foreground_hint=foreground_hint, subject=subject,
-                                max_new_tokens=max_new_tokens, temperature=temperature, **sampling)
+        stream = client.astream(kind, prompt, **job)
     except ValueError as error:
         assert str(error).strip()
-        return
+        return False
     spec, request = stream.job, stream.request
     assert spec.kind in {k.value for k in Kind}
     assert isinstance(spec.model_id, str) and spec.model_id
@@ -719,6 +748,7 @@ def test_fuzz_client_validation_accepts_only_valid_jobs(kind, prompt, messages, 
         assert len(request.prompt) <= client.MAX_PROMPT_CHARS
     else:
         assert isinstance(request.messages, list) and request.messages
+    return True
 
 
 @pytest.mark.parametrize("call, error", [
