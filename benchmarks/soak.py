@@ -108,25 +108,26 @@ class Load:
                                  self.every(EMBED_EVERY_S, embed), *(nataraj(i) for i in range(NATARAJ_STREAMS)))
 
 
-def processes() -> dict[str, int]:
-    """The runtime's processes (name -> pid) from Ray's actor table, the ones this soak follows;
-    Serve's by their role (their names carry ids)."""
+def processes(dashboard: str) -> dict[str, int]:
+    """The runtime's processes (name -> pid) from the actor table of this soak's Ray (its
+    dashboard: others may run on the host), the ones it follows; Serve's by their role (their
+    names carry ids)."""
     from ray.util.state import list_actors
 
     found = {}
-    for actor in list_actors(filters=[("state", "=", "ALIVE")], limit=1000):
+    for actor in list_actors(address=dashboard, filters=[("state", "=", "ALIVE")], limit=1000):
         if actor.class_name.startswith(FOLLOWED) and actor.pid:
             serve = {"ServeReplica": "serve replica", "ProxyActor": "serve proxy"}
             found[next((v for k, v in serve.items() if actor.class_name.startswith(k)), actor.name)] = actor.pid
     return found
 
 
-async def sample(url: str, started: float) -> dict:
+async def sample(url: str, dashboard: str, started: float) -> dict:
     async with aiohttp.ClientSession() as session:
         async with session.get(url + "/v1/status") as response:
             status = await response.json()
     rss = {}
-    for name, pid in (await asyncio.to_thread(processes)).items():   # asked anew: an actor may start late
+    for name, pid in (await asyncio.to_thread(processes, dashboard)).items():   # asked anew: an actor may start late
         try:
             rss[name] = round(psutil.Process(pid).memory_info().rss / 2**20, 1)
         except psutil.NoSuchProcess:
@@ -137,17 +138,17 @@ async def sample(url: str, started: float) -> dict:
     return {"t": round(time.time() - started, 1), "rss_mb": rss, "kv": kv}
 
 
-async def soak(url: str, seconds: float, every_s: float) -> tuple[list[dict], dict]:
+async def soak(url: str, dashboard: str, seconds: float, every_s: float) -> tuple[list[dict], dict]:
     started = time.time()
     load = Load(url, started + seconds)
     clients = asyncio.ensure_future(load.run())
     samples = []
     while not clients.done():
-        samples.append(await sample(url, started))
+        samples.append(await sample(url, dashboard, started))
         print(f"t={samples[-1]['t']:.0f}s rss={samples[-1]['rss_mb']} kv={samples[-1]['kv']}", flush=True)
         await asyncio.wait({clients}, timeout=every_s)
     await clients
-    samples.append(await sample(url, started))
+    samples.append(await sample(url, dashboard, started))
     return samples, load.answers
 
 
@@ -200,7 +201,7 @@ def main() -> None:
     budget = args.kv_cache_mb or ("48" if args.quick else None)
     if budget is not None:
         os.environ["UNIUN_KV_CACHE_MB"] = budget
-    with local_cluster(dashboard=True):   # the dashboard's state API lists the actors' pids
+    with local_cluster(dashboard=True) as context:   # the dashboard's state API lists the actors' pids
         from ray import serve
 
         from uniun_ray.http import deploy
@@ -208,7 +209,7 @@ def main() -> None:
         start()
         url = deploy(port=free_port())
         try:
-            samples, answers = asyncio.run(soak(url, 60 * minutes, every))
+            samples, answers = asyncio.run(soak(url, f"http://{context.dashboard_url}", 60 * minutes, every))
         finally:
             serve.shutdown()
     record(samples, answers, minutes, args.quick)
