@@ -159,7 +159,7 @@ async def _prepared(model_id: str | None) -> bool:
 
 async def require_ready(model_id: str | None) -> None:
     """503 with Retry-After while the model's weights are being converted (its first use);
-    404 for a model nothing resolves. `model_id` None: the active chat model."""
+    404 for a model not served here (`require_served`). `model_id` None: the active chat model."""
     model_id = model_id or _active_chat_model()
     if model_id in _READY:
         return
