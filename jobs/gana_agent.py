@@ -11,9 +11,12 @@ agent's model unless told otherwise), and the scheduler puts them first (T0) whi
 jobs wait in the fair pool.
 
 The model: any whose chat template takes tools (Qwen2.5-Instruct, Llama-3.1-Instruct,
-Mistral-7B-Instruct-v0.3: a local folder or a cached Hugging Face id). No embedded model takes
-tools, so by default it runs on `tiny` with a hermes template (`tool_templates`), which calls
-no tool by itself: its first step is forced (`tool_choice: required`), the rest are its own.
+Mistral-7B-Instruct-v0.3), by the id the endpoint serves it under (`uniun-ray up --model
+ID=PATH`, UNIUN_MODELS, or a cached Hugging Face id with `--hub-models`). No embedded model takes
+tools, so by default it runs on `tiny` with a hermes template (`tool_templates`), served as
+`tiny-hermes` (where the script starts the runtime; a running one must have it configured),
+which calls no tool by itself: its first step is forced (`tool_choice: required`), the rest are
+its own.
 Without `--url` the script serves the endpoint itself on a free port (and stops it at the end).
 
 See jobs/README.md for running it under `ray job submit`.
@@ -102,12 +105,17 @@ def chats(client, model: str, turns: int, ttfts: list[float]) -> None:
         time.sleep(0.5)
 
 
-def default_model() -> str:
-    """`tiny` with a hermes tools template, in a folder of its own."""
+#: The id the endpoint serves the default model under (HTTP names models by id, never by path).
+DEFAULT_MODEL = "tiny-hermes"
+
+
+def default_models() -> dict[str, str]:
+    """`tiny` with a hermes tools template, in a folder of its own, as the operator would serve it."""
     from uniun_ray.models import materialize, resolve
     from uniun_ray.models.requests.tool_templates import with_tools
 
-    return str(with_tools(materialize(resolve("tiny")), Path(tempfile.gettempdir()) / "uniun-tiny-hermes"))
+    folder = with_tools(materialize(resolve("tiny")), Path(tempfile.gettempdir()) / "uniun-tiny-hermes")
+    return {DEFAULT_MODEL: str(folder)}
 
 
 def serve_endpoint() -> str:
@@ -137,8 +145,8 @@ def main(argv: list[str] | None = None) -> None:
 
     from openai import OpenAI
 
-    session(args)
-    model = args.model or default_model()
+    session(args, None if args.model else default_models())
+    model = args.model or DEFAULT_MODEL
     url = args.url or serve_endpoint()
     client = OpenAI(base_url=url.rstrip("/") + "/v1", api_key=args.api_key, max_retries=5, timeout=600)
     ttfts: list[float] = []

@@ -74,16 +74,23 @@ def runtime_config():
                          max_queued=MAX_QUEUED, slots=1)
 
 
+#: The id requests name for `tiny` with a hermes tools template, served as the operator configures it.
+TOOL_MODEL = "tiny-hermes"
+
+
 @pytest.fixture(scope="module")
-def server(ray_cluster):
+def server(ray_cluster, tmp_path_factory):
     from conftest import reset_uniun_actors
     from ray import serve
+    from tool_models import tool_model
 
     from uniun_ray.http import deploy
+    from uniun_ray.models import materialize, resolve
     from uniun_ray.runtime.launch import start
 
     reset_uniun_actors(ray_cluster)   # a scheduler of this module's configuration
-    start(runtime_config())
+    folder = tool_model(materialize(resolve("tiny")), tmp_path_factory.mktemp("tools") / "hermes", "hermes")
+    start(runtime_config(), models={TOOL_MODEL: str(folder)})
     port = free_port()
     url = deploy(port=port, api_key=KEY)
     assert url == f"http://127.0.0.1:{port}"
@@ -265,7 +272,9 @@ MESSAGES = {"model": CHAT_MODEL, "messages": [{"role": "user", "content": "hi"}]
     ("/v1/embeddings", {"input": "x", "model": "text-embedding-3-small"}, 404, "model_not_found", "model"),
     ("/v1/embeddings", {"input": [1, "a"]}, 400, None, None),
     ("/v1/embeddings", {"input": [[]]}, 400, None, "input[0]"),
-    ("/v1/embeddings", {"input": [100300]}, 400, None, "input"),                          # not a cl100k token
+    ("/v1/embeddings", {"input": [100300]}, 400, None, "input[0]"),                       # not a cl100k token
+    ("/v1/completions", CHAT | {"model": "/etc"}, 404, "model_not_found", "model"),        # a path: never read
+    ("/v1/completions", CHAT | {"model": "~nosuchuser"}, 404, "model_not_found", "model"),
     ("/v1/foreground", {"kind": "urgent"}, 400, None, "kind"),
     ("/v1/foreground", {"kind": None, "subject": "note-1"}, 400, None, "subject"),
 ])
@@ -520,12 +529,9 @@ def test_a_tool_conversation_renders_where_the_template_can_and_tools_are_refuse
 
 # -- tool calls (issue 38): `tiny` with a hermes template, calls forced or free ------------------------
 @pytest.fixture(scope="module")
-def tool_model_id(tmp_path_factory) -> str:
-    """The id requests name for `tiny` with a hermes tools template (a local folder)."""
-    from tool_models import tool_model
-
-    from uniun_ray.models import materialize, resolve
-    return str(tool_model(materialize(resolve("tiny")), tmp_path_factory.mktemp("tools") / "hermes", "hermes"))
+def tool_model_id(server) -> str:
+    """The id requests name for `tiny` with a hermes tools template (served by the operator's configuration)."""
+    return TOOL_MODEL
 
 
 def test_openai_sdk_forced_calls_come_back_as_tool_calls_whole_and_streamed(server, tool_model_id):
@@ -657,6 +663,8 @@ def test_health_answers_without_the_key_and_models_have_details(server):
     assert client.models.retrieve("tiny").id == "tiny" and client.models.retrieve("all-MiniLM-L6-v2").owned_by
     error_of(server.get("/v1/models/no-such-model"), 404, code="model_not_found")
     error_of(server.get("/v1/models/org/no-such-model"), 404, code="model_not_found")
+    error_of(server.get("/v1/models//etc"), 404, code="model_not_found")
+    assert [m.id for m in client.models.list()][0] == CHAT_MODEL   # the scheduler's served ids first
 
 
 def test_a_model_being_converted_is_a_503_with_retry_after_not_a_silent_wait(monkeypatch):

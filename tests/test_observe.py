@@ -9,7 +9,7 @@ import re
 import time
 
 from rich.console import Console
-from conftest import FakeDevice, lease_of, spec
+from conftest import FakeDevice, ManualClock, lease_of, spec
 
 from uniun_ray.observe.explain import explain, replayable
 from uniun_ray.observe.statusview import render
@@ -189,11 +189,12 @@ def test_the_scheduler_feeds_its_metrics_sink_every_logged_event(tmp_path):
     sink = Sink()
 
     async def go():
+        clock = ManualClock()
         s = SchedulerService(FakeDevice(), RuntimeConfig(event_log=str(tmp_path / "ev.jsonl"), reap_period_s=0.02),
-                             metrics=sink)
+                             metrics=sink, clock=clock)
         await s.submit(spec("n", "nataraj"))
         lease = await lease_of(s, "n")
-        await asyncio.sleep(0.1)  # the timer refreshes the gauges
+        await clock.advance(0.1)  # the timer refreshes the gauges
         await s.release("n", lease.epoch, "done")
     asyncio.run(asyncio.wait_for(go(), 10))
     assert sink.events == read(tmp_path / "ev.jsonl")
@@ -206,8 +207,9 @@ def test_revoke_events_carry_the_policys_cause_and_finish_says_requeued(tmp_path
     from uniun_ray.events.log import read
 
     async def go():
+        clock = ManualClock()
         s = SchedulerService(FakeDevice(), RuntimeConfig(event_log=str(tmp_path / "ev.jsonl"), lease_timeout_s=0.3,
-                                                         waiter_timeout_s=5.0, reap_period_s=0.05))
+                                                         waiter_timeout_s=5.0, reap_period_s=0.05), clock=clock)
         await s.submit(spec("n", "nataraj"))
         n = await lease_of(s, "n")
         await s.submit(spec("c", "chat"))                        # arrival
@@ -218,8 +220,8 @@ def test_revoke_events_carry_the_policys_cause_and_finish_says_requeued(tmp_path
         await s.cancel("n")                                      # cancel
         await s.submit(spec("g", "gana"))
         await lease_of(s, "g")                                   # never renewed: reclaim
-        while s.leases.jobs:
-            await asyncio.sleep(0.05)
+        await clock.advance(0.35)
+        assert not s.leases.jobs
     asyncio.run(asyncio.wait_for(go(), 10))
     events = read(tmp_path / "ev.jsonl")
     assert [(e["job"], e["cause"]) for e in events if e["ev"] == "revoke"] == \

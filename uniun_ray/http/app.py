@@ -116,6 +116,33 @@ async def scheduler_answers() -> bool:
     return True
 
 
+async def served_models() -> dict:
+    """What requests may name beside the embedded ids: the scheduler's `served_models` (the
+    active chat model, the operator's ids, whether cached hub ids are served). 503 without it."""
+    import ray
+
+    from ..runtime.protocol import NAMESPACE, SCHEDULER_NAME
+    require_scheduler()
+    try:
+        return await ray.get_actor(SCHEDULER_NAME, namespace=NAMESPACE).served_models.remote()
+    except Exception as error:
+        raise from_client(error) from error
+
+
+async def require_served(model_id: str) -> None:
+    """404 for a model the operator does not serve, before anything reads a path or a cache
+    for it: a request names an id, never a folder of the server's disk."""
+    from ..models.requests.registry import check_served, known_ids
+
+    if model_id in known_ids():
+        return
+    served = await served_models()
+    try:
+        check_served(model_id, served["ids"], served["hub"])
+    except ValueError as error:
+        raise from_client(error) from error
+
+
 #: Models this process found ready: they stay so (a conversion is never undone).
 _READY: set[str] = set()
 #: The question to the device about a model, while it is out: a burst of requests asks once.
@@ -132,10 +159,12 @@ async def _prepared(model_id: str | None) -> bool:
 
 async def require_ready(model_id: str | None) -> None:
     """503 with Retry-After while the model's weights are being converted (its first use);
-    404 for a model nothing resolves. `model_id` None: the active chat model."""
+    404 for a model not served here (`require_served`). `model_id` None: the active chat model."""
     model_id = model_id or _active_chat_model()
     if model_id in _READY:
         return
+    if model_id is not None:
+        await require_served(model_id)
     try:
         ready = await _prepared(model_id)
     except Exception as error:
@@ -326,16 +355,12 @@ def create_app(api_key: str | None = None) -> FastAPI:
 
     @app.get("/v1/models", responses=openapi.ERRORS)
     async def models():
-        return {"object": "list", "data": [_model(i) for i in _model_ids()]}
+        return {"object": "list", "data": [_model(i) for i in await _model_ids()]}
 
     @app.get("/v1/models/{model_id:path}", responses=openapi.ERRORS)
     async def model(model_id: str):
-        if model_id not in _model_ids():
-            from ..models.requests.registry import resolve
-            try:
-                resolve(model_id)
-            except Exception as error:
-                raise from_client(error) from error
+        if model_id != EMBEDDING_MODEL:
+            await require_served(model_id)
         return _model(model_id)
 
     @app.get("/health", responses=openapi.HEALTH)
@@ -391,15 +416,16 @@ def _model(model_id: str) -> dict:
     return {"id": model_id, "object": "model", "created": 0, "owned_by": OWNER}
 
 
-def _model_ids() -> list[str]:
-    """The registry's ids (the active chat model first if it is another) and the embedding model."""
+async def _model_ids() -> list[str]:
+    """The ids served (the active chat model and the operator's first, where a scheduler runs),
+    the embedded ones and the embedding model: ids only, never a folder."""
     from ..models.requests.registry import known_ids
 
-    ids = list(known_ids())
-    active = _active_chat_model()
-    if active and active not in ids:
-        ids.insert(0, active)
-    return ids + [EMBEDDING_MODEL]
+    try:
+        served = (await served_models())["ids"]
+    except APIError:   # no scheduler: the embedded ids are still what would be served
+        served = []
+    return list(dict.fromkeys([*served, *known_ids(), EMBEDDING_MODEL]))
 
 
 @functools.lru_cache(maxsize=1)
@@ -412,11 +438,9 @@ def _cl100k():
 
 def _cl100k_text(ids: list[int]) -> str:
     """Token ids of cl100k_base as the text they encode: what clients that tokenize for OpenAI's
-    embedding models send (langchain's OpenAIEmbeddings does by default)."""
-    try:
-        return _cl100k().decode(ids)
-    except (KeyError, ValueError, OverflowError) as error:
-        raise bad_request(f"input holds ids that are not tokens of cl100k_base: {error}", param="input") from None
+    embedding models send (langchain's OpenAIEmbeddings does by default). The body's schema
+    admits its ordinary tokens only (`schemas.CL100K_LAST`), each of which decodes."""
+    return _cl100k().decode(ids)
 
 
 def _active_chat_model() -> str | None:

@@ -24,7 +24,7 @@ from collections import deque
 from dataclasses import asdict
 
 from .. import engines
-from ..models.requests.registry import prepared, resolve
+from ..models.requests.registry import configure, prepared, resolve
 from ..models.requests.request import GenerateRequest
 from ..models.requests.settings import MAX_SLOTS, EngineSettings
 from ..models.requests.vocabulary import tool_call_format
@@ -52,8 +52,10 @@ class ModelActor:
     (`uniun-ray up --devices N` on a CPU machine) share its cores: 1/N each at most, so that
     two devices running at once do not fight over every core."""
 
-    def __init__(self, device: str = "cpu", settings: EngineSettings | None = None) -> None:
+    def __init__(self, device: str = "cpu", settings: EngineSettings | None = None,
+                 models: dict[str, str] | None = None) -> None:
         settings = settings or EngineSettings()
+        configure(models or {})   # the operator's ids (`uniun-ray up --model ID=PATH`) resolve here too
         budget = None
         if device == "cpu" and DEVICE_RESOURCE in assigned_resources():
             budget = max(1, settings.resolved_threads() // stand_ins_here())
