@@ -9,9 +9,10 @@
 - swap time per model and kind (load into the ModelActor from another resident model, cache warm:
   the first of each cold, then a switch to the model kept beside the other; `--swaps-only`: SmolLM2
   <-> Gemma, also as warm copies with co-residency off, issue 37);
-- revoke-to-stop latency (chat arrives while Nataraj generates on smollm2: from the
-  ModelActor's revoke to the generation's end);
-- chat TTFT with the device idle vs while Nataraj generates (smollm2, submit to first piece);
+- revoke-to-stop latency (chat arrives while Natarajes fill every slot of the device on smollm2,
+  so that R22 revokes one: from the ModelActor's revoke to the generation's end; with free
+  slots a chat joins beside them and nothing is revoked);
+- chat TTFT with the device idle vs while Natarajes fill its slots (smollm2, submit to first piece);
 - embedding throughput with one caller vs two (the actor's max_concurrency=2);
 - with --control-only: the control-plane cost per job (submit + grant + release, `run` with
   empty work) next to a bare actor call, and the request check before queueing;
@@ -33,7 +34,7 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
 from record import Record  # noqa: E402
 
-from uniun_ray.client import agenerate, arun, astream, await_generating  # noqa: E402
+from uniun_ray.client import agenerate, arun, astatus, astream, await_generating  # noqa: E402
 from uniun_ray.runtime.launch import local_cluster, start  # noqa: E402
 from uniun_ray.runtime.releases import RELEASES  # noqa: E402
 
@@ -139,15 +140,19 @@ async def measure(h, repeat: int, models: tuple[str, ...]) -> dict:
 
     await agenerate("chat", "warm up", max_new_tokens=2)
     idle = [(await agenerate("chat", "Say hello.", max_new_tokens=8)).ttft_s for _ in range(repeat)]
+    slots = (await astatus())["devices"][0]["slots"]     # the chat model's, as the device chose them
     busy = []
     for _ in range(repeat):
-        card = asyncio.ensure_future(agenerate("nataraj", "Write a long story about the sea.", max_new_tokens=200))
-        assert await await_generating("nataraj"), "no nataraj job got the device"
+        cards = [asyncio.ensure_future(agenerate("nataraj", "Write a long story about the sea.", max_new_tokens=200,
+                                                 producer=f"nataraj:{i}")) for i in range(slots)]
+        await filled("nataraj", slots)
         busy.append((await agenerate("chat", "Say hello.", max_new_tokens=8)).ttft_s)
-        await card
-    out["ttft_idle"], out["ttft_busy"] = idle, busy
+        await asyncio.gather(*cards)
+    out["ttft_idle"], out["ttft_busy"], out["slots"] = idle, busy, slots
     state = await h.model.state.remote()
     out["stop"], out["engine"] = state["stop_latency_s"], state["engine"]
+    if not out["stop"]:
+        raise RuntimeError(f"no revoke-to-stop sample: the chat revoked no Nataraj of the {slots} filling the slots")
 
     texts = [f"note number {i} about the weather and the sea" for i in range(256)]
     batches = [texts[i:i + 8] for i in range(0, len(texts), 8)]
@@ -165,6 +170,20 @@ async def measure(h, repeat: int, models: tuple[str, ...]) -> dict:
     two = len(texts) / (time.perf_counter() - t)
     out["embed"] = (one, two)
     return out
+
+
+async def filled(kind: str, jobs: int, timeout_s: float = 120.0) -> None:
+    """Until `jobs` jobs of `kind` generate at once (every slot of the device taken)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        status = await astatus()
+        running = [j for d in status["devices"] for j in d["jobs"] if j["kind"] == kind
+                   and status["leases"].get(j["id"], {}).get("held_s", 0.0) >= 0.2]
+        if len(running) >= jobs:
+            return
+        if time.monotonic() >= deadline:
+            raise RuntimeError(f"{len(running)} of {jobs} {kind} jobs generate after {timeout_s:.0f} s")
+        await asyncio.sleep(0.05)
 
 
 def on(engine: dict) -> dict:
@@ -251,11 +270,12 @@ def record_runtime(r: dict, quick: bool) -> None:
     swap_rows(record, r["swap"], "`ModelActor.load`", goal=False)
     record.runs_on(**on(r["engine"]))
     stop = r["stop"]
-    record.row(f"revoke to stop, {CHAT} decoding (p50 / max, n={len(stop)})",
+    full = f"its {r['slots']} slot{'s' * (r['slots'] > 1)} full of Natarajes"
+    record.row(f"revoke to stop, {CHAT} decoding, {full} (p50 / max, n={len(stop)})",
                f"{statistics.median(stop) * 1e3:.0f} / {max(stop) * 1e3:.0f} ms")
     record.row("chat TTFT, submit to first piece, device idle (p50 / max)",
                f"{statistics.median(r['ttft_idle']):.2f} / {max(r['ttft_idle']):.2f} s")
-    record.row("chat TTFT while a Nataraj generates (p50 / max)",
+    record.row(f"chat TTFT, {full} (p50 / max)",
                f"{statistics.median(r['ttft_busy']):.2f} / {max(r['ttft_busy']):.2f} s")
     one, two = r["embed"]
     record.row("embeddings, 1 caller / 2 callers (batches of 8)", f"{one:.0f} / {two:.0f} texts/s",

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 
-from conftest import FakeDevice, lease_of, spec
+from conftest import FakeDevice, ManualClock, lease_of, spec
 from uniun_ray.events.log import read
 from uniun_ray.models.requests.swap import COLD, HOST, WARM, Swap
 from uniun_ray.runtime.service import RuntimeConfig, SchedulerService
@@ -64,13 +64,16 @@ def test_a_chat_abandons_a_swap_to_another_model_and_waits_for_its_own():
     wait for y's load), and the Nataraj runs later; a swap to the chat's own model is waited
     for and serves the chat, loaded once."""
     async def go(chat_model: str):
-        dev = FakeDevice(load_s=0.3)
-        s = SchedulerService(dev, RuntimeConfig(reap_period_s=0.05))
+        clock = ManualClock()
+        dev = FakeDevice(load_s=0.3, clock=clock)
+        s = SchedulerService(dev, RuntimeConfig(reap_period_s=0.05), clock=clock)
         await s.submit(spec("n", "nataraj", model="y"))
-        await asyncio.sleep(0.05)                  # loading y
+        await clock.advance(0.05)                  # loading y
         await s.submit(spec("c", "chat", model=chat_model))
+        await clock.advance(0.35)                  # m's load, or the rest of y's
         chat = await lease_of(s, "c")
         await s.release("c", chat.epoch, "done")
+        await clock.advance(0.35)                  # y's load again, where it was given up
         again = await lease_of(s, "n")             # requeued, not failed: the job is not lost
         await s.release("n", again.epoch, "done")
         return dev
@@ -105,14 +108,18 @@ def test_the_jobs_that_joined_an_abandoned_swap_go_back_to_their_queue_revoked_n
     device (R22), the load is given up, and both go back to their queue as revoked (no device
     fault), then run."""
     async def go():
-        dev = FakeDevice(load_s=0.3)
-        s = SchedulerService(dev, RuntimeConfig(reap_period_s=0.05, slots=2, event_log=str(tmp_path / "ev.jsonl")))
+        clock = ManualClock()
+        dev = FakeDevice(load_s=0.3, clock=clock)
+        s = SchedulerService(dev, RuntimeConfig(reap_period_s=0.05, slots=2, event_log=str(tmp_path / "ev.jsonl")),
+                             clock=clock)
         await s.submit(spec("n1", "nataraj", model="y"))
         await s.submit(spec("n2", "nataraj", model="y"))
-        await asyncio.sleep(0.05)                  # loading y, both dispatched
+        await clock.advance(0.05)                  # loading y, both dispatched
         await s.submit(spec("c", "chat", model="m"))
+        await clock.advance(0.35)                  # m's load
         chat = await lease_of(s, "c")
         await s.release("c", chat.epoch, "done")
+        await clock.advance(0.35)                  # y's load again
         for job in ("n1", "n2"):
             lease = await lease_of(s, job)
             await s.release(job, lease.epoch, "done")

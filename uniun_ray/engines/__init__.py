@@ -29,6 +29,11 @@ if TYPE_CHECKING:
 Wake = Callable[[], None]
 
 
+class EngineUnavailable(RuntimeError):
+    """The engine the settings name cannot run on this host (vLLM without its environment):
+    the message says what to install."""
+
+
 @runtime_checkable
 class JobRun(Protocol):
     """One job's handle, filled by the engine's thread and read by the ModelActor's loop.
@@ -91,6 +96,16 @@ class Engine(Protocol):
     def step_profile(self) -> dict[int, float]: ...
 
     def status(self) -> dict: ...
+
+
+def check(settings: "EngineSettings") -> None:
+    """Refuse, before any actor exists, an engine that cannot run on this host
+    (EngineUnavailable): `uniun-ray up` and `start()` fail at once rather than start a runtime
+    whose every job fails at its model's load."""
+    if settings.engine == "vllm":
+        from .venvs import vllm_python
+
+        vllm_python()
 
 
 def create(settings: "EngineSettings", device: str, wake: Wake, thread_budget: int | None = None) -> Engine:

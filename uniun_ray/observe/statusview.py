@@ -49,10 +49,11 @@ def _summary(snap: dict, now: float) -> Table:
     foreground = (fg["kind"] or "none") + (f" ({fg['subject']})" if fg["subject"] else "")
     devices = snap.get("devices") or []
     if len(devices) > 1:
-        grid.add_row("loaded models", ", ".join(f"{d['device']} {d['loaded_model'] or 'none'}" for d in devices),
-                     "foreground (T1)", foreground)
+        grid.add_row("loaded models", ", ".join(f"{d['device']} {d['loaded_model'] or 'none'}{_calls(d)}"
+                                                for d in devices), "foreground (T1)", foreground)
     else:
-        grid.add_row("loaded model", str(snap["loaded_model"] or "none"), "foreground (T1)", foreground)
+        grid.add_row("loaded model", str(snap["loaded_model"] or "none") + (_calls(devices[0]) if devices else ""),
+                     "foreground (T1)", foreground)
     if snap.get("chat_model"):
         grid.add_row("chat model", snap["chat_model"], "", "")
     if len(snap.get("nodes") or []) > 1:
@@ -84,6 +85,10 @@ def _swaps(snap: dict, devices: list[dict]) -> str:
             name = f"{device['device']}: " if len(devices) > 1 else ""
             lines.append(f"{name}{last['model']} {last['kind']} {last['seconds']:.3f}s" + (f" (kept: {kept})" if kept else ""))
     return "; ".join(lines) or ", ".join(f"{m} {s:.1f}s" for m, s in sorted(snap.get("swap_s", {}).items())) or "-"
+def _calls(device: dict) -> str:
+    """The loaded model's tool-call format, where its template takes tools."""
+    calls = (device.get("engine") or {}).get("tool_call_format")
+    return f" (tool calls: {calls})" if calls else ""
 
 
 def _bar(fraction: float, width: int = 10) -> str:

@@ -160,6 +160,7 @@ class ModelFleet:
     settings: EngineSettings
     forced: str | None = None
     embedder_gpus: int = 0
+    models: tuple[tuple[str, str], ...] = ()   # the operator's ids and folders (`registry.configure`)
 
     def seat(self, resources: Mapping[str, float]) -> Seat:
         return placement.model_seat(resources, self.forced)
@@ -168,7 +169,7 @@ class ModelFleet:
         """Get or create the ModelActor of `device` (named `model:<device>`)."""
         seat = self.seat(resources)
         return RemoteModel.options(**model_actor_options(model_actor_name(device), seat)).remote(
-            device=seat.torch_device, settings=self.settings)
+            device=seat.torch_device, settings=self.settings, models=dict(self.models))
 
 
 class SchedulerActor(SchedulerService):
@@ -220,6 +221,12 @@ class SchedulerActor(SchedulerService):
         """The active chat model: what every client means by `model_id=None`."""
         self._keep_running()
         return self.config.chat_model
+
+    async def served_models(self) -> dict:
+        """What a request from outside may name (`registry.check_served`), beside the embedded
+        ids: the active chat model and the operator's ids (never their folders); `hub`: whether
+        Hugging Face repo ids cached on the host are served too."""
+        return {"ids": [self.config.chat_model, *self.config.models], "hub": self.config.hub_models}
 
     # -- the pool follows the cluster ---------------------------------------------------------
     def _keep_running(self) -> None:

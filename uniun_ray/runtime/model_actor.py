@@ -15,6 +15,7 @@ event loop stays free to take a revoke while the device decodes.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 import threading
@@ -23,10 +24,11 @@ from collections import deque
 from dataclasses import asdict, replace
 
 from .. import engines
-from ..models.requests.registry import prepared, resolve
+from ..models.requests.registry import configure, prepared, resolve
 from ..models.requests.request import GenerateRequest
 from ..models.requests.settings import MAX_SLOTS, EngineSettings, default_warm_mb
 from ..models.requests.swap import HOST, NONE, RESIDENT, Swap
+from ..models.requests.vocabulary import tool_call_format
 from .metrics import ModelMetrics
 from .placement import DEVICE_RESOURCE, assigned_resources, devices_here, node_id, stand_ins_here
 from .protocol import DeviceLost, LeaseRevoked
@@ -53,8 +55,10 @@ class ModelActor:
     (`uniun-ray up --devices N` on a CPU machine) share its cores: 1/N each at most, so that
     two devices running at once do not fight over every core."""
 
-    def __init__(self, device: str = "cpu", settings: EngineSettings | None = None) -> None:
+    def __init__(self, device: str = "cpu", settings: EngineSettings | None = None,
+                 models: dict[str, str] | None = None) -> None:
         settings = settings or EngineSettings()
+        configure(models or {})   # the operator's ids (`uniun-ray up --model ID=PATH`) resolve here too
         budget = None
         if device == "cpu" and DEVICE_RESOURCE in assigned_resources():
             budget = max(1, settings.resolved_threads() // stand_ins_here())
@@ -294,11 +298,13 @@ class ModelActor:
 
     async def state(self) -> dict:
         engine = await asyncio.to_thread(self._engine.status)   # it may ask the engine's server
+        calls = await asyncio.to_thread(_tool_call_format, self._engine.loaded)   # reads a tokenizer once
         return {"device": self._device, "loaded": self._engine.loaded, "epoch": self._epoch,
                 "live": sorted(self._live), "generating": sorted(self._running),
                 "slots": {"rows": engine["running"], "steps_by_batch": engine.get("steps_by_batch", {})},
                 "context_length": engine.get("context_length"),
-                "engine": engine | {"niceness": os.nice(0)},   # its threads run at it
+                "engine": engine | {"niceness": os.nice(0),   # its threads run at it
+                                    "tool_call_format": calls},
                 "models": _models(self._engine.loaded, self._swaps),
                 "swaps": [swap.describe() for swap in self._swaps],
                 "ray_resources": assigned_resources(), "node": node_id(),
@@ -311,6 +317,17 @@ def _models(active: str | None, swaps: deque[Swap]) -> dict:
     kept = swaps[-1].kept if swaps and swaps[-1].model == active else {}
     return {"active": active, "resident": [m for m, where in kept.items() if where == RESIDENT],
             "warm": [m for m, where in kept.items() if where == HOST]}
+
+
+@functools.lru_cache(maxsize=16)
+def _tool_call_format(model_id: str | None) -> str | None:
+    """The loaded model's tool-call format, for status (its tokenizer is read once)."""
+    if model_id is None:
+        return None
+    try:
+        return tool_call_format(resolve(model_id))
+    except (ValueError, OSError) as error:   # for status only: never fail a state query
+        return f"unknown: {error}"
 
 
 async def _ended(run, stepped: asyncio.Event) -> None:

@@ -21,7 +21,6 @@ from __future__ import annotations
 import asyncio
 import math
 import os
-import time
 from dataclasses import dataclass, field
 from typing import Mapping
 
@@ -29,10 +28,11 @@ from ..models.requests.registry import DEFAULT_CHAT_MODEL
 from ..models.requests.settings import check_slot_count
 from ..models.requests.swap import SwapAbandoned
 from ..policy import Dispatch, Job, Outcome, PolicyConfig, Requeued, Revoke, RevokeCause, SchedulerPolicy
+from .clock import Clock
 from .driver import Device, DeviceDriver, EpochClock
 from ..events.log import EventLog
 from .leases import LeaseTable, Tracked
-from .protocol import DeviceGone, DeviceLost, JobDropped, Lease, Preempted
+from .protocol import DeviceGone, DeviceLost, JobDropped, Lease, ModelUnavailable, Preempted, UniunError
 from .reaper import Reaper
 
 __all__ = ["Device", "RuntimeConfig", "SchedulerService"]
@@ -66,6 +66,8 @@ class RuntimeConfig:
     event_log: str | None = None      # JSONL path (default ~/.cache/uniun-ray/events.jsonl)
     event_log_max_bytes: int = 20 * 1024 * 1024
     chat_model: str = DEFAULT_CHAT_MODEL   # what `model_id=None` means, for every process alike
+    models: Mapping[str, str] = field(default_factory=dict)   # the operator's ids -> folders of weights
+    hub_models: bool = False          # HTTP requests may name any Hugging Face repo id cached on the device's host
     slots: int | None = None          # jobs a device decodes together (SPEC §6); None: auto, measured at each load
     grant_notice_s: float = 0.05      # the least time between two unconfirmed grant notices to a device (driver)
 
@@ -86,27 +88,45 @@ class RuntimeConfig:
         check_slot_count(self.slots)
         if not isinstance(self.chat_model, str) or not self.chat_model:
             raise ValueError(f"chat_model must be a model id, got {self.chat_model!r}")
+        if not isinstance(self.models, Mapping):
+            raise ValueError(f"models must map model ids to folders, got {self.models!r}")
+        if not isinstance(self.hub_models, bool):
+            raise ValueError(f"hub_models must be a bool, got {self.hub_models!r}")
         if self.event_log is not None and (not isinstance(self.event_log, (str, os.PathLike)) or not str(self.event_log)):
             raise ValueError(f"event_log must be a path (or None for the default), got {self.event_log!r}")
 
 
 
+def _unloadable(error: Exception, dispatch: Dispatch) -> Exception:
+    """A failed load as the job's caller gets it: bad input (an unknown model: ValueError) and
+    the runtime's own errors as they are; anything else means the model cannot run on that
+    device (ModelUnavailable), with the cause's first line (a Ray task error's carries its
+    traceback after it)."""
+    if isinstance(error, (ValueError, UniunError)):
+        return error
+    cause = str(getattr(error, "cause", None) or error).strip()
+    return ModelUnavailable(f"model {dispatch.model_id!r} cannot run on device {dispatch.device}: "
+                            f"{cause.splitlines()[0] if cause else type(error).__name__}")
+
+
 class SchedulerService:
     def __init__(self, devices: Device | Mapping[str, Device], config: RuntimeConfig | None = None,
-                 metrics=None) -> None:
+                 metrics=None, clock: Clock | None = None) -> None:
         """`devices`: the pool, device name -> device (in the order ties go by), or one
-        device, then named LONE_DEVICE."""
+        device, then named LONE_DEVICE. `clock`: the time it reads and its timers wait on
+        (real time; a test passes one it moves by hand)."""
         named = dict(devices) if isinstance(devices, Mapping) else {LONE_DEVICE: devices}
         self.config = config or RuntimeConfig()
+        self.clock = clock or Clock()
         self.policy = SchedulerPolicy(self.config.policy, devices=tuple(named), slots=self.config.slots or 1)
-        self.leases = LeaseTable(self.config.max_queued)
+        self.leases = LeaseTable(self.config.max_queued, self.clock.monotonic)
         self._epochs = EpochClock()   # one for the pool: a lease's (job, epoch) names one grant
         self.drivers = {name: self._driver(device) for name, device in named.items()}
         self.reaper = Reaper(self.config.reap_period_s, self.policy.next_wakeup, self._tick,
                              lambda mono: self.leases.idle(mono, self.config.waiter_timeout_s,
                                                            self.config.lease_timeout_s),
-                             self._withdraw, self._refresh_metrics)
-        self._clock = 0.0
+                             self._withdraw, self._refresh_metrics, self.clock)
+        self._last_now = 0.0
         self.events = EventLog(self.config.event_log, self.config.event_log_max_bytes)
         # optional sink beside the log (runtime.metrics.SchedulerMetrics): write(event) for
         # every event, refresh(snapshot_fn) from the timer
@@ -175,7 +195,7 @@ class SchedulerService:
         heartbeat ignores the answer; `LeaseLoop.still_held` reads it to tell a revoke from a
         device that restarted. A holder whose work no device fences would stop on False."""
         tracked = self.leases.holder(job_id, epoch)
-        tracked.last_seen = time.monotonic()
+        tracked.last_seen = self.clock.monotonic()
         return not tracked.revoke_requested
 
     async def report_first_token(self, job_id: str, epoch: int) -> None:
@@ -337,7 +357,7 @@ class SchedulerService:
                 self._lose_device(tracked, device, f"device lost while preparing: {error}")
                 return
             self._apply(self.policy.set_loaded_model(None, self._now(), device=device))
-            self._fail(tracked, error)
+            self._fail(tracked, _unloadable(error, dispatch))
             return
         if self.drivers.get(device) is not driver:
             return
@@ -455,8 +475,8 @@ class SchedulerService:
     # -- time ---------------------------------------------------------------------------
     def _now(self) -> float:
         """Wall-clock epoch seconds (deadlines are time.time()), never going backwards."""
-        self._clock = max(self._clock, time.time())
-        return self._clock
+        self._last_now = max(self._last_now, self.clock.time())
+        return self._last_now
 
     def _keep_running(self) -> None:
         """Start the timers that a call needs running (the reaper; a subclass adds its own)."""

@@ -151,6 +151,22 @@ def check_slot_count(slots: object) -> None:
         raise ValueError(f"slots must be an int from 1 to {MAX_SLOTS}, or None for auto; got {slots!r}")
 
 
+#: The operator's models where no command line names them (`ID=PATH,ID=PATH`): the twin of
+#: `uniun-ray up --model ID=PATH`, for scripts submitted to a head that start the runtime.
+MODELS_ENV = "UNIUN_MODELS"
+
+
+def parse_models(text: str) -> dict[str, str]:
+    """``ID=PATH,ID=PATH`` as {id: folder}; ValueError names an entry that is not ID=PATH."""
+    models = {}
+    for entry in filter(None, (part.strip() for part in text.split(","))):
+        model_id, sep, folder = entry.partition("=")
+        if not sep or not model_id.strip() or not folder.strip():
+            raise ValueError(f"{entry!r} is not ID=PATH (a model id, then the folder of its weights)")
+        models[model_id.strip()] = folder.strip()
+    return models
+
+
 def parse_slots(raw: str) -> int | None:
     """``UNIUN_SLOTS`` / ``--slots``: "auto" (or empty) is None, else a count."""
     raw = str(raw).strip().lower()
