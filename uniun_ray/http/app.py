@@ -125,15 +125,20 @@ async def warm_start_loading() -> str | None:
                                   HEALTH_TIMEOUT_S)
 async def served_models() -> dict:
     """What requests may name beside the embedded ids: the scheduler's `served_models` (the
-    active chat model, the operator's ids, whether cached hub ids are served). 503 without it."""
+    active chat model, the operator's ids, whether cached hub ids are served). 503 without it.
+    The operator's ids resolve in this process from then on (a tools answer reads the served
+    model's chat template here)."""
     import ray
 
+    from ..models.requests.registry import configure
     from ..runtime.protocol import NAMESPACE, SCHEDULER_NAME
     require_scheduler()
     try:
-        return await ray.get_actor(SCHEDULER_NAME, namespace=NAMESPACE).served_models.remote()
+        served = await ray.get_actor(SCHEDULER_NAME, namespace=NAMESPACE).served_models.remote()
     except Exception as error:
         raise from_client(error) from error
+    configure(served["folders"])
+    return served
 
 
 async def require_served(model_id: str) -> None:

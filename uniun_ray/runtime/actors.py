@@ -224,9 +224,11 @@ class SchedulerActor(SchedulerService):
 
     async def served_models(self) -> dict:
         """What a request from outside may name (`registry.check_served`), beside the embedded
-        ids: the active chat model and the operator's ids (never their folders); `hub`: whether
-        Hugging Face repo ids cached on the host are served too."""
-        return {"ids": [self.config.chat_model, *self.config.models], "hub": self.config.hub_models}
+        ids: the active chat model and the operator's ids; `hub`: whether Hugging Face repo ids
+        cached on the host are served too; `folders`: the operator's ids -> their folders, for the
+        server's own processes (the HTTP replicas read a served model's template), never shown."""
+        return {"ids": [self.config.chat_model, *self.config.models], "hub": self.config.hub_models,
+                "folders": dict(self.config.models)}
 
     # -- the pool follows the cluster ---------------------------------------------------------
     def _keep_running(self) -> None:
