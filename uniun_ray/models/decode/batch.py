@@ -90,12 +90,14 @@ class Batch:
             raise ValueError(f"slots must be an int >= 1 or None, got {slots!r}")
         self.engine, self.loaded, self._first_token = engine, loaded, first_token
         self.batched = kv_rows.batchable(loaded.model)
-        self.slots = (slots or DEFAULT_SLOTS) if self.batched else 1
+        slots = (slots or DEFAULT_SLOTS) if self.batched else 1
+        # the rows' KV, in the order of _rows: a static store holds at most its rows
+        self._kv = kv_rows.rows_for(loaded.runner, engine.device, slots, loaded.rows)
+        self.slots = min(slots, self._kv.capacity or slots)
         self._lock = threading.Lock()
         self._waiting: deque[Job] = deque()
         self._joining: Job | None = None
         self._rows: list[Job] = []
-        self._kv: kv_rows.Rows = kv_rows.PaddedRows(engine.device)   # the rows' KV, in the order of _rows
         self.last_step_rows = 0                  # rows the last step decoded (0: it only prefilled)
 
     @property
@@ -251,16 +253,11 @@ class Batch:
 
     def _decode(self) -> None:
         """One forward pass over every row's last token; each row then chooses its next one."""
-        rows, device = self._rows, self.engine.device
-        ids = torch.tensor([[job.sequence.last_token] for job in rows], device=device)
-        cache, shaping = self._kv.inputs([job.sequence.fed for job in rows])
+        rows = self._rows
         started = time.perf_counter()
-        with torch.inference_mode():
-            output = self.loaded.model(input_ids=ids, use_cache=True, **{self.loaded.cache_arg: cache},
-                                       **shaping, **self.loaded.forward_kwargs)
+        logits = self._kv.decode([job.sequence.last_token for job in rows], [job.sequence.fed for job in rows])
+        logits = logits.to(dtype=torch.float32, device="cpu")   # one copy, not one per row
         self.loaded.clock.observe(1, time.perf_counter() - started)
-        self._kv.stepped(getattr(output, self.loaded.cache_arg))
-        logits = output.logits[:, -1].to(dtype=torch.float32, device="cpu")   # one copy, not one per row
         self.last_step_rows = len(rows)
         for row, job in enumerate(rows):
             job.sequence.fed += 1

@@ -35,11 +35,12 @@ from .generation import Generation
 from .sequence import Sequence
 from ..host.gate import CancelFlag
 from ..host.weights import DEFAULT_KV_OFFLOAD_MB, Loaded, Weights, default_kv_cache_mb
+from ..kv import rows as kv_rows
 from ..kv.prefix import PrefixCache
 from ..requests.registry import materialize, resolve
 from ..requests.request import GenerateRequest, GenerationResult, _is_int
 from ..requests.settings import check_megabytes
-from ..requests.vocabulary import context_of
+from ..requests.vocabulary import PromptTooLong, context_of
 
 
 class Engine:
@@ -103,9 +104,10 @@ class Engine:
 
     @property
     def context_length(self) -> int | None:
-        """The resident model's context window in tokens, or None when nothing is loaded."""
+        """The longest run (prompt + new tokens) the resident model takes, or None when nothing
+        is loaded: its context window, or a static KV row's where that is shorter."""
         loaded = self._loaded
-        return loaded.vocabulary.context_length if loaded else None
+        return loaded.context_length if loaded else None
 
     @property
     def dtype(self) -> torch.dtype | None:
@@ -258,4 +260,9 @@ class Engine:
         loaded = self._loaded
         if loaded is None:
             raise RuntimeError("no model is loaded; call load(model_id) first")
-        return loaded, context_of(loaded.vocabulary, request)
+        context = context_of(loaded.vocabulary, request)
+        if len(context) + request.max_new_tokens > loaded.context_length:
+            raise PromptTooLong(
+                f"prompt is {len(context)} tokens + max_new_tokens {request.max_new_tokens}, more than the "
+                f"{loaded.context_length} tokens of a KV row ({kv_rows.BUDGET_ENV} sizes the rows)")
+        return loaded, context
