@@ -49,6 +49,12 @@ BUDGET_ENV = "UNIUN_KV_ROWS_MB"
 HEADROOM_SHARE, HEADROOM_MB = 0.15, 2048
 
 STEP_MODES = ("exact", "buckets", "graphs")
+#: Spans captured at load (every bucket of rows over each); a longer one is captured when a row
+#: first grows past this, so that a load does not capture graphs for contexts no run reaches.
+CAPTURE_SPAN = 4096
+#: A row holds at most this many tokens (or the model's context), whatever the budget: memory
+#: for contexts beyond it is left to the prefix cache and to other models.
+MAX_ROW_CONTEXT = 32768
 
 
 def token_bytes(model: Any, dtype: torch.dtype) -> int:
@@ -86,9 +92,9 @@ def static_budget(device: torch.device, reserved_bytes: int) -> int:
 
 def store_shape(model: Any, dtype: torch.dtype, budget: int, rows: int, longest: int) -> tuple[int, int]:
     """(rows, context) for a store of ``budget`` bytes: up to ``rows`` rows, each of at most
-    ``longest`` tokens (the model's context), halving the rows while a row would hold less than
+    ``longest`` tokens (the model's context; MAX_ROW_CONTEXT at most), halving the rows while a row would hold less than
     CONTEXT_FLOOR (or ``longest``). (0, 0) when not even one row of CONTEXT_STEP tokens fits."""
-    per_token = token_bytes(model, dtype)
+    per_token, longest = token_bytes(model, dtype), min(longest, MAX_ROW_CONTEXT)
     while True:
         context = min(longest, budget // (rows * per_token)) // CONTEXT_STEP * CONTEXT_STEP
         if context >= min(longest, CONTEXT_FLOOR) or rows == 1:
@@ -197,6 +203,7 @@ class Steps:
     def __init__(self, runner: Any, store: RowStore) -> None:
         self._runner, self._store = runner, store
         self._buffers: dict[tuple[int, int], _Buffers] = {}
+        self._pool: Any = None
         self.capture_s = 0.0
         self.capture_bytes = 0
         if store.mode == "graphs":
@@ -218,7 +225,7 @@ class Steps:
             return self._forward(torch.tensor(tokens, device=device)[:, None], torch.tensor(positions, device=device),
                                  torch.arange(longest, device=device))
         key = (at_least(buckets(self._store.rows), rows), at_least(spans(self._store.context), longest))
-        buffers = self._buffers.get(key) or self._buffers.setdefault(key, _Buffers(*key, self._store.device))
+        buffers = self._buffers.get(key) or self._prepared(*key)
         buffers.fill(tokens, positions)
         if buffers.graph is not None:
             buffers.graph.replay()
@@ -238,25 +245,36 @@ class Steps:
                                         use_cache=True, **{self._runner.cache_arg: cache}, **self._runner.kwargs)
         return output.logits[:, -1]
 
-    def _capture(self) -> None:
-        """One graph per (bucket, span), largest first, all in one pool: a smaller graph's
-        memory fits in what a larger one left (nano-vllm and transformers capture so too)."""
+    def _prepared(self, rows: int, span: int) -> _Buffers:
+        """The buffers of a (bucket, span) met for the first time: with its graph, in graphs mode
+        (a span longer than CAPTURE_SPAN is captured when a row first needs it)."""
+        buffers = self._buffers[(rows, span)] = _Buffers(rows, span, self._store.device)
+        if self._store.mode == "graphs":
+            self._capture([(rows, span)])
+        return buffers
+
+    def _capture(self, shapes: list[tuple[int, int]] | None = None) -> None:
+        """A graph for each (bucket, span) of ``shapes`` (None: every bucket over the spans up
+        to CAPTURE_SPAN, at load), largest first, all in one pool: a smaller graph's memory fits
+        in what a larger one left (nano-vllm and transformers capture so too). Each is run once
+        before its capture (kernels chosen, workspaces allocated outside the graph)."""
         store, started = self._store, time.perf_counter()
+        if shapes is None:
+            shapes = [(rows, span) for rows in reversed(buckets(store.rows))
+                      for span in reversed(spans(min(store.context, CAPTURE_SPAN)))]
         torch.cuda.synchronize(store.device)
         before = torch.cuda.memory_reserved(store.device)
-        pool = torch.cuda.graph_pool_handle()
-        for rows in reversed(buckets(store.rows)):
-            for span in reversed(spans(store.context)):
-                buffers = _Buffers(rows, span, store.device)
-                buffers.logits = self._forward(buffers.ids, buffers.positions, buffers.columns)   # warm-up
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
-                    buffers.logits = self._forward(buffers.ids, buffers.positions, buffers.columns)
-                buffers.graph = graph
-                self._buffers[(rows, span)] = buffers
+        self._pool = self._pool or torch.cuda.graph_pool_handle()
+        for rows, span in shapes:
+            buffers = self._buffers.setdefault((rows, span), _Buffers(rows, span, store.device))
+            buffers.logits = self._forward(buffers.ids, buffers.positions, buffers.columns)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self._pool):
+                buffers.logits = self._forward(buffers.ids, buffers.positions, buffers.columns)
+            buffers.graph = graph
         torch.cuda.synchronize(store.device)
-        self.capture_s = time.perf_counter() - started
-        self.capture_bytes = torch.cuda.memory_reserved(store.device) - before
+        self.capture_s += time.perf_counter() - started
+        self.capture_bytes += torch.cuda.memory_reserved(store.device) - before
 
 
 class _Buffers:
