@@ -14,7 +14,7 @@ import pytest
 import torch
 from transformers import MistralConfig
 
-from test_models import LONG_PROMPT, PROMPT, engine, forwards, loaded_engine, run, tiny_cache  # noqa: F401 (fixtures)
+from test_models import DEVICE, LONG_PROMPT, PROMPT, engine, forwards, loaded_engine, run, tiny_cache  # noqa: F401 (fixtures)
 from uniun_ray.models import GenerateRequest
 from uniun_ray.models.decode.batch import Batch
 from uniun_ray.models.kv import rows as kv_rows
@@ -50,7 +50,8 @@ def logits_seen(monkeypatch):
     return seen
 
 
-ROW_KINDS = {"padded": ("padded", "exact"), "static": ("static", "exact"), "buckets": ("static", "buckets")}
+ROW_KINDS = {"padded": ("padded", "exact"), "static": ("static", "exact"), "buckets": ("static", "buckets")} \
+    | ({"graphs": ("static", "graphs")} if DEVICE == "cuda" else {})     # `make gpu-check`: the captured steps
 
 
 def use_rows(engine, monkeypatch, kind: str):
@@ -428,3 +429,36 @@ def test_the_rows_kind_and_steps_are_settings(monkeypatch):
     monkeypatch.setenv(kv_rows.ROWS_ENV, "paged")
     with pytest.raises(ValueError, match="UNIUN_KV_ROWS='paged'"):
         kv_rows.rows_kind(cpu)
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="CUDA graphs: `make gpu-check` runs this on a GPU")
+def test_graphs_are_captured_at_load_and_replayed(engine, monkeypatch):
+    from uniun_ray.models.kv.static import CAPTURE_SPAN
+
+    store = use_rows(engine, monkeypatch, "graphs")
+    described = store.describe()
+    assert "capture_error" not in described, described
+    captured = len(described["buckets"]) * sum(span <= CAPTURE_SPAN for span in described["spans"])
+    assert described["graphs"] == captured and described["capture_s"] > 0
+    expected = alone(engine, REQUESTS[:3])
+    batch = Batch(engine)
+    jobs, _ = drive(batch, {0: [(request, threading.Event()) for request in REQUESTS[:3]]})
+    assert [job.result.token_ids for job in jobs] == expected
+    assert all(buffers.graph is not None for buffers in store.steps._buffers.values())
+
+
+def test_a_step_that_cannot_be_captured_runs_in_buckets_without_graphs(engine, monkeypatch):
+    from uniun_ray.models.kv.static import Steps
+
+    store = use_rows(engine, monkeypatch, "buckets")
+    store.mode = "graphs"
+
+    def refused(self, shapes=None):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(Steps, "_capture", refused)
+    store.steps._capture_or_not()
+    assert store.mode == "buckets" and "not permitted" in store.describe()["capture_error"]
+    expected = alone(engine, REQUESTS[:2])
+    jobs, _ = drive(Batch(engine), {0: [(request, threading.Event()) for request in REQUESTS[:2]]})
+    assert [job.result.token_ids for job in jobs] == expected

@@ -25,6 +25,7 @@ row's KV in every layer, every step); free rows past n serve instead.
 """
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import time
@@ -47,6 +48,8 @@ BUDGET_ENV = "UNIUN_KV_ROWS_MB"
 #: A GPU keeps this share of its free memory (after the weights and the prefix cache's budget)
 #: out of the store, and at least HEADROOM_MB: prefill activations, the graphs' pool, the allocator.
 HEADROOM_SHARE, HEADROOM_MB = 0.15, 2048
+
+log = logging.getLogger(__name__)
 
 STEP_MODES = ("exact", "buckets", "graphs")
 #: Spans captured at load (every bucket of rows over each); a longer one is captured when a row
@@ -206,15 +209,30 @@ class Steps:
         self._pool: Any = None
         self.capture_s = 0.0
         self.capture_bytes = 0
+        self.capture_error: str | None = None
         if store.mode == "graphs":
-            self._capture()
+            self._capture_or_not()
 
     def describe(self) -> dict:
         if self._store.mode == "exact":
             return {}
         return {"buckets": buckets(self._store.rows), "spans": spans(self._store.context),
                 "graphs": sum(buffers.graph is not None for buffers in self._buffers.values()),
-                "capture_s": round(self.capture_s, 3), "capture_mb": round(self.capture_bytes / 2**20, 1)}
+                "capture_s": round(self.capture_s, 3), "capture_mb": round(self.capture_bytes / 2**20, 1)} \
+            | ({"capture_error": self.capture_error} if self.capture_error else {})
+
+    def _capture_or_not(self, shapes: list[tuple[int, int]] | None = None) -> None:
+        """Capture, or, where this model's step cannot be captured (an op that syncs with the
+        host, a kernel that refuses capture), run the same fixed-shape steps without graphs
+        from now on, saying why in ``describe``: slower, never wrong."""
+        try:
+            self._capture(shapes)
+        except Exception as error:  # noqa: BLE001 (any refusal: the steps run uncaptured)
+            log.warning("decode steps run without CUDA graphs: capture failed: %r", error)
+            self.capture_error = repr(error)
+            self._store.mode = "buckets"
+            for buffers in self._buffers.values():
+                buffers.graph = None
 
     def run(self, tokens: list[int], positions: list[int]) -> torch.Tensor:
         """Logits [len(tokens), vocabulary] of one step of the store's first len(tokens) rows,
@@ -250,7 +268,7 @@ class Steps:
         (a span longer than CAPTURE_SPAN is captured when a row first needs it)."""
         buffers = self._buffers[(rows, span)] = _Buffers(rows, span, self._store.device)
         if self._store.mode == "graphs":
-            self._capture([(rows, span)])
+            self._capture_or_not([(rows, span)])
         return buffers
 
     def _capture(self, shapes: list[tuple[int, int]] | None = None) -> None:
