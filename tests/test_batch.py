@@ -20,6 +20,7 @@ from uniun_ray.models.decode.batch import Batch
 from uniun_ray.models.kv import rows as kv_rows
 from uniun_ray.models.kv.rows import batchable
 from uniun_ray.models.decode.decoding import Decoding
+from uniun_ray.models.decode.sequence import Sequence
 
 #: Prompts of different lengths (so rows are padded differently), different lengths of output.
 REQUESTS = [
@@ -38,9 +39,11 @@ REQUESTS = [
 def logits_seen(monkeypatch):
     """The logits each token was chosen from, by the tokens before it. Token identity alone is a
     weak check on `tiny` (untrained, its attention barely moves its choices: wrong position ids
-    still gave the same tokens); its logits moved by 4e-4 then, against 1e-7 done right."""
+    still gave the same tokens); its logits moved by 4e-4 then, against 1e-7 done right. Every
+    row's token then goes through ``next_token`` (a batch chooses greedy rows' on the device)."""
     seen: dict[tuple[int, ...], list[torch.Tensor]] = {}
     choose = Decoding.next_token
+    monkeypatch.setattr(Sequence, "greedy", property(lambda self: False))
 
     def recording(self, sequence, logits):
         seen.setdefault(tuple(sequence[0].tolist()), []).append(logits.detach().float().cpu().clone())
@@ -218,13 +221,18 @@ def test_a_long_prompt_joins_one_chunk_per_step_while_the_others_decode(engine, 
     batch.close()
 
 
-def test_a_seeded_sampled_job_draws_in_a_batch_what_it_draws_alone(engine, rows):
+def test_a_seeded_sampled_job_draws_in_a_batch_what_it_draws_alone(engine, rows, monkeypatch):
+    """Beside greedy rows, whose tokens the batch chooses in one argmax (their logits never go
+    through a row's own ``next_token``: only the first, from their prefill, does)."""
     sampled = GenerateRequest(prompt=PROMPT, max_new_tokens=30, temperature=0.8, top_k=40, seed=7)
-    expected = alone(engine, [sampled])[0]
+    expected = alone(engine, [sampled, REQUESTS[2], REQUESTS[0]])
+    chosen, choose = [], Decoding.next_token
+    monkeypatch.setattr(Decoding, "next_token", lambda self, *args: chosen.append(self.do_sample) or choose(self, *args))
     batch = Batch(engine)
     jobs = [batch.add(request, threading.Event()) for request in (REQUESTS[2], sampled, REQUESTS[0])]
     batch.run()
-    assert jobs[1].result.token_ids == expected
+    assert [job.result.token_ids for job in jobs] == [expected[1], expected[0], expected[2]]
+    assert chosen.count(False) == 2 and chosen.count(True) == 30
 
 
 def test_a_chat_reads_its_prompt_in_one_pass_and_a_background_prompt_in_short_chunks(engine, monkeypatch, forwards):

@@ -252,17 +252,25 @@ class Batch:
     # -- decoding ----------------------------------------------------------------------------
 
     def _decode(self) -> None:
-        """One forward pass over every row's last token; each row then chooses its next one."""
+        """One forward pass over every row's last token; then the greedy rows' tokens are chosen
+        in one argmax on the device, and only the other rows' logits come to the host, where
+        each chooses its own (its processors, its sampler)."""
         rows = self._rows
         started = time.perf_counter()
         logits = self._kv.decode([job.sequence.last_token for job in rows], [job.sequence.fed for job in rows])
-        logits = logits.to(dtype=torch.float32, device="cpu")   # one copy, not one per row
+        greedy = [job.sequence.greedy for job in rows]
+        choices = logits.argmax(-1).tolist() if any(greedy) else []
+        others = [row for row, plain in enumerate(greedy) if not plain]
+        host = logits[others].to(dtype=torch.float32, device="cpu") if others else None   # one copy, not one per row
         self.loaded.clock.observe(1, time.perf_counter() - started)
         self.last_step_rows = len(rows)
         for row, job in enumerate(rows):
             job.sequence.fed += 1
             job.sequence.stepped(len(rows))
-            job.sequence.accept(logits[row])
+            if greedy[row]:
+                job.sequence.take(choices[row])
+            else:
+                job.sequence.accept(host[others.index(row)])
         self._leave([job for job in rows if job.sequence.ended], None)
 
     # -- leaving -----------------------------------------------------------------------------
