@@ -44,24 +44,21 @@ class Runner:
 
 def rows_kind(device: torch.device) -> str:
     """"padded" or "static": ``UNIUN_KV_ROWS`` if set, else static on a GPU (fixed shapes, CUDA
-    graphs), padded on a CPU (see BENCHMARKS.md, "KV rows": static rows measured no faster there)."""
-    configured = os.environ.get(ROWS_ENV, "").strip().lower()
-    if configured:
-        if configured not in ROW_KINDS:
-            raise ValueError(f"{ROWS_ENV}={configured!r}: use one of {', '.join(ROW_KINDS)}")
-        return configured
-    return "static" if device.type == "cuda" else "padded"
+    graphs), padded on a CPU (``benchmarks/kv_rows_bench.py`` measures the two there)."""
+    return _choice(ROWS_ENV, ROW_KINDS, "static" if device.type == "cuda" else "padded")
 
 
 def steps_mode(device: torch.device) -> str:
     """How static rows step (``static.STEP_MODES``): ``UNIUN_KV_STEPS`` if set, else CUDA graphs
     on a GPU and exact shapes on a CPU (no graphs to replay there)."""
-    configured = os.environ.get(STEPS_ENV, "").strip().lower()
-    if configured:
-        if configured not in STEP_MODES:
-            raise ValueError(f"{STEPS_ENV}={configured!r}: use one of {', '.join(STEP_MODES)}")
-        return configured
-    return "graphs" if device.type == "cuda" else "exact"
+    return _choice(STEPS_ENV, STEP_MODES, "graphs" if device.type == "cuda" else "exact")
+
+
+def _choice(setting: str, choices: tuple[str, ...], default: str) -> str:
+    configured = os.environ.get(setting, "").strip().lower()
+    if configured and configured not in choices:
+        raise ValueError(f"{setting}={configured!r}: use one of {', '.join(choices)}")
+    return configured or default
 
 
 def store_for(runner: Runner, device: torch.device, context_length: int, reserved_bytes: int) -> RowStore | None:
