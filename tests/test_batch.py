@@ -470,3 +470,15 @@ def test_a_step_that_cannot_be_captured_runs_in_buckets_without_graphs(engine, m
     expected = alone(engine, REQUESTS[:2])
     jobs, _ = drive(Batch(engine), {0: [(request, threading.Event()) for request in REQUESTS[:2]]})
     assert [job.result.token_ids for job in jobs] == expected
+
+
+def test_unloading_frees_the_static_rows_a_batch_still_holds(engine, monkeypatch):
+    """The device's loop keeps its batch (and so its rows) until a job comes for the next model:
+    the unload frees the rows now, not after the next model's load has sized its own."""
+    store = use_rows(engine, monkeypatch, "static")
+    batch = Batch(engine)
+    batch.add(REQUESTS[0], threading.Event())
+    batch.run()
+    engine.unload()
+    assert batch._kv._shared is store and store.keys == [] and store.steps is None
+    engine.load("tiny")

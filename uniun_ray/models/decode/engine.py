@@ -250,6 +250,8 @@ class Engine:
     def _release(self) -> None:
         if self._loaded is None:
             return
+        if self._loaded.rows is not None:   # a batch made for it may outlive it: its rows go now
+            self._loaded.rows.free()
         self._loaded = None
         gc.collect()  # the model's tensors are freed here; the cache below can then shrink
         if self.device.type == "cuda":

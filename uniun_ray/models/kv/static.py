@@ -165,6 +165,11 @@ class RowStore:
         with self._lock:
             self._held = False
 
+    def free(self) -> None:
+        """Let the rows' memory and the graphs go now (the model is unloaded; a batch that still
+        holds the store cannot step again: the engine admits no run of an unloaded model)."""
+        self.keys, self.values, self.steps = [], [], None
+
     def describe(self) -> dict:
         return {"kind": "static", "rows": self.rows, "context": self.context, "mb": round(self.bytes / 2**20, 1),
                 "steps": self.mode} | self.steps.describe()
