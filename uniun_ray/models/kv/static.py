@@ -180,7 +180,6 @@ class _RowLayer(CacheLayerMixin):
     store's row i; attention reads the first ``span`` columns of the step's rows."""
 
     is_sliding = False
-    is_compileable = True
 
     def __init__(self, keys: torch.Tensor, values: torch.Tensor, index: torch.Tensor, span: int) -> None:
         super().__init__()
