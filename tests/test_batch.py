@@ -482,3 +482,25 @@ def test_unloading_frees_the_static_rows_a_batch_still_holds(engine, monkeypatch
     engine.unload()
     assert batch._kv._shared is store and store.keys == [] and store.steps is None
     engine.load("tiny")
+
+
+def test_a_graph_captured_beside_live_rows_warms_up_on_that_steps_inputs(engine, monkeypatch):
+    """A span first met mid-run is captured then, its rows live: the warm-up before the capture
+    runs that step's own inputs (it writes what the step writes), never column 0 of live rows."""
+    from uniun_ray.models.kv.static import Steps
+
+    store = use_rows(engine, monkeypatch, "buckets")
+    store.mode = "graphs"                          # nothing captured at load: every shape is met mid-run
+    warmed = []
+
+    def warm_up_only(self, shapes=None):           # a CPU cannot capture: run what precedes a capture
+        for shape in shapes:
+            buffers = self._buffers[shape]
+            warmed.append(buffers.positions.tolist())
+            self._forward(buffers.ids, buffers.positions, buffers.columns)
+
+    monkeypatch.setattr(Steps, "_capture", warm_up_only)
+    expected = alone(engine, REQUESTS[:3])
+    jobs, _ = drive(Batch(engine), {0: [(request, threading.Event()) for request in REQUESTS[:3]]})
+    assert [job.result.token_ids for job in jobs] == expected
+    assert len(warmed) >= 3 and all(any(warm) for warm in warmed)

@@ -247,8 +247,13 @@ class Steps:
             return self._forward(torch.tensor(tokens, device=device)[:, None], torch.tensor(positions, device=device),
                                  torch.arange(longest, device=device))
         key = (at_least(buckets(self._store.rows), rows), at_least(spans(self._store.context), longest))
-        buffers = self._buffers.get(key) or self._prepared(*key)
+        buffers = self._buffers.get(key)
+        first = buffers is None
+        if first:
+            buffers = self._buffers[key] = _Buffers(*key, self._store.device)
         buffers.fill(tokens, positions)
+        if first and self._store.mode == "graphs":   # a span past CAPTURE_SPAN, met for the first time:
+            self._capture_or_not([key])    # its warm-up runs this step's inputs, writing what the replay writes
         if buffers.graph is not None:
             buffers.graph.replay()
         else:
@@ -267,19 +272,12 @@ class Steps:
                                         use_cache=True, **{self._runner.cache_arg: cache}, **self._runner.kwargs)
         return output.logits[:, -1]
 
-    def _prepared(self, rows: int, span: int) -> _Buffers:
-        """The buffers of a (bucket, span) met for the first time: with its graph, in graphs mode
-        (a span longer than CAPTURE_SPAN is captured when a row first needs it)."""
-        buffers = self._buffers[(rows, span)] = _Buffers(rows, span, self._store.device)
-        if self._store.mode == "graphs":
-            self._capture_or_not([(rows, span)])
-        return buffers
-
     def _capture(self, shapes: list[tuple[int, int]] | None = None) -> None:
         """A graph for each (bucket, span) of ``shapes`` (None: every bucket over the spans up
         to CAPTURE_SPAN, at load), largest first, all in one pool: a smaller graph's memory fits
         in what a larger one left (nano-vllm and transformers capture so too). Each is run once
-        before its capture (kernels chosen, workspaces allocated outside the graph)."""
+        before its capture (kernels chosen, workspaces allocated outside the graph): at load
+        that writes column 0 of rows no job holds; later, the inputs of the step that needs it."""
         store, started = self._store, time.perf_counter()
         if shapes is None:
             shapes = [(rows, span) for rows in reversed(buckets(store.rows))
