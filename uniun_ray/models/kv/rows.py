@@ -4,7 +4,7 @@
 the jobs decoding together, one row each in the order they joined, and runs one decode step of
 them. Implementations differ by device: ``PaddedRows`` holds one ``DynamicCache`` whose rows are
 left-padded to the longest, an attention mask hiding the padding and per-row position ids;
-``static.StaticRows`` keeps a row per job in KV tensors allocated once at load, so a step has
+``StaticRows`` keeps a row per job in KV tensors allocated once at load, so a step has
 fixed shapes and a GPU can replay it as a CUDA graph. ``rows_for`` is the one place that chooses
 (``UNIUN_KV_ROWS``; by default static on a GPU, padded on a CPU).
 """
@@ -82,18 +82,18 @@ def rows_for(runner: Runner, device: torch.device, slots: int, store: RowStore |
     their own of ``slots`` rows of ``context`` tokens (a probe's); else padded rows."""
     if not batchable(runner.model) or rows_kind(device) != "static" or (store is None and context is None):
         return PaddedRows(device, runner)
+    mode = steps_mode(device)
+    mode = "exact" if mode == "graphs" else mode      # a store of its own captures no graphs
     if store is None:
-        store = RowStore(runner, device, slots, context, "exact" if steps_mode(device) == "graphs" else steps_mode(device))
-    mode = "exact" if store.mode == "graphs" else store.mode
+        store = RowStore(runner, device, slots, context, mode)
     return StaticRows(store, slots, lambda rows: RowStore(runner, device, rows, store.context, mode))
 
 
 class Rows(ABC):
     """The KV of a batch's decoding rows, in the order they joined."""
 
-    #: The most rows it can hold (None: no bound of its own), and the longest a row may grow.
+    #: The most rows it can hold (None: no bound of its own).
     capacity: int | None = None
-    context: int | None = None
 
     @abstractmethod
     def __len__(self) -> int: ...
@@ -194,16 +194,12 @@ class StaticRows(Rows):
     def __init__(self, store: RowStore, rows: int, private: Callable[[int], RowStore]) -> None:
         self._shared, self._private = store, private
         self.capacity = min(rows, store.rows)
-        self.context = store.context
         self._store: RowStore | None = None
         self._slots: list[int] = []
         self._lengths: list[int] = []        # per slot: tokens its row holds
 
     def __len__(self) -> int:
         return len(self._slots)
-
-    def fits(self, tokens: int) -> bool:
-        return tokens <= self.context
 
     def join(self, cache: Any, tokens: int) -> None:
         if self._store is None:
