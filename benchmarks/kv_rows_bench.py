@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/kv_rows_bench.py                  # tiny and SmolLM2, 1, 4 and 8 rows
     .venv/bin/python benchmarks/kv_rows_bench.py --quick          # tiny only, 1 and 4 rows, few steps: it runs
+    .venv/bin/python benchmarks/kv_rows_bench.py --threads 1 --clock cpu   # on a busy machine: CPU seconds
     .venv/bin/python benchmarks/kv_rows_bench.py --device cuda --dtype bfloat16 --rows 1,8,64
 
 What ``kv.rows.rows_kind`` chooses per device (issue 36). For each model, kind ("padded"; "static",
@@ -10,7 +11,8 @@ exact shapes; "buckets", the fixed-shape steps CUDA graphs replay, here run with
 prefix-cache hit) join a ``Batch`` on the engine's loaded model, then the steps where all B rows
 decode together are timed one by one (``Batch.step``: the forward pass, the logits to the host,
 every row's choice of token); the figure is the median step. Kinds take turns round by round
-(``--repeats``), so a load that comes and goes beside it stretches each alike. Measure alone:
+(``--repeats``), so a load that comes and goes beside it stretches each alike. No row stops at
+an end-of-sequence token (the engine's EOS ids are set to none). Measure alone:
 other work on the cores stretches every figure. The rows go to BENCHMARKS.md, section "kv-rows".
 """
 from __future__ import annotations
@@ -47,27 +49,26 @@ def use(engine: Engine, kind: str) -> None:
                                     loaded.prefix.budget_bytes)
 
 
-def prompt_of(engine: Engine, tokens: int, seed: int) -> str:
-    """A prompt of about ``tokens`` tokens no other row shares."""
-    tokenizer = engine.resident.vocabulary.tokenizer
-    words = [f"w{(seed * 7919 + i * 104729) % 99991}" for i in range(tokens)]
-    ids = tokenizer(" ".join(words), add_special_tokens=False)["input_ids"][:tokens - 1]
-    return tokenizer.decode(ids)
+def prompt_of(engine: Engine, tokens: int, seed: int) -> tuple[int, ...]:
+    """``tokens`` token ids no other row's prompt shares."""
+    vocab = len(engine.resident.vocabulary.tokenizer)
+    return tuple((seed * 7919 + i * 104729) % (vocab - 1) + 1 for i in range(tokens))
 
 
-def step_times(engine: Engine, rows: int, prompt: int, new: int, seed: int) -> list[float]:
+def step_times(engine: Engine, rows: int, prompt: int, new: int, seed: int, clock) -> list[float]:
     """Seconds of each step in which all ``rows`` rows decoded together."""
     engine.resident.prefix.clear()
+    engine.resident.eos_ids = frozenset({-1})    # no row ends early: each decodes its `new` tokens
     batch = Batch(engine, slots=rows)
     for row in range(rows):
         batch.add(GenerateRequest(prompt=prompt_of(engine, prompt, seed + row), max_new_tokens=new),
                   threading.Event())
     times = []
     while batch.busy:
-        started = time.perf_counter()
+        started = clock()
         batch.step()
         if batch.last_step_rows == rows:
-            times.append(time.perf_counter() - started)
+            times.append(clock() - started)
     return times[1:]      # the first full step follows the last join in the same step
 
 
@@ -82,6 +83,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=3, help="rounds over every kind (median of all steps)")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="float32", help="float32 (default), bfloat16, auto")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: the engine's choice)")
+    parser.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                        help="wall: elapsed (default); cpu: the process's CPU seconds, which other work on "
+                             "the cores does not stretch (with --threads 1 on a busy machine)")
     parser.add_argument("--quick", action="store_true", help="tiny, 1 and 4 rows, 12 new tokens, one round")
     args = parser.parse_args(argv)
     if args.quick:
@@ -89,8 +94,10 @@ def main(argv: list[str] | None = None) -> int:
     kinds = (args.kinds or ("padded,static,buckets,graphs" if args.device.startswith("cuda")
                             else "padded,static,buckets")).split(",")
     rows = [int(n) for n in args.rows.split(",")]
-    record = Record("kv-rows", quick=args.quick, note=f"{args.prompt}-token prompts, {args.new} new tokens")
-    engine = Engine(device=args.device, dtype=args.dtype)
+    record = Record("kv-rows", quick=args.quick,
+                    note=f"{args.prompt}-token prompts, {args.new} new tokens, {args.clock} clock")
+    engine = Engine(device=args.device, dtype=args.dtype, num_threads=args.threads)
+    clock = time.process_time if args.clock == "cpu" else time.perf_counter
     record.runs_on(threads=torch.get_num_threads(), dtype=args.dtype, engine="transformers")
     for model in args.models.split(","):
         engine.load(model)
@@ -99,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
             for kind in kinds:
                 use(engine, kind)
                 for n in rows:
-                    seconds[(kind, n)] += step_times(engine, n, args.prompt, args.new, 1000 * repeat)
+                    seconds[(kind, n)] += step_times(engine, n, args.prompt, args.new, 1000 * repeat, clock)
         for n in rows:
             padded = statistics.median(seconds[(kinds[0], n)])
             for kind in kinds:
