@@ -8,7 +8,7 @@
 What ``kv.rows.rows_kind`` chooses per device (issue 36). For each model, kind ("padded"; "static",
 exact shapes; "buckets", the fixed-shape steps CUDA graphs replay, here run without a capture;
 "graphs" on a GPU) and row count B: B jobs of ``--prompt``-token prompts (each its own, so no
-prefix-cache hit) join a ``Batch`` on the engine's loaded model, then the steps where all B rows
+prefix-cache hit; each read in one pass) join a ``Batch`` on the engine's loaded model, then the steps where all B rows
 decode together are timed one by one (``Batch.step``: the forward pass, the logits to the host,
 every row's choice of token); the figure is the median step. Kinds take turns round by round
 (``--repeats``), so a load that comes and goes beside it stretches each alike. No row stops at
@@ -58,10 +58,11 @@ def prompt_of(engine: Engine, tokens: int, seed: int) -> tuple[int, ...]:
 def step_times(engine: Engine, rows: int, prompt: int, new: int, seed: int, clock) -> list[float]:
     """Seconds of each step in which all ``rows`` rows decoded together."""
     engine.resident.prefix.clear()
-    engine.resident.eos_ids = frozenset({-1})    # no row ends early: each decodes its `new` tokens
+    engine.resident.eos_ids = frozenset({-1})    # no row ends early
+    engine.prefill_chunk = prompt                  # a prompt joins in one step: all rows overlap `new` steps
     batch = Batch(engine, slots=rows)
     for row in range(rows):
-        batch.add(GenerateRequest(prompt=prompt_of(engine, prompt, seed + row), max_new_tokens=new),
+        batch.add(GenerateRequest(prompt=prompt_of(engine, prompt, seed + row), max_new_tokens=new + rows),
                   threading.Event())
     times = []
     while batch.busy:

@@ -339,6 +339,7 @@ def test_a_chat_has_its_first_token_before_the_rows_it_revoked_leave(engine, row
     assert seen == [[False, False, False]]                          # the chat's first token came first
     assert [job.done.is_set() for job in companions] == [False, True, True]   # then they left, that step
     assert batch.rows == 2 and all(job.result.finish_reason == "cancel" for job in companions[1:])
+    batch.close()       # the others end here: no job stays running into the next test
 
 
 # -- static rows (issue 36) ----------------------------------------------------------------------
