@@ -88,6 +88,7 @@ def static_budget(device: torch.device, reserved_bytes: int) -> int:
         return int(configured) * 2**20
     if device.type != "cuda":
         return CPU_BUDGET_MB * 2**20
+    torch.cuda.empty_cache()       # what the load's probe left in torch's cache is free memory too
     free, _ = torch.cuda.mem_get_info(device)
     spare = free - reserved_bytes
     return max(0, int(min(spare * (1 - HEADROOM_SHARE), spare - HEADROOM_MB * 2**20)))
