@@ -7,7 +7,7 @@ PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.installed
 export RAY_AUTH_MODE ?= disabled
 
-.PHONY: demo test test-stress test-cluster test-vllm install-vllm peers gpu-check bench bench-suite install clean
+.PHONY: demo test test-stress test-cluster test-vllm install-vllm peers gpu-check gpu-check-full bench bench-suite install clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -60,9 +60,16 @@ test-stress: $(STAMP)
 demo: $(STAMP)
 	$(PY) -m uniun_ray.demo $(if $(ENGINE),--engine $(ENGINE)) $(DEMO_ARGS)
 
-# On a GPU machine: the GPU-relevant tests and the engine and runtime benchmarks, into gpu-check.md.
-gpu-check: $(STAMP)
-	PYTHON=$(PY) benchmarks/gpu_check.sh
+# On a lent GPU machine as it is (no registry, no Ray; ../shared/gpu/pack.sh's .gpu/ carried): installs
+# nothing; the engine tests on CUDA and benchmarks/gpu_bench.py, within ~8 min, into gpu-check.md ($$OUT
+# when set). GPU_CHECK_DEVICE=cpu tries it on a CPU with a tiny shape. No venv needed: python3 will do.
+gpu-check:
+	bash benchmarks/gpu_check.sh
+
+# On a GPU workstation with the venv: that, then the runtime tests with Ray, the vLLM engine and the
+# engine, prefix-cache and runtime benchmarks on the GPU.
+gpu-check-full: $(STAMP)
+	PYTHON=$(PY) GPU_CHECK_FULL=1 bash benchmarks/gpu_check.sh
 
 # Every benchmark this host can run, then BENCHMARKS.md's tables from their records
 # (benchmarks/regenerate.py). QUICK=1: each in its quick mode, to prove they run.

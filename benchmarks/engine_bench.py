@@ -79,11 +79,11 @@ def summary(latencies: list[float | None]) -> str:
 
 
 def bench_model(engine: Engine, model_id: str, trials: int) -> dict:
-    first_load = engine.load(model_id)
+    first_load = engine.load(model_id).seconds
     cached = []
     for _ in range(3):
         engine.unload()
-        cached.append(engine.load(model_id))
+        cached.append(engine.load(model_id).seconds)
     prompt = "Write a short story about a lighthouse keeper."
     warm = GenerateRequest(prompt=prompt, max_new_tokens=8)
     list(engine.generate(warm, threading.Event()))

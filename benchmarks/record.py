@@ -54,6 +54,7 @@ class Record:
         self.started = time.time()
         self.load = os.getloadavg()[0]
         self.rows: list[Row] = []
+        self.detail: dict | None = None    # what a script measured beyond its rows, kept with them
         self._on: dict = {}
 
     def runs_on(self, threads: int | str | None = None, dtype: str | None = None, engine: str | None = None) -> None:
@@ -63,17 +64,19 @@ class Record:
     def row(self, figure: str, measured: str, goal: str = "", met: bool | None = None, **on) -> None:
         self.rows.append(Row(figure, measured, goal, None if met is None else bool(met), **(self._on | on)))
 
-    def save(self) -> Path:
+    def save(self, results: Path = RESULTS) -> Path:
         """A run on a GPU machine is kept beside the CPU figures (`-gpu`), not over them."""
         described = host()
         name = self.name + ("-gpu" if described.get("gpu") else "")
-        RESULTS.mkdir(parents=True, exist_ok=True)
-        path = RESULTS / f"{name}.json"
+        results.mkdir(parents=True, exist_ok=True)
+        path = results / f"{name}.json"
         data = {"section": self.section, "name": name, "command": command(),
                 "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(self.started)),
                 "quick": self.quick, "note": self.note, "load": round(self.load, 1),
                 "host": described, "rows": [asdict(row) for row in self.rows]}
-        path.write_text(json.dumps(data, indent=1, ensure_ascii=False) + "\n")
+        if self.detail is not None:
+            data["detail"] = self.detail
+        path.write_text(json.dumps(data, indent=1, ensure_ascii=False, default=str) + "\n")
         print("\n| figure | goal | measured |\n|---|---|---|")
         for row in self.rows:
             verdict = "" if row.met is None else (": met" if row.met else ": MISSED")

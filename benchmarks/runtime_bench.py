@@ -3,12 +3,16 @@
     .venv/bin/python benchmarks/runtime_bench.py --repeat 5           # section "runtime" of BENCHMARKS.md
     .venv/bin/python benchmarks/runtime_bench.py --control-only
     .venv/bin/python benchmarks/runtime_bench.py --stream-only --repeat 3
+    .venv/bin/python benchmarks/runtime_bench.py --swaps-only                # section "swaps" (issue 37)
     ... --quick                                                        # fewer runs, no Gemma
 
-- swap time per model (load into the ModelActor from another resident model, cache warm);
-- revoke-to-stop latency (chat arrives while Nataraj generates on smollm2: from the
-  ModelActor's revoke to the generation's end);
-- chat TTFT with the device idle vs while Nataraj generates (smollm2, submit to first piece);
+- swap time per model and kind (load into the ModelActor from another resident model, cache warm:
+  the first of each cold, then a switch to the model kept beside the other; `--swaps-only`: SmolLM2
+  <-> Gemma, also as warm copies with co-residency off, issue 37);
+- revoke-to-stop latency (chat arrives while Natarajes fill every slot of the device on smollm2,
+  so that R22 revokes one: from the ModelActor's revoke to the generation's end; with free
+  slots a chat joins beside them and nothing is revoked);
+- chat TTFT with the device idle vs while Natarajes fill its slots (smollm2, submit to first piece);
 - embedding throughput with one caller vs two (the actor's max_concurrency=2);
 - with --control-only: the control-plane cost per job (submit + grant + release, `run` with
   empty work) next to a bare actor call, and the request check before queueing;
@@ -30,12 +34,13 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
 from record import Record  # noqa: E402
 
-from uniun_ray.client import agenerate, arun, astream, await_generating  # noqa: E402
+from uniun_ray.client import agenerate, arun, astatus, astream, await_generating  # noqa: E402
 from uniun_ray.runtime.launch import local_cluster, start  # noqa: E402
 from uniun_ray.runtime.releases import RELEASES  # noqa: E402
 
 CHAT = "smollm2-135m-instruct"
 MODELS = ("tiny", "smollm2-135m-instruct", "gemma-3-270m")
+SWAP_PAIR = (CHAT, "gemma-3-270m")   # issue 37's pair, back and forth
 
 
 def pct(values, q):
@@ -129,24 +134,25 @@ def bare_stream(tokens: int = 1800, repeat: int = 3) -> dict:
 
 async def measure(h, repeat: int, models: tuple[str, ...]) -> dict:
     out = {}
-    # swaps: cycle through the models so each load replaces another one
-    swaps = {m: [] for m in models}
-    for _ in range(repeat):
-        for model in models:
-            swaps[model].append(await h.model.load.remote(model))
-    out["swap"] = {m: statistics.median(v) for m, v in swaps.items()}
+    # swaps: cycle through the models so each load replaces another one (the first of each is
+    # cold, the rest as the engine kept the model: a switch by default, issue 37)
+    out["swap"] = await cycle(h, models, repeat)
 
     await agenerate("chat", "warm up", max_new_tokens=2)
     idle = [(await agenerate("chat", "Say hello.", max_new_tokens=8)).ttft_s for _ in range(repeat)]
+    slots = (await astatus())["devices"][0]["slots"]     # the chat model's, as the device chose them
     busy = []
     for _ in range(repeat):
-        card = asyncio.ensure_future(agenerate("nataraj", "Write a long story about the sea.", max_new_tokens=200))
-        assert await await_generating("nataraj"), "no nataraj job got the device"
+        cards = [asyncio.ensure_future(agenerate("nataraj", "Write a long story about the sea.", max_new_tokens=200,
+                                                 producer=f"nataraj:{i}")) for i in range(slots)]
+        await filled("nataraj", slots)
         busy.append((await agenerate("chat", "Say hello.", max_new_tokens=8)).ttft_s)
-        await card
-    out["ttft_idle"], out["ttft_busy"] = idle, busy
+        await asyncio.gather(*cards)
+    out["ttft_idle"], out["ttft_busy"], out["slots"] = idle, busy, slots
     state = await h.model.state.remote()
     out["stop"], out["engine"] = state["stop_latency_s"], state["engine"]
+    if not out["stop"]:
+        raise RuntimeError(f"no revoke-to-stop sample: the chat revoked no Nataraj of the {slots} filling the slots")
 
     texts = [f"note number {i} about the weather and the sea" for i in range(256)]
     batches = [texts[i:i + 8] for i in range(0, len(texts), 8)]
@@ -164,6 +170,20 @@ async def measure(h, repeat: int, models: tuple[str, ...]) -> dict:
     two = len(texts) / (time.perf_counter() - t)
     out["embed"] = (one, two)
     return out
+
+
+async def filled(kind: str, jobs: int, timeout_s: float = 120.0) -> None:
+    """Until `jobs` jobs of `kind` generate at once (every slot of the device taken)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        status = await astatus()
+        running = [j for d in status["devices"] for j in d["jobs"] if j["kind"] == kind
+                   and status["leases"].get(j["id"], {}).get("held_s", 0.0) >= 0.2]
+        if len(running) >= jobs:
+            return
+        if time.monotonic() >= deadline:
+            raise RuntimeError(f"{len(running)} of {jobs} {kind} jobs generate after {timeout_s:.0f} s")
+        await asyncio.sleep(0.05)
 
 
 def on(engine: dict) -> dict:
@@ -205,17 +225,57 @@ def record_control(r: dict, quick: bool) -> None:
     record.save()
 
 
+async def cycle(h, models: tuple[str, ...], repeat: int) -> dict[tuple[str, str], list[float]]:
+    """`ModelActor.load` of each model in turn, `repeat` rounds: seconds by (model, swap kind)."""
+    swaps: dict[tuple[str, str], list[float]] = {}
+    for _ in range(repeat):
+        for model in models:
+            swap = await h.model.load.remote(model)
+            if swap.kind != "none":   # the warm start's model, already resident
+                swaps.setdefault((model, swap.kind), []).append(swap.seconds)
+    return swaps
+
+
+def warm_copies(models: tuple[str, ...], repeat: int) -> dict[tuple[str, str], list[float]]:
+    """The same cycle on an engine in this process with co-residency off (`UNIUN_CORESIDENT=0`):
+    every swap back is a warm copy from host memory (on a CPU an empty one)."""
+    from uniun_ray.models.decode.engine import Engine
+
+    engine, swaps = Engine(coresident=False), {}
+    for _ in range(repeat):
+        for model in models:
+            swap = engine.load(model)
+            swaps.setdefault((model, swap.kind), []).append(swap.seconds)
+    engine.unload()
+    return swaps
+
+
+def swap_rows(record: Record, swaps: dict[tuple[str, str], list[float]], where: str, goal: bool) -> None:
+    for (model, kind), seconds in sorted(swaps.items()):
+        p50 = statistics.median(seconds)
+        record.row(f"swap to `{model}`, {kind} ({where}): p50 / max (n={len(seconds)})",
+                   f"{p50 * 1e3:.1f} / {max(seconds) * 1e3:.1f} ms",
+                   **(dict(goal="≤ 50 ms p50 (issue 37)", met=p50 <= 0.05) if goal and kind != "cold" else {}))
+
+
+def record_swaps(r: dict, quick: bool) -> None:
+    record = Record("swaps", quick=quick, name="runtime_bench-swaps")
+    swap_rows(record, r["actor"], "`ModelActor.load`, co-resident: the default", goal=True)
+    swap_rows(record, r["engine"], "the engine in the driver process, `UNIUN_CORESIDENT=0`", goal=True)
+    record.save()
+
+
 def record_runtime(r: dict, quick: bool) -> None:
     record = Record("runtime", quick=quick)
-    for model, s in r["swap"].items():
-        record.row(f"swap in `{model}` (p50)", f"{s:.2f} s")
+    swap_rows(record, r["swap"], "`ModelActor.load`", goal=False)
     record.runs_on(**on(r["engine"]))
     stop = r["stop"]
-    record.row(f"revoke to stop, {CHAT} decoding (p50 / max, n={len(stop)})",
+    full = f"its {r['slots']} slot{'s' * (r['slots'] > 1)} full of Natarajes"
+    record.row(f"revoke to stop, {CHAT} decoding, {full} (p50 / max, n={len(stop)})",
                f"{statistics.median(stop) * 1e3:.0f} / {max(stop) * 1e3:.0f} ms")
     record.row("chat TTFT, submit to first piece, device idle (p50 / max)",
                f"{statistics.median(r['ttft_idle']):.2f} / {max(r['ttft_idle']):.2f} s")
-    record.row("chat TTFT while a Nataraj generates (p50 / max)",
+    record.row(f"chat TTFT, {full} (p50 / max)",
                f"{statistics.median(r['ttft_busy']):.2f} / {max(r['ttft_busy']):.2f} s")
     one, two = r["embed"]
     record.row("embeddings, 1 caller / 2 callers (batches of 8)", f"{one:.0f} / {two:.0f} texts/s",
@@ -228,19 +288,26 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--control-only", action="store_true", help="only the control plane against a bare call")
     ap.add_argument("--stream-only", action="store_true", help="only a fast model's stream against the bare engine")
+    ap.add_argument("--swaps-only", action="store_true",
+                    help=f"only swaps {CHAT} <-> {SWAP_PAIR[1]} by kind (co-resident switch, warm copy)")
     ap.add_argument("--quick", action="store_true", help="fewer runs and jobs; swaps without Gemma")
     args = ap.parse_args()
     repeat = 1 if args.quick else args.repeat
     with local_cluster():
         h = start()
-        if args.stream_only:
+        if args.swaps_only:
+            rounds = 3 if args.quick else 10
+            r = {"actor": asyncio.run(cycle(h, SWAP_PAIR, rounds)), "engine": warm_copies(SWAP_PAIR, rounds)}
+        elif args.stream_only:
             tokens = 400 if args.quick else 1800
             r = asyncio.run(stream(h, tokens, repeat)) | bare_stream(tokens, repeat) | {"tokens": tokens}
         elif args.control_only:
             r = asyncio.run(control_plane(h, *((50, 5, 10) if args.quick else ())))
         else:
             r = asyncio.run(measure(h, max(repeat, 2), MODELS[:2] if args.quick else MODELS))
-    if args.stream_only:
+    if args.swaps_only:
+        record_swaps(r, args.quick)
+    elif args.stream_only:
         record_stream(r, args.quick)
     elif args.control_only:
         record_control(r, args.quick)

@@ -2,7 +2,7 @@
 issue 4), what the prefix KV cache saves, a pool of devices (the goals of issue 16), and one
 device with slots on the cpu and gpu profiles (the goals of issue 24).
 
-    .venv/bin/python benchmarks/sim_bench.py            # sections "simulator", "KV cache", "pool", "slots-sim"
+    .venv/bin/python benchmarks/sim_bench.py            # sections "simulator", "KV cache", "pool", "swaps", "slots-sim"
     .venv/bin/python benchmarks/sim_bench.py --quick    # issue118 and ganas only; pools of 1 and 2; 1 and 4 slots
 
 Profile `cpu`, seed 1: every figure but a run's wall time is a function of the code, the
@@ -19,6 +19,7 @@ from record import Record
 
 from uniun_ray.sim import bench, poolbench, slotbench
 from uniun_ray.sim.device import PROFILES
+from uniun_ray.sim.metrics import swap_s_per_device_h
 from uniun_ray.sim.workloads import POOL_WORKLOADS, SLOT_WORKLOADS, WORKLOADS, generate
 
 SEED = 1
@@ -74,7 +75,27 @@ def main() -> None:
         for goal in poolbench.goals(outcomes):
             pool.row(goal.name, goal.detail, goal="issue 16, against 1 device", met=goal.ok)
     pool.save()
+    swaps()
     slots(args.quick)
+
+
+def swaps() -> None:
+    """Issue 37: models kept on the device (`cpu-warm`, the runtime's default) against every swap
+    cold, on `mixed_day`; the `pool` workload on one device, with one slot and two."""
+    record = Record("swaps", name="sim_bench-swaps", note=NOTE)
+    warm = PROFILES["cpu-warm"]
+    for goal in bench.swap_goals(generate("mixed_day", SEED), warm):
+        record.row(goal.name, goal.detail, goal="issue 37", met=goal.ok)
+    workload = generate("pool", SEED)
+    for profile in (PROFILES["cpu"], warm):
+        for slots in (1, 2):
+            o = poolbench.run(workload, profile, 1, slots)
+            kinds = ", ".join(f"{kind} {n}" for kind, n in sorted(o.metrics.swaps_by_kind.items()))
+            record.row(f"simulator, `pool` on 1 device, {slots} slot(s), profile `{profile.name}`: chat TTFT p99 "
+                       f"(of {o.metrics.chat_n} chats); swaps by kind; swap s per device-hour",
+                       f"{o.chat_ttft_p99:.2f} s; {kinds}; {swap_s_per_device_h(o.metrics):.1f}",
+                       goal="issue 37: chat TTFT p99 <= 1 s", met=o.chat_ttft_p99 <= 1.0)
+    record.save()
 
 
 def slots(quick: bool) -> None:

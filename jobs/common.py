@@ -16,7 +16,9 @@ def job_parser(doc: str) -> argparse.ArgumentParser:
     return parser
 
 
-def session(args: argparse.Namespace) -> None:
-    """Join (or start) Ray and get or create the scheduler, model and embedder actors."""
+def session(args: argparse.Namespace, models: dict[str, str] | None = None) -> None:
+    """Join (or start) Ray and get or create the scheduler, model and embedder actors; ``models``
+    (id -> folder) are served beside the embedded ones where this script creates the scheduler
+    (a running one serves what its operator configured: `--model ID=PATH`, UNIUN_MODELS)."""
     uniun_ray.connect(args.address)
-    uniun_ray.start()
+    uniun_ray.start(models=models)

@@ -27,6 +27,9 @@ os.environ["UNIUN_STATE_DIR"] = tempfile.mkdtemp(prefix="uniun-test-state-")
 #: One slot per device unless a test asks for more: the R1-R20 scenarios, the jobs and the CLI
 #: are about one job at a time; the slot tests set their count (and "auto") themselves.
 os.environ.setdefault("UNIUN_SLOTS", "1")
+#: No warm start (issue 37): a test's runtime starts with its devices empty, as the tests of
+#: swaps, loads and the event log expect; test_swaps_runtime tests the warm start itself.
+os.environ.setdefault("UNIUN_WARM_START", "0")
 sys.path.insert(0, str(Path(__file__).parent))
 
 
@@ -207,14 +210,73 @@ def pytest_testnodedown(node, error) -> None:
 
 
 # -- fakes for the Ray-free protocol tests (SchedulerService with a fake device) ---------------
-class FakeDevice:
-    """The device as the scheduler sees it: loads (optionally slow, or failing for the models
-    in `fail`), grants and revokes are recorded; `epoch` is what it was last granted. Set
-    `gone` and every call raises DeviceGone, as a ModelActor killed for good does."""
+async def settle(rounds: int = 50) -> None:
+    """Let every task that can run do so (each round is one pass of the event loop)."""
+    for _ in range(rounds):
+        await asyncio.sleep(0)
 
-    def __init__(self, load_s: float = 0.0, fail: set[str] = frozenset()) -> None:
-        self.load_s, self.fail = load_s, fail
+
+class ManualClock:
+    """The scheduler's clock (`runtime.clock.Clock`) moved by hand: time stands still until
+    `advance`, which runs each timer that falls due meanwhile at its own time, then lets the
+    loop settle. A test that drives a timeout, a deadline or the reaper with it waits for no
+    real time and asserts on the exact one. It starts at the real epoch time, as deadlines are
+    checked against time.time()."""
+
+    def __init__(self) -> None:
+        import time
+
+        self.now = time.time()
+        self._sleepers: list[tuple[float, asyncio.Future]] = []
+
+    def time(self) -> float:
+        return self.now
+
+    def monotonic(self) -> float:
+        return self.now
+
+    async def sleep(self, seconds: float) -> None:
+        woken = asyncio.get_running_loop().create_future()
+        self._sleepers.append((self.now + max(0.0, seconds), woken))
+        await woken
+
+    async def wait(self, event: asyncio.Event, timeout_s: float) -> bool:
+        sleeping, setting = asyncio.ensure_future(self.sleep(timeout_s)), asyncio.ensure_future(event.wait())
+        try:
+            await asyncio.wait({sleeping, setting}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            sleeping.cancel()
+            setting.cancel()
+        return event.is_set()
+
+    async def advance(self, seconds: float = 0.0) -> None:
+        target = self.now + seconds
+        await settle()
+        while True:
+            self._sleepers = [(at, woken) for at, woken in self._sleepers if not woken.done()]
+            due = min((at for at, _ in self._sleepers), default=None)
+            if due is None or due > target:
+                break
+            self.now = max(self.now, due)
+            for at, woken in self._sleepers:
+                if at <= self.now:
+                    woken.set_result(None)
+            await settle()
+        self.now = target
+        await settle()
+
+
+class FakeDevice:
+    """The device as the scheduler sees it: loads (optionally slow, on `clock` where given, or
+    failing for the models in `fail`; given up while in flight when asked to `abandon`), grants
+    and revokes are recorded; `epoch` is what it was last granted. Set `gone` and every call raises DeviceGone, as a ModelActor killed for good
+    does."""
+
+    def __init__(self, load_s: float = 0.0, fail: set[str] = frozenset(), clock: ManualClock | None = None) -> None:
+        self.load_s, self.fail, self.clock = load_s, fail, clock
         self.loads: list[str] = []
+        self.abandoned: list[str] = []   # the loads given up (R13)
+        self._loading: tuple[str, asyncio.Event] | None = None
         self.granted: list[int] = []
         self.revoked: list[int] = []
         self.epoch = 0
@@ -227,13 +289,27 @@ class FakeDevice:
         if self.gone:
             raise DeviceGone("the fake device is gone")
 
-    async def load(self, model_id: str) -> float:
-        await asyncio.sleep(self.load_s)
+    async def load(self, model_id: str):
+        from uniun_ray.models.requests.swap import COLD, Swap, SwapAbandoned
+        from uniun_ray.runtime.clock import Clock
+
+        self._loading = (model_id, asyncio.Event())
+        try:
+            abandoned = await (self.clock or Clock()).wait(self._loading[1], self.load_s)
+        finally:
+            self._loading = None
+        if abandoned:
+            self.abandoned.append(model_id)
+            raise SwapAbandoned(f"the load of {model_id} was abandoned")
         self._answer()
         if model_id in self.fail:
             raise RuntimeError(f"cannot load {model_id}")
         self.loads.append(model_id)
-        return self.load_s
+        return Swap(model_id, COLD, self.load_s)
+
+    async def abandon(self, model_id: str) -> None:
+        if self._loading is not None and self._loading[0] == model_id:
+            self._loading[1].set()
 
     async def grant(self, epoch: int, live: tuple[int, ...] = (), model: str | None = None) -> None:
         self._answer()

@@ -53,19 +53,36 @@ SCHEMA = {"type": "array", "items": {"type": "string", "enum": ["red", "blue"]}}
 
 
 def test_a_schema_travels_with_the_end_ids_and_what_was_resumed():
+    from llguidance import LLMatcher
+
     assert grammar_fields(request(), {"eos_token_id": 2}) == {}
     fresh = grammar_fields(request(json_schema=SCHEMA), {"eos_token_id": [1, 106]})["vllm_xargs"]
-    assert json.loads(fresh.pop("uniun_json_schema")) == SCHEMA and fresh == {"uniun_eos": [1, 106], "uniun_resumed": 0}
+    assert fresh.pop("uniun_grammar") == LLMatcher.grammar_from_json_schema(SCHEMA)
+    assert fresh == {"uniun_eos": [1, 106], "uniun_resumed": 0}
     resumed = grammar_fields(request(json_schema=SCHEMA, resume_tokens=(5, 6, 7)), {"eos_token_id": 2})["vllm_xargs"]
     assert (resumed["uniun_eos"], resumed["uniun_resumed"]) == ([2], 3) and "uniun_resumed_text" not in resumed
     lossy = grammar_fields(request(json_schema=SCHEMA, resume_text='["red", '), {})["vllm_xargs"]
     assert (lossy["uniun_eos"], lossy["uniun_resumed"], lossy["uniun_resumed_text"]) == ([], 0, '["red", ')
 
 
+def test_a_forced_tool_call_travels_as_its_grammar_in_the_templates_format():
+    from llguidance import LLMatcher
+
+    from uniun_ray.models.requests.tools import HERMES, call_grammar
+    tool = {"type": "function", "function": {"name": "clock", "parameters": {"type": "object"}}}
+    forced = GenerateRequest(messages=[{"role": "user", "content": "time?"}], tools=[tool], tool_choice="clock")
+    xargs = grammar_fields(forced, {"eos_token_id": 2}, template="... <tool_call> ...")["vllm_xargs"]
+    assert xargs["uniun_grammar"] == LLMatcher.grammar_from_lark(call_grammar(HERMES, [tool], "clock", True))
+    assert grammar_fields(GenerateRequest(messages=forced.messages, tools=[tool]), {}, template="<tool_call>") == {}
+    with pytest.raises(ValueError, match="no format this server reads"):
+        grammar_fields(forced, {}, template="{{ messages }}")
+
+
 MASK_PROBE = """
 import json, sys, torch
 from transformers import AutoTokenizer
-from uniun_grammar import JsonSchemaMask
+from llguidance import LLMatcher
+from uniun_grammar import GrammarMask
 
 class Config:
     class model_config:
@@ -75,19 +92,23 @@ class Params:
     def __init__(self, **xargs):
         self.extra_args = xargs
 
-masks = JsonSchemaMask(Config, torch.device("cpu"), False)
+masks = GrammarMask(Config, torch.device("cpu"), False)
 tokenizer = AutoTokenizer.from_pretrained(sys.argv[1])
-schema = json.dumps({"type": "array", "items": {"type": "string", "enum": ["red", "blue"]}})
+schema = LLMatcher.grammar_from_json_schema({"type": "array", "items": {"type": "string", "enum": ["red", "blue"]}})
 prompt = tokenizer("Colours:", add_special_tokens=False)["input_ids"]
 output = tokenizer('["red", "blue"', add_special_tokens=False)["input_ids"]   # produced before a revoke
 comma, opening = (tokenizer(t, add_special_tokens=False)["input_ids"][0] for t in (",", "["))
 def allowed(params, prompt_ids):
     logits = masks.new_req_logits_processor(params)(prompt_ids, [], torch.zeros(len(tokenizer)))
     return [bool(logits[t] > float("-inf")) for t in (comma, opening)]
-print(json.dumps({"fresh": allowed(Params(uniun_json_schema=schema, uniun_eos=[2]), prompt),
-                  "resumed": allowed(Params(uniun_json_schema=schema, uniun_eos=[2], uniun_resumed=len(output)),
+print(json.dumps({"fresh": allowed(Params(uniun_grammar=schema, uniun_eos=[2]), prompt),
+                  "resumed": allowed(Params(uniun_grammar=schema, uniun_eos=[2], uniun_resumed=len(output)),
                                      prompt + output),
-                  "none": masks.new_req_logits_processor(Params()) is None}))
+                  "none": masks.new_req_logits_processor(Params()) is None,
+                  "call_opens_with": [int(t) for t in torch.nonzero(
+                      masks.new_req_logits_processor(Params(uniun_grammar=sys.argv[2], uniun_eos=[2]))(
+                          prompt, [], torch.zeros(len(tokenizer))) > float("-inf"))],
+                  "call_marker": tokenizer("<tool_call>", add_special_tokens=False)["input_ids"][:1]}))
 """
 
 
@@ -95,14 +116,22 @@ print(json.dumps({"fresh": allowed(Params(uniun_json_schema=schema, uniun_eos=[2
 @pytest.mark.skipif(not venvs.installed(venvs.vllm_recipe()), reason="no vLLM environment (make install-vllm)")
 def test_the_servers_mask_continues_a_resumed_json_where_it_was_cut():
     """The logits processor on vLLM's own Python: a fresh request may open the list, not put a
-    comma; a resumed one, whose prompt ends inside the list, may put a comma, not open another."""
-    from uniun_ray.models.requests.registry import materialize, resolve
+    comma; a resumed one, whose prompt ends inside the list, may put a comma, not open another.
+    A forced tool call opens with its marker, in the tokenizer's own first token of it."""
+    from llguidance import LLMatcher
 
-    probe = subprocess.run([str(venvs.vllm_python()), "-c", MASK_PROBE, str(materialize(resolve(CHAT)))],
+    from uniun_ray.models.requests.registry import materialize, resolve
+    from uniun_ray.models.requests.tools import HERMES, call_grammar
+
+    tool = {"type": "function", "function": {"name": "clock", "parameters": {"type": "object"}}}
+    call = LLMatcher.grammar_from_lark(call_grammar(HERMES, [tool], "clock", False))
+    probe = subprocess.run([str(venvs.vllm_python()), "-c", MASK_PROBE, str(materialize(resolve(CHAT))), call],
                            env={**os.environ, "PYTHONPATH": str(PLUGIN_DIR)}, capture_output=True, text=True,
                            timeout=300)
     assert probe.returncode == 0, probe.stderr[-2000:]
-    assert json.loads(probe.stdout.splitlines()[-1]) == {"fresh": [False, True], "resumed": [True, False], "none": True}
+    answer = json.loads(probe.stdout.splitlines()[-1])
+    assert answer.pop("call_opens_with") == answer.pop("call_marker")
+    assert answer == {"fresh": [False, True], "resumed": [True, False], "none": True}
 
 
 # -- the stream's events --

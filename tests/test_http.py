@@ -74,16 +74,23 @@ def runtime_config():
                          max_queued=MAX_QUEUED, slots=1)
 
 
+#: The id requests name for `tiny` with a hermes tools template, served as the operator configures it.
+TOOL_MODEL = "tiny-hermes"
+
+
 @pytest.fixture(scope="module")
-def server(ray_cluster):
+def server(ray_cluster, tmp_path_factory):
     from conftest import reset_uniun_actors
     from ray import serve
+    from tool_models import tool_model
 
     from uniun_ray.http import deploy
+    from uniun_ray.models import materialize, resolve
     from uniun_ray.runtime.launch import start
 
     reset_uniun_actors(ray_cluster)   # a scheduler of this module's configuration
-    start(runtime_config())
+    folder = tool_model(materialize(resolve("tiny")), tmp_path_factory.mktemp("tools") / "hermes", "hermes")
+    start(runtime_config(), models={TOOL_MODEL: str(folder)})
     port = free_port()
     url = deploy(port=port, api_key=KEY)
     assert url == f"http://127.0.0.1:{port}"
@@ -265,7 +272,9 @@ MESSAGES = {"model": CHAT_MODEL, "messages": [{"role": "user", "content": "hi"}]
     ("/v1/embeddings", {"input": "x", "model": "text-embedding-3-small"}, 404, "model_not_found", "model"),
     ("/v1/embeddings", {"input": [1, "a"]}, 400, None, None),
     ("/v1/embeddings", {"input": [[]]}, 400, None, "input[0]"),
-    ("/v1/embeddings", {"input": [100300]}, 400, None, "input"),                          # not a cl100k token
+    ("/v1/embeddings", {"input": [100300]}, 400, None, "input[0]"),                       # not a cl100k token
+    ("/v1/completions", CHAT | {"model": "/etc"}, 404, "model_not_found", "model"),        # a path: never read
+    ("/v1/completions", CHAT | {"model": "~nosuchuser"}, 404, "model_not_found", "model"),
     ("/v1/foreground", {"kind": "urgent"}, 400, None, "kind"),
     ("/v1/foreground", {"kind": None, "subject": "note-1"}, 400, None, "subject"),
 ])
@@ -518,8 +527,99 @@ def test_a_tool_conversation_renders_where_the_template_can_and_tools_are_refuse
     assert server.post("/v1/chat/completions", MESSAGES | {"tools": [tool], "tool_choice": "none"}).status_code == 200
 
 
+# -- tool calls (issue 38): `tiny` with a hermes template, calls forced or free ------------------------
+@pytest.fixture(scope="module")
+def tool_model_id(server) -> str:
+    """The id requests name for `tiny` with a hermes tools template (served by the operator's configuration)."""
+    return TOOL_MODEL
+
+
+def test_openai_sdk_forced_calls_come_back_as_tool_calls_whole_and_streamed(server, tool_model_id):
+    """What the untrained model writes under the grammar is text; the endpoint reads the calls
+    out of it (the hermes reader), as OpenAI returns and streams them."""
+    import jsonschema
+    from tool_models import SCHEMAS, TOOLS
+
+    client = server.openai()
+    ask = dict(model=tool_model_id, messages=[{"role": "user", "content": "Weather in Oslo?"}], tools=TOOLS,
+               max_tokens=80)
+    one = client.chat.completions.create(**ask, tool_choice="required", parallel_tool_calls=False, temperature=0)
+    choice = one.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None, one
+    assert one.model_extra["uniun"]["tool_call_format"] == "hermes"
+    [call] = choice.message.tool_calls
+    assert call.id.startswith("call_") and call.type == "function" and call.function.name in SCHEMAS
+    jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
+
+    named = {"type": "function", "function": {"name": "clock"}}
+    ask |= {"tool_choice": named, "parallel_tool_calls": False, "seed": 3, "temperature": 1.2}
+    chunks = list(client.chat.completions.create(**ask, stream=True))
+    deltas = [d for c in chunks if c.choices for d in c.choices[0].delta.tool_calls or []]
+    assert deltas[0].id and deltas[0].function.name == "clock" and len(deltas) > 2    # named, then fragments
+    assert all(d.id is None and d.function.name is None for d in deltas[1:] if d.index == deltas[0].index)
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["tool_calls"]
+    with client.chat.completions.stream(**ask) as stream:
+        final = stream.get_final_completion()
+    [rebuilt] = final.choices[0].message.tool_calls
+    assert rebuilt.function.name == "clock" and final.choices[0].finish_reason == "tool_calls"
+    jsonschema.validate(json.loads(rebuilt.function.arguments), SCHEMAS["clock"])
+    assert "".join(d.function.arguments or "" for d in deltas) == rebuilt.function.arguments   # seeded: the same
+
+
+def test_a_tool_result_fed_back_continues_the_conversation_from_its_cached_prefix(server, tool_model_id):
+    from tool_models import TOOLS
+
+    client = server.openai()
+    history = [{"role": "user", "content": "Time in Oslo?"}]
+    utc = json.loads(json.dumps(TOOLS))
+    utc[1]["function"]["parameters"]["properties"]["zone"]["enum"] = ["UTC"]   # every character forced
+    asked = client.chat.completions.create(model=tool_model_id, messages=history, tools=utc, max_tokens=80,
+                                           tool_choice={"type": "function", "function": {"name": "clock"}},
+                                           parallel_tool_calls=False)
+    message = asked.choices[0].message
+    history += [message.model_dump(exclude_none=True),
+                {"role": "tool", "tool_call_id": message.tool_calls[0].id, "content": "12:00"}]
+    after = client.chat.completions.create(model=tool_model_id, messages=history, tools=utc, max_tokens=4)
+    assert after.choices[0].finish_reason in ("stop", "length") and after.choices[0].message.tool_calls is None
+    assert after.choices[0].message.content and after.model_extra["uniun"]["tool_call_format"] == "hermes"
+    # the turn before, its call included, came from the cache (all but the call's last token, which
+    # tiny's tokenizer merges with the template's next text)
+    reused = after.usage.prompt_tokens_details.cached_tokens
+    assert reused >= asked.usage.prompt_tokens + asked.usage.completion_tokens - 1, (reused, asked.usage)
+    assert server.status()["devices"][0]["engine"]["tool_call_format"] == "hermes"
+
+
+def test_langchain_bind_tools_reads_the_calls_whole_and_streamed(server, tool_model_id):
+    """(The tool in OpenAI's form, closed to other keys: a @tool's schema leaves them open, and an
+    untrained model adds keys until its token limit.)"""
+    from langchain_openai import ChatOpenAI
+    from tool_models import CLOCK
+
+    chat = ChatOpenAI(model=tool_model_id, base_url=server.url + "/v1", api_key=KEY, max_tokens=60, temperature=0,
+                      max_retries=0).bind_tools([CLOCK], tool_choice="clock")
+    [call] = chat.invoke("What time is it in Oslo?").tool_calls
+    assert call["name"] == "clock" and call["args"]["zone"] in ("UTC", "CET") and call["id"].startswith("call_")
+    merged = None
+    for piece in chat.stream("What time is it in Oslo?"):
+        merged = piece if merged is None else merged + piece
+    assert [(c["name"], c["args"]) for c in merged.tool_calls] == [("clock", call["args"])]
+
+
+def test_tool_choice_errors_name_the_parameter(server, tool_model_id):
+    from tool_models import TOOLS
+
+    body = {"model": tool_model_id, "messages": [{"role": "user", "content": "hi"}], "tools": TOOLS, "max_tokens": 4}
+    unknown = {"type": "function", "function": {"name": "launch"}}
+    assert "launch" in error_of(server.post("/v1/chat/completions", body | {"tool_choice": unknown}), 400,
+                                param="tool_choice")["message"]
+    free = server.post("/v1/chat/completions", body | {"tool_choice": "auto"}).json()
+    assert free["choices"][0]["message"]["content"] and "tool_calls" not in free["choices"][0]["message"]
+
+
 @pytest.mark.parametrize("body, param, code, words", [
-    (MESSAGES | {"tool_choice": "required"}, "tool_choice", "unsupported_value", "cannot be forced"),
+    (MESSAGES | {"tool_choice": "required"}, "tool_choice", "unsupported_value", "only with tools"),
+    (MESSAGES | {"tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice", "unsupported_value",
+     "only with tools"),
     (MESSAGES | {"parallel_tool_calls": True}, "parallel_tool_calls", "unsupported_value", "only with tools"),
     (MESSAGES | {"top_logprobs": 2}, "top_logprobs", "unsupported_parameter", "log probabilities"),
     (MESSAGES | {"logprobs": True}, "logprobs", "unsupported_value", "log probabilities"),
@@ -563,6 +663,8 @@ def test_health_answers_without_the_key_and_models_have_details(server):
     assert client.models.retrieve("tiny").id == "tiny" and client.models.retrieve("all-MiniLM-L6-v2").owned_by
     error_of(server.get("/v1/models/no-such-model"), 404, code="model_not_found")
     error_of(server.get("/v1/models/org/no-such-model"), 404, code="model_not_found")
+    error_of(server.get("/v1/models//etc"), 404, code="model_not_found")
+    assert [m.id for m in client.models.list()][0] == CHAT_MODEL   # the scheduler's served ids first
 
 
 def test_a_model_being_converted_is_a_503_with_retry_after_not_a_silent_wait(monkeypatch):

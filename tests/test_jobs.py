@@ -34,6 +34,8 @@ JOBS = [
      r"opened a note with \d+ jobs queued: its extraction \(T1\)"),
     ("gana_cron.py", ["--runs", "2", "--every", "1", "--model", "tiny", "--max-new-tokens", "8"],
      r"cron run due at \+[\d.]+s on tiny"),
+    ("gana_agent.py", ["--tasks", "1", "--chats", "1", "--max-tokens", "48"],
+     r"gana agent: 1 tasks, [1-9]\d* tool calls on tiny-hermes; chat TTFT beside it: [\d.]+s"),
     ("embed_flood.py", ["--texts", "32", "--batch", "8", "--concurrency", "4"], r"embedded 32 texts in 4 calls"),
     ("issue_118.py", ["--turns", "2", "--deck", "2", "--card-tokens", "400", "--chat-tokens", "4"],
      r"chat TTFT, while Nataraj fills: median [\d.]+s"),
@@ -89,8 +91,15 @@ def head(tmp_path_factory):
         log.close()
 
 
+def tool_model(tmp_path_factory) -> Path:
+    """`tiny` with a hermes tools template: the model gana_agent.py runs on by default."""
+    from uniun_ray.models import materialize, resolve
+    from uniun_ray.models.requests.tool_templates import with_tools
+    return with_tools(materialize(resolve("tiny")), tmp_path_factory.mktemp("tools") / "tiny-hermes")
+
+
 @pytest.fixture(scope="module")
-def submitted(head):
+def submitted(head, tmp_path_factory):
     """Every script submitted at once, as several users' scripts share one head: one scheduler
     serves them all (and the module takes the longest job's time, not the sum). The first
     through `ray job submit` as a user types it; the others through Ray's job SDK, the same
@@ -100,6 +109,7 @@ def submitted(head):
     url, env = head
     runtime_env = {"working_dir": str(ROOT), "env_vars": {
         "UNIUN_CHAT_MODEL": "tiny", "UNIUN_STATE_DIR": os.environ["UNIUN_STATE_DIR"],
+        "UNIUN_MODELS": f"tiny-hermes={tool_model(tmp_path_factory)}",   # gana_agent's model, whoever starts the runtime
         "UNIUN_EMBED_CONCURRENCY": str(EMBED_CONCURRENCY)}}
     (first, first_arguments), *others = \
         [(f"jobs/{script}", arguments) for script, arguments, _ in JOBS] + [PLACEMENT]

@@ -9,7 +9,7 @@ import re
 import time
 
 from rich.console import Console
-from conftest import FakeDevice, lease_of, spec
+from conftest import FakeDevice, ManualClock, lease_of, spec
 
 from uniun_ray.observe.explain import explain, replayable
 from uniun_ray.observe.statusview import render
@@ -142,6 +142,9 @@ def test_status_view_shows_each_slot_of_a_device_and_its_job():
     assert "2 of 3 slots busy" in text
     for i in range(2):
         assert re.search(rf"slot {i}  T4 nataraj +producer nataraj:{i} .* job n{i}", text), text
+    snap["devices"][0]["engine"] = {"tool_call_format": "hermes"}
+    console.print(render(snap))
+    assert re.search(r"loaded model +m \(tool calls: hermes\)", console.export_text())   # its template's format
 
 
 def test_explain_names_the_slot_and_the_jobs_beside_and_replay_keeps_slot_mates_open(tmp_path):
@@ -186,11 +189,12 @@ def test_the_scheduler_feeds_its_metrics_sink_every_logged_event(tmp_path):
     sink = Sink()
 
     async def go():
+        clock = ManualClock()
         s = SchedulerService(FakeDevice(), RuntimeConfig(event_log=str(tmp_path / "ev.jsonl"), reap_period_s=0.02),
-                             metrics=sink)
+                             metrics=sink, clock=clock)
         await s.submit(spec("n", "nataraj"))
         lease = await lease_of(s, "n")
-        await asyncio.sleep(0.1)  # the timer refreshes the gauges
+        await clock.advance(0.1)  # the timer refreshes the gauges
         await s.release("n", lease.epoch, "done")
     asyncio.run(asyncio.wait_for(go(), 10))
     assert sink.events == read(tmp_path / "ev.jsonl")
@@ -203,8 +207,9 @@ def test_revoke_events_carry_the_policys_cause_and_finish_says_requeued(tmp_path
     from uniun_ray.events.log import read
 
     async def go():
+        clock = ManualClock()
         s = SchedulerService(FakeDevice(), RuntimeConfig(event_log=str(tmp_path / "ev.jsonl"), lease_timeout_s=0.3,
-                                                         waiter_timeout_s=5.0, reap_period_s=0.05))
+                                                         waiter_timeout_s=5.0, reap_period_s=0.05), clock=clock)
         await s.submit(spec("n", "nataraj"))
         n = await lease_of(s, "n")
         await s.submit(spec("c", "chat"))                        # arrival
@@ -215,8 +220,8 @@ def test_revoke_events_carry_the_policys_cause_and_finish_says_requeued(tmp_path
         await s.cancel("n")                                      # cancel
         await s.submit(spec("g", "gana"))
         await lease_of(s, "g")                                   # never renewed: reclaim
-        while s.leases.jobs:
-            await asyncio.sleep(0.05)
+        await clock.advance(0.35)
+        assert not s.leases.jobs
     asyncio.run(asyncio.wait_for(go(), 10))
     events = read(tmp_path / "ev.jsonl")
     assert [(e["job"], e["cause"]) for e in events if e["ev"] == "revoke"] == \
@@ -338,7 +343,8 @@ def test_metrics_name_the_device_of_what_they_count_and_of_each_gauge(tmp_path):
         return m
     m = asyncio.run(asyncio.wait_for(go(), 10))
     assert (("device", "cpu1"), ("kind", "gana"), ("model", "b"), ("tier", "T4")) in m.dispatches.seen
-    assert set(m.swaps.seen) == {(("device", "cpu0"), ("model", "a")), (("device", "cpu1"), ("model", "b"))}
+    assert set(m.swaps.seen) == {(("device", "cpu0"), ("model", "a"), ("swap_kind", "cold")),
+                                 (("device", "cpu1"), ("model", "b"), ("swap_kind", "cold"))}
     assert m.running.seen[(("device", "cpu0"), ("kind", "nataraj"))] == 1
     assert m.running.seen[(("device", "cpu1"), ("kind", "nataraj"))] == 0
     assert m.loaded.seen == {(("device", "cpu0"), ("model", "a")): 1, (("device", "cpu1"), ("model", "b")): 1}

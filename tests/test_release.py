@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import FakeDevice, lease_of, spec
+from conftest import FakeDevice, ManualClock, lease_of, spec
 from uniun_ray import client
 from uniun_ray.events.log import read as read_events
 from uniun_ray.runtime import service as service_module
@@ -31,9 +31,9 @@ from uniun_ray.runtime.service import RuntimeConfig, SchedulerService
 ROOT = Path(__file__).parent.parent
 
 
-def one_slot(tmp_path) -> SchedulerService:
+def one_slot(tmp_path, clock=None) -> SchedulerService:
     return SchedulerService(FakeDevice(), RuntimeConfig(lease_timeout_s=0.3, waiter_timeout_s=0.3, reap_period_s=0.05,
-                                                        event_log=str(tmp_path / "events.jsonl")))
+                                                        event_log=str(tmp_path / "events.jsonl")), clock=clock)
 
 
 def order(events: list[dict]) -> list[tuple[str, str]]:
@@ -43,7 +43,8 @@ def order(events: list[dict]) -> list[tuple[str, str]]:
 # -- on the protocol, with a fake device ---------------------------------------------------------
 def test_an_acquire_applies_the_releases_it_carries_before_its_submit(tmp_path):
     async def go():
-        s = one_slot(tmp_path)
+        clock = ManualClock()
+        s = one_slot(tmp_path, clock)
         await s.submit(spec("a", "gana"))
         a = await lease_of(s, "a")
         b = await s.acquire(spec("b", "gana"), 1.0, released=(("a", a.epoch, "done"),))
@@ -52,7 +53,7 @@ def test_an_acquire_applies_the_releases_it_carries_before_its_submit(tmp_path):
         await s.submit(spec("c", "gana"))
         await s.release("b", b.epoch, "done")
         c = await lease_of(s, "c")
-        await asyncio.sleep(0.6)                 # c's holder stalls past the lease timeout: reclaimed
+        await clock.advance(0.6)                 # c's holder stalls past the lease timeout: reclaimed
         d = await s.acquire(spec("d", "gana"), 1.0, released=(("b", b.epoch, "done"), ("c", c.epoch, "done")))
         assert d is not None
         await s.release("d", d.epoch, "done")

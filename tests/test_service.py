@@ -1,13 +1,14 @@
 """The scheduler shell's lease protocol, with a fake device and no Ray (Ollama's
 sched_test.go style): grants, fencing, revoke during a load, reclaiming dead holders and
-dropping dead waiters."""
+dropping dead waiters. Whatever turns on time (a timeout, a deadline, a load in progress, the
+reaper) runs on a `ManualClock`: driven, never slept for, so a busy host cannot change it."""
 from __future__ import annotations
 
 import asyncio
 
 import pytest
 
-from conftest import FakeDevice, lease_of, spec
+from conftest import FakeDevice, ManualClock, lease_of, spec
 from uniun_ray.runtime.protocol import JobDropped, QueueFull
 from uniun_ray.runtime.service import RuntimeConfig, SchedulerService
 
@@ -54,28 +55,35 @@ def test_chat_revokes_the_holder_which_resumes_after():
 
 def test_revoke_during_a_model_load_never_grants_the_stale_job():
     async def go():
-        dev = FakeDevice(load_s=0.2)
-        s = SchedulerService(dev, FAST)
+        clock = ManualClock()
+        dev = FakeDevice(load_s=0.2, clock=clock)
+        s = SchedulerService(dev, FAST, clock=clock)
         await s.submit(spec("g", "gana", model="y"))
-        await asyncio.sleep(0.05)                  # loading y
+        await clock.advance(0.05)                  # loading y
         await s.submit(spec("c", "chat", model="m"))
+        await clock.advance(0.25)                  # y's load given up for the chat, m's ends
         chat = await lease_of(s, "c")              # g ended its turn unserved, chat swapped in
-        assert dev.loads == ["y", "m"] and chat.model_id == "m"
+        assert dev.abandoned == ["y"] and dev.loads == ["m"] and chat.model_id == "m"   # R13: y's swap given up
         assert s.policy.job_state("g") == "queued"
     run(go())
 
 
 def test_dead_holder_lease_is_reclaimed_and_the_device_moves_on():
     async def go():
+        clock = ManualClock()
         dev = FakeDevice()
-        s = SchedulerService(dev, FAST)
+        s = SchedulerService(dev, FAST, clock=clock)
         await s.submit(spec("n", "nataraj"))
         lease = await lease_of(s, "n")                 # ... and the holder dies: no renew, no release
         await s.submit(spec("e", "extract"))
-        nxt = await s.grant("e", wait_s=0.2)       # waiter keeps polling
-        while nxt is None:
-            nxt = await s.grant("e", wait_s=0.2)
-        assert lease.epoch in dev.revoked          # fenced
+        await clock.advance()
+        assert dev.revoked == [lease.epoch]            # e outranks n (R4), but n's holder never answers
+        for _ in range(5):                             # the waiter keeps polling
+            await clock.advance(0.05)
+            assert await s.grant("e", wait_s=0) is None   # 0.25 s unrenewed: n's, within the lease timeout (0.3 s)
+        await clock.advance(0.1)
+        nxt = await lease_of(s, "e")                   # past it: reclaimed
+        assert nxt.epoch > lease.epoch
         with pytest.raises(JobDropped, match="lease reclaimed"):
             await s.release("n", lease.epoch, "done")
     run(go())
@@ -83,13 +91,14 @@ def test_dead_holder_lease_is_reclaimed_and_the_device_moves_on():
 
 def test_dead_waiter_is_dropped_and_nothing_leaks():
     async def go():
-        s = SchedulerService(FakeDevice(), FAST)
+        clock = ManualClock()
+        s = SchedulerService(FakeDevice(), FAST, clock=clock)
         await s.submit(spec("c", "chat"))
         chat = await lease_of(s, "c")
         await s.submit(spec("n", "nataraj"))       # its caller never polls
         for _ in range(5):                         # the chat holder stays alive
-            await asyncio.sleep(0.1)
-            await s.renew("c", chat.epoch)
+            await clock.advance(0.1)
+            assert await s.renew("c", chat.epoch) is True
         with pytest.raises(JobDropped, match="stopped polling"):
             await lease_of(s, "n")
         await s.release("c", chat.epoch, "done")
@@ -146,29 +155,30 @@ def test_cancel_queued_and_running():
 
 
 def test_deadline_timer_preempts_without_any_call():
-    import time as _time
-
     async def go():
+        clock = ManualClock()
         dev = FakeDevice()
-        s = SchedulerService(dev, FAST)
+        s = SchedulerService(dev, RuntimeConfig(reap_period_s=10.0), clock=clock)
         await s.submit(spec("n", "nataraj"))
         lease = await lease_of(s, "n")
-        await s.submit(spec("g", "gana", deadline=_time.time() + 0.2))
-        await asyncio.sleep(0.1)
+        await s.submit(spec("g", "gana", deadline=clock.time() + 0.2))
+        await clock.advance(0.19)
         assert dev.revoked == []
-        await asyncio.sleep(0.25)
+        await clock.advance(0.02)                  # at the deadline (R5), not at the reaper's next round (10 s)
         assert dev.revoked == [lease.epoch]
     run(go())
 
 
 def test_a_waiter_polling_through_a_revoked_load_gets_its_later_grant():
     async def go():
-        dev = FakeDevice(load_s=0.2)
-        s = SchedulerService(dev, RuntimeConfig(waiter_timeout_s=30))
+        clock = ManualClock()
+        dev = FakeDevice(load_s=0.2, clock=clock)
+        s = SchedulerService(dev, RuntimeConfig(waiter_timeout_s=30), clock=clock)
         await s.submit(spec("g", "gana", model="y"))
         waiting = asyncio.ensure_future(s.grant("g", wait_s=5))   # one long poll
-        await asyncio.sleep(0.05)
+        await clock.advance(0.05)
         await s.submit(spec("c", "chat", model="y"))              # revokes g while it loads
+        await clock.advance(0.2)
         chat = await lease_of(s, "c")
         await s.release("c", chat.epoch, "done")
         lease = await waiting                                     # the same poll is answered
@@ -339,11 +349,13 @@ def test_a_job_whose_device_is_gone_is_told_it_was_requeued_even_when_it_runs_ag
 
 def test_a_device_gone_while_loading_hands_its_job_to_another_device():
     async def go():
-        devices = pool(load_s=0.1)
-        s = SchedulerService(devices, FAST)
+        clock = ManualClock()
+        devices = pool(load_s=0.1, clock=clock)
+        s = SchedulerService(devices, FAST, clock=clock)
         await s.submit(spec("n", "nataraj", model="a"))
-        await asyncio.sleep(0.02)                      # loading on cpu0 ...
+        await clock.advance(0.02)                      # loading on cpu0 ...
         devices["cpu0"].gone = True                    # ... which dies
+        await clock.advance(0.2)                       # its load ends so; cpu1's load of a follows
         lease = await lease_of(s, "n")
         assert lease.device == "cpu1" and s.policy.devices == ("cpu1",)
     run(go())
@@ -427,14 +439,15 @@ def test_a_device_removed_while_loading_leaves_its_job_to_the_next_dispatch():
     async def go():
         errors = []
         asyncio.get_running_loop().set_exception_handler(lambda loop, context: errors.append(context))
-        devices = pool(load_s=0.1)
-        s = SchedulerService(devices, FAST)
+        clock = ManualClock()
+        devices = pool(load_s=0.1, clock=clock)
+        s = SchedulerService(devices, FAST, clock=clock)
         await s.submit(spec("n", "nataraj", model="a"))
-        await asyncio.sleep(0.02)                                # loading on cpu0 ...
+        await clock.advance(0.02)                                # loading on cpu0 ...
         devices["cpu0"].fail = {"a"}                             # ... which will fail
         s.remove_device("cpu0", "its node died")
+        await clock.advance(0.1)                                 # cpu1 loads a; the stale load fails
         lease = await lease_of(s, "n")
-        await asyncio.sleep(0.2)                                 # the stale load has failed by now
         assert lease.device == "cpu1" and s.leases.jobs["n"].lease == lease
         assert s.leases.jobs["n"].device_faults == 0
         await s.release("n", lease.epoch, "done")
@@ -539,21 +552,27 @@ def test_a_grant_notice_waits_at_most_its_period():
 
 
 def test_the_reaper_wakes_early_only_for_a_sooner_wake_up():
-    import time
-
     from uniun_ray.runtime.reaper import Reaper
 
     async def go():
+        clock = ManualClock()
         due, ticks = [None], []
-        reaper = Reaper(60.0, lambda: due[0], lambda: ticks.append(time.time()), lambda mono: (), None)
+        pending = lambda: due[0] if due[0] is not None and due[0] > clock.time() else None   # noqa: E731 (the policy's)
+        reaper = Reaper(60.0, pending, lambda: ticks.append(clock.time()), lambda mono: (), None, clock=clock)
         reaper.ensure_running()
-        await asyncio.sleep(0.01)                 # asleep for its period: nothing is due
+        await clock.advance(0.01)                 # asleep for its period: nothing is due
         reaper.rearm()                            # a submit without a deadline: it sleeps on
-        await asyncio.sleep(0.05)
+        await clock.advance(0.05)
         assert ticks == []
-        due[0] = time.time() + 0.05               # one with a deadline: it wakes (and plans anew)
+        rearmed, due[0] = clock.time(), clock.time() + 0.05   # one with a deadline: it wakes (and plans anew)
         reaper.rearm()
-        while not ticks:                          # long before its period
-            await asyncio.sleep(0.01)
+        await clock.advance(0.049)
+        assert ticks == [rearmed]
+        await clock.advance(0.002)                # at the deadline, long before its period
+        assert ticks == [rearmed, due[0]]
+        await clock.advance(59.0)                 # nothing due: it sleeps its period out
+        assert len(ticks) == 2
+        await clock.advance(1.0)
+        assert len(ticks) == 3
         reaper._task.cancel()
     run(go())

@@ -10,9 +10,9 @@ _CLIENT = {"generate", "stream", "run", "embed", "set_foreground", "status", "ag
            "await_generating"}
 _LAUNCH = {"connect", "start", "local_cluster"}
 _PROTOCOL = {"Preempted", "JobDropped", "LeaseRevoked", "QueueFull", "UniunError", "SchedulerUnavailable", "DeviceLost",
-             "UnknownJob"}
+             "ModelUnavailable", "UnknownJob"}
 
-__all__ = sorted(_CLIENT | _LAUNCH | _PROTOCOL | {"Kind"})
+__all__ = sorted(_CLIENT | _LAUNCH | _PROTOCOL | {"Kind", "EngineUnavailable"})
 
 
 def __getattr__(name: str):
@@ -24,4 +24,6 @@ def __getattr__(name: str):
         return getattr(import_module(".runtime.protocol", __name__), name)
     if name == "Kind":
         return import_module(".policy", __name__).Kind
+    if name == "EngineUnavailable":
+        return import_module(".engines", __name__).EngineUnavailable
     raise AttributeError(f"module 'uniun_ray' has no attribute {name!r}")

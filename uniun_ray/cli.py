@@ -1,7 +1,7 @@
 """`uniun-ray`: start and stop a local head, look at the scheduler, and poke it.
 
     uniun-ray up [--port 6379] [--auth disabled|token] [--devices N] [--slots N|auto]
-                 [--engine transformers|vllm]
+                 [--engine transformers|vllm] [--chat-model ID] [--model ID=PATH]... [--hub-models]
                  [--no-http | --http-host H --http-port P] [-- more `ray start` args]
     uniun-ray down
     uniun-ray status [--json | --watch [--interval S]]
@@ -25,8 +25,9 @@ import logging
 import os
 import sys
 
+from . import engines
 from .policy import Kind
-from .models.requests.settings import ENGINE_ENV, ENGINES, SLOTS_ENV
+from .models.requests.settings import ENGINE_ENV, ENGINES, SLOTS_ENV, EngineSettings, parse_models, warm_start
 
 DEFAULT_PORT = 6379
 DEFAULT_DASHBOARD_PORT = 8265
@@ -45,6 +46,15 @@ def _count(text: str) -> int:
         raise argparse.ArgumentTypeError(f"{text!r} is not a device count (an integer >= 1)")
     return int(text)
 
+
+def _model_entry(text: str) -> tuple[str, str]:
+    try:
+        models = parse_models(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from error
+    if len(models) != 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not ID=PATH (a model id, then the folder of its weights)")
+    return next(iter(models.items()))
 
 def _fail(message: str, code: int) -> int:
     print(f"uniun-ray: error: {message}", file=sys.stderr)
@@ -163,10 +173,13 @@ def _up(args) -> int:
         os.environ[ENGINE_ENV] = args.engine
     if args.slots:    # the scheduler's slots, and the batch an engine fixes at start (vLLM's max_num_seqs)
         os.environ[SLOTS_ENV] = args.slots
-    try:
-        config_from_env(args.chat_model, args.slots)   # a bad setting is refused before the head starts
+    models = dict(args.model or ())
+    try:   # a bad setting is refused before the head starts, and so is an engine this host cannot run
+        config = config_from_env(args.chat_model, args.slots, models, args.hub_models)
+        settings = EngineSettings.from_env()
     except ValueError as error:
         raise UsageError(str(error)) from error
+    engines.check(settings)
     os.environ["RAY_AUTH_MODE"] = args.auth  # this process must speak the head's auth mode too
     state = start_head(port=args.port, dashboard_host=args.dashboard_host, dashboard_port=args.dashboard_port,
                        auth_mode=args.auth, temp_dir=args.temp_dir, devices=args.devices, extra=args.ray_args)
@@ -177,11 +190,14 @@ def _up(args) -> int:
         state.address = context.address_info.get("gcs_address") or state.address
         state.session_dir = context.address_info.get("session_dir")
         state.dashboard_url = f"http://{context.dashboard_url}" if context.dashboard_url else None
-        handles = start(config_from_env(args.chat_model, args.slots))
+        handles = start(config, wait_ready=False)
         event_log = ray.get(handles.scheduler.status.remote())["event_log"]
         print(f"active chat model: {handles.chat_model}")
         state.actors = _actor_names()
-        http_url = None if args.no_http else _deploy_http(args.http_host, args.http_port)
+        http_url = None if args.no_http else _deploy_http(args.http_host, args.http_port)   # /health: 503 meanwhile
+        if warm_start():
+            print(f"loading {handles.chat_model} (warm start) ...", flush=True)
+            ray.get(handles.scheduler.ready.remote())
     except Exception as error:
         raise HeadError(f"the head is up, but its actors could not be created ({error_text(error)}); "
                         f"stop it with `uniun-ray down`") from error
@@ -288,8 +304,15 @@ def _parser() -> argparse.ArgumentParser:
     up.add_argument("--devices", type=_count, default=1,
                     help="stand-in devices to declare on a machine without GPUs: a ModelActor each, "
                          "model:cpu0, model:cpu1, ... (default 1; GPUs, where there are, are the devices)")
-    up.add_argument("--chat-model", help="the active chat model every client's model_id=None means "
+    up.add_argument("--chat-model", help="the active chat model every client's model_id=None means: an id, or "
+                    "a folder of weights, then served under the folder's name "
                     "(default: UNIUN_CHAT_MODEL, else smollm2-135m-instruct)")
+    up.add_argument("--model", action="append", type=_model_entry, metavar="ID=PATH",
+                    help="serve the Hugging Face weights in folder PATH as model ID (repeatable); HTTP requests "
+                         "name models by id only, never by path")
+    up.add_argument("--hub-models", action="store_true",
+                    help="let HTTP requests name any Hugging Face repo id already in this machine's cache "
+                         "(default: only the embedded ids, --model ids and the chat model)")
     up.add_argument("--slots", help="jobs each device decodes together (continuous batching): a count, or "
                     "'auto' to measure per host and model at each load (default: UNIUN_SLOTS, else auto)")
     up.add_argument("--engine", choices=ENGINES, help="what runs each device's forward passes: transformers "
@@ -377,7 +400,7 @@ def _report(error: Exception) -> int:
     cause = error_cause(error)  # a RayTaskError carries the remote exception
     if isinstance(cause, ValueError):  # bad input: unknown kind or model, prompt too long...
         return _fail(str(cause), 2)
-    if isinstance(cause, (NoCluster, HeadError)):
+    if isinstance(cause, (NoCluster, HeadError, engines.EngineUnavailable)):
         return _fail(str(cause), 1)
     if isinstance(error, RayError) or isinstance(cause, (UniunError, ConnectionError, TimeoutError)):
         return _fail(error_text(error), 1)

@@ -23,9 +23,15 @@ from typing import TYPE_CHECKING, Callable, Hashable, Protocol, runtime_checkabl
 if TYPE_CHECKING:
     from ..models.requests.request import GenerateRequest, GenerationResult
     from ..models.requests.settings import EngineSettings
+    from ..models.requests.swap import Swap
 
 #: Called by an engine, from its own threads, after any job produced text or ended.
 Wake = Callable[[], None]
+
+
+class EngineUnavailable(RuntimeError):
+    """The engine the settings name cannot run on this host (vLLM without its environment):
+    the message says what to install."""
 
 
 @runtime_checkable
@@ -50,7 +56,10 @@ class JobRun(Protocol):
 class Engine(Protocol):
     """Runs one model at a time with up to `capacity` jobs decoding together.
 
-    * `load` / `unload` return the seconds they took (a swap's cost, reported to the policy);
+    * `load` returns a `Swap` (`models.requests.swap`: its kind, cold load, warm copy or
+      switch, and the seconds it took: a swap's cost, reported to the policy), `unload` the
+      seconds it took. A load stops early, raising `SwapAbandoned`, once its `abandon` flag
+      (a threading.Event) is set: the engine then holds no active model;
       `loaded` is the resident model, None when there is none, also when the engine lost it
       (its server died): the scheduler then reloads it before the next grant.
     * `check` refuses bad input (ValueError; a prompt too long is `PromptTooLong`) before anything
@@ -74,7 +83,7 @@ class Engine(Protocol):
     @property
     def capacity(self) -> int: ...
 
-    def load(self, model_id: str) -> float: ...
+    def load(self, model_id: str, abandon: threading.Event | None = None) -> "Swap": ...
 
     def unload(self) -> float: ...
 
@@ -87,6 +96,16 @@ class Engine(Protocol):
     def step_profile(self) -> dict[int, float]: ...
 
     def status(self) -> dict: ...
+
+
+def check(settings: "EngineSettings") -> None:
+    """Refuse, before any actor exists, an engine that cannot run on this host
+    (EngineUnavailable): `uniun-ray up` and `start()` fail at once rather than start a runtime
+    whose every job fails at its model's load."""
+    if settings.engine == "vllm":
+        from .venvs import vllm_python
+
+        vllm_python()
 
 
 def create(settings: "EngineSettings", device: str, wake: Wake, thread_budget: int | None = None) -> Engine:

@@ -21,6 +21,8 @@ from collections import deque
 from pathlib import Path
 from typing import IO, Callable, Sequence
 
+from ..models.requests.swap import SwapAbandoned
+
 
 class ServerFailed(RuntimeError):
     """The server exited, or did not become ready in time; the message ends with its log."""
@@ -55,7 +57,10 @@ class ChildServer:
         self.process: subprocess.Popen | None = None
         self._log_file: IO | None = None
 
-    def start(self, timeout_s: float = 600) -> float:
+    def start(self, timeout_s: float = 600, abandon=None) -> float:
+        """Start the server and wait until it is healthy; seconds it took. ServerFailed when
+        it exits or is not ready within `timeout_s`; SwapAbandoned (the server stopped) once
+        `abandon` (a threading.Event) is set."""
         started = time.perf_counter()
         self._log_file = open(self.log, "ab") if self.log else subprocess.DEVNULL
         self.process = subprocess.Popen(self.command, env=self.env, stdout=self._log_file,
@@ -67,6 +72,9 @@ class ChildServer:
             if time.perf_counter() - started > timeout_s:
                 self.stop()
                 raise ServerFailed(f"{self.command[:4]} not ready after {timeout_s:.0f} s{self._tail()}")
+            if abandon is not None and abandon.is_set():
+                self.stop()
+                raise SwapAbandoned(f"{self.command[:4]}: its start was abandoned")
             time.sleep(0.25)
         return time.perf_counter() - started
 

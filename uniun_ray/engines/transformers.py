@@ -18,6 +18,7 @@ from ..models.decode.loop import DecodeLoop
 from ..models.requests.registry import resolve
 from ..models.requests.request import GenerateRequest, GenerationResult
 from ..models.requests.settings import MAX_SLOTS, EngineSettings
+from ..models.requests.swap import Swap
 from ..models.requests.vocabulary import inspect_request
 
 
@@ -52,7 +53,8 @@ class TransformersEngine:
         settings = settings or EngineSettings()
         self.model = Engine(device=device, dtype=settings.dtype, num_threads=settings.threads,
                             thread_budget=thread_budget, kv_cache_mb=settings.kv_cache_mb,
-                            kv_offload_mb=settings.kv_offload_mb, max_memory=settings.max_memory)
+                            kv_offload_mb=settings.kv_offload_mb, max_memory=settings.max_memory,
+                            warm_mb=settings.warm_mb, coresident=settings.coresident)
         self._loop = DecodeLoop(self.model, MAX_SLOTS, wake)
         self._flags: dict[Hashable, tuple[threading.Event, Job]] = {}
         self._lock = threading.Lock()
@@ -65,8 +67,8 @@ class TransformersEngine:
     def capacity(self) -> int:
         return self._loop.capacity
 
-    def load(self, model_id: str) -> float:
-        return self.model.load(model_id)
+    def load(self, model_id: str, abandon: threading.Event | None = None) -> Swap:
+        return self.model.load(model_id, abandon)
 
     def unload(self) -> float:
         return self.model.unload()
@@ -94,5 +96,5 @@ class TransformersEngine:
     def status(self) -> dict:
         return self.model.describe() | {
             "engine": self.name, "model": self.model.loaded, "running": self._loop.rows,
-            "context_length": self.model.context_length,
+            "context_length": self.model.context_length, "warm": self.model.warm,
             "steps_by_batch": dict(sorted(self._loop.batch_sizes.items()))} | self._loop.describe()

@@ -107,11 +107,13 @@ def ensure(recipe: Recipe, log=sys.stderr) -> Path:
 
 def vllm_python() -> Path:
     """The Python that runs vLLM's server: $UNIUN_VLLM_PYTHON, else the managed venv's (built
-    by `make install-vllm`). FileNotFoundError when neither is there."""
+    by `make install-vllm`). EngineUnavailable when neither is there."""
+    from . import EngineUnavailable
+
     configured = os.environ.get(VLLM_PYTHON_ENV)
     python = Path(configured) if configured else python_of(vllm_recipe())
     if not python.exists() or not (configured or installed(vllm_recipe())):
-        raise FileNotFoundError(f"no vLLM environment at {python}: run `make install-vllm` "
+        raise EngineUnavailable(f"no vLLM environment at {python}: run `make install-vllm` "
                                 f"(or set {VLLM_PYTHON_ENV} to a Python that has vllm)")
     return python
 

@@ -25,9 +25,11 @@ uniun-ray included, to run on vLLM's Python). What each Engine operation is here
 * Sampling: the request's fields, with the model's `generation_config.json` for those left None
   (as the transformers engine reads them: greedy unless the config says `do_sample`); vLLM's
   own defaults are switched off (`--generation-config vllm`) so both engines agree.
-* A JSON Schema (`json_schema`) is followed by a logits processor of ours loaded into the server
-  (`vllm_plugin/uniun_grammar.py`: the transformers engine's llguidance grammar), not by vLLM's
-  structured outputs: theirs would begin the JSON again in a resumed request.
+* A JSON Schema (`json_schema`) or a forced tool call (`tool_choice`) is followed by a logits
+  processor of ours loaded into the server (`vllm_plugin/uniun_grammar.py`: the transformers
+  engine's llguidance grammar, `tools.request_grammar`), not by vLLM's structured outputs: theirs
+  would begin the JSON again in a resumed request. The calls in the text the server returns are
+  read above the engines, by the HTTP endpoint's reader, as for the transformers engine.
 """
 from __future__ import annotations
 
@@ -46,15 +48,17 @@ from typing import Hashable, Iterator, Sequence
 from .server import ChildServer, free_port
 from .venvs import has_cuda_gpu, vllm_python
 from ..models.requests.request import GenerateRequest, GenerationResult
-from ..models.requests.vocabulary import inspect_request, prompt_ids
+from ..models.requests.tools import request_grammar
+from ..models.requests.vocabulary import chat_template, inspect_request, prompt_ids
 from ..models.requests.registry import cache_dir, materialize, resolve
+from ..models.requests.swap import COLD, HOST, NONE, WARM, Swap
 
 #: The name vLLM serves every model under; the engine holds one model at a time.
 SERVED = "uniun"
 #: The folder put on the server's PYTHONPATH, and the logits processor in it that follows a
 #: request's JSON Schema (see its module).
 PLUGIN_DIR = Path(__file__).with_name("vllm_plugin")
-GRAMMAR = "uniun_grammar:JsonSchemaMask"
+GRAMMAR = "uniun_grammar:GrammarMask"
 
 
 def server_command(python: str | Path, folder: str | Path, port: int, *, model_name: str = SERVED,
@@ -110,13 +114,16 @@ def sampling_fields(request: GenerateRequest, defaults: dict) -> dict:
     return fields
 
 
-def grammar_fields(request: GenerateRequest, defaults: dict) -> dict:
-    """What the server's `JsonSchemaMask` reads (`vllm_xargs`): the schema, the end ids (the
-    model's generation config's; else the tokenizer's own) and the output resumed in the prompt."""
-    if request.json_schema is None:
+def grammar_fields(request: GenerateRequest, defaults: dict, template: str | None = None) -> dict:
+    """What the server's `GrammarMask` reads (`vllm_xargs`): the grammar (the JSON Schema's, or a
+    forced tool call's in the format of the model's chat ``template``: `tools.request_grammar`,
+    as the transformers engine follows it), the end ids (the model's generation config's; else
+    the tokenizer's own) and the output resumed in the prompt."""
+    grammar = request_grammar(request, template)
+    if grammar is None:
         return {}
     eos = defaults.get("eos_token_id")
-    xargs = {"uniun_json_schema": json.dumps(request.json_schema),
+    xargs = {"uniun_grammar": grammar,
              "uniun_eos": [] if eos is None else [eos] if isinstance(eos, int) else list(eos),
              "uniun_resumed": len(request.resume_tokens)}
     if request.resume_text:
@@ -125,10 +132,10 @@ def grammar_fields(request: GenerateRequest, defaults: dict) -> dict:
 
 
 def completion_body(prompt_ids: Sequence[int], request: GenerateRequest, defaults: dict,
-                    model_name: str = SERVED) -> dict:
+                    model_name: str = SERVED, template: str | None = None) -> dict:
     return {"model": model_name, "prompt": list(prompt_ids), "stream": True, "return_token_ids": True,
             "stream_options": {"include_usage": True}} | sampling_fields(request, defaults) | \
-        grammar_fields(request, defaults)
+        grammar_fields(request, defaults, template)
 
 
 # -- what comes back ----------------------------------------------------------------------------
@@ -328,23 +335,31 @@ class VllmEngine:
     def server(self) -> ChildServer | None:
         return self._servers.get(self._loaded) if self._loaded else None
 
-    def load(self, model_id: str) -> float:
-        """Make `model_id` the served model; seconds it took (a swap's cost, for the policy)."""
-        if model_id == self.loaded:
-            return 0.0
+    def load(self, model_id: str, abandon: threading.Event | None = None) -> Swap:
+        """Make `model_id` the served model; what the swap was (a swap's cost, for the policy):
+        WARM where a sleeping server woke (sleep mode, a GPU), else COLD (a new server: the
+        CPU build has no sleep mode, so every swap there is a cold start). A new server's start
+        stops once `abandon` is set (SwapAbandoned)."""
+        previous = self.loaded
+        if model_id == previous:
+            return Swap(model_id, NONE, 0.0, previous, self._asleep())
         started = time.perf_counter()
         folder = materialize(resolve(model_id))
         self._retire_loaded()
-        server = self._servers.get(model_id)
+        server, kind = self._servers.get(model_id), WARM
         if server is not None and server.alive():
             _post(server.url, "/wake_up")
         else:
-            server = self._new_server(model_id, folder)
-            server.start(self.start_timeout_s)
+            server, kind = self._new_server(model_id, folder), COLD
+            server.start(self.start_timeout_s, abandon)
         self._servers[model_id], self._loaded = server, model_id
         self._defaults, self._profile = generation_defaults(folder), {}
         self._kv_read = (-KV_READ_EVERY_S, None)
-        return time.perf_counter() - started
+        return Swap(model_id, kind, time.perf_counter() - started, previous, self._asleep())
+
+    def _asleep(self) -> dict[str, str]:
+        """The sleeping servers' models: their weights wait in host memory (level-1 sleep)."""
+        return {model: HOST for model, server in self._servers.items() if model != self._loaded and server.alive()}
 
     def unload(self) -> float:
         started = time.perf_counter()
@@ -368,8 +383,10 @@ class VllmEngine:
         if job_id in self._runs:
             raise ValueError(f"job {job_id!r} is already running")
         self.check(self._loaded, request)
-        ids = prompt_ids(resolve(self._loaded), request)
-        stream = _Stream(self.server.url, "/v1/completions", completion_body(ids, request, self._defaults))
+        spec = resolve(self._loaded)
+        ids = prompt_ids(spec, request)
+        body = completion_body(ids, request, self._defaults, template=chat_template(spec))
+        stream = _Stream(self.server.url, "/v1/completions", body)
         run = VllmRun(stream, len(ids), self._wake, on_end=lambda ended: self._forget(job_id, ended))
         with self._lock:
             self._runs[job_id] = run

@@ -23,7 +23,11 @@ dispatch       job, kind, producer, model, swap (bool); optional: tier (0-4, the
                device's slot it takes, SPEC §6; 0 when absent), batch (int, the jobs
                dispatched to the device and not finished, this one included; 1 when absent)
 swap_start     job, kind, producer, model (being loaded), from (model unloaded, or null)
-swap_end       job, kind, producer, model
+swap_end       job, kind, producer, model; optional: seconds (float, the swap's measured
+               time), swap_kind ("cold"|"warm"|"switch": a load from the files, a copy
+               back from host memory, a switch to a model resident beside the last one;
+               "cold" when absent), abandoned (true: the load was given up for a chat on
+               another model, R13, and the device holds no active model)
 first_token    job, kind, producer, model: the job's first generated token (once per job;
                a resumed job does not emit it again)
 revoke         job, kind, producer, model: the scheduler revoked the running job; optional:
@@ -63,6 +67,10 @@ from typing import Iterable
 Event = dict
 
 JOB_FIELDS = ("job", "kind", "producer", "model")
+#: A swap's kinds (``swap_end``'s ``swap_kind``): read from the files; copied back from host
+#: memory; switched to on the device, where it stayed beside the model it replaced.
+COLD, WARM, SWITCH = "cold", "warm", "switch"
+SWAP_KINDS = (COLD, WARM, SWITCH)
 REQUIRED: dict[str, tuple[str, ...]] = {
     "submit": JOB_FIELDS + ("deadline", "foreground_hint", "subject"),
     "foreground": ("kind", "subject"),

@@ -14,7 +14,7 @@ from typing import Iterable, Iterator
 
 from uniun_ray.policy import Foreground, Job, Kind, tier_of
 
-from .schema import Event
+from .schema import COLD, Event
 
 
 @dataclass
@@ -66,6 +66,7 @@ class Swap:
     start: float
     end: float
     model: str
+    kind: str = COLD      # cold load, warm copy, switch (``schema.SWAP_KINDS``)
 
 
 def _ends_the_job(finish: Event, job: Job) -> bool:
@@ -114,7 +115,7 @@ class Trace:
                 swap_started[ev["job"]] = t
             elif kind == "swap_end":
                 began = swap_started.pop(ev["job"])
-                self.swaps.append(Swap(began, t, ev["model"]))
+                self.swaps.append(Swap(began, t, ev["model"], ev.get("swap_kind", COLD)))
                 self.jobs[ev["job"]].runs[-1].swap_s = t - began
             elif kind == "first_token":
                 self.jobs[ev["job"]].first_token = t

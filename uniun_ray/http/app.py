@@ -23,7 +23,6 @@ import functools
 import json
 import secrets
 from dataclasses import dataclass
-from typing import Callable
 
 from fastapi import FastAPI
 from fastapi.encoders import jsonable_encoder
@@ -34,6 +33,7 @@ from starlette.datastructures import Headers
 import uniun_ray
 
 from . import errors, openapi
+from .answers import Reading, reading
 from .errors import APIError, bad_request, from_client, unauthorized, unavailable
 from .jobs import Detached, Job, open_job, pieces, run_all
 from .schemas import ChatCompletionRequest, CompletionRequest, EmbeddingRequest, ForegroundRequest, JobFields
@@ -116,6 +116,40 @@ async def scheduler_answers() -> bool:
     return True
 
 
+async def warm_start_loading() -> str | None:
+    """What the scheduler's warm start still loads ("MODEL on DEVICE"), None when it is done."""
+    import ray
+
+    from ..runtime.protocol import NAMESPACE, SCHEDULER_NAME
+    return await asyncio.wait_for(ray.get_actor(SCHEDULER_NAME, namespace=NAMESPACE).warming.remote(),
+                                  HEALTH_TIMEOUT_S)
+async def served_models() -> dict:
+    """What requests may name beside the embedded ids: the scheduler's `served_models` (the
+    active chat model, the operator's ids, whether cached hub ids are served). 503 without it."""
+    import ray
+
+    from ..runtime.protocol import NAMESPACE, SCHEDULER_NAME
+    require_scheduler()
+    try:
+        return await ray.get_actor(SCHEDULER_NAME, namespace=NAMESPACE).served_models.remote()
+    except Exception as error:
+        raise from_client(error) from error
+
+
+async def require_served(model_id: str) -> None:
+    """404 for a model the operator does not serve, before anything reads a path or a cache
+    for it: a request names an id, never a folder of the server's disk."""
+    from ..models.requests.registry import check_served, known_ids
+
+    if model_id in known_ids():
+        return
+    served = await served_models()
+    try:
+        check_served(model_id, served["ids"], served["hub"])
+    except ValueError as error:
+        raise from_client(error) from error
+
+
 #: Models this process found ready: they stay so (a conversion is never undone).
 _READY: set[str] = set()
 #: The question to the device about a model, while it is out: a burst of requests asks once.
@@ -132,10 +166,12 @@ async def _prepared(model_id: str | None) -> bool:
 
 async def require_ready(model_id: str | None) -> None:
     """503 with Retry-After while the model's weights are being converted (its first use);
-    404 for a model nothing resolves. `model_id` None: the active chat model."""
+    404 for a model not served here (`require_served`). `model_id` None: the active chat model."""
     model_id = model_id or _active_chat_model()
     if model_id in _READY:
         return
+    if model_id is not None:
+        await require_served(model_id)
     try:
         ready = await _prepared(model_id)
     except Exception as error:
@@ -152,21 +188,15 @@ async def require_ready(model_id: str | None) -> None:
 # -- generation -----------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Shape:
-    """How one generation route words its answer: OpenAI's object names, and a choice's text
-    (`message` for chat, `text` for completions) whole or as a stream's delta."""
+    """How one generation route names its answer's objects; each job's text reads as its
+    choice through a `Reading` (`answers`: `text`, or a chat `message` with its tool calls)."""
 
     object: str
     chunk_object: str
-    choice: Callable[[str], dict]
-    delta: Callable[[str | None, str | None], dict]
 
 
-CHAT = Shape("chat.completion", "chat.completion.chunk",
-             choice=lambda text: {"message": {"role": "assistant", "content": text}},
-             delta=lambda text, role: {"delta": {k: v for k, v in (("role", role), ("content", text)) if v is not None}})
-TEXT = Shape("text_completion", "text_completion",
-             choice=lambda text: {"text": text},
-             delta=lambda text, role: {"text": text or ""})
+CHAT = Shape("chat.completion", "chat.completion.chunk")
+TEXT = Shape("text_completion", "text_completion")
 
 
 async def generate(body: JobFields, prompts: list[dict], shape: Shape):
@@ -176,22 +206,29 @@ async def generate(body: JobFields, prompts: list[dict], shape: Shape):
     require_scheduler()
     try:
         jobs = [open_job(body, **prompt) for prompt in prompts]
+        readings = [await reading(body, lambda job=job: body.model_id() or _active_chat_model() or job.model)
+                    for job in jobs]
     except Exception as error:
         raise from_client(error) from error
     if body.stream:
         running = pieces(jobs)
         first = await _first_piece(running)
-        return _stream(jobs, first, running, shape, body.include_usage())
+        return _stream(jobs, readings, first, running, shape, body.include_usage())
     try:
         await run_all(jobs)
     except Exception as error:
         raise from_client(error) from error
     head = jobs[0]
-    choices = [{"index": i, **shape.choice(job.completion.text), "logprobs": None,
-                "finish_reason": job.finish_reason()} | _own_facts(jobs, job, await job.uniun())
-               for i, job in enumerate(jobs)]
+    choices = [{"index": i, **read.whole(job.completion.text), "logprobs": None,
+                "finish_reason": read.finish_reason(job.finish_reason())}
+               | _own_facts(jobs, job, await _facts(job, read))
+               for i, (job, read) in enumerate(zip(jobs, readings))]
     return {"id": head.id, "object": shape.object, "created": head.created, "model": head.completion.model_id,
-            "choices": choices, "usage": await _usage(jobs), "uniun": await head.uniun()}
+            "choices": choices, "usage": await _usage(jobs), "uniun": await _facts(head, readings[0])}
+
+
+async def _facts(job: Job, read: Reading) -> dict:
+    return await job.uniun() | read.facts()
 
 
 def _own_facts(jobs: list[Job], job: Job, facts: dict) -> dict:
@@ -200,8 +237,11 @@ def _own_facts(jobs: list[Job], job: Job, facts: dict) -> dict:
 
 
 async def _usage(jobs: list[Job]) -> dict:
+    """OpenAI's usage; `cached_tokens`: of the prompt's tokens, those the prefix cache held
+    when the job first ran (a conversation's earlier turns)."""
     usages = [await job.usage() for job in jobs]
-    return {key: sum(u[key] or 0 for u in usages) for key in ("prompt_tokens", "completion_tokens", "total_tokens")}
+    usage = {key: sum(u[key] or 0 for u in usages) for key in ("prompt_tokens", "completion_tokens", "total_tokens")}
+    return usage | {"prompt_tokens_details": {"cached_tokens": sum(u["cached_tokens"] or 0 for u in usages)}}
 
 
 async def _first_piece(running: Detached) -> tuple[int, str | None] | None:
@@ -236,29 +276,38 @@ class JobEventStream(EventSourceResponse):
             await self._events.aclose()
 
 
-def _stream(jobs: list[Job], first, running: Detached, shape: Shape, include_usage: bool) -> JobEventStream:
-    """The SSE answer: a role chunk per choice, the pieces as they come, then per choice a
-    chunk with its finish reason and uniun's facts; usage when asked, then `[DONE]`."""
+def _stream(jobs: list[Job], readings: list[Reading], first, running: Detached, shape: Shape,
+            include_usage: bool) -> JobEventStream:
+    """The SSE answer: a role chunk per choice, the pieces as they come (as each reading
+    words them), then per choice a chunk with its finish reason and uniun's facts; usage when
+    asked, then `[DONE]`."""
     head = jobs[0]
 
-    def chunk(index: int | None = None, text: str | None = None, role: str | None = None,
-              finish_reason: str | None = None) -> dict:
+    def chunk(index: int | None = None, delta: dict | None = None, finish_reason: str | None = None) -> dict:
         choices = [] if index is None else [
-            {"index": index, **shape.delta(text, role), "logprobs": None, "finish_reason": finish_reason}]
+            {"index": index, **(delta or readings[index].delta()), "logprobs": None, "finish_reason": finish_reason}]
         return {"id": head.id, "object": shape.chunk_object, "created": head.created, "model": head.model,
                 "choices": choices}
 
-    async def finished(index: int) -> bytes:
-        job = jobs[index]
-        return _sse(chunk(index, finish_reason=job.finish_reason()) | {"uniun": await job.uniun()})
+    async def finished(index: int):
+        job, read = jobs[index], readings[index]
+        for delta in read.end():
+            yield _sse(chunk(index, delta))
+        reason = read.finish_reason(job.finish_reason())
+        yield _sse(chunk(index, finish_reason=reason) | {"uniun": await _facts(job, read)})
 
     async def events():
         try:
             for index in range(len(jobs)):
-                yield _sse(chunk(index, text="", role="assistant"))
+                yield _sse(chunk(index, readings[index].delta("", role="assistant")))
             items = running if first is None else _chained(first, running)
             async for index, piece in items:
-                yield _sse(chunk(index, text=piece)) if piece is not None else await finished(index)
+                if piece is None:
+                    async for event in finished(index):
+                        yield event
+                    continue
+                for delta in readings[index].pieces(piece):
+                    yield _sse(chunk(index, delta))
             if include_usage:
                 yield _sse(chunk() | {"usage": await _usage(jobs)})
         except Exception as error:  # the status line is gone: report it in the stream, as OpenAI does
@@ -313,22 +362,21 @@ def create_app(api_key: str | None = None) -> FastAPI:
 
     @app.get("/v1/models", responses=openapi.ERRORS)
     async def models():
-        return {"object": "list", "data": [_model(i) for i in _model_ids()]}
+        return {"object": "list", "data": [_model(i) for i in await _model_ids()]}
 
     @app.get("/v1/models/{model_id:path}", responses=openapi.ERRORS)
     async def model(model_id: str):
-        if model_id not in _model_ids():
-            from ..models.requests.registry import resolve
-            try:
-                resolve(model_id)
-            except Exception as error:
-                raise from_client(error) from error
+        if model_id != EMBEDDING_MODEL:
+            await require_served(model_id)
         return _model(model_id)
 
     @app.get("/health", responses=openapi.HEALTH)
     async def health():
         if not await scheduler_answers():
             raise unavailable("the scheduler does not answer: start the runtime with `uniun-ray up`")
+        loading = await warm_start_loading()
+        if loading:
+            raise unavailable(f"loading {loading}: the runtime is ready once the active chat model is")
         return {"status": "ok"}
 
     @app.post("/v1/foreground", responses=openapi.ERRORS)
@@ -378,15 +426,16 @@ def _model(model_id: str) -> dict:
     return {"id": model_id, "object": "model", "created": 0, "owned_by": OWNER}
 
 
-def _model_ids() -> list[str]:
-    """The registry's ids (the active chat model first if it is another) and the embedding model."""
+async def _model_ids() -> list[str]:
+    """The ids served (the active chat model and the operator's first, where a scheduler runs),
+    the embedded ones and the embedding model: ids only, never a folder."""
     from ..models.requests.registry import known_ids
 
-    ids = list(known_ids())
-    active = _active_chat_model()
-    if active and active not in ids:
-        ids.insert(0, active)
-    return ids + [EMBEDDING_MODEL]
+    try:
+        served = (await served_models())["ids"]
+    except APIError:   # no scheduler: the embedded ids are still what would be served
+        served = []
+    return list(dict.fromkeys([*served, *known_ids(), EMBEDDING_MODEL]))
 
 
 @functools.lru_cache(maxsize=1)
@@ -399,11 +448,9 @@ def _cl100k():
 
 def _cl100k_text(ids: list[int]) -> str:
     """Token ids of cl100k_base as the text they encode: what clients that tokenize for OpenAI's
-    embedding models send (langchain's OpenAIEmbeddings does by default)."""
-    try:
-        return _cl100k().decode(ids)
-    except (KeyError, ValueError, OverflowError) as error:
-        raise bad_request(f"input holds ids that are not tokens of cl100k_base: {error}", param="input") from None
+    embedding models send (langchain's OpenAIEmbeddings does by default). The body's schema
+    admits its ordinary tokens only (`schemas.CL100K_LAST`), each of which decodes."""
+    return _cl100k().decode(ids)
 
 
 def _active_chat_model() -> str | None:

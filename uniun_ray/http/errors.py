@@ -8,6 +8,8 @@ status codes of SPEC §4:
     404 model_not_found         a model id nothing on this machine resolves
     429 queue_full              QueueFull; `Retry-After` says when to try again
     503 scheduler_unavailable   the scheduler is not running, or died and did not come back
+    503 model_unavailable       the device cannot run the model (its engine's environment is
+                                missing, its weights do not load): the cause and what to do
 
 Anything else is a fault of the server (500 `server_error`), never of the input.
 """
@@ -74,7 +76,7 @@ def from_client(error: BaseException) -> APIError:
 
     from ..models import PromptTooLong, UnknownModel
     from ..models.requests.request import InvalidRequest
-    from ..runtime.protocol import JobDropped, Preempted, QueueFull, SchedulerUnavailable
+    from ..runtime.protocol import JobDropped, ModelUnavailable, Preempted, QueueFull, SchedulerUnavailable
 
     if isinstance(error, APIError):
         return error
@@ -89,6 +91,8 @@ def from_client(error: BaseException) -> APIError:
                         headers={"Retry-After": str(RETRY_AFTER_S)})
     if isinstance(error, SchedulerUnavailable):
         return unavailable(_text(error))
+    if isinstance(error, ModelUnavailable):
+        return APIError(503, _text(error), type="service_unavailable", code="model_unavailable", param="model")
     if isinstance(error, RayActorError):
         return unavailable(f"an actor of the runtime died under the request ({type(error).__name__}); retry it")
     if isinstance(error, (Preempted, JobDropped)):

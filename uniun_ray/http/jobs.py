@@ -135,7 +135,8 @@ class Job:
     async def usage(self) -> dict:
         done = self.completion
         return {"prompt_tokens": done.prompt_tokens, "completion_tokens": done.tokens,
-                "total_tokens": (done.prompt_tokens or 0) + done.tokens}
+                "total_tokens": (done.prompt_tokens or 0) + done.tokens,
+                "cached_tokens": done.prefills[0]["cached_tokens"] if done.prefills else 0}
 
     async def uniun(self) -> dict:
         done = self.completion

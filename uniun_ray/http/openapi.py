@@ -32,7 +32,8 @@ ERRORS = {
     400: _error("invalid_request_error: the body or a parameter is invalid (`param` names it)"),
     401: _error("invalid_api_key: UNIUN_API_KEY is set and the bearer token is missing or wrong"),
     404: _error("model_not_found (or not_found)"),
-    503: _error("scheduler_unavailable, or model_not_ready while a model's weights are converted",
+    503: _error("scheduler_unavailable; model_not_ready while a model's weights are converted; model_unavailable "
+                "when the device cannot run it (the message says why)",
                 retry_after=True),
 }
 #: The generation routes: those, a full queue, and a stream's events.

@@ -17,7 +17,7 @@ from __future__ import annotations
 from typing import Annotated, Any, Literal, Union
 
 from pydantic import (AfterValidator, BaseModel, ConfigDict, Discriminator, Field, StrictBool, StrictInt, StrictStr,
-                      Tag, ValidationInfo, field_validator)
+                      Tag, ValidationInfo, WithJsonSchema, field_validator)
 from pydantic_core import PydanticCustomError
 
 from ..models.requests.request import JSON_OBJECT, LOGIT_BIAS_RANGE, PENALTY_RANGE
@@ -31,6 +31,9 @@ MAX_STOP = 4
 MAX_TOKENS = 1_000_000
 #: The most prompts (or embedding inputs) in one request, as OpenAI's embeddings allow.
 MAX_INPUTS = 2048
+#: The last ordinary token of OpenAI's cl100k_base (its special tokens and the gaps between
+#: them, 100256 and up, are no text an embedding client sends).
+CL100K_LAST = 100_255
 
 #: OpenAI fields this server cannot honour: any value but null is refused, with these words.
 REFUSED = {
@@ -55,8 +58,8 @@ ONLY = {
     "service_tier": "service_tier must be 'auto' or 'default': there is one tier here (uniun's `kind` is the "
                     "scheduling class)",
     "modalities": "modalities must be [\"text\"]: this server reads and writes text only",
-    "tool_choice": "tool_choice must be 'auto' or 'none': a tool call cannot be forced here",
-    "parallel_tool_calls": "parallel_tool_calls may be given only with tools, and only true",
+    "tool_choice": "tool_choice may force a call ('required' or a named function) only with tools",
+    "parallel_tool_calls": "parallel_tool_calls may be given only with tools",
     "stream_options": "stream_options may be given only with stream: true",
 }
 
@@ -75,6 +78,28 @@ def _unicode(text: str) -> str:
 
 
 Text = Annotated[StrictStr, AfterValidator(_unicode)]
+
+
+def _not_blank(text: str) -> str:
+    if not text.strip():
+        raise ValueError("is empty: give the text the model should answer or continue")
+    return text
+
+
+#: A prompt: text with something in it (the client API refuses a blank one: the model would
+#: babble from nothing). The schema's pattern is Python's `\S`, the same whitespace as strip's.
+PromptText = Annotated[Text, AfterValidator(_not_blank), Field(json_schema_extra={"pattern": r"\S"})]
+
+
+def _only(value: bool | int):
+    """An OpenAI field honoured with one value only: that value, of its JSON type exactly
+    (pydantic's Literal would also take 0 for false, 1.0 or true for 1, which the schema refuses)."""
+    def check(given):
+        if given != value:
+            raise PydanticCustomError("unsupported_value", "unsupported value")
+        return given
+    kind, name = (StrictBool, "boolean") if isinstance(value, bool) else (StrictInt, "integer")
+    return Annotated[kind, AfterValidator(check), WithJsonSchema({"const": value, "type": name})]
 Nothing = Annotated[None, Field(description="not supported: omit it, or send null")]
 
 
@@ -220,6 +245,15 @@ class Tool(Strict):
     function: Function
 
 
+class NamedFunction(Strict):
+    name: Text
+
+
+class NamedToolChoice(Strict):
+    type: Literal["function"]
+    function: NamedFunction
+
+
 class StreamOptions(Strict):
     include_usage: StrictBool | None = None
     include_obfuscation: StrictBool | None = None
@@ -250,7 +284,7 @@ class JobFields(Strict):
     prompt_cache_key: Text | None = None
     safety_identifier: Text | None = None
     service_tier: Literal["auto", "default"] | None = None
-    store: Literal[False] | None = None
+    store: _only(False) | None = None
 
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
@@ -259,7 +293,7 @@ class JobFields(Strict):
     top_p: Annotated[Number, Field(gt=0, le=1)] | None = None
     stop: Annotated[Text, Field(min_length=1)] | Annotated[
         list[Annotated[Text, Field(min_length=1)]], Field(max_length=MAX_STOP)] | None = None
-    n: Literal[1] | None = None
+    n: _only(1) | None = None
     seed: Annotated[StrictInt, Field(ge=0)] | None = None
     presence_penalty: Penalty | None = None
     frequency_penalty: Penalty | None = None
@@ -296,11 +330,11 @@ class JobFields(Strict):
 class ChatCompletionRequest(JobFields):
     messages: Annotated[list[Message], Field(min_length=1)]
     max_completion_tokens: PositiveTokens | None = None
-    logprobs: Literal[False] | None = None
+    logprobs: _only(False) | None = None
     response_format: ResponseFormat | None = None
     tools: Annotated[list[Tool], Field(max_length=128)] | None = None
-    tool_choice: Literal["auto", "none"] | None = None
-    parallel_tool_calls: Literal[True] | None = None
+    tool_choice: Literal["auto", "none", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: StrictBool | None = None
     modalities: list[Literal["text"]] | None = None
     top_logprobs: Nothing = None
     functions: Nothing = None
@@ -311,6 +345,17 @@ class ChatCompletionRequest(JobFields):
     verbosity: Nothing = None
     web_search_options: Nothing = None
     _parallel_calls_need_tools = _given_only_with("parallel_tool_calls", "tools")
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _forcing_needs_tools(cls, value, info: ValidationInfo):
+        if value not in (None, "auto", "none") and not info.data.get("tools"):
+            raise PydanticCustomError("unsupported_value", ONLY["tool_choice"])
+        return value
+
+    def offers_tools(self) -> bool:
+        """Whether the model is shown tools (and its answer read for calls)."""
+        return bool(self.tools) and self.tool_choice != "none"
 
     def new_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
@@ -324,22 +369,26 @@ class ChatCompletionRequest(JobFields):
             fields["json_schema"] = JSON_OBJECT
         elif isinstance(self.response_format, JsonSchemaFormat):
             fields["json_schema"] = self.response_format.json_schema.schema_
-        if self.tools and self.tool_choice != "none":   # "none": the model is not shown the tools
+        if self.offers_tools():   # "none": the model is not shown the tools
             fields["tools"] = tuple(tool.model_dump(exclude_none=True) for tool in self.tools)
+            choice = self.tool_choice
+            fields["tool_choice"] = choice.function.name if isinstance(choice, NamedToolChoice) else choice or "auto"
+            fields["parallel_tool_calls"] = self.parallel_tool_calls is not False
         return fields
 
 
 TokenIds = Annotated[list[Annotated[StrictInt, Field(ge=0)]], Field(min_length=1)]
+Cl100kIds = Annotated[list[Annotated[StrictInt, Field(ge=0, le=CL100K_LAST)]], Field(min_length=1)]
 
 
 class CompletionRequest(JobFields):
-    prompt: Union[Text, Annotated[list[Text], Field(min_length=1, max_length=MAX_INPUTS)], TokenIds,
+    prompt: Union[PromptText, Annotated[list[PromptText], Field(min_length=1, max_length=MAX_INPUTS)], TokenIds,
                   Annotated[list[TokenIds], Field(min_length=1, max_length=MAX_INPUTS)]] = Field(
         description="a text, a list of texts, token ids (the model's own), or a list of token-id lists; "
                     "a list of several gets one choice per prompt")
-    echo: Literal[False] | None = None
+    echo: _only(False) | None = None
     logprobs: Nothing = None
-    best_of: Literal[1] | None = None
+    best_of: _only(1) | None = None
     suffix: Nothing = None
 
     def prompts(self) -> list[str | list[int]]:
@@ -350,8 +399,8 @@ class CompletionRequest(JobFields):
 
 
 class EmbeddingRequest(Strict):
-    input: Union[Text, Annotated[list[Text], Field(min_length=1, max_length=MAX_INPUTS)], TokenIds,
-                 Annotated[list[TokenIds], Field(min_length=1, max_length=MAX_INPUTS)]] = Field(
+    input: Union[Text, Annotated[list[Text], Field(min_length=1, max_length=MAX_INPUTS)], Cl100kIds,
+                 Annotated[list[Cl100kIds], Field(min_length=1, max_length=MAX_INPUTS)]] = Field(
         description="a text, a list of texts, or token ids of OpenAI's cl100k_base (what langchain's "
                     "OpenAIEmbeddings sends): one id list or a list of them")
     model: Text | None = None
@@ -366,6 +415,12 @@ class EmbeddingRequest(Strict):
 
 
 class ForegroundRequest(Strict):
+    """A subject needs a kind (kind null clears both): the route refuses one without, and the
+    schema says so."""
+
+    model_config = ConfigDict(extra="forbid", json_schema_extra={
+        "if": {"properties": {"subject": {"type": "string"}}, "required": ["subject"]},
+        "then": {"properties": {"kind": {"type": "string"}}, "required": ["kind"]}})
     kind: KindName | None = None
     subject: Text | None = None
 

@@ -49,10 +49,11 @@ def _summary(snap: dict, now: float) -> Table:
     foreground = (fg["kind"] or "none") + (f" ({fg['subject']})" if fg["subject"] else "")
     devices = snap.get("devices") or []
     if len(devices) > 1:
-        grid.add_row("loaded models", ", ".join(f"{d['device']} {d['loaded_model'] or 'none'}" for d in devices),
-                     "foreground (T1)", foreground)
+        grid.add_row("loaded models", ", ".join(f"{d['device']} {d['loaded_model'] or 'none'}{_calls(d)}"
+                                                for d in devices), "foreground (T1)", foreground)
     else:
-        grid.add_row("loaded model", str(snap["loaded_model"] or "none"), "foreground (T1)", foreground)
+        grid.add_row("loaded model", str(snap["loaded_model"] or "none") + (_calls(devices[0]) if devices else ""),
+                     "foreground (T1)", foreground)
     if snap.get("chat_model"):
         grid.add_row("chat model", snap["chat_model"], "", "")
     if len(snap.get("nodes") or []) > 1:
@@ -63,8 +64,7 @@ def _summary(snap: dict, now: float) -> Table:
         budget.append("  over budget: T2 yields to waiting T3/T4", style="bold yellow")
     wake = snap.get("next_wakeup")
     grid.add_row("queued", str(snap["queued"]), "T2 budget used", budget)
-    swaps = ", ".join(f"{m} {s:.1f}s" for m, s in sorted(snap.get("swap_s", {}).items())) or "-"
-    grid.add_row("swap times", swaps, "next wake-up", f"in {wake - now:.1f}s" if wake else "-")
+    grid.add_row("swaps", _swaps(snap, devices), "next wake-up", f"in {wake - now:.1f}s" if wake else "-")
     if snap.get("event_log"):
         grid.add_row("event log", snap["event_log"], "", "")
     niceness = max([(d.get("engine") or {}).get("niceness", 0) for d in devices] or [0])
@@ -72,6 +72,23 @@ def _summary(snap: dict, now: float) -> Table:
         grid.add_row("CPU priority", Text(f"model actors at niceness {niceness}: the host's other busy programs come "
                                           "first (start Ray with RAY_worker_niceness=0)", style="bold yellow"), "", "")
     return grid
+
+
+def _swaps(snap: dict, devices: list[dict]) -> str:
+    """Each device's last swap (its kind and time) and the models it keeps resident or warm;
+    else the measured times per model."""
+    lines = []
+    for device in devices:
+        last = (device.get("swaps") or {}).get("last")
+        if last:
+            kept = ", ".join(f"{m} {where}" for m, where in last["kept"].items())
+            name = f"{device['device']}: " if len(devices) > 1 else ""
+            lines.append(f"{name}{last['model']} {last['kind']} {last['seconds']:.3f}s" + (f" (kept: {kept})" if kept else ""))
+    return "; ".join(lines) or ", ".join(f"{m} {s:.1f}s" for m, s in sorted(snap.get("swap_s", {}).items())) or "-"
+def _calls(device: dict) -> str:
+    """The loaded model's tool-call format, where its template takes tools."""
+    calls = (device.get("engine") or {}).get("tool_call_format")
+    return f" (tool calls: {calls})" if calls else ""
 
 
 def _bar(fraction: float, width: int = 10) -> str:
@@ -175,7 +192,8 @@ def describe(ev: dict) -> str:
     if ev["ev"] == "revoke":
         text = f"{job}: {ev.get('reason') or 'revoked'}"
     elif ev["ev"] == "swap_end":
-        text = f"loaded {ev['model']} in {ev.get('seconds', 0.0):.2f}s for {job}"
+        text = (f"gave up loading {ev['model']} for a chat (R13), for {job}" if ev.get("abandoned") else
+                f"loaded {ev['model']} ({ev.get('swap_kind', 'cold')}) in {ev.get('seconds', 0.0):.3f}s for {job}")
     else:
         text = f"{job}: {ev.get('reason', '')}"
     return text + (f" [{ev['device']}]" if ev.get("device") else "")

@@ -32,7 +32,7 @@ class PickContext:
     foreground: Foreground
     now: float
     budget_check: Callable[[], bool]
-    max_affinity_wait_s: float
+    wait_bound: Callable[[Entry], float]   # R12: a job's affinity wait, by the cost of its swap
     tier: Callable[[Entry], Tier]
 
     @cached_property
@@ -69,8 +69,19 @@ def affinity_end(submitted: float, max_wait_s: float) -> float:
     return end
 
 
+def affinity_bound(max_wait_s: float, full_swap_s: float, swap_s: float | None) -> float:
+    """R12's bound on a job's affinity wait for a swap of `swap_s` seconds: `max_wait_s` for a
+    swap costing `full_swap_s` or more, or of unknown cost; proportionally less for a cheaper
+    one. Waiting w for a swap of cost c buys batching at the price of w; with w proportional
+    to c, the device spends at most `full_swap_s` / `max_wait_s` of its time swapping even
+    when every job alternates models, whatever the swaps cost (1/6 with the defaults)."""
+    if swap_s is None:
+        return max_wait_s
+    return max_wait_s * min(1.0, swap_s / full_swap_s)
+
+
 def waited_past(entry: Entry, ctx: PickContext) -> bool:
-    return ctx.now - entry.submitted > ctx.max_affinity_wait_s
+    return ctx.now - entry.submitted > ctx.wait_bound(entry)
 
 
 def place(ctx: PickContext, free: list[Device], ceiling: Callable[[Device], Tier | None]) -> tuple[Entry, Device] | None:
@@ -226,5 +237,5 @@ def affinity_wakeup(ctx: PickContext, loaded: str | None, running_tier: Tier) ->
     best = ctx.first(tiers)
     if best is None or best.job.model_id == loaded or ctx.first(tiers, loaded):
         return None
-    end = affinity_end(best.submitted, ctx.max_affinity_wait_s)
+    end = affinity_end(best.submitted, ctx.wait_bound(best))
     return end if end > ctx.now else None

@@ -17,7 +17,7 @@ from collections.abc import Mapping
 
 from .budget import Run, T2Window
 from .fairness import VruntimeLedger
-from .picker import PickContext, affinity_wakeup, drain_target, place, slot_for, victim, waited_past
+from .picker import PickContext, affinity_bound, affinity_wakeup, drain_target, place, slot_for, victim, waited_past
 from .pool import Device, Pool, check_slots
 from .steps import StepProfiles
 from .queues import Entry, Queues
@@ -45,6 +45,7 @@ class SchedulerPolicy:
         self.config = config or PolicyConfig()
         self._pool = Pool(counts)
         self._steps = StepProfiles(self.config.chat_step_slack)
+        self._swap_costs: dict[tuple[str, str], float] = {}   # (device, model) -> seconds (R12)
         self._ledger = VruntimeLedger(self.config)
         self._queues = Queues(self._ledger, self._inflight)
         self._window = T2Window(self.config.window_s, self.config.t2_share)
@@ -171,6 +172,31 @@ class SchedulerPolicy:
             return []
         return self._react(now, self._advance(now))
 
+    def set_swap_cost(self, model_id: str, device: str, seconds: float, now: float | None = None) -> list[Action]:
+        """R12: what a swap to `model_id` on `device` costs now, as the runtime measured it for
+        the kind it would be (a cold load, a copy from host memory, a switch). A job's affinity
+        wait follows the cheapest swap the pool offers it (`picker.affinity_bound`); a model
+        without one is a cold load of unknown cost: the whole wait. Given `now`, the policy
+        reacts at once: a cost that shortens a wait past its end is that wait's end (R4's
+        event); without `now` the cost counts from the next call."""
+        if now is not None:
+            now = self._check_now(now)
+        if not isinstance(model_id, str) or not model_id:
+            raise ValueError(f"model_id must be a non-empty string, got {model_id!r}")
+        self._pool.get(device)
+        if check_time(seconds, "swap seconds") < 0:
+            raise ValueError(f"swap seconds must be >= 0, got {seconds!r}")
+        self._swap_costs[(device, model_id)] = float(seconds)
+        if now is None:
+            return []
+        return self._react(now, self._advance(now) or RevokeCause.AFFINITY)
+
+    def _wait_bound(self, entry: Entry) -> float:
+        """R12: the affinity wait of `entry`, by the cheapest swap to its model in the pool."""
+        known = (self._swap_costs.get((name, entry.job.model_id)) for name in self._pool.names)
+        cheapest = min((cost for cost in known if cost is not None), default=None)
+        return affinity_bound(self.config.max_affinity_wait_s, self.config.affinity_full_swap_s, cheapest)
+
     def remove_device(self, device: str, now: float) -> list[Action]:
         """A device left the pool (R20): its model is forgotten, and its running job, charged
         for the time it held the device (R7), goes back to its original place (resumes as
@@ -181,6 +207,7 @@ class SchedulerPolicy:
         actions = [a for entry in list(gone.jobs.values())
                    for a in self._stop(gone, entry, now, Outcome.REVOKED, requeue=True)]
         self._pool.remove(device)
+        self._swap_costs = {key: cost for key, cost in self._swap_costs.items() if key[0] != device}
         return actions + self._react(now, passed)
 
     def next_wakeup(self) -> float | None:
@@ -220,6 +247,8 @@ class SchedulerPolicy:
             "t2": {"share": used / held if held else 0.0, "limit": self.config.t2_share,
                    "held_s": held, "t2_held_s": used, "over_budget": self._t2_over(now)},
             "next_wakeup": self.next_wakeup(),
+            "swap_cost_s": {d.name: {model: cost for (device, model), cost in sorted(self._swap_costs.items())
+                                     if device == d.name} for d in self._pool},
         }
 
     # -- read-only helpers for callers ---------------------------------------------------
@@ -251,6 +280,11 @@ class SchedulerPolicy:
     def slot_jobs(self) -> dict[str, list[Job]]:
         """Device name -> the jobs in its slots, in dispatch order, for every device."""
         return {d.name: [e.job for e in d.jobs.values()] for d in self._pool}
+
+    @property
+    def drains(self) -> dict[str, str]:
+        """Device name -> the queued job it is emptied for (R21, R13), for the draining devices."""
+        return {d.name: d.drain_for for d in self._pool if d.drain_for is not None}
 
     @property
     def slots(self) -> dict[str, int]:
@@ -353,7 +387,7 @@ class SchedulerPolicy:
 
     def _context(self, now: float) -> PickContext:
         return PickContext(self._queues, self._foreground, now, lambda: self._t2_over(now),
-                           self.config.max_affinity_wait_s, lambda entry: self.tier(entry.job))
+                           self._wait_bound, lambda entry: self.tier(entry.job))
 
     def _stop(self, device: Device, entry: Entry, now: float, outcome: Outcome, requeue: bool) -> list[Action]:
         """End the run of `entry` on `device`: charge it (R7, R11; slot-seconds, R24) and free

@@ -21,6 +21,7 @@ from .metrics import SchedulerMetrics
 from .model_actor import ModelActor
 from .protocol import NAMESPACE, DeviceGone, DeviceLost, UniunError, model_actor_name
 from .service import RuntimeConfig, SchedulerService
+from .warmstart import WarmStart
 from ..models.requests.settings import EngineSettings
 
 from .placement import Seat
@@ -91,6 +92,9 @@ class RayDevice:
     async def load(self, model_id: str) -> float:
         return await self._call("load", model_id)
 
+    async def abandon(self, model_id: str) -> None:
+        await self._call("abandon", model_id)
+
     async def grant(self, epoch: int, live: tuple[int, ...] = (), model: str | None = None) -> None:
         await self._call("grant", epoch, live, model)   # a restarted actor reloads `model` itself
 
@@ -156,6 +160,7 @@ class ModelFleet:
     settings: EngineSettings
     forced: str | None = None
     embedder_gpus: int = 0
+    models: tuple[tuple[str, str], ...] = ()   # the operator's ids and folders (`registry.configure`)
 
     def seat(self, resources: Mapping[str, float]) -> Seat:
         return placement.model_seat(resources, self.forced)
@@ -164,7 +169,7 @@ class ModelFleet:
         """Get or create the ModelActor of `device` (named `model:<device>`)."""
         seat = self.seat(resources)
         return RemoteModel.options(**model_actor_options(model_actor_name(device), seat)).remote(
-            device=seat.torch_device, settings=self.settings)
+            device=seat.torch_device, settings=self.settings, models=dict(self.models))
 
 
 class SchedulerActor(SchedulerService):
@@ -180,6 +185,7 @@ class SchedulerActor(SchedulerService):
         self._nodes: dict[str, nodes.Node] = {}   # node id -> the node, as the GCS last said
         self._pool_lock = asyncio.Lock()         # one look at the cluster at a time
         self._retiring: set[str] = set()         # devices of a dead node whose actors are being killed
+        self._warm_start = WarmStart(self)
 
     def __repr__(self) -> str:
         running = {d: [f"{j.kind.value}:{j.id}" for j in jobs] for d, jobs in self.policy.slot_jobs.items() if jobs}
@@ -202,10 +208,25 @@ class SchedulerActor(SchedulerService):
     async def ping(self) -> str:
         return "ok"
 
+    async def ready(self, wait: bool = True) -> str | None:
+        """The warm start (`warmstart`): what still loads, None once ready."""
+        self._keep_running()
+        return await self._warm_start.ready(wait)
+
+    async def warming(self) -> str | None:
+        """What the warm start still loads ("MODEL on DEVICE"), None when none runs (/health)."""
+        return self._warm_start.loading
+
     async def chat_model(self) -> str:
         """The active chat model: what every client means by `model_id=None`."""
         self._keep_running()
         return self.config.chat_model
+
+    async def served_models(self) -> dict:
+        """What a request from outside may name (`registry.check_served`), beside the embedded
+        ids: the active chat model and the operator's ids (never their folders); `hub`: whether
+        Hugging Face repo ids cached on the host are served too."""
+        return {"ids": [self.config.chat_model, *self.config.models], "hub": self.config.hub_models}
 
     # -- the pool follows the cluster ---------------------------------------------------------
     def _keep_running(self) -> None:

@@ -28,6 +28,7 @@ import asyncio
 import logging
 from typing import Protocol
 
+from ..models.requests.swap import COLD, Swap
 from .protocol import DeviceLost
 
 log = logging.getLogger(__name__)
@@ -40,9 +41,10 @@ class Device(Protocol):
     `async current_epoch() -> int`, the
     newest epoch the device was granted, which a (restarted) scheduler reads once so that
     its epochs fence every older lease; `async alive() -> bool`, False once the device is
-    gone for good (answered at once: a restarting device is alive)."""
+    gone for good (answered at once: a restarting device is alive); `async abandon(model_id)`,
+    which stops a load of that model in flight (its `load` raises SwapAbandoned)."""
 
-    async def load(self, model_id: str) -> float: ...
+    async def load(self, model_id: str) -> Swap: ...
     async def grant(self, epoch: int, live: tuple[int, ...] = (), model: str | None = None) -> None: ...
     async def revoke(self, epoch: int) -> None: ...
 
@@ -71,32 +73,53 @@ class DeviceDriver:
         self.notice_period_s = notice_period_s
         self.model: str | None = None          # what the device holds, as far as we know
         self.swap_s: dict[str, float] = {}     # the last measured load time per model
+        self.measured: dict[tuple[str, str], float] = {}   # (model, swap kind) -> the last seconds
+        self.last_swap: Swap | None = None      # what the device kept warm after it (`Swap.kept`)
         self.plan: dict | None = None           # what the device chose for its model: slots, step profile
         self.live: set[int] = set()           # epochs granted and not yet ended or revoked
         self._epochs = epochs or EpochClock()
         self._synced = False
-        self._loaded = asyncio.Event()          # cleared while a load runs
+        self._loaded = asyncio.Event()          # cleared while a load runs ...
         self._loaded.set()
+        self.loading: str | None = None         # ... of this model
+        self.abandoned: str | None = None       # the model whose load was given up, until the next load
         self._newest = 0                        # the newest epoch granted here ...
         self._told = 0                          # ... and the newest the device was sent
         self._next_notice = 0.0                 # loop time before which a notice waits
         self._waiting: asyncio.TimerHandle | None = None   # the notice that waits
 
-    async def load(self, model_id: str) -> float:
-        """Swap `model_id` in; its measured seconds. The device holds nothing known until
-        it succeeds."""
+    async def load(self, model_id: str) -> Swap:
+        """Swap `model_id` in; what the swap was (its kind and measured seconds). The device
+        holds nothing known until it succeeds."""
         self.model, self.plan = None, None
         self._drop_notice()   # it names ended leases only: the grant after the load fences them
         self._loaded.clear()
+        self.loading, self.abandoned = model_id, None
         try:
-            seconds = await self.device.load(model_id)
+            swap = await self.device.load(model_id)
             planned = getattr(self.device, "slots", None)
             self.plan = await planned(self.slots) if planned else None
             self.model = model_id
         finally:
             self._loaded.set()
-        self.swap_s[model_id] = seconds
-        return seconds
+            self.loading = None
+        self.swap_s[model_id], self.last_swap = swap.seconds, swap
+        self.measured[(model_id, swap.kind)] = swap.seconds
+        return swap
+
+    def swap_costs(self) -> dict[str, float]:
+        """What a swap to each model measured here would cost now (R12: given to the policy):
+        the kind it would be after the last swap (a switch or a warm copy for a model the
+        device kept, else a cold load), at that model's last time of that kind, else (the
+        first swap back) its last cold load's."""
+        if self.last_swap is None:
+            return {}
+        costs = {}
+        for model in {m for m, _ in self.measured} - {self.model}:
+            cost = self.measured.get((model, self.last_swap.next_kind(model)), self.measured.get((model, COLD)))
+            if cost is not None:
+                costs[model] = cost
+        return costs
 
     async def fence(self, model_id: str | None = None, confirm: bool = False) -> int:
         """A new epoch for one slot, announced to the device with the live ones beside it:
@@ -171,9 +194,26 @@ class DeviceDriver:
         alive = getattr(self.device, "alive", None)
         return alive is not None and not await alive()
 
+    async def abandon(self, model_id: str) -> None:
+        """Stop the load of `model_id` in flight, if that is what the device is loading and it
+        can (R13: a chat must not wait for another model's swap)."""
+        abandon = getattr(self.device, "abandon", None)
+        if abandon is not None and self.loading == model_id:
+            self.abandoned = model_id
+            await abandon(model_id)
+
+    def describe_swaps(self) -> dict:
+        """For status: the last swap (its kind, time and what the device kept warm) and the last
+        seconds measured per model and kind."""
+        measured: dict[str, dict[str, float]] = {}
+        for (model, kind), seconds in sorted(self.measured.items()):
+            measured.setdefault(model, {})[kind] = seconds
+        return {"last": self.last_swap.describe() if self.last_swap else None, "measured": measured}
+
     def lost(self) -> None:
-        """The device died or a load failed: it holds no known model, and no live lease."""
-        self.model = None
+        """The device died or a load failed: it holds no known model, no live lease, and
+        nothing warm that we know of."""
+        self.model, self.last_swap = None, None
         self.live.clear()
         self._drop_notice()
 

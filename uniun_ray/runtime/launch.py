@@ -10,18 +10,21 @@ import os
 import socket
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Mapping
 
 import ray
 
 from . import placement
+from .. import engines
 from .actors import ModelFleet, RemoteEmbedder, RemoteScheduler, embedder_options, scheduler_options
 from .head import stand_in_resources, worker_niceness
 from .protocol import EMBEDDER_NAME, NAMESPACE, SCHEDULER_NAME, UniunError, model_actor_name
 from .releases import RELEASES
 from .service import RuntimeConfig
-from ..models.requests.registry import DEFAULT_CHAT_MODEL, resolve
-from ..models.requests.settings import SLOTS_ENV, EngineSettings, parse_slots
+from ..models.requests.registry import DEFAULT_CHAT_MODEL, configure, known_ids, resolve
+from ..models.requests.settings import MODELS_ENV, SLOTS_ENV, EngineSettings, parse_models, parse_slots, warm_start
 
 #: Resources a local cluster declares for one stand-in device of a CPU-only machine.
 LOCAL_RESOURCES = stand_in_resources(0)
@@ -130,14 +133,45 @@ class Handles:
         return handle
 
 
-def config_from_env(chat_model: str | None = None, slots: str | None = None) -> RuntimeConfig:
+def config_from_env(chat_model: str | None = None, slots: str | None = None, models: Mapping[str, str] | None = None,
+                    hub_models: bool = False) -> RuntimeConfig:
     """The configuration a new scheduler gets unless told otherwise: the chat model
-    (`chat_model`, else UNIUN_CHAT_MODEL, else the default) and the slot count per device
-    (`slots`, else UNIUN_SLOTS, else "auto"), each checked here, before any actor exists."""
+    (`chat_model`, else UNIUN_CHAT_MODEL, else the default), the slot count per device
+    (`slots`, else UNIUN_SLOTS, else "auto"), and the models it serves beside the embedded ones
+    (UNIUN_MODELS, then `models`, id -> folder; `hub_models`: cached Hugging Face repo ids too),
+    each checked here, before any actor exists."""
     chat = chat_model or os.environ.get("UNIUN_CHAT_MODEL", "").strip() or DEFAULT_CHAT_MODEL
-    config = RuntimeConfig(chat_model=chat, slots=parse_slots(os.environ.get(SLOTS_ENV, "") if slots is None else slots))
-    resolve(config.chat_model)   # UnknownModel names the choices
+    served = parse_models(os.environ.get(MODELS_ENV, "")) | dict(models or {})
+    config = RuntimeConfig(chat_model=chat, slots=parse_slots(os.environ.get(SLOTS_ENV, "") if slots is None else slots),
+                           models=served, hub_models=hub_models)
+    return served_by_id(config)
+
+
+def served_by_id(config: RuntimeConfig) -> RuntimeConfig:
+    """`config` with its models checked (UnknownModel names the choices) and a chat model given
+    as a folder served under the folder's name, so that what HTTP shows (/v1/models, an
+    answer's `model`) is an id, never a path."""
+    configure(config.models)
+    chat = config.chat_model
+    folder = _folder(chat) if chat not in known_ids() and chat not in config.models else None
+    if folder is not None:
+        name = folder.name
+        if name in known_ids() or name in config.models:
+            raise ValueError(f"the chat model's folder {chat!r} would be served as {name!r}, which is taken: "
+                             f"name it yourself (--model ID={chat} --chat-model ID)")
+        config = replace(config, chat_model=name, models={**config.models, name: str(folder)})
+        configure(config.models)
+    for model_id in (*config.models, config.chat_model):
+        resolve(model_id)
     return config
+
+
+def _folder(model_id: str) -> Path | None:
+    try:
+        folder = Path(model_id).expanduser()
+    except RuntimeError:   # "~someone" without a home here
+        return None
+    return folder.resolve() if folder.is_dir() else None
 
 
 def checking_model():
@@ -152,26 +186,38 @@ def checking_model():
     return ray.get_actor(first if first in names else names[0], namespace=NAMESPACE)
 
 
-def start(config: RuntimeConfig | None = None) -> Handles:
+def start(config: RuntimeConfig | None = None, *, models: Mapping[str, str] | None = None,
+          hub_models: bool | None = None, wait_ready: bool = True) -> Handles:
     """Get or create the scheduler, a model actor per device the cluster declares, and the
     embedder. `config` only applies when the scheduler is created here (a running one keeps
-    its own, and its pool). Placement follows what the cluster declares (`placement`); an
-    actor whose seat is taken is refused at once, naming the resource, rather than left
-    waiting for ever."""
+    its own, and its pool); `models` (id -> folder of weights) and `hub_models` add to it what
+    `uniun-ray up --model ID=PATH` and `--hub-models` set. Placement follows what the cluster
+    declares (`placement`); an actor whose seat is taken is refused at once, naming the
+    resource, rather than left waiting for ever. The scheduler then loads the active chat
+    model on its device (the warm start, `warmstart`; `UNIUN_WARM_START=0` skips it), and
+    `start` returns once it has, unless not `wait_ready` (`uniun-ray up` serves /health
+    meanwhile: 503 "loading")."""
     settings = EngineSettings.from_env()   # bad UNIUN_* settings fail here, clearly, before any actor
+    engines.check(settings)                # and an engine this host cannot run (EngineUnavailable)
     config = config or config_from_env()
+    config = served_by_id(replace(config, models={**config.models, **(models or {})},
+                                  hub_models=config.hub_models if hub_models is None else hub_models))
     forced, concurrency, embedder_on_cpu = placement.torch_device(), placement.embed_concurrency(), \
         placement.embedder_on_cpu()
     connect()
     resources = ray.cluster_resources()
     embedder_seat = placement.embedder_seat(resources, forced, embedder_on_cpu)
-    fleet = ModelFleet(settings, forced, int(embedder_seat.needs.get("GPU", 0)))
+    fleet = ModelFleet(settings, forced, int(embedder_seat.needs.get("GPU", 0)), tuple(config.models.items()))
     devices = placement.device_names(resources, fleet.embedder_gpus)
     _check_seats([(model_actor_name(d), fleet.seat(resources)) for d in devices] + [(EMBEDDER_NAME, embedder_seat)])
     models = {d: fleet.create(d, resources) for d in devices}
     embedder = RemoteEmbedder.options(**embedder_options(EMBEDDER_NAME, embedder_seat, concurrency)).remote(
         device=embedder_seat.torch_device)
     scheduler = RemoteScheduler.options(**scheduler_options(SCHEDULER_NAME)).remote(devices, fleet, config)
+    if warm_start():
+        started = scheduler.ready.remote(wait_ready)
+        if wait_ready:
+            ray.get(started)
     return _remember(Handles(scheduler, models[devices[0]], embedder, ray.get(scheduler.chat_model.remote()),
                              models))
 

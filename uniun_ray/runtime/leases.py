@@ -12,7 +12,7 @@ import asyncio
 import time
 from collections import Counter, OrderedDict
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Callable, Iterator
 
 from ..policy import Job
 from .protocol import JobDropped, Lease, QueueFull, UnknownJob
@@ -52,8 +52,9 @@ def _resolve(future: asyncio.Future | None) -> None:
 
 
 class LeaseTable:
-    def __init__(self, max_queued: int) -> None:
+    def __init__(self, max_queued: int, monotonic: Callable[[], float] = time.monotonic) -> None:
         self.max_queued = max_queued
+        self.monotonic = monotonic             # the service's clock (`clock.Clock`)
         self.jobs: dict[str, Tracked] = {}
         self.per_kind: Counter = Counter()
         self.sessions: dict[str, float] = {}   # session -> last heartbeat (monotonic)
@@ -71,7 +72,7 @@ class LeaseTable:
                             f"running, limit max_queued={self.max_queued}; nothing was queued")
 
     def add(self, job: Job) -> Tracked:
-        tracked = self.jobs[job.id] = Tracked(job, _future(), time.monotonic())
+        tracked = self.jobs[job.id] = Tracked(job, _future(), self.monotonic())
         self.per_kind[job.kind] += 1
         return tracked
 
@@ -81,11 +82,11 @@ class LeaseTable:
         tracked.state, tracked.lease, tracked.revoke_requested = "queued", None, False
         if tracked.grant.done():  # a waiter still on the unresolved one keeps it
             tracked.grant = _future()
-        tracked.last_seen = time.monotonic()
+        tracked.last_seen = self.monotonic()
 
     def hand_out(self, tracked: Tracked, lease: Lease) -> None:
         tracked.lease, tracked.state, tracked.lease_over = lease, "granted", _future()
-        tracked.last_seen = tracked.granted_at = time.monotonic()
+        tracked.last_seen = tracked.granted_at = self.monotonic()
         tracked.grant.set_result(lease)
 
     def end(self, tracked: Tracked, reason: str, error: BaseException | None = None) -> None:
@@ -141,13 +142,13 @@ class LeaseTable:
 
     # -- liveness ---------------------------------------------------------------------------
     def seen(self, tracked: Tracked, session: str | None) -> None:
-        tracked.last_seen = time.monotonic()
+        tracked.last_seen = self.monotonic()
         if session is not None:
             tracked.session = session
             self.sessions[session] = tracked.last_seen
 
     def heartbeat(self, session: str) -> None:
-        self.sessions[session] = time.monotonic()
+        self.sessions[session] = self.monotonic()
 
     def idle(self, mono: float, waiter_timeout_s: float, lease_timeout_s: float) -> Iterator[tuple[Tracked, float]]:
         """Jobs whose caller went quiet: a queued one past `waiter_timeout_s` (its session's
@@ -165,7 +166,7 @@ class LeaseTable:
                 yield tracked, idle
 
     def snapshot(self) -> dict:
-        mono = time.monotonic()
+        mono = self.monotonic()
         return {j.job.id: {"state": j.state, "epoch": j.lease.epoch if j.lease else None,
                            "held_s": mono - j.granted_at if j.lease else 0.0, "idle_s": mono - j.last_seen}
                 for j in self.jobs.values() if j.state != "queued"}

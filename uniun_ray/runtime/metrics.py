@@ -25,7 +25,7 @@ from ..policy import Kind, Tier
 #: Bucket edges (seconds). Waits and TTFT span an idle chat (tens of ms) to a starved job
 #: (minutes); swaps and stops are narrower.
 WAIT_BUCKETS = [0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600]
-SWAP_BUCKETS = [0.05, 0.1, 0.25, 0.5, 1, 2, 3, 5, 10, 30, 60]
+SWAP_BUCKETS = [0.001, 0.005, 0.02, 0.05, 0.1, 0.25, 0.5, 1, 2, 3, 5, 10, 30, 60]
 STOP_BUCKETS = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5]
 EMBED_BUCKETS = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10]
 
@@ -50,14 +50,16 @@ class SchedulerMetrics:
                                   kind + tier + model + device)
         self.revokes = Counter("uniun_revokes_total", "Running jobs revoked, by what caused it",
                                kind + ("cause",) + device)
-        self.swaps = Counter("uniun_swaps_total", "Model loads (swaps), by the model loaded", model + device)
+        self.swaps = Counter("uniun_swaps_total", "Model loads (swaps), by the model loaded and the swap's kind "
+                             "(cold load, warm copy, switch)", model + device + ("swap_kind",))
         self.reclaims = Counter("uniun_reclaims_total", "Leases taken back from a holder that stopped renewing", kind)
         self.drops = Counter("uniun_drops_total", "Queued jobs ended without running (cancelled, caller gone)", kind)
         self.finishes = Counter("uniun_finishes_total", "Runs ended, by outcome", kind + ("outcome",))
         self.wait = Histogram("uniun_wait_seconds", "Queued time before a dispatch: from submit, or from a "
                               "revoked run's end, to the dispatch (tier at dispatch)", WAIT_BUCKETS, kind + tier)
         self.ttft = Histogram("uniun_ttft_seconds", "Submit to first token", WAIT_BUCKETS, kind + model)
-        self.swap_s = Histogram("uniun_swap_seconds", "Model load time", SWAP_BUCKETS, model + device)
+        self.swap_s = Histogram("uniun_swap_seconds", "Model load time, by the swap's kind", SWAP_BUCKETS,
+                                model + device + ("swap_kind",))
         self.depth = Gauge("uniun_queue_depth", "Jobs queued, by their current tier", tier)
         self.oldest = Gauge("uniun_queue_oldest_wait_seconds", "Longest wait among a tier's queued jobs", tier)
         self.running = Gauge("uniun_running", "Jobs of the kind in the device's slots", kind + device)
@@ -88,8 +90,8 @@ class SchedulerMetrics:
             since = self._queued_since.pop(job, None)
             if since is not None:
                 self.wait.observe(t - since, tags={"kind": event["kind"], "tier": tier})
-        elif ev == "swap_end":
-            tags = {"model": event["model"], "device": _device(event)}
+        elif ev == "swap_end" and not event.get("abandoned"):   # a load given up loaded nothing
+            tags = {"model": event["model"], "device": _device(event), "swap_kind": event.get("swap_kind", "cold")}
             self.swaps.inc(tags=tags)
             self.swap_s.observe(event["seconds"], tags=tags)
         elif ev == "first_token" and job in self._submitted:

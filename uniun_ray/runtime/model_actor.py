@@ -15,19 +15,22 @@ event loop stays free to take a revoke while the device decodes.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 import threading
 import time
 from collections import deque
-from dataclasses import asdict
+from dataclasses import asdict, replace
 
 from .. import engines
-from ..models.requests.registry import prepared, resolve
+from ..models.requests.registry import configure, prepared, resolve
 from ..models.requests.request import GenerateRequest
-from ..models.requests.settings import MAX_SLOTS, EngineSettings
+from ..models.requests.settings import MAX_SLOTS, EngineSettings, default_warm_mb
+from ..models.requests.swap import HOST, NONE, RESIDENT, Swap
+from ..models.requests.vocabulary import tool_call_format
 from .metrics import ModelMetrics
-from .placement import DEVICE_RESOURCE, assigned_resources, node_id, stand_ins_here
+from .placement import DEVICE_RESOURCE, assigned_resources, devices_here, node_id, stand_ins_here
 from .protocol import DeviceLost, LeaseRevoked
 
 log = logging.getLogger(__name__)
@@ -40,6 +43,8 @@ STREAM_INTERVAL_S = 0.02
 #: The same for background runs (revocable): nobody reads them token by token, and on a small
 #: host every stream item (Ray's stream, then HTTP's) takes CPU from the batch they decode in.
 BACKGROUND_STREAM_INTERVAL_S = 0.25
+#: The swaps `state` lists, the latest last.
+SWAPS_SHOWN = 16
 
 
 class ModelActor:
@@ -50,11 +55,15 @@ class ModelActor:
     (`uniun-ray up --devices N` on a CPU machine) share its cores: 1/N each at most, so that
     two devices running at once do not fight over every core."""
 
-    def __init__(self, device: str = "cpu", settings: EngineSettings | None = None) -> None:
+    def __init__(self, device: str = "cpu", settings: EngineSettings | None = None,
+                 models: dict[str, str] | None = None) -> None:
         settings = settings or EngineSettings()
+        configure(models or {})   # the operator's ids (`uniun-ray up --model ID=PATH`) resolve here too
         budget = None
         if device == "cpu" and DEVICE_RESOURCE in assigned_resources():
             budget = max(1, settings.resolved_threads() // stand_ins_here())
+        if settings.warm_mb is None:   # the host's warm budget, shared by the node's devices
+            settings = replace(settings, warm_mb=default_warm_mb(devices_here()))
         self._engine = engines.create(settings, device, self._wake_threadsafe, budget)
         self._device = device
         self._epoch = 0                     # the newest epoch granted
@@ -64,8 +73,10 @@ class ModelActor:
         self._idle = asyncio.Event()
         self._idle.set()
         self._swap_lock = asyncio.Lock()
+        self._loading: tuple[str, threading.Event] | None = None   # the load in flight and its abandon flag
         self._last_revoke: dict[int, float] = {}
         self.stop_latencies: deque[float] = deque(maxlen=1024)  # the latest; the histogram has all
+        self._swaps: deque[Swap] = deque(maxlen=SWAPS_SHOWN)      # the latest, for status
         self._metrics = ModelMetrics()
         self._loop: asyncio.AbstractEventLoop | None = None
         if os.nice(0) > 0:
@@ -79,12 +90,28 @@ class ModelActor:
                 f"epoch={self._epoch}, live={sorted(self._live)}, generating={sorted(self._running)})")
 
     # -- swaps -----------------------------------------------------------------------------
-    async def load(self, model_id: str) -> float:
-        """Make `model_id` resident; returns the measured seconds (0.0 if it already was).
-        A generation still stopping (a fenced lease) is cancelled and awaited first."""
+    async def load(self, model_id: str) -> Swap:
+        """Make `model_id` resident; returns the swap (`Swap`: its kind, cold load, warm copy
+        or switch, and its measured seconds; kind "none" if it already was). A generation
+        still stopping (a fenced lease) is cancelled and awaited first."""
         async with self._swap_lock:
             await self._drain()
-            return await asyncio.to_thread(self._engine.load, model_id)
+            self._loading = (model_id, threading.Event())
+            try:
+                swap = await asyncio.to_thread(self._engine.load, model_id, self._loading[1])
+            finally:
+                self._loading = None
+            if swap.kind != NONE:
+                self._swaps.append(swap)
+            return swap
+
+    async def abandon(self, model_id: str) -> None:
+        """Give up a load of `model_id` still in flight (R13: a chat needs the device for
+        another model): it stops at its next step and raises SwapAbandoned; the model it
+        replaced stays warm. Anything else (no load, another model's) is left alone."""
+        loading = self._loading
+        if loading is not None and loading[0] == model_id:
+            loading[1].set()
 
     async def unload(self) -> float:
         async with self._swap_lock:
@@ -92,15 +119,17 @@ class ModelActor:
             return await asyncio.to_thread(self._engine.unload)
 
     async def reset(self) -> None:
-        """Back to a just-started device: no model, no cached KV, no stop history. The lease
+        """Back to a just-started device: no model (none warm), no cached KV, no stop or swap
+        history. The lease
         epoch stays (it only ever grows, so that every older lease stays fenced). A new
         scheduler on a running cluster, or a test wanting a fresh device, gets one without the
         cost of a new actor process (torch and transformers imported again: seconds)."""
         async with self._swap_lock:
             await self._drain()
-            await asyncio.to_thread(self._engine.unload)
+            await asyncio.to_thread(self._engine.unload)   # the warm models too
             self._last_revoke.clear()
             self.stop_latencies.clear()
+            self._swaps.clear()
 
     async def _drain(self) -> None:
         for epoch in list(self._running):
@@ -269,13 +298,36 @@ class ModelActor:
 
     async def state(self) -> dict:
         engine = await asyncio.to_thread(self._engine.status)   # it may ask the engine's server
+        calls = await asyncio.to_thread(_tool_call_format, self._engine.loaded)   # reads a tokenizer once
         return {"device": self._device, "loaded": self._engine.loaded, "epoch": self._epoch,
                 "live": sorted(self._live), "generating": sorted(self._running),
                 "slots": {"rows": engine["running"], "steps_by_batch": engine.get("steps_by_batch", {})},
                 "context_length": engine.get("context_length"),
-                "engine": engine | {"niceness": os.nice(0)},   # its threads run at it
+                "engine": engine | {"niceness": os.nice(0),   # its threads run at it
+                                    "tool_call_format": calls},
+                "models": _models(self._engine.loaded, self._swaps),
+                "swaps": [swap.describe() for swap in self._swaps],
                 "ray_resources": assigned_resources(), "node": node_id(),
                 "stop_latency_s": list(self.stop_latencies)}
+
+
+def _models(active: str | None, swaps: deque[Swap]) -> dict:
+    """Which models this device holds: the active one, and the idle ones resident beside it
+    or warm in host memory, as the latest swap left them (a reset or an unload keeps none)."""
+    kept = swaps[-1].kept if swaps and swaps[-1].model == active else {}
+    return {"active": active, "resident": [m for m, where in kept.items() if where == RESIDENT],
+            "warm": [m for m, where in kept.items() if where == HOST]}
+
+
+@functools.lru_cache(maxsize=16)
+def _tool_call_format(model_id: str | None) -> str | None:
+    """The loaded model's tool-call format, for status (its tokenizer is read once)."""
+    if model_id is None:
+        return None
+    try:
+        return tool_call_format(resolve(model_id))
+    except (ValueError, OSError) as error:   # for status only: never fail a state query
+        return f"unknown: {error}"
 
 
 async def _ended(run, stepped: asyncio.Event) -> None:

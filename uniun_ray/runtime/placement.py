@@ -175,10 +175,21 @@ def node_id() -> str | None:
 def stand_ins_here() -> int:
     """How many stand-in devices the calling actor's node declares (`uniun_device`; at least 1,
     and 1 outside a Ray worker). Their model actors share that node's cores."""
+    return max(1, int(_node_resources().get(DEVICE_RESOURCE, 1)))
+
+
+def devices_here() -> int:
+    """How many ModelActors the calling actor's node runs: one per GPU, else per stand-in device
+    (at least 1; 1 outside a Ray worker). They share the node's host memory (the warm budget)."""
+    resources = _node_resources()
+    return max(1, int(resources.get("GPU") or resources.get(DEVICE_RESOURCE, 1)))
+
+
+def _node_resources() -> dict:
+    """The resources the calling actor's node declares; empty outside a Ray worker."""
     import ray
 
     if not ray.is_initialized():
-        return 1
+        return {}
     node = ray.get_runtime_context().get_node_id()
-    declared = next((n["Resources"].get(DEVICE_RESOURCE, 1) for n in ray.nodes() if n["NodeID"] == node), 1)
-    return max(1, int(declared))
+    return next((n["Resources"] for n in ray.nodes() if n["NodeID"] == node), {})

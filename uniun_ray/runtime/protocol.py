@@ -65,6 +65,12 @@ class DeviceGone(DeviceLost):
     (R20)."""
 
 
+class ModelUnavailable(UniunError):
+    """The device could not load the job's model: its engine cannot run on that host (no vLLM
+    environment), or the weights do not load. The job fails with the cause and what to do; a
+    server answers 503, never 500: the request was fine, the deployment is not."""
+
+
 class SchedulerUnavailable(UniunError):
     """The scheduler died and did not come back in time; the job was not completed and is
     not queued anywhere: retry it once the runtime is up again (`uniun-ray up`)."""

@@ -10,19 +10,21 @@ from __future__ import annotations
 
 import asyncio
 import math
-import time
 from typing import Callable, Iterable
 
 from ..policy import RevokeCause
+from .clock import Clock
 
 
 class Reaper:
     def __init__(self, period_s: float, next_wakeup: Callable[[], float | None], tick: Callable[[], None],
-                 idle: Callable[[float], Iterable], withdraw: Callable, after: Callable[[], None] | None = None) -> None:
+                 idle: Callable[[float], Iterable], withdraw: Callable, after: Callable[[], None] | None = None,
+                 clock: Clock | None = None) -> None:
         """`tick()` advances the policy to now; `idle(mono)` yields (tracked, idle_s) of the
         quiet callers; `withdraw(tracked, reason, cause)` ends one; `after()` runs each round
-        (the metrics' gauges)."""
+        (the metrics' gauges). `clock`: what it reads and waits on (real time by default)."""
         self.period_s = period_s
+        self.clock = clock or Clock()
         self._next_wakeup, self._tick, self._idle, self._withdraw, self._after = next_wakeup, tick, idle, withdraw, after
         self._rearm: asyncio.Event | None = None
         self._task: asyncio.Task | None = None
@@ -45,15 +47,12 @@ class Reaper:
             wake = self._next_wakeup()
             delay = self.period_s
             if wake is not None:
-                delay = min(delay, max(0.0, wake - time.time()))
+                delay = min(delay, max(0.0, wake - self.clock.time()))
             self._rearm.clear()
-            self._wake_at = time.time() + delay
-            try:
-                await asyncio.wait_for(self._rearm.wait(), delay)
-            except asyncio.TimeoutError:
-                pass
+            self._wake_at = self.clock.time() + delay
+            await self.clock.wait(self._rearm, delay)
             self._tick()
-            self.reap(time.monotonic())
+            self.reap(self.clock.monotonic())
             if self._after is not None:
                 self._after()
 

@@ -21,17 +21,18 @@ from __future__ import annotations
 import asyncio
 import math
 import os
-import time
 from dataclasses import dataclass, field
 from typing import Mapping
 
 from ..models.requests.registry import DEFAULT_CHAT_MODEL
 from ..models.requests.settings import check_slot_count
+from ..models.requests.swap import SwapAbandoned
 from ..policy import Dispatch, Job, Outcome, PolicyConfig, Requeued, Revoke, RevokeCause, SchedulerPolicy
+from .clock import Clock
 from .driver import Device, DeviceDriver, EpochClock
 from ..events.log import EventLog
 from .leases import LeaseTable, Tracked
-from .protocol import DeviceGone, DeviceLost, JobDropped, Lease, Preempted
+from .protocol import DeviceGone, DeviceLost, JobDropped, Lease, ModelUnavailable, Preempted, UniunError
 from .reaper import Reaper
 
 __all__ = ["Device", "RuntimeConfig", "SchedulerService"]
@@ -65,6 +66,8 @@ class RuntimeConfig:
     event_log: str | None = None      # JSONL path (default ~/.cache/uniun-ray/events.jsonl)
     event_log_max_bytes: int = 20 * 1024 * 1024
     chat_model: str = DEFAULT_CHAT_MODEL   # what `model_id=None` means, for every process alike
+    models: Mapping[str, str] = field(default_factory=dict)   # the operator's ids -> folders of weights
+    hub_models: bool = False          # HTTP requests may name any Hugging Face repo id cached on the device's host
     slots: int | None = None          # jobs a device decodes together (SPEC §6); None: auto, measured at each load
     grant_notice_s: float = 0.05      # the least time between two unconfirmed grant notices to a device (driver)
 
@@ -85,27 +88,45 @@ class RuntimeConfig:
         check_slot_count(self.slots)
         if not isinstance(self.chat_model, str) or not self.chat_model:
             raise ValueError(f"chat_model must be a model id, got {self.chat_model!r}")
+        if not isinstance(self.models, Mapping):
+            raise ValueError(f"models must map model ids to folders, got {self.models!r}")
+        if not isinstance(self.hub_models, bool):
+            raise ValueError(f"hub_models must be a bool, got {self.hub_models!r}")
         if self.event_log is not None and (not isinstance(self.event_log, (str, os.PathLike)) or not str(self.event_log)):
             raise ValueError(f"event_log must be a path (or None for the default), got {self.event_log!r}")
 
 
 
+def _unloadable(error: Exception, dispatch: Dispatch) -> Exception:
+    """A failed load as the job's caller gets it: bad input (an unknown model: ValueError) and
+    the runtime's own errors as they are; anything else means the model cannot run on that
+    device (ModelUnavailable), with the cause's first line (a Ray task error's carries its
+    traceback after it)."""
+    if isinstance(error, (ValueError, UniunError)):
+        return error
+    cause = str(getattr(error, "cause", None) or error).strip()
+    return ModelUnavailable(f"model {dispatch.model_id!r} cannot run on device {dispatch.device}: "
+                            f"{cause.splitlines()[0] if cause else type(error).__name__}")
+
+
 class SchedulerService:
     def __init__(self, devices: Device | Mapping[str, Device], config: RuntimeConfig | None = None,
-                 metrics=None) -> None:
+                 metrics=None, clock: Clock | None = None) -> None:
         """`devices`: the pool, device name -> device (in the order ties go by), or one
-        device, then named LONE_DEVICE."""
+        device, then named LONE_DEVICE. `clock`: the time it reads and its timers wait on
+        (real time; a test passes one it moves by hand)."""
         named = dict(devices) if isinstance(devices, Mapping) else {LONE_DEVICE: devices}
         self.config = config or RuntimeConfig()
+        self.clock = clock or Clock()
         self.policy = SchedulerPolicy(self.config.policy, devices=tuple(named), slots=self.config.slots or 1)
-        self.leases = LeaseTable(self.config.max_queued)
+        self.leases = LeaseTable(self.config.max_queued, self.clock.monotonic)
         self._epochs = EpochClock()   # one for the pool: a lease's (job, epoch) names one grant
         self.drivers = {name: self._driver(device) for name, device in named.items()}
         self.reaper = Reaper(self.config.reap_period_s, self.policy.next_wakeup, self._tick,
                              lambda mono: self.leases.idle(mono, self.config.waiter_timeout_s,
                                                            self.config.lease_timeout_s),
-                             self._withdraw, self._refresh_metrics)
-        self._clock = 0.0
+                             self._withdraw, self._refresh_metrics, self.clock)
+        self._last_now = 0.0
         self.events = EventLog(self.config.event_log, self.config.event_log_max_bytes)
         # optional sink beside the log (runtime.metrics.SchedulerMetrics): write(event) for
         # every event, refresh(snapshot_fn) from the timer
@@ -174,7 +195,7 @@ class SchedulerService:
         heartbeat ignores the answer; `LeaseLoop.still_held` reads it to tell a revoke from a
         device that restarted. A holder whose work no device fences would stop on False."""
         tracked = self.leases.holder(job_id, epoch)
-        tracked.last_seen = time.monotonic()
+        tracked.last_seen = self.clock.monotonic()
         return not tracked.revoke_requested
 
     async def report_first_token(self, job_id: str, epoch: int) -> None:
@@ -257,7 +278,8 @@ class SchedulerService:
         self._apply(actions, (RevokeCause.FOREGROUND, f"foreground set to {kind}" + (f" ({subject})" if subject else "")))
 
     async def status(self) -> dict:
-        """The policy's snapshot (`devices`: each device's model and running job), the
+        """The policy's snapshot (`devices`: each device's model and running job, and its swaps:
+        the last one's kind and what it kept warm, the seconds per model and kind), the
         measured swap times (the latest of any device) and the leases."""
         self._tick()  # so held and waited times are current
         snap = self.policy.snapshot()
@@ -265,6 +287,7 @@ class SchedulerService:
         for device in snap["devices"]:
             plan = self.drivers[device["device"]].plan or {}
             device["step_profile"], device["slots_auto"] = plan.get("step_profile"), plan.get("auto")
+            device["swaps"] = self.drivers[device["device"]].describe_swaps()
         snap["event_log"] = str(self.events.path)
         snap["chat_model"] = self.config.chat_model
         snap["leases"] = self.leases.snapshot()
@@ -290,6 +313,11 @@ class SchedulerService:
                                reason=tracked.drop_reason or worded or _REASONS[action.cause])
                 if tracked.lease is not None:
                     self._spawn(self.drivers[tracked.device].revoke(tracked.lease.epoch))
+                elif (drain := self.policy.drains.get(tracked.device)) is not None \
+                        and self.leases.jobs[drain].job.model_id != tracked.job.model_id:
+                    # R13: the job the device is emptied for (a chat) wants another model than
+                    # the one this job's swap loads: it must not wait for that swap
+                    self._spawn(self.drivers[tracked.device].abandon(tracked.job.model_id))
 
     async def _prepare(self, tracked: Tracked, dispatch: Dispatch) -> None:
         """Load the model if asked, fence a new epoch at the device, then hand out the lease,
@@ -302,13 +330,24 @@ class SchedulerService:
             swap_s = 0.0
             if dispatch.swap:
                 self._emit_run("swap_start", tracked, **{"from": driver.model})
-                swap_s = await driver.load(dispatch.model_id)
-                self._emit_run("swap_end", tracked, seconds=swap_s)
+                swap = await driver.load(dispatch.model_id)
+                swap_s = swap.seconds
+                self._emit_run("swap_end", tracked, seconds=swap_s, swap_kind=swap.kind)
+                if self.drivers.get(device) is driver:
+                    for model, seconds in driver.swap_costs().items():   # R12: the next swaps' costs
+                        self.policy.set_swap_cost(model, device, seconds)
                 if driver.plan is not None and self.drivers.get(device) is driver:
                     self._take_plan(device, dispatch.model_id, driver.plan)
             epoch = await driver.fence(dispatch.model_id, confirm=dispatch.swap)
         except Exception as error:
             if self.drivers.get(device) is not driver:
+                return
+            if tracked.revoke_requested and driver.abandoned == dispatch.model_id:   # given up for a chat (R13)
+                if isinstance(error, SwapAbandoned):   # the job whose load it was; the others waited for it
+                    self._emit_run("swap_end", tracked, abandoned=True)
+                    driver.lost()   # nothing active there; the model it replaced is kept warm
+                    self._apply(self.policy.set_loaded_model(None, self._now(), device=device))
+                self._finish(tracked, Outcome.REVOKED)
                 return
             if isinstance(error, DeviceGone):  # the device leaves the pool: the job runs on another
                 self._remove_device(device, f"device lost while preparing: {error}")
@@ -318,7 +357,7 @@ class SchedulerService:
                 self._lose_device(tracked, device, f"device lost while preparing: {error}")
                 return
             self._apply(self.policy.set_loaded_model(None, self._now(), device=device))
-            self._fail(tracked, error)
+            self._fail(tracked, _unloadable(error, dispatch))
             return
         if self.drivers.get(device) is not driver:
             return
@@ -436,8 +475,8 @@ class SchedulerService:
     # -- time ---------------------------------------------------------------------------
     def _now(self) -> float:
         """Wall-clock epoch seconds (deadlines are time.time()), never going backwards."""
-        self._clock = max(self._clock, time.time())
-        return self._clock
+        self._last_now = max(self._last_now, self.clock.time())
+        return self._last_now
 
     def _keep_running(self) -> None:
         """Start the timers that a call needs running (the reaper; a subclass adds its own)."""

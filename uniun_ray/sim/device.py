@@ -82,9 +82,10 @@ run on a GPU when one is lent.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cached_property
 
+from ..events.schema import COLD, SWITCH, WARM
 from ..policy.steps import step_time
 
 #: A prefill chunk takes this many decode steps, as the engine sizes them
@@ -100,8 +101,15 @@ class ModelSpeed:
 
     decode_s: float            # one decode step of one job (one output token after the first)
     prefill_s_per_token: float  # prefill cost per context token
-    swap_s: float              # unload the current model and load this one
+    swap_s: float              # unload the current model and load this one (a cold load)
     batch_cost: tuple[tuple[int, float], ...] = ((1, 1.0),)
+    warm_s: float | None = None     # a swap back from host memory (None: as cold)
+    switch_s: float | None = None   # a switch to it, resident beside the last model (None: as warm)
+
+    def swap_cost(self, kind: str) -> float:
+        """Seconds of a swap to this model of `kind` (``events.schema.SWAP_KINDS``)."""
+        warm = self.swap_s if self.warm_s is None else self.warm_s
+        return {COLD: self.swap_s, WARM: warm, SWITCH: warm if self.switch_s is None else self.switch_s}[kind]
 
     def prefill_s(self, tokens: int) -> float:
         return tokens * self.prefill_s_per_token
@@ -134,6 +142,10 @@ class DeviceProfile:
     kv_cache_tokens: int = 20_000
     #: Where the models' batch curves come from, in a few words, for the figures that use them.
     batch_source: str = ""
+    #: How a model that was on a device comes back (issue 37): COLD (nothing is kept: every swap
+    #: loads), WARM (kept in host memory) or SWITCH (kept on the device). The warm budget is not
+    #: modelled: the host keeps every model it has loaded.
+    keeps: str = COLD
 
     def chunk_tokens(self, speed: ModelSpeed) -> int:
         """Tokens per prefill pass: fixed, or as many as fit in CHUNK_DECODE_STEPS decode steps."""
@@ -179,3 +191,13 @@ PROFILES: dict[str, DeviceProfile] = {
         GEMMA3: ModelSpeed(0.010, 0.00002, 0.6, GPU_BATCH_COST),
     }, batch_source="batch curve estimated from published vLLM figures, not measured"),
 }
+
+#: Issue 37: seconds of `ModelActor.load` switching back to a model kept co-resident on this
+#: CPU (the runtime's default since then), SmolLM2 <-> Gemma back and forth
+#: (``benchmarks/runtime_bench.py --swaps-only --quick``: p50 of 2, 1.3 and 1.4 ms). PROVISIONAL:
+#: measured beside other sessions' work; `tiny` is not measured and takes SmolLM2's.
+CPU_SWITCH_S = {SMOLLM2: 0.0013, GEMMA3: 0.0014, TINY: 0.0013}
+#: The `cpu` profile as the runtime now runs it: a model that was on the device comes back
+#: as a switch (``keeps``); its first load is the same cold load.
+PROFILES["cpu-warm"] = replace(PROFILES["cpu"], name="cpu-warm", keeps=SWITCH, models={
+    model: replace(speed, switch_s=CPU_SWITCH_S[model]) for model, speed in PROFILES["cpu"].models.items()})

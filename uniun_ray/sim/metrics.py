@@ -12,6 +12,8 @@ Definitions (times in seconds; tiers are R1's, at dispatch for a run, see `trace
   that serving the T0/T1 runs alone needs, in dispatch order, from an empty device: the
   number of model changes in that sequence (the first load counts; at least 1 if
   anything ran). A policy cannot do with fewer without delaying chat or the foreground.
+  By kind (cold load, warm copy, switch: the log's ``swap_kind``), their count and seconds;
+  swap seconds per device-hour: the time swapping over the run's device-hours.
 * Service of a flow (a producer): the device time its runs held, dispatch to finish,
   swaps included (what R7 charges).
 * Backlogged: a T4 flow (nataraj or gana producer) is backlogged while it has at least
@@ -88,6 +90,8 @@ class Metrics:
     t3_late_p50: float | None
     t3_late_max: float | None
     idle_while_waiting_s: float
+    swaps_by_kind: dict[str, int] = field(default_factory=dict)     # cold load, warm copy, switch
+    swap_s_by_kind: dict[str, float] = field(default_factory=dict)
     batch_mean: float | None = None
     batch_max: int | None = None
     service: dict[str, float] = field(default_factory=dict)
@@ -121,6 +125,8 @@ def measure(log: Iterable[Event] | Trace, window_s: float = 300.0) -> Metrics:
         swaps=len(trace.swaps),
         swap_s=sum(s.end - s.start for s in trace.swaps),
         forced_swaps=forced_swaps(trace),
+        swaps_by_kind=dict(Counter(s.kind for s in trace.swaps)),
+        swap_s_by_kind=_seconds_by_kind(trace),
         jain_t4=_jain_t4(trace),
         t2_share_max=max(t2_all, default=None),
         t2_share_max_t34_backlogged=max(t2_backlogged, default=None),
@@ -131,6 +137,18 @@ def measure(log: Iterable[Event] | Trace, window_s: float = 300.0) -> Metrics:
         service=dict(service),
         longest_wait=dict(longest),
     )
+
+
+def _seconds_by_kind(trace: Trace) -> dict[str, float]:
+    seconds: dict[str, float] = defaultdict(float)
+    for swap in trace.swaps:
+        seconds[swap.kind] += swap.end - swap.start
+    return dict(seconds)
+
+
+def swap_s_per_device_h(m: Metrics, devices: int = 1) -> float:
+    """Device seconds spent swapping per device-hour of the run."""
+    return m.swap_s / (devices * m.makespan_s / 3600.0) if m.makespan_s else 0.0
 
 
 def drain_s(log: Iterable[Event] | Trace, producer: str) -> float | None:

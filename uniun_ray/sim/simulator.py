@@ -50,6 +50,7 @@ from typing import Any, Callable, Mapping
 from uniun_ray.policy import Dispatch, Job, Kind, Requeued, Revoke
 
 from .batch import Epoch, Progress, plan
+from ..events.schema import COLD, SWITCH
 from .kvcache import KvCache
 from .device import DeviceProfile, PROFILES
 from ..events.schema import Event
@@ -90,6 +91,8 @@ class _Run:
     progress: Progress
     revoked: bool = False
     stopped: bool = False      # by its revoke, at a boundary; its finish follows the delay
+    swap_kind: str | None = None   # the swap it began with, if any: cold, warm, switch
+    abandoned: bool = False    # that swap was given up for a chat on another model (R13)
 
 
 @dataclass
@@ -98,8 +101,10 @@ class _Device:
 
     name: str
     slots: int
-    kv: KvCache
+    kv_tokens: int                # each model's prefix cache, as the runtime gives each its own
+    kv: dict[str, KvCache] = field(default_factory=dict)   # model -> its prefix KV cache
     model: str | None = None
+    kept: set[str] = field(default_factory=set)   # models it held before: they come back as `keeps` says
     ready: float = 0.0         # the end of the swap under way: nothing computes before it
     runs: dict[int, _Run] = field(default_factory=dict)      # slot -> its unfinished run
     joining: list[_Run] = field(default_factory=list)        # dispatched, join at the next boundary
@@ -137,7 +142,7 @@ class Simulator:
         self._outstanding: set[str] = set()
         self._running: dict[str, _Run] = {}  # job id -> its run
         counts = slots if isinstance(slots, Mapping) else dict.fromkeys(devices, slots)
-        self._devices = {name: _Device(name, counts.get(name, 1), KvCache(device.kv_cache_tokens))
+        self._devices = {name: _Device(name, counts.get(name, 1), device.kv_cache_tokens)
                          for name in devices}
         self._last_wake: float = -math.inf
         for name in devices:  # R23: the step times the policy bounds a chat's step with
@@ -193,6 +198,10 @@ class Simulator:
             self._next_step(fs)
 
     @staticmethod
+    def _kv(device: _Device, model: str) -> KvCache:
+        return device.kv.setdefault(model, KvCache(device.kv_tokens))
+
+    @staticmethod
     def _conversation(state: _JobState) -> str | None:
         """The key of the conversation a job is a turn of (its flow's producer), if it is one."""
         flow = state.flow.flow if state.flow is not None else None
@@ -243,20 +252,25 @@ class Simulator:
         device = self._check_dispatch(action)
         state = self._jobs[action.job_id]
         speed = self.device.speed(action.model_id)
-        if action.swap:
-            device.kv.clear()
-            device.ready = self.now + speed.swap_s
+        kind = self._swap_kind(device, action.model_id) if action.swap else None
+        if action.swap:   # a model kept on the device keeps its KV; a copy back or a load starts without
+            if self.device.keeps == COLD:
+                device.kv = {}
+            elif kind != SWITCH:
+                device.kv.pop(action.model_id, None)
+            device.ready = self.now + speed.swap_cost(kind)
         context = state.spec.prompt_tokens + state.produced
-        cached = device.kv.take(state.job.id, self._conversation(state), context)
+        cached = self._kv(device, action.model_id).take(state.job.id, self._conversation(state), context)
         progress = Progress(state.spec.prompt_tokens, context, state.spec.output_tokens, context - cached,
                             state.produced, int(action.tier))
-        run = _Run(state, device, action.slot, progress)
+        run = _Run(state, device, action.slot, progress, swap_kind=kind)
         self._running[action.job_id] = device.runs[action.slot] = run
         self._log("dispatch", state, swap=action.swap, tier=int(action.tier), slot=action.slot,
                   batch=len(device.runs), cached_tokens=cached, prefill_tokens=context - cached,
                   prefill_s=speed.prefill_s(context - cached))
         if action.swap:
             self._log("swap_start", state, **{"from": device.model})
+            device.kept |= {device.model} - {None}
             device.model = action.model_id
             self._at(device.ready, self._swap_end, run)
         device.joining.append(run)
@@ -286,8 +300,38 @@ class Simulator:
             raise ContractError(f"{where} without swap, but {device.model!r} is loaded there")
         return device
 
+    def _swap_kind(self, device: _Device, model_id: str) -> str:
+        """A model the device held before comes back as the profile `keeps` it; any other is cold."""
+        return self.device.keeps if model_id in device.kept else COLD
+
     def _swap_end(self, run: _Run) -> None:
-        self._log("swap_end", run.state)
+        """The swap's end, with its kind and time; then, as the runtime does once it measured
+        a swap, what a swap back to each model the device keeps would cost (R12)."""
+        if run.abandoned:
+            return
+        device = run.device
+        self._log("swap_end", run.state, swap_kind=run.swap_kind,
+                  seconds=self.device.speed(device.model).swap_cost(run.swap_kind))
+        given = getattr(self.policy, "set_swap_cost", None)
+        for model in sorted(device.kept - {device.model}) if given else ():
+            given(model, device.name, self.device.speed(model).swap_cost(self.device.keeps))
+
+    def _abandon_swap(self, device: _Device) -> None:
+        """R13, as the runtime does: a swap under way whose every job was revoked, with the
+        device emptied for a job on another model (a chat), is given up at once; the device
+        then holds no model, and the policy is told so."""
+        drain = getattr(self.policy, "drains", {}).get(device.name)
+        runs = list(device.runs.values())
+        swapping = next((r for r in runs if r.swap_kind is not None and not r.abandoned), None)
+        if (swapping is None or self.now >= device.ready or drain is None or not all(r.revoked for r in runs)
+                or self._jobs[drain].job.model_id == device.model):
+            return
+        swapping.abandoned = True
+        self._log("swap_end", swapping.state, swap_kind=swapping.swap_kind,
+                  seconds=self.now - (device.ready - self.device.speed(device.model).swap_cost(swapping.swap_kind)),
+                  abandoned=True)
+        device.ready, device.model = self.now, None
+        self._apply(self.policy.set_loaded_model(None, self.now, device=device.name))
 
     def _revoke(self, action: Revoke) -> None:
         run = self._running.get(action.job_id)
@@ -297,6 +341,7 @@ class Simulator:
             raise ContractError(f"t={self.now}: second Revoke of {action.job_id!r}")
         run.revoked = True
         self._log("revoke", run.state, cause=action.cause.value, batch=len(run.device.runs))
+        self._abandon_swap(run.device)
         self._wake_at(run.device, self._boundary(run.device))
 
     # -- the batch on a device ---------------------------------------------------------
@@ -330,8 +375,11 @@ class Simulator:
         stopping = [run for run in device.batch + device.joining if run.revoked and not run.progress.done]
         device.batch = [run for run in device.batch + device.joining if not run.revoked and not run.progress.done]
         device.joining = []
-        speed = self.device.speed(device.model)
-        device.epoch = plan([run.progress for run in device.batch], self.now, speed, self.device.chunk_tokens(speed))
+        if device.batch:
+            speed = self.device.speed(device.model)
+            device.epoch = plan([run.progress for run in device.batch], self.now, speed, self.device.chunk_tokens(speed))
+        else:
+            device.epoch = None
         if device.epoch is not None:
             self._wake_at(device, device.epoch.end)
         for run in stopping:
@@ -343,9 +391,9 @@ class Simulator:
     def _end(self, run: _Run) -> None:
         state, device = run.state, run.device
         if run.stopped:          # kept for the resume: what the run had read by its stop
-            device.kv.put(state.job.id, run.progress.kv_tokens())
+            self._kv(device, state.job.model_id).put(state.job.id, run.progress.kv_tokens())
         elif self._conversation(state) is not None:   # the next turn's prompt starts with it
-            device.kv.put(self._conversation(state), state.spec.prompt_tokens + state.spec.output_tokens)
+            self._kv(device, state.job.model_id).put(self._conversation(state), state.spec.prompt_tokens + state.spec.output_tokens)
         state.produced = run.progress.tokens
         outcome = "revoked" if run.stopped else "done"
         self._log("finish", state, outcome=outcome, tokens=state.produced)

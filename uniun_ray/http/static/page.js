@@ -7,6 +7,8 @@ const KEEP_S = 900;             // events kept in memory (runs that began before
 const POLL_MS = 1000;
 const KINDS = ["chat", "nataraj", "gana", "extract"];
 const COLOR = { chat: "#e5484d", nataraj: "#3e9bff", gana: "#30a46c", extract: "#f5a524" };
+// a swap's kind (issue 37), as the event log's swap_end says it
+const SWAP_KINDS = { cold: "cold load", warm: "warm copy", switch: "switch" };
 const NOTABLE = new Set(["revoke", "reclaim", "swap_end", "foreground", "drop", "device", "node"]);
 
 let key = sessionStorage.getItem("uniun-key");
@@ -81,7 +83,7 @@ function pastOf(t) {
     } else if (e.ev === "swap_start") {
       swap = { start: e.t, model: e.model, from: e.from, device };
     } else if (e.ev === "swap_end") {
-      swaps.push(swap ? { ...swap, end: e.t } : { start: e.t - (e.seconds || 0), end: e.t, model: e.model, device });
+      swaps.push(swap ? { ...swap, end: e.t, kind: e.swap_kind } : { start: e.t - (e.seconds || 0), end: e.t, model: e.model, device, kind: e.swap_kind });
       swap = null;
     } else if (e.ev === "revoke" || e.ev === "reclaim") {
       marks.push(e);
@@ -128,7 +130,7 @@ function timeline(device, first, past, t, width, slots = 1) {
   for (const s of past.swaps.filter(mine)) {
     if (s.end < t - WINDOW_S) continue;
     const a = Math.max(0, x(s.start)), b = Math.max(a + 2, x(s.end));
-    parts.push(`<rect class="swap" x="${a}" y="${top}" width="${b - a}" height="${bar}" fill="url(#hatch)"><title>swap to ${esc(s.model)}${s.from ? " from " + esc(s.from) : ""}: ${secs(s.end - s.start)}</title></rect>`);
+    parts.push(`<rect class="swap" x="${a}" y="${top}" width="${b - a}" height="${bar}" fill="url(#hatch)"><title>${esc(SWAP_KINDS[s.kind] || "swap")} to ${esc(s.model)}${s.from ? " from " + esc(s.from) : ""}: ${secs(s.end - s.start)}</title></rect>`);
   }
   for (const m of past.marks.filter(mine)) {
     if (m.t < t - WINDOW_S) continue;
@@ -198,7 +200,8 @@ function describe(e) {
   switch (e.ev) {
     case "revoke": return `<span class="what">revoke</span> ${kindBadge(e.kind)} ${jobLink(e.job)}: ${esc(e.reason || "")}`;
     case "reclaim": return `<span class="what">reclaim</span> ${kindBadge(e.kind)} ${jobLink(e.job)}: ${esc(e.reason || "")}`;
-    case "swap_end": return `<span class="what">swap</span> to <b>${esc(e.model)}</b> in ${secs(e.seconds)} for ${jobLink(e.job)}`;
+    case "swap_end": return e.abandoned ? `<span class="what">swap</span> to <b>${esc(e.model)}</b> given up for a chat, for ${jobLink(e.job)}`
+      : `<span class="what">${esc(SWAP_KINDS[e.swap_kind] || "swap")}</span> to <b>${esc(e.model)}</b> in ${secs(e.seconds)} for ${jobLink(e.job)}`;
     case "foreground": return `<span class="what">foreground</span> → ${e.kind ? kindBadge(e.kind) : "none"}${e.subject ? " subject " + esc(e.subject) : ""}`;
     case "drop": return `<span class="what">dropped</span> ${kindBadge(e.kind)} ${jobLink(e.job)}: ${esc(e.reason || "")}`;
     case "device": return `<span class="what">device</span> <b>${esc(e.device)}</b> ${esc(e.change)}${e.reason ? ": " + esc(e.reason) : ""}`;

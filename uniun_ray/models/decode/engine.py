@@ -3,8 +3,9 @@
 The ModelActor is a thin Ray shell around ``Engine``. Everything that decides *how* a model runs
 lives here, so it can be tested (and benchmarked) without a cluster:
 
-* ``load`` / ``unload`` swap the single resident model and report how long that took, because
-  the scheduler weighs swaps by their measured cost (SPEC R12).
+* ``load`` / ``unload`` swap the single resident model and report how (a ``Swap``: cold load,
+  warm copy or switch) and how long that took, because the scheduler weighs swaps by their
+  measured cost (SPEC R12); the model a swap replaces stays warm (``host.warm``).
 * ``generate`` streams text and stops at the next token once its ``cancel`` event is set: this
   is how a revoke (SPEC R4) takes effect. The decode loop is our own rather than
   ``model.generate``: it checks the flag before every forward pass, including between the chunks
@@ -34,12 +35,14 @@ import torch
 from .generation import Generation
 from .sequence import Sequence
 from ..host.gate import CancelFlag
+from ..host.warm import WarmStore, park, unpark
 from ..host.weights import DEFAULT_KV_OFFLOAD_MB, Loaded, Weights, default_kv_cache_mb
 from ..kv import rows as kv_rows
 from ..kv.prefix import PrefixCache
 from ..requests.registry import materialize, resolve
 from ..requests.request import GenerateRequest, GenerationResult, _is_int
-from ..requests.settings import check_megabytes
+from ..requests.settings import check_megabytes, default_warm_mb
+from ..requests.swap import COLD, NONE, Swap
 from ..requests.vocabulary import PromptTooLong, context_of
 
 
@@ -60,7 +63,9 @@ class Engine:
     full (None: the default; a CPU device has one tier and ignores it). ``max_memory``
     ({"cpu": "2GiB"} or {"0": "6GiB", "cpu": "20GiB"}) lets accelerate place the weights
     (``device_map="auto"``) and offload what does not fit, to CPU memory or to disk under the
-    cache folder: a model larger than the device runs, slower.
+    cache folder: a model larger than the device runs, slower. ``warm_mb`` bounds the idle
+    models kept warm after a swap (``host.warm``; 0: none; None: ``settings.default_warm_mb``);
+    ``coresident`` lets them stay on the device beside the active one where it has room.
 
     Thread safety: ``generate`` may be iterated in a worker thread. ``load`` and ``unload`` refuse
     (RuntimeError) while a run is in progress: revoke it and let its iterator finish first.
@@ -76,6 +81,8 @@ class Engine:
         kv_cache_mb: int | None = None,
         kv_offload_mb: int | None = None,
         max_memory: dict[str, str] | None = None,
+        warm_mb: int | None = None,
+        coresident: bool = True,
     ) -> None:
         self._weights = Weights(device, dtype, num_threads, thread_budget, max_memory)
         self.device = self._weights.device
@@ -87,6 +94,9 @@ class Engine:
         self.kv_cache_mb = default_kv_cache_mb(self.device) if kv_cache_mb is None else kv_cache_mb
         self.kv_offload_mb = (0 if self.device.type == "cpu" else
                               DEFAULT_KV_OFFLOAD_MB if kv_offload_mb is None else kv_offload_mb)
+        check_megabytes("warm_mb", warm_mb)
+        self._warm = WarmStore((default_warm_mb() if warm_mb is None else warm_mb) * 2**20)
+        self.coresident = coresident
         self._lock = threading.Lock()
         self._loaded: Loaded | None = None
         self._running = 0
@@ -170,31 +180,44 @@ class Engine:
         loaded = self._loaded
         return loaded.vocabulary.chat if loaded else None
 
-    def load(self, model_id: str) -> float:
-        """Make ``model_id`` the resident model; return the seconds it took (0.0 if it already was).
+    def load(self, model_id: str, abandon: CancelFlag | None = None) -> Swap:
+        """Make ``model_id`` the resident model; return what the swap was (``Swap``: its kind and
+        seconds; kind NONE and 0.0 s if it already was).
 
-        A different resident model is unloaded first, and that time is included: the caller wants
-        the cost of the swap. The id is resolved, and a GGUF converted, before the old model is
-        dropped, so an unknown id (UnknownModel) leaves the engine as it was.
+        The resident model is set aside first, and that time is included: the caller wants
+        the cost of the swap. It is kept warm (``host.warm``) within the budget, and a warm
+        model comes back as it left (a switch, or a copy from host memory) without its files
+        being read; any other is read cold. A warm model that fails to come back, or a cold
+        load short of memory while models are kept warm, falls back to a cold load (with the
+        warm models dropped): the swap's ``note`` says why. A cold model's id is resolved, and
+        a GGUF converted, before the old model is set aside, so an unknown id (UnknownModel)
+        leaves the engine as it was. Once ``abandon`` is set, a cold load stops at its next step
+        (SwapAbandoned): nothing is then active, and the model it replaced stays warm.
         """
         with self._lock:
             self._refuse_while_running("load")
-            if self.loaded == model_id:
-                return 0.0
+            previous = self.loaded
+            if previous == model_id:
+                return Swap(model_id, NONE, 0.0, previous, self._warm.kept())
             started = time.perf_counter()
-            folder = materialize(resolve(model_id))
-            self._release()
-            self._loaded = self._weights.load(
-                model_id, folder, PrefixCache(self.kv_cache_mb * 2**20, self.kv_offload_mb * 2**20))
-            return time.perf_counter() - started
+            folder = None if model_id in self._warm else materialize(resolve(model_id))
+            self._release(keep=True)
+            kind, note = self._bring(model_id, folder, abandon)
+            return Swap(model_id, kind, time.perf_counter() - started, previous, self._warm.kept(), note)
 
     def unload(self) -> float:
-        """Drop the resident model and free its memory; return the seconds it took."""
+        """Drop the resident model and every warm one, and free their memory; return the
+        seconds it took."""
         with self._lock:
             self._refuse_while_running("unload")
             started = time.perf_counter()
             self._release()
             return time.perf_counter() - started
+
+    @property
+    def warm(self) -> dict:
+        """The idle models kept warm and their budget, for ``status``."""
+        return self._warm.describe() | {"coresident": self.coresident}
 
     def check(self, request: GenerateRequest) -> int:
         """Raise what ``generate`` would raise for ``request``, without running the model.
@@ -247,15 +270,54 @@ class Engine:
         if self._running:
             raise RuntimeError(f"cannot {action} while a generation is running; cancel it first")
 
-    def _release(self) -> None:
-        if self._loaded is None:
-            return
-        if self._loaded.rows is not None:   # a batch made for it may outlive it: its rows go now
-            self._loaded.rows.free()
-        self._loaded = None
+    def _release(self, keep: bool = False) -> None:
+        """Set the resident model aside: kept warm (``keep``: a swap) within the budget, or
+        dropped with every warm one (``unload``). Its static KV rows go now either way (a batch
+        made for it may outlive it; a warm model gets rows again, sized then, when it is back)."""
+        loaded, self._loaded = self._loaded, None
+        if loaded is not None and loaded.rows is not None:
+            loaded.rows.free()
+            loaded.rows = None
+        if not keep:
+            self._warm.clear()
+            dropped = True
+        else:   # nothing to free when it is kept and evicts nothing (a switch costs no collection)
+            dropped = loaded is not None and bool(
+                self._warm.keep(loaded.vocabulary.model_id, park(loaded, self.device, self.coresident)))
+        del loaded
+        if dropped:
+            self._free()
+
+    def _free(self) -> None:
         gc.collect()  # the model's tensors are freed here; the cache below can then shrink
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
+
+    def _bring(self, model_id: str, folder: Any, abandon: CancelFlag | None = None) -> tuple[str, str]:
+        """Make ``model_id`` active: back from the warm store, else cold (``folder``: its files,
+        None when it was warm). Returns the swap's kind and why it fell back to a cold load."""
+        parked, note = self._warm.take(model_id), ""
+        if parked is not None:
+            try:
+                self._loaded = unpark(parked, self.device)
+                self._weights.make_rows(self._loaded)
+                return parked.kind_back, ""
+            except (RuntimeError, MemoryError) as error:   # torch.OutOfMemoryError is a RuntimeError
+                note = f"the warm copy did not come back ({error}); loaded cold"
+                del parked
+                self._free()
+        folder = folder or materialize(resolve(model_id))
+        prefix = PrefixCache(self.kv_cache_mb * 2**20, self.kv_offload_mb * 2**20)
+        try:
+            self._loaded = self._weights.load(model_id, folder, prefix, abandon)
+        except (torch.OutOfMemoryError, MemoryError) as error:
+            if not self._warm:
+                raise
+            self._warm.clear()   # the memory they hold is what the load lacked
+            self._free()
+            note = f"memory short ({error}); the warm models were dropped and it loaded cold"
+            self._loaded = self._weights.load(model_id, folder, prefix, abandon)
+        return COLD, note
 
     def _prepare(self, request: GenerateRequest) -> tuple[Loaded, list[int]]:
         """The loaded model and the token ids to prefill for ``request``; raises if it cannot run."""

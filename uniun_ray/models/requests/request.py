@@ -63,6 +63,9 @@ class GenerateRequest:
     and once per appearance; ``logit_bias`` ({token id: -100..100}) is added to the logits.
     ``json_schema``: the output is JSON valid against this JSON Schema by construction (a
     grammar masks every token that would break it); ``JSON_OBJECT`` is OpenAI's json_object.
+    ``tool_choice``: "auto" (the model may call ``tools``), "required" (it calls one) or a tool's
+    name (it calls that one); a forced call is written through a grammar too, in the format the
+    model's template teaches (`tools.call_grammar`), one call unless ``parallel_tool_calls``.
     """
 
     prompt: str | tuple[int, ...] | None = None
@@ -81,6 +84,8 @@ class GenerateRequest:
     logit_bias: Mapping[int, float] | None = None
     json_schema: Mapping | None = None
     tools: tuple[dict, ...] = ()
+    tool_choice: str = "auto"
+    parallel_tool_calls: bool = True
 
     def __post_init__(self) -> None:
         if (self.prompt is None) == (self.messages is None):
@@ -117,6 +122,7 @@ class GenerateRequest:
         object.__setattr__(self, "tools", _tools(self.tools))
         if self.tools and self.messages is None:
             raise InvalidRequest("tools need messages (a chat), not a prompt", "tools")
+        _check_tool_choice(self)
 
     def check_vocabulary(self, size: int, model_id: str) -> None:
         """Raise InvalidRequest for a token id the model's vocabulary of ``size`` lacks."""
@@ -124,6 +130,10 @@ class GenerateRequest:
             ids = getattr(self, name)
             if isinstance(ids, (tuple, Mapping)) and any(token >= size for token in ids):
                 raise InvalidRequest(f"{name} holds token ids outside {model_id!r}'s vocabulary of {size}", name)
+
+    @property
+    def forces_call(self) -> bool:
+        return self.tool_choice != "auto"
 
     @property
     def sampling(self) -> dict:
@@ -228,6 +238,22 @@ def _tools(tools: Any) -> tuple[dict, ...]:
             raise InvalidRequest(f"tools[{index}] must be {{'type': 'function', 'function': {{'name': str, ...}}}}",
                                  "tools")
     return tuple(tools)
+
+
+def _check_tool_choice(request: GenerateRequest) -> None:
+    choice = request.tool_choice
+    names = [tool["function"]["name"] for tool in request.tools]
+    if not isinstance(choice, str) or not (choice in ("auto", "required") or choice in names):
+        raise InvalidRequest(f"tool_choice must be 'auto', 'required' or the name of an offered tool "
+                             f"({', '.join(names) or 'none offered'}), got {choice!r}", "tool_choice")
+    if not isinstance(request.parallel_tool_calls, bool):
+        raise InvalidRequest(f"parallel_tool_calls must be a bool, got {request.parallel_tool_calls!r}",
+                             "parallel_tool_calls")
+    if choice == "required" and not names:
+        raise InvalidRequest("tool_choice 'required' needs tools to call", "tool_choice")
+    if choice != "auto" and request.json_schema is not None:
+        raise InvalidRequest("a forced tool call is its own grammar: give json_schema or a tool_choice that "
+                             "forces a call, not both", "tool_choice")
 
 
 def _stop_tuple(stop: Any) -> tuple[str, ...]:

@@ -1,5 +1,6 @@
 """How a user sets the engine's host choices: ``UNIUN_ENGINE``, ``UNIUN_DTYPE``, ``UNIUN_THREADS``,
-``UNIUN_KV_CACHE_MB``, ``UNIUN_KV_OFFLOAD_MB``, ``UNIUN_MAX_MEMORY`` and ``UNIUN_SLOTS``.
+``UNIUN_KV_CACHE_MB``, ``UNIUN_KV_OFFLOAD_MB``, ``UNIUN_MAX_MEMORY``, ``UNIUN_SLOTS``, ``UNIUN_WARM_MB`` and
+``UNIUN_CORESIDENT``.
 
 Parsed without torch, in the process that starts the ModelActor (so a bad value is refused with
 a clear message before any actor exists) and handed to the actor as plain data: an environment
@@ -19,6 +20,12 @@ KV_CACHE_ENV = "UNIUN_KV_CACHE_MB"
 KV_OFFLOAD_ENV = "UNIUN_KV_OFFLOAD_MB"
 MAX_MEMORY_ENV = "UNIUN_MAX_MEMORY"
 SLOTS_ENV = "UNIUN_SLOTS"
+WARM_ENV = "UNIUN_WARM_MB"
+CORESIDENT_ENV = "UNIUN_CORESIDENT"
+#: "0": `start()` and `uniun-ray up` do not load the active chat model before they are ready.
+WARM_START_ENV = "UNIUN_WARM_START"
+#: The share of the host's available memory that idle models may keep by default (``default_warm_mb``).
+WARM_SHARE = 0.5
 #: The most slots a device may be given (R25): a batch's rows, each with its own KV.
 MAX_SLOTS = 256
 
@@ -44,7 +51,11 @@ class EngineSettings:
     so a model larger than the device still runs, slower. None: the whole model on the device.
     ``engine``: one of ``ENGINES``. ``slots``: ``UNIUN_SLOTS`` as a count, or None for "auto". The
     scheduler decides how many jobs a device runs (``RuntimeConfig.slots``); an engine that must
-    fix its batch when it starts (vLLM's ``max_num_seqs``) starts with this many."""
+    fix its batch when it starts (vLLM's ``max_num_seqs``) starts with this many.
+    ``warm_mb``: host memory for the idle models this engine keeps warm (``models.host.warm``;
+    0: none, every swap is a cold load; None: ``default_warm_mb``). ``coresident``: whether an
+    idle model may stay on the device beside the active one where it has room (a swap back is
+    then a switch, no copy); False keeps idle models in host memory (a swap back is a copy)."""
 
     dtype: str = "auto"
     threads: int | None = None
@@ -53,6 +64,8 @@ class EngineSettings:
     max_memory: dict[str, str] | None = field(default=None, hash=False)
     engine: str = ENGINES[0]
     slots: int | None = None
+    warm_mb: int | None = None
+    coresident: bool = True
 
     def __post_init__(self) -> None:
         if self.engine not in ENGINES:
@@ -64,8 +77,10 @@ class EngineSettings:
             isinstance(self.threads, bool) or not isinstance(self.threads, int) or self.threads < 1
         ):
             raise ValueError(f"threads must be an int >= 1 or None, got {self.threads!r}")
-        for name in ("kv_cache_mb", "kv_offload_mb"):
+        for name in ("kv_cache_mb", "kv_offload_mb", "warm_mb"):
             check_megabytes(name, getattr(self, name))
+        if not isinstance(self.coresident, bool):
+            raise ValueError(f"coresident must be a bool, got {self.coresident!r}")
         if self.max_memory is not None:
             check_max_memory(self.max_memory)
 
@@ -94,12 +109,31 @@ class EngineSettings:
         engine = environ.get(ENGINE_ENV, "").strip() or ENGINES[0]
         if engine not in ENGINES:
             raise ValueError(f"{ENGINE_ENV}={engine!r} is not an engine; use one of {', '.join(ENGINES)}")
+        warm_mb = _count(environ, WARM_ENV, "a size in MB; use an integer >= 0 (0 keeps no model warm)", minimum=0)
+        coresident = environ.get(CORESIDENT_ENV, "").strip() or "1"
+        if coresident not in ("0", "1"):
+            raise ValueError(f"{CORESIDENT_ENV}={coresident!r}: use 1 (idle models may stay on the device) or 0")
         return cls(dtype, threads, kv_cache_mb, kv_offload_mb, max_memory, engine,
-                   parse_slots(environ.get(SLOTS_ENV, "")))
+                   parse_slots(environ.get(SLOTS_ENV, "")), warm_mb, coresident == "1")
 
     def resolved_threads(self) -> int:
         """The thread count to give torch in this process."""
         return self.threads or len(os.sched_getaffinity(0)) or 1
+
+
+def warm_start(environ: Mapping[str, str] = os.environ) -> bool:
+    """Whether `start()` and `uniun-ray up` load the active chat model before they are ready
+    (``UNIUN_WARM_START``; on unless "0")."""
+    return environ.get(WARM_START_ENV, "1").strip() != "0"
+
+
+def default_warm_mb(shares: int = 1) -> int:
+    """The warm budget when ``UNIUN_WARM_MB`` is not set: WARM_SHARE of the memory the host has
+    available now (what Ray's object store already holds is not available), split evenly
+    between the ``shares`` ModelActors of the node, which each keep their own idle models."""
+    import psutil   # Ray's own dependency
+
+    return int(psutil.virtual_memory().available * WARM_SHARE / max(1, shares) / 2**20)
 
 
 def _count(environ: Mapping[str, str], name: str, what: str, minimum: int) -> int | None:
@@ -115,6 +149,22 @@ def check_slot_count(slots: object) -> None:
     """A slot count (SPEC §6, R25): 1..MAX_SLOTS, or None for "auto" (measured at each load)."""
     if slots is not None and (isinstance(slots, bool) or not isinstance(slots, int) or not 1 <= slots <= MAX_SLOTS):
         raise ValueError(f"slots must be an int from 1 to {MAX_SLOTS}, or None for auto; got {slots!r}")
+
+
+#: The operator's models where no command line names them (`ID=PATH,ID=PATH`): the twin of
+#: `uniun-ray up --model ID=PATH`, for scripts submitted to a head that start the runtime.
+MODELS_ENV = "UNIUN_MODELS"
+
+
+def parse_models(text: str) -> dict[str, str]:
+    """``ID=PATH,ID=PATH`` as {id: folder}; ValueError names an entry that is not ID=PATH."""
+    models = {}
+    for entry in filter(None, (part.strip() for part in text.split(","))):
+        model_id, sep, folder = entry.partition("=")
+        if not sep or not model_id.strip() or not folder.strip():
+            raise ValueError(f"{entry!r} is not ID=PATH (a model id, then the folder of its weights)")
+        models[model_id.strip()] = folder.strip()
+    return models
 
 
 def parse_slots(raw: str) -> int | None:

@@ -11,9 +11,10 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
-from .prompt import encode
+from .prompt import encode, takes_tools
 from .registry import ModelSpec, materialize
 from .request import GenerateRequest, _is_int
+from .tools import UNKNOWN, call_format
 
 
 class PromptTooLong(ValueError):
@@ -46,6 +47,23 @@ def prompt_ids(spec: ModelSpec, request: GenerateRequest) -> list[int]:
     """The token ids a run of ``request`` prefills (template, prompt and resumed output), for an
     engine that tokenizes outside this process's model (vLLM's server takes token ids)."""
     return context_of(_vocabulary_of(spec), request)
+
+
+def chat_template(spec: ModelSpec) -> str | None:
+    """The model's chat template (None for a completion model), read from its tokenizer: what
+    a server reads the model's tool-call format from (`tools.call_format`)."""
+    return getattr(_vocabulary_of(spec).tokenizer, "chat_template", None)
+
+
+def tool_call_format(spec: ModelSpec) -> str | None:
+    """What `status` says of the model's tool calls: the format its template teaches (`tools`),
+    `tools.UNKNOWN` for a template that takes tools in a format not known here, None for one
+    that takes none."""
+    template = chat_template(spec)
+    if not takes_tools(template):
+        return None
+    format_ = call_format(template)
+    return UNKNOWN if format_ is None else format_.name
 
 
 _VOCABULARY_LOCK = threading.Lock()

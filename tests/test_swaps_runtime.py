@@ -1,0 +1,130 @@
+"""Issue 37 in the scheduler's shell, with fake devices and no Ray: every swap's kind and time
+reach the event log, `status` and the policy (R12: what the next swap to each model would
+cost), a chat never waits for a swap to another model than its own (R13), and the warm start
+loads the chat model before the runtime is ready."""
+from __future__ import annotations
+
+import asyncio
+
+from conftest import FakeDevice, ManualClock, lease_of, spec
+from uniun_ray.events.log import read
+from uniun_ray.models.requests.swap import COLD, HOST, WARM, Swap
+from uniun_ray.runtime.service import RuntimeConfig, SchedulerService
+from uniun_ray.runtime.warmstart import WarmStart
+
+
+class WarmDevice(FakeDevice):
+    """Keeps every model it swapped out warm: a swap back is a warm copy of `warm_s`."""
+
+    def __init__(self, cold_s: float, warm_s: float) -> None:
+        super().__init__(load_s=cold_s)
+        self.cold_s, self.warm_s = cold_s, warm_s
+
+    async def load(self, model_id: str) -> Swap:
+        warm = model_id in self.loads
+        self.load_s = self.warm_s if warm else self.cold_s
+        await super().load(model_id)
+        kept = {m: HOST for m in dict.fromkeys(self.loads) if m != model_id}
+        return Swap(model_id, WARM if warm else COLD, self.load_s, kept=kept)
+
+
+def run(coro):
+    return asyncio.run(asyncio.wait_for(coro, 10))
+
+
+async def one_job(s: SchedulerService, job_id: str, model: str) -> None:
+    await s.submit(spec(job_id, "nataraj", model=model))
+    lease = await lease_of(s, job_id)
+    await s.release(job_id, lease.epoch, "done")
+
+
+def test_each_swaps_kind_and_time_reach_the_log_the_status_and_the_policy(tmp_path):
+    async def go():
+        s = SchedulerService(WarmDevice(cold_s=0.05, warm_s=0.001),
+                             RuntimeConfig(event_log=str(tmp_path / "ev.jsonl"), reap_period_s=0.05))
+        costs = []   # what a swap away from the loaded model costs, as the policy has it
+        for n, (model, other) in enumerate((("a", "b"), ("b", "a"), ("a", "b"), ("b", "a"))):
+            await one_job(s, f"n{n}", model)
+            costs.append(s.policy.snapshot()["swap_cost_s"]["dev0"].get(other))
+        return costs, await s.status()
+    costs, status = run(go())
+    # after b's cold load a's swap back would be a warm copy, not measured yet: its cold time;
+    # once each came back warm, the other's next swap is its warm time
+    assert costs == [None, 0.05, 0.05, 0.001]
+    swaps = status["devices"][0]["swaps"]
+    assert (swaps["last"]["kind"], swaps["last"]["kept"]) == (WARM, {"a": HOST})
+    assert swaps["measured"] == {"a": {COLD: 0.05, WARM: 0.001}, "b": {COLD: 0.05, WARM: 0.001}}
+    ends = [e for e in read(tmp_path / "ev.jsonl") if e["ev"] == "swap_end"]
+    assert [(e["model"], e["swap_kind"], e["seconds"]) for e in ends] == [
+        ("a", COLD, 0.05), ("b", COLD, 0.05), ("a", WARM, 0.001), ("b", WARM, 0.001)]
+
+
+def test_a_chat_abandons_a_swap_to_another_model_and_waits_for_its_own():
+    """R13: a Nataraj's swap in flight to y is given up for a chat on m (the chat does not
+    wait for y's load), and the Nataraj runs later; a swap to the chat's own model is waited
+    for and serves the chat, loaded once."""
+    async def go(chat_model: str):
+        clock = ManualClock()
+        dev = FakeDevice(load_s=0.3, clock=clock)
+        s = SchedulerService(dev, RuntimeConfig(reap_period_s=0.05), clock=clock)
+        await s.submit(spec("n", "nataraj", model="y"))
+        await clock.advance(0.05)                  # loading y
+        await s.submit(spec("c", "chat", model=chat_model))
+        await clock.advance(0.35)                  # m's load, or the rest of y's
+        chat = await lease_of(s, "c")
+        await s.release("c", chat.epoch, "done")
+        await clock.advance(0.35)                  # y's load again, where it was given up
+        again = await lease_of(s, "n")             # requeued, not failed: the job is not lost
+        await s.release("n", again.epoch, "done")
+        return dev
+    other = run(go("m"))
+    assert (other.abandoned, other.loads) == (["y"], ["m", "y"])
+    own = run(go("y"))
+    assert (own.abandoned, own.loads) == ([], ["y"])
+
+
+def test_the_warm_start_loads_the_chat_model_before_it_is_ready_and_the_first_chat_swaps_nothing():
+    async def go():
+        dev = FakeDevice(load_s=0.1)
+        s = SchedulerService(dev, RuntimeConfig(reap_period_s=0.05, chat_model="m"))
+        warm = WarmStart(s)
+        assert await warm.ready(wait=False) == "m on dev0"    # what /health names while it loads
+        assert await warm.ready() is None and dev.loads == ["m"]
+        await s.submit(spec("c", "chat", model="m"))
+        chat = await lease_of(s, "c")
+        assert chat.swap_s == 0.0 and dev.loads == ["m"]
+        await s.release("c", chat.epoch, "done")
+        # a device the policy gave work first is left alone
+        busy = SchedulerService(FakeDevice(load_s=0.1), RuntimeConfig(reap_period_s=0.05, chat_model="m"))
+        await busy.submit(spec("n", "nataraj", model="y"))
+        assert await WarmStart(busy).ready() is None
+        await lease_of(busy, "n")
+        assert busy.drivers["dev0"].device.loads == ["y"]
+    run(go())
+
+
+def test_the_jobs_that_joined_an_abandoned_swap_go_back_to_their_queue_revoked_not_failed(tmp_path):
+    """Two slots: a second Nataraj on y joins the device while y loads; a chat on m empties the
+    device (R22), the load is given up, and both go back to their queue as revoked (no device
+    fault), then run."""
+    async def go():
+        clock = ManualClock()
+        dev = FakeDevice(load_s=0.3, clock=clock)
+        s = SchedulerService(dev, RuntimeConfig(reap_period_s=0.05, slots=2, event_log=str(tmp_path / "ev.jsonl")),
+                             clock=clock)
+        await s.submit(spec("n1", "nataraj", model="y"))
+        await s.submit(spec("n2", "nataraj", model="y"))
+        await clock.advance(0.05)                  # loading y, both dispatched
+        await s.submit(spec("c", "chat", model="m"))
+        await clock.advance(0.35)                  # m's load
+        chat = await lease_of(s, "c")
+        await s.release("c", chat.epoch, "done")
+        await clock.advance(0.35)                  # y's load again
+        for job in ("n1", "n2"):
+            lease = await lease_of(s, job)
+            await s.release(job, lease.epoch, "done")
+        return dev
+    dev = run(go())
+    assert dev.abandoned == ["y"] and dev.loads == ["m", "y"]
+    finishes = [(e["job"], e["outcome"]) for e in read(tmp_path / "ev.jsonl") if e["ev"] == "finish"]
+    assert sorted(finishes[:2]) == [("n1", "revoked"), ("n2", "revoked")]
