@@ -298,7 +298,7 @@ class Run:
         args = self.args
         engine = Engine(device=args.device, dtype="bfloat16" if args.device == "cuda" else "float32",
                         kv_cache_mb=args.kv_cache_mb, prefill_chunk=args.prompt_tokens)
-        out["load_s"] = engine.load(str(folder))
+        out["load_s"] = engine.load(str(folder)).seconds     # a Swap since issue 37
         try:
             out["describe"] = engine.describe()
             out["capture"] = reported(out["describe"], r"graph|captur")
