@@ -355,6 +355,9 @@ def test_bucket_padding_never_changes_a_rows_tokens(engine, monkeypatch, logits_
     jobs, widths = drive(batch, {0: [(request, threading.Event()) for request in requests]})
     assert [job.result.token_ids for job in jobs] == expected
     assert {3, 5} <= set(widths.values()) and {4, 8} <= {rows for rows, _ in store.steps._buffers}
+    described = engine.describe()["kv_rows"]                      # what `status` states
+    assert (described["kind"], described["rows"], described["context"]) == ("static", store.rows, store.context)
+    assert described["buckets"][-1] == store.rows and described["graphs"] == 0
     pairs = [seen for seen in logits_seen.values() if len(seen) == 2]
     assert max(float((alone - batched).abs().max()) for alone, batched in pairs) < 1e-5
 
