@@ -190,7 +190,8 @@ class _RowLayer(CacheLayerMixin):
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         pass
 
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args,
+               **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
         self.keys.scatter_(2, self._index, key_states)
         self.values.scatter_(2, self._index, value_states)
         return self.keys[:, :, : self._span], self.values[:, :, : self._span]
@@ -290,7 +291,8 @@ class Steps:
             buffers = self._buffers.setdefault((rows, span), _Buffers(rows, span, store.device))
             buffers.logits = self._forward(buffers.ids, buffers.positions, buffers.columns)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._pool):
+            # thread_local: CUDA work of other threads meanwhile does not spoil this capture
+            with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
                 buffers.logits = self._forward(buffers.ids, buffers.positions, buffers.columns)
             buffers.graph = graph
         torch.cuda.synchronize(store.device)
