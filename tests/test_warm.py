@@ -148,3 +148,18 @@ def test_an_abandoned_load_leaves_nothing_active_and_the_old_model_warm(cold, ot
         engine.load(other, abandon)
     assert engine.loaded is None and list(engine.warm["models"]) == ["tiny"]
     assert engine.load("tiny").kind == SWITCH and tokens(engine) == outputs["tiny"]
+
+
+def test_static_rows_go_with_a_model_set_aside_and_come_back_with_it(cold, other, monkeypatch):
+    """Issue 36's static KV rows are freed when a model is set aside (on a GPU they take the
+    free memory the next model needs) and made again, sized then, when it is back."""
+    monkeypatch.setenv("UNIUN_KV_ROWS", "static")
+    engine, outputs = cold
+    engine.load("tiny" if engine.loaded != "tiny" else other)
+    rows = engine.resident.rows
+    assert rows is not None
+    for model_id in (other, "tiny") if engine.loaded == "tiny" else ("tiny", other):
+        engine.load(model_id)
+        assert rows.keys == [] and engine.resident.rows is not None and engine.resident.rows is not rows
+        assert tokens(engine) == outputs[model_id]
+        rows = engine.resident.rows

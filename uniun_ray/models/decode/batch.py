@@ -90,12 +90,14 @@ class Batch:
             raise ValueError(f"slots must be an int >= 1 or None, got {slots!r}")
         self.engine, self.loaded, self._first_token = engine, loaded, first_token
         self.batched = kv_rows.batchable(loaded.model)
-        self.slots = (slots or DEFAULT_SLOTS) if self.batched else 1
+        slots = (slots or DEFAULT_SLOTS) if self.batched else 1
+        # the rows' KV, in the order of _rows: a static store holds at most its rows
+        self._kv = kv_rows.rows_for(loaded.runner, engine.device, slots, loaded.rows)
+        self.slots = min(slots, self._kv.capacity or slots)
         self._lock = threading.Lock()
         self._waiting: deque[Job] = deque()
         self._joining: Job | None = None
         self._rows: list[Job] = []
-        self._kv: kv_rows.Rows = kv_rows.PaddedRows(engine.device)   # the rows' KV, in the order of _rows
         self.last_step_rows = 0                  # rows the last step decoded (0: it only prefilled)
 
     @property
@@ -250,22 +252,25 @@ class Batch:
     # -- decoding ----------------------------------------------------------------------------
 
     def _decode(self) -> None:
-        """One forward pass over every row's last token; each row then chooses its next one."""
-        rows, device = self._rows, self.engine.device
-        ids = torch.tensor([[job.sequence.last_token] for job in rows], device=device)
-        cache, shaping = self._kv.inputs([job.sequence.fed for job in rows])
+        """One forward pass over every row's last token; then the greedy rows' tokens are chosen
+        in one argmax on the device, and only the other rows' logits come to the host, where
+        each chooses its own (its processors, its sampler)."""
+        rows = self._rows
         started = time.perf_counter()
-        with torch.inference_mode():
-            output = self.loaded.model(input_ids=ids, use_cache=True, **{self.loaded.cache_arg: cache},
-                                       **shaping, **self.loaded.forward_kwargs)
+        logits = self._kv.decode([job.sequence.last_token for job in rows], [job.sequence.fed for job in rows])
+        greedy = [job.sequence.greedy for job in rows]
+        choices = logits.argmax(-1).tolist() if any(greedy) else []
+        others = [row for row, plain in enumerate(greedy) if not plain]
+        host = logits[others].to(dtype=torch.float32, device="cpu") if others else None   # one copy, not one per row
         self.loaded.clock.observe(1, time.perf_counter() - started)
-        self._kv.stepped(getattr(output, self.loaded.cache_arg))
-        logits = output.logits[:, -1].to(dtype=torch.float32, device="cpu")   # one copy, not one per row
         self.last_step_rows = len(rows)
         for row, job in enumerate(rows):
             job.sequence.fed += 1
             job.sequence.stepped(len(rows))
-            job.sequence.accept(logits[row])
+            if greedy[row]:
+                job.sequence.take(choices[row])
+            else:
+                job.sequence.accept(host[others.index(row)])
         self._leave([job for job in rows if job.sequence.ended], None)
 
     # -- leaving -----------------------------------------------------------------------------

@@ -37,12 +37,13 @@ from .sequence import Sequence
 from ..host.gate import CancelFlag
 from ..host.warm import WarmStore, park, unpark
 from ..host.weights import DEFAULT_KV_OFFLOAD_MB, Loaded, Weights, default_kv_cache_mb
+from ..kv import rows as kv_rows
 from ..kv.prefix import PrefixCache
 from ..requests.registry import materialize, resolve
 from ..requests.request import GenerateRequest, GenerationResult, _is_int
 from ..requests.settings import check_megabytes, default_warm_mb
 from ..requests.swap import COLD, NONE, Swap
-from ..requests.vocabulary import context_of
+from ..requests.vocabulary import PromptTooLong, context_of
 
 
 class Engine:
@@ -113,9 +114,10 @@ class Engine:
 
     @property
     def context_length(self) -> int | None:
-        """The resident model's context window in tokens, or None when nothing is loaded."""
+        """The longest run (prompt + new tokens) the resident model takes, or None when nothing
+        is loaded: its context window, or a static KV row's where that is shorter."""
         loaded = self._loaded
-        return loaded.vocabulary.context_length if loaded else None
+        return loaded.context_length if loaded else None
 
     @property
     def dtype(self) -> torch.dtype | None:
@@ -270,8 +272,12 @@ class Engine:
 
     def _release(self, keep: bool = False) -> None:
         """Set the resident model aside: kept warm (``keep``: a swap) within the budget, or
-        dropped with every warm one (``unload``)."""
+        dropped with every warm one (``unload``). Its static KV rows go now either way (a batch
+        made for it may outlive it; a warm model gets rows again, sized then, when it is back)."""
         loaded, self._loaded = self._loaded, None
+        if loaded is not None and loaded.rows is not None:
+            loaded.rows.free()
+            loaded.rows = None
         if not keep:
             self._warm.clear()
             dropped = True
@@ -294,6 +300,7 @@ class Engine:
         if parked is not None:
             try:
                 self._loaded = unpark(parked, self.device)
+                self._weights.make_rows(self._loaded)
                 return parked.kind_back, ""
             except (RuntimeError, MemoryError) as error:   # torch.OutOfMemoryError is a RuntimeError
                 note = f"the warm copy did not come back ({error}); loaded cold"
@@ -317,4 +324,9 @@ class Engine:
         loaded = self._loaded
         if loaded is None:
             raise RuntimeError("no model is loaded; call load(model_id) first")
-        return loaded, context_of(loaded.vocabulary, request)
+        context = context_of(loaded.vocabulary, request)
+        if len(context) + request.max_new_tokens > loaded.context_length:
+            raise PromptTooLong(
+                f"prompt is {len(context)} tokens + max_new_tokens {request.max_new_tokens}, more than the "
+                f"{loaded.context_length} tokens of a KV row ({kv_rows.BUDGET_ENV} sizes the rows)")
+        return loaded, context

@@ -60,12 +60,21 @@ class Sequence:
         self.steps += 1
         self.step_rows += rows
 
+    @property
+    def greedy(self) -> bool:
+        """Whether its next token is the argmax of the model's logits as they are (no processor
+        changes them, nothing is drawn): a batch then chooses it with the others' in one op."""
+        return not self.decoding.do_sample and not self.decoding.processors
+
     def accept(self, logits: torch.Tensor) -> str:
         """Choose the next token from the model's last ``logits`` ([vocabulary]); return the text
         it makes safe to hand out ("" if none). Sets ``ended`` (and ``reason``) when the run ends."""
+        return self.take(self.decoding.next_token(self.tokens[:, : self.length], logits))
+
+    def take(self, token: int) -> str:
+        """Continue with ``token`` (chosen by ``accept``, or by a batch for a ``greedy`` run), as ``accept``."""
         if self.first_token_at is None:
             self.first_token_at = time.perf_counter()
-        token = self.decoding.next_token(self.tokens[:, : self.length], logits)
         self.tokens[0, self.length] = token
         self.length += 1
         ended = self.decoding.finish_reason(self.tokens[:, : self.length])

@@ -77,6 +77,18 @@ class Loaded:
     prefix: PrefixCache = field(default_factory=lambda: PrefixCache(0))
     gate: LayerGate | None = None
     packed: int = 0                     # linear layers packed for oneDNN (``packing``)
+    rows: kv_rows.RowStore | None = None   # the static KV rows its batches decode in (None: padded rows)
+
+    @property
+    def runner(self) -> kv_rows.Runner:
+        """The model and how its forward pass is called, as the KV rows run it."""
+        return kv_rows.Runner(self.model, self.cache_arg, self.forward_kwargs)
+
+    @property
+    def context_length(self) -> int:
+        """The longest run (prompt + new tokens) it takes: its context, or a static row's."""
+        context = self.vocabulary.context_length
+        return min(context, self.rows.context) if self.rows is not None else context
 
 
 class Weights:
@@ -126,6 +138,7 @@ class Weights:
         probe = loaded.probe
         return described | {"model": loaded.vocabulary.model_id, "dtype": loaded.dtype, "placement": placement,
                             "packed_linears": loaded.packed,
+                            "kv_rows": loaded.rows.describe() if loaded.rows is not None else {"kind": "padded"},
                             "measured": [dataclasses.asdict(speed) for speed in probe.speeds],
                             "probe": probe.taken.describe() | {"step_profile": probe.steps,
                                                                "slots_auto": auto_slots(probe.steps)}}
@@ -157,7 +170,14 @@ class Weights:
             gate=layer_gate(model),
         )
         self._tune(loaded, folder, abandon)
+        self.make_rows(loaded)
         return loaded
+
+    def make_rows(self, loaded: Loaded) -> None:
+        """The static KV rows of a model now active (its dtype final), sized from the memory
+        free now (``kv.rows.store_for``; None: its batches use padded rows)."""
+        loaded.rows = kv_rows.store_for(loaded.runner, self.device, loaded.vocabulary.context_length,
+                                        loaded.prefix.budget_bytes)
 
     def _placement(self, model_id: str) -> dict:
         """Where the weights go: all on the device, or where accelerate fits them in ``max_memory``."""

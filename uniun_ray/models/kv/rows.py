@@ -1,21 +1,29 @@
 """The KV rows of a batch: where the decoding jobs' keys and values live between steps.
 
 ``Batch`` decides the order of things (who joins, who leaves, when); a ``Rows`` keeps the KV of
-the jobs decoding together, one row each in the order they joined, and says what one decode step
-of them passes the model. Implementations differ by device: ``PaddedRows`` (a CPU's) holds one
-``DynamicCache`` whose rows are left-padded to the longest, an attention mask hiding the padding
-and per-row position ids; a GPU's keeps a static row per slot so a step has fixed shapes.
+the jobs decoding together, one row each in the order they joined, and runs one decode step of
+them. Implementations differ by device: ``PaddedRows`` holds one ``DynamicCache`` whose rows are
+left-padded to the longest, an attention mask hiding the padding and per-row position ids;
+``StaticRows`` keeps a row per job in KV tensors allocated once at load, so a step has
+fixed shapes and a GPU can replay it as a CUDA graph. ``rows_for`` is the one place that chooses
+(``UNIUN_KV_ROWS``; by default static on a GPU, padded on a CPU).
 """
 from __future__ import annotations
 
+import os
 from abc import ABC, abstractmethod
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Callable
 
 import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 from .prefix import fork
+from .static import BUDGET_ENV, STEP_MODES, STORE_ROWS, RowStore, static_budget, store_shape  # noqa: F401
+
+ROWS_ENV, STEPS_ENV = "UNIUN_KV_ROWS", "UNIUN_KV_STEPS"
+ROW_KINDS = ("padded", "static")
 
 
 def batchable(model: Any) -> bool:
@@ -24,8 +32,68 @@ def batchable(model: Any) -> bool:
     return all(type(layer) is DynamicLayer for layer in DynamicCache(config=model.config).layers)
 
 
+@dataclass(frozen=True)
+class Runner:
+    """A loaded model and how its forward pass is called: the cache keyword transformers
+    expects of it, and keywords every pass takes (``logits_to_keep``)."""
+
+    model: Any
+    cache_arg: str
+    kwargs: dict = field(default_factory=dict)
+
+
+def rows_kind(device: torch.device) -> str:
+    """"padded" or "static": ``UNIUN_KV_ROWS`` if set, else static on a GPU (fixed shapes, CUDA
+    graphs), padded on a CPU (``benchmarks/kv_rows_bench.py`` measures the two there)."""
+    return _choice(ROWS_ENV, ROW_KINDS, "static" if device.type == "cuda" else "padded")
+
+
+def steps_mode(device: torch.device) -> str:
+    """How static rows step (``static.STEP_MODES``): ``UNIUN_KV_STEPS`` if set, else CUDA graphs
+    on a GPU and exact shapes on a CPU (no graphs to replay there)."""
+    return _choice(STEPS_ENV, STEP_MODES, "graphs" if device.type == "cuda" else "exact")
+
+
+def _choice(setting: str, choices: tuple[str, ...], default: str) -> str:
+    configured = os.environ.get(setting, "").strip().lower()
+    if configured and configured not in choices:
+        raise ValueError(f"{setting}={configured!r}: use one of {', '.join(choices)}")
+    return configured or default
+
+
+def store_for(runner: Runner, device: torch.device, context_length: int, reserved_bytes: int) -> RowStore | None:
+    """The static rows of a model just loaded (its dtype final), sized from their own budget
+    (``static.static_budget``; ``reserved_bytes``: the prefix cache's); None where its batches
+    use padded rows (``rows_kind``, a model that cannot be batched, a budget too small)."""
+    if rows_kind(device) != "static" or not batchable(runner.model):
+        return None
+    dtype = next(runner.model.parameters()).dtype
+    rows, context = store_shape(runner.model, dtype, static_budget(device, reserved_bytes),
+                                STORE_ROWS.get(device.type, STORE_ROWS["cpu"]), context_length)
+    if not rows:
+        return None
+    return RowStore(runner, device, rows, context, steps_mode(device))
+
+
+def rows_for(runner: Runner, device: torch.device, slots: int, store: RowStore | None = None,
+             context: int | None = None) -> Rows:
+    """The rows a batch of up to ``slots`` rows keeps its KV in: static rows in ``store`` (the
+    loaded model's, ``store_for``), or, static rows being chosen and no store given, a store of
+    their own of ``slots`` rows of ``context`` tokens (a probe's); else padded rows."""
+    if not batchable(runner.model) or rows_kind(device) != "static" or (store is None and context is None):
+        return PaddedRows(device, runner)
+    mode = steps_mode(device)
+    mode = "exact" if mode == "graphs" else mode      # a store of its own captures no graphs
+    if store is None:
+        store = RowStore(runner, device, slots, context, mode)
+    return StaticRows(store, slots, lambda rows: RowStore(runner, device, rows, store.context, mode))
+
+
 class Rows(ABC):
     """The KV of a batch's decoding rows, in the order they joined."""
+
+    #: The most rows it can hold (None: no bound of its own).
+    capacity: int | None = None
 
     @abstractmethod
     def __len__(self) -> int: ...
@@ -36,13 +104,9 @@ class Rows(ABC):
         row's from now on)."""
 
     @abstractmethod
-    def inputs(self, positions: list[int]) -> tuple[Any, dict]:
-        """The cache and the shaping keywords (mask, position ids) of one decode step of every
-        row, one new token each at ``positions`` (a row's tokens so far)."""
-
-    @abstractmethod
-    def stepped(self, cache: Any) -> None:
-        """Keep the cache the step's forward pass returned."""
+    def decode(self, tokens: list[int], positions: list[int]) -> torch.Tensor:
+        """One decode step of every row, row i feeding ``tokens[i]`` at ``positions[i]`` (its
+        tokens so far): the logits [rows, vocabulary] on the device, in join order."""
 
     @abstractmethod
     def leave(self, rows: list[int]) -> list[Any]:
@@ -59,8 +123,8 @@ class PaddedRows(Rows):
     hides the padding (0), so a padded position gets exactly zero attention weight. A join pads
     and concatenates, a leave cuts the batch once (and the padding no row needs any more)."""
 
-    def __init__(self, device: torch.device) -> None:
-        self._device = device
+    def __init__(self, device: torch.device, runner: Runner) -> None:
+        self._device, self._runner = device, runner
         self._cache: Any = None
         self._mask: torch.Tensor | None = None
 
@@ -78,16 +142,17 @@ class PaddedRows(Rows):
         row = torch.ones((1, tokens), dtype=torch.long, device=self._mask.device)
         self._mask = torch.cat([_left_padded(self._mask, length), _left_padded(row, length)])
 
-    def inputs(self, positions: list[int]) -> tuple[Any, dict]:
-        rows = len(self)
+    def decode(self, tokens: list[int], positions: list[int]) -> torch.Tensor:
+        rows, runner = len(self), self._runner
         self._mask = torch.cat([self._mask, torch.ones((rows, 1), dtype=torch.long, device=self._device)], dim=1)
-        if rows == 1:   # one row is never padded: it runs exactly as a lone run does
-            return self._cache, {}
-        return self._cache, {"attention_mask": self._mask,
-                             "position_ids": torch.tensor([[position] for position in positions], device=self._device)}
-
-    def stepped(self, cache: Any) -> None:
-        self._cache = cache
+        shaping = {} if rows == 1 else {   # one row is never padded: it runs exactly as a lone run does
+            "attention_mask": self._mask,
+            "position_ids": torch.tensor([[position] for position in positions], device=self._device)}
+        with torch.inference_mode():
+            output = runner.model(input_ids=torch.tensor([[token] for token in tokens], device=self._device),
+                                  use_cache=True, **{runner.cache_arg: self._cache}, **shaping, **runner.kwargs)
+        self._cache = getattr(output, runner.cache_arg)
+        return output.logits[:, -1]
 
     def leave(self, rows: list[int]) -> list[Any]:
         """Each leaving row's KV is cut out before the batch is cut, in one cut for all of them:
@@ -118,6 +183,80 @@ class PaddedRows(Rows):
             layer.keys = layer.keys[row : row + 1, :, padding:].clone()
             layer.values = layer.values[row : row + 1, :, padding:].clone()
         return cache
+
+
+class StaticRows(Rows):
+    """The rows of one batch in a ``RowStore``: the store handed in while no other batch holds
+    it, else one of its own for ``rows`` rows (a second batch on the same model at once, as a
+    lone run beside the device's loop: correct, without graphs). Row i in join order lives in
+    store row ``_slots[i]``; the live rows are always the store's first ones."""
+
+    def __init__(self, store: RowStore, rows: int, private: Callable[[int], RowStore]) -> None:
+        self._shared, self._private = store, private
+        self.capacity = min(rows, store.rows)
+        self._store: RowStore | None = None
+        self._slots: list[int] = []
+        self._lengths: list[int] = []        # per slot: tokens its row holds
+
+    def __len__(self) -> int:
+        return len(self._slots)
+
+    def join(self, cache: Any, tokens: int) -> None:
+        if self._store is None:
+            self._store = self._shared if self._shared.take() else self._private(self.capacity)
+            self._lengths = [0] * self._store.rows
+        slot = len(self._slots)
+        for keys, values, layer in zip(self._store.keys, self._store.values, cache.layers):
+            keys[slot, :, :tokens] = layer.keys[0, :, :tokens]
+            values[slot, :, :tokens] = layer.values[0, :, :tokens]
+        self._slots.append(slot)
+        self._lengths[slot] = tokens
+
+    def decode(self, tokens: list[int], positions: list[int]) -> torch.Tensor:
+        """Logits [rows, vocabulary] in join order of one step, row i feeding ``tokens[i]``."""
+        rows = len(self._slots)
+        by_slot, at = [0] * rows, [0] * rows
+        for row, slot in enumerate(self._slots):
+            by_slot[slot], at[slot] = tokens[row], positions[row]
+            self._lengths[slot] = positions[row] + 1
+        logits = self._store.steps.run(by_slot, at)
+        if self._slots != sorted(self._slots):
+            logits = logits[torch.tensor(self._slots, device=logits.device)]
+        return logits
+
+    def leave(self, rows: list[int]) -> list[Any]:
+        """Each leaving row copied out; then the last live rows move into the holes they left."""
+        caches = [self._row_cache(self._slots[row]) for row in rows]
+        freed = sorted(self._slots[row] for row in rows)
+        self._slots = [slot for row, slot in enumerate(self._slots) if row not in rows]
+        live = len(self._slots)
+        holes = [slot for slot in freed if slot < live]
+        movers = sorted((slot for slot in self._slots if slot >= live), reverse=True)
+        for hole, mover in zip(holes, movers):
+            self._move(mover, hole)
+            self._slots[self._slots.index(mover)] = hole
+        if not self._slots:
+            self.clear()
+        return caches
+
+    def clear(self) -> None:
+        if self._store is self._shared:
+            self._shared.give()
+        self._store, self._slots = None, []
+
+    def _row_cache(self, slot: int) -> Any:
+        """A batch-1 ``DynamicCache`` of the row's tokens, in storage of its own."""
+        cache, length = DynamicCache(), self._lengths[slot]
+        for index, (keys, values) in enumerate(zip(self._store.keys, self._store.values)):
+            cache.update(keys[slot : slot + 1, :, :length], values[slot : slot + 1, :, :length], index)
+        return cache
+
+    def _move(self, source: int, target: int) -> None:
+        length = self._lengths[source]
+        for keys, values in zip(self._store.keys, self._store.values):
+            keys[target, :, :length] = keys[source, :, :length]
+            values[target, :, :length] = values[source, :, :length]
+        self._lengths[target] = length
 
 
 def _left_padded(tensor: torch.Tensor, length: int) -> torch.Tensor:
