@@ -26,7 +26,7 @@ from uniun_ray.models.host.steps import measure_profile
 def load(folder, dtype: torch.dtype, packed: bool):
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).eval()
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, use_kernels=False).eval()
     if packed:
         packing.pack(model)
     return model

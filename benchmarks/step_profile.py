@@ -60,7 +60,8 @@ def load(model_id: str, dtype: str, device: str):
     from transformers import AutoModelForCausalLM
 
     folder = materialize(resolve(model_id))
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(torch, dtype), device_map=device)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(torch, dtype), device_map=device,
+                                                 use_kernels=False)   # offline, as the engine loads
     return model.eval()
 
 

@@ -31,6 +31,7 @@ from uniun_ray.models import (
     materialize,
     resolve,
 )
+from hub_kernels import HubKernelRequest, hub_kernel_requests
 from uniun_ray.models.requests import registry
 from uniun_ray.models.requests.registry import CACHE_ENV
 from uniun_ray.models.host.tuning import GATED_CHUNK_DECODE_STEPS, Speed, fastest, thread_options
@@ -64,14 +65,15 @@ def tiny_cache(tmp_path_factory):
 
     gguf.GGUFReader = CountingReader
     try:
-        started = time.perf_counter()
-        folder = materialize(resolve("tiny"))
-        conversion_s = time.perf_counter() - started
+        with hub_kernel_requests() as hub_asked:
+            started = time.perf_counter()
+            folder = materialize(resolve("tiny"))
+            conversion_s = time.perf_counter() - started
         reader_after = gguf.GGUFReader
     finally:
         gguf.GGUFReader = library_reader
     yield {"root": root, "tiny": folder, "conversion_s": conversion_s, "gguf_parses": parses,
-           "reader_after": reader_after, "counting_reader": CountingReader}
+           "reader_after": reader_after, "counting_reader": CountingReader, "hub_kernels_asked": hub_asked}
     if previous is None:
         del os.environ[CACHE_ENV]
     else:
@@ -313,6 +315,35 @@ def test_load_unload_report_state(tiny_cache):
     assert engine.loaded is None
     with pytest.raises(RuntimeError, match="no model is loaded"):
         engine.generate(GenerateRequest(prompt=PROMPT), threading.Event())
+
+
+def test_no_conversion_or_load_asks_for_hub_kernels_unless_the_user_opts_in(tiny_cache):
+    """transformers kernelizes every model at `from_pretrained` unless told not to, and on CUDA
+    that asks the Hub for kernel code (offline: the load fails; online: it downloads and runs
+    it, unasked). The recorder refuses every such request, so a load that asks fails here too."""
+    assert tiny_cache["hub_kernels_asked"] == []    # the GGUF conversion, above
+    with hub_kernel_requests() as asked:
+        Engine(device=DEVICE, dtype="float32").load("tiny")
+    assert asked == []
+    pytest.importorskip("kernels")   # without it transformers never kernelizes: nothing to opt into
+    with hub_kernel_requests() as asked, pytest.raises(HubKernelRequest):
+        Engine(device=DEVICE, dtype="float32", hub_kernels=True).load("tiny")
+    assert asked, "UNIUN_HUB_KERNELS=1 lets transformers kernelize the model"
+
+
+def test_the_embedder_loads_without_hub_kernels_unless_the_user_opts_in():
+    """sentence-transformers loads through transformers' `from_pretrained`: the same hook (Ray-free,
+    in this process; about 3 s for all-MiniLM-L6-v2)."""
+    pytest.importorskip("ray")   # the actor's metrics are Ray's (the GPU check runs without Ray)
+    from uniun_ray.runtime.embedding_actor import EmbeddingActor
+
+    with hub_kernel_requests() as asked:
+        assert len(EmbeddingActor(device=DEVICE).embed(["offline"])[0]) == 384
+    assert asked == []
+    pytest.importorskip("kernels")
+    with hub_kernel_requests() as asked, pytest.raises(HubKernelRequest):
+        EmbeddingActor(device=DEVICE, hub_kernels=True)
+    assert asked
 
 
 def test_load_and_unload_refused_while_generating(engine):

@@ -41,6 +41,15 @@ def test_settings_come_from_the_environment_with_clear_errors():
         EngineSettings(threads=True)
 
 
+def test_hub_kernels_are_off_unless_the_user_opts_in_by_name():
+    assert EngineSettings.from_env({}).hub_kernels is False is EngineSettings().hub_kernels
+    assert EngineSettings.from_env({"UNIUN_HUB_KERNELS": "0"}).hub_kernels is False
+    assert EngineSettings.from_env({"UNIUN_HUB_KERNELS": "1"}).hub_kernels is True
+    for bad in ("yes", "2", "true"):
+        with pytest.raises(ValueError, match=rf"UNIUN_HUB_KERNELS='{bad}': use 1 to let transformers fetch"):
+            EngineSettings.from_env({"UNIUN_HUB_KERNELS": bad})
+
+
 def test_unset_threads_mean_every_core_this_process_may_use():
     import os
     assert EngineSettings().resolved_threads() == len(os.sched_getaffinity(0))

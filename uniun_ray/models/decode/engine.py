@@ -59,7 +59,9 @@ class Engine:
     full (None: the default; a CPU device has one tier and ignores it). ``max_memory``
     ({"cpu": "2GiB"} or {"0": "6GiB", "cpu": "20GiB"}) lets accelerate place the weights
     (``device_map="auto"``) and offload what does not fit, to CPU memory or to disk under the
-    cache folder: a model larger than the device runs, slower.
+    cache folder: a model larger than the device runs, slower. ``hub_kernels`` lets transformers
+    fetch and run kernels from the Hugging Face Hub at load (``UNIUN_HUB_KERNELS=1``); off by
+    default, a load reads nothing but the model's folder.
 
     Thread safety: ``generate`` may be iterated in a worker thread. ``load`` and ``unload`` refuse
     (RuntimeError) while a run is in progress: revoke it and let its iterator finish first.
@@ -75,8 +77,9 @@ class Engine:
         kv_cache_mb: int | None = None,
         kv_offload_mb: int | None = None,
         max_memory: dict[str, str] | None = None,
+        hub_kernels: bool = False,
     ) -> None:
-        self._weights = Weights(device, dtype, num_threads, thread_budget, max_memory)
+        self._weights = Weights(device, dtype, num_threads, thread_budget, max_memory, hub_kernels)
         self.device = self._weights.device
         if prefill_chunk is not None and (not _is_int(prefill_chunk) or prefill_chunk < 1):
             raise ValueError(f"prefill_chunk must be an int >= 1 or None, got {prefill_chunk!r}")

@@ -86,7 +86,9 @@ class Weights:
     the probe measures every core of ``thread_budget`` (None: every core this process may run
     on) against half of them on CPU and keeps the faster; on a GPU the budget is used. Never
     Ray's OMP_NUM_THREADS=1, which actors inherit. ``max_memory`` lets accelerate place the
-    weights (``device_map="auto"``) and offload what does not fit.
+    weights (``device_map="auto"``) and offload what does not fit. ``hub_kernels``: whether
+    transformers may kernelize the model at load, fetching kernel code from the Hub
+    (``settings.EngineSettings.hub_kernels``); off, a load reads only the model's folder.
     """
 
     def __init__(
@@ -96,8 +98,10 @@ class Weights:
         num_threads: int | None,
         thread_budget: int | None,
         max_memory: dict[str, str] | None,
+        hub_kernels: bool = False,
     ) -> None:
         self.device = torch.device(device)
+        self.hub_kernels = hub_kernels
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError(f"device {device!r} requested, but CUDA is not available")
         self.dtype = dtype_choice(dtype)
@@ -118,7 +122,7 @@ class Weights:
         described = {"device": str(self.device), "threads": torch.get_num_threads(),
                      "threads_setting": self.thread_budget if self.threads_fixed else f"auto, up to {self.thread_budget}",
                      "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-                     "dtype_setting": self.dtype}
+                     "dtype_setting": self.dtype, "hub_kernels": self.hub_kernels}
         if loaded is None:
             return described
         placement = getattr(loaded.model, "hf_device_map", None)
@@ -137,7 +141,8 @@ class Weights:
         dtype = default_dtype(self.device) if self.dtype == "auto" else getattr(torch, self.dtype)
         from .attention import prefer_grouped
 
-        model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, **self._placement(model_id))
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, use_kernels=self.hub_kernels,
+                                                     **self._placement(model_id))
         model.eval()
         prefer_grouped(model)
         loaded = Loaded(

@@ -1,5 +1,6 @@
 """How a user sets the engine's host choices: ``UNIUN_ENGINE``, ``UNIUN_DTYPE``, ``UNIUN_THREADS``,
-``UNIUN_KV_CACHE_MB``, ``UNIUN_KV_OFFLOAD_MB``, ``UNIUN_MAX_MEMORY`` and ``UNIUN_SLOTS``.
+``UNIUN_KV_CACHE_MB``, ``UNIUN_KV_OFFLOAD_MB``, ``UNIUN_MAX_MEMORY``, ``UNIUN_SLOTS`` and
+``UNIUN_HUB_KERNELS``.
 
 Parsed without torch, in the process that starts the ModelActor (so a bad value is refused with
 a clear message before any actor exists) and handed to the actor as plain data: an environment
@@ -19,6 +20,7 @@ KV_CACHE_ENV = "UNIUN_KV_CACHE_MB"
 KV_OFFLOAD_ENV = "UNIUN_KV_OFFLOAD_MB"
 MAX_MEMORY_ENV = "UNIUN_MAX_MEMORY"
 SLOTS_ENV = "UNIUN_SLOTS"
+HUB_KERNELS_ENV = "UNIUN_HUB_KERNELS"
 #: The most slots a device may be given (R25): a batch's rows, each with its own KV.
 MAX_SLOTS = 256
 
@@ -44,7 +46,10 @@ class EngineSettings:
     so a model larger than the device still runs, slower. None: the whole model on the device.
     ``engine``: one of ``ENGINES``. ``slots``: ``UNIUN_SLOTS`` as a count, or None for "auto". The
     scheduler decides how many jobs a device runs (``RuntimeConfig.slots``); an engine that must
-    fix its batch when it starts (vLLM's ``max_num_seqs``) starts with this many."""
+    fix its batch when it starts (vLLM's ``max_num_seqs``) starts with this many.
+    ``hub_kernels``: let transformers replace layers with kernels it fetches from the Hugging Face
+    Hub at load (its ``use_kernels``): off unless the user opts in, since that downloads and runs
+    code nobody asked for, and fails offline on a GPU."""
 
     dtype: str = "auto"
     threads: int | None = None
@@ -53,11 +58,14 @@ class EngineSettings:
     max_memory: dict[str, str] | None = field(default=None, hash=False)
     engine: str = ENGINES[0]
     slots: int | None = None
+    hub_kernels: bool = False
 
     def __post_init__(self) -> None:
         if self.engine not in ENGINES:
             raise ValueError(f"engine must be one of {', '.join(ENGINES)}; got {self.engine!r}")
         check_slot_count(self.slots)
+        if not isinstance(self.hub_kernels, bool):
+            raise ValueError(f"hub_kernels must be True or False, got {self.hub_kernels!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}; got {self.dtype!r}")
         if self.threads is not None and (
@@ -95,7 +103,7 @@ class EngineSettings:
         if engine not in ENGINES:
             raise ValueError(f"{ENGINE_ENV}={engine!r} is not an engine; use one of {', '.join(ENGINES)}")
         return cls(dtype, threads, kv_cache_mb, kv_offload_mb, max_memory, engine,
-                   parse_slots(environ.get(SLOTS_ENV, "")))
+                   parse_slots(environ.get(SLOTS_ENV, "")), hub_kernels(environ))
 
     def resolved_threads(self) -> int:
         """The thread count to give torch in this process."""
@@ -125,6 +133,15 @@ def parse_slots(raw: str) -> int | None:
     if not raw.isdigit() or not 1 <= int(raw) <= MAX_SLOTS:
         raise ValueError(f"{SLOTS_ENV}={raw!r}: slots are 'auto' or a count from 1 to {MAX_SLOTS}")
     return int(raw)
+
+
+def hub_kernels(environ: Mapping[str, str] = os.environ) -> bool:
+    """``UNIUN_HUB_KERNELS``: "1" opts into transformers' Hub kernels, "0" or unset keeps them off."""
+    raw = environ.get(HUB_KERNELS_ENV, "").strip()
+    if raw not in ("", "0", "1"):
+        raise ValueError(f"{HUB_KERNELS_ENV}={raw!r}: use 1 to let transformers fetch and run Hub kernels "
+                         "at load, 0 (the default) not to")
+    return raw == "1"
 
 
 def check_megabytes(name: str, value: object) -> None:
