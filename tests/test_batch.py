@@ -303,3 +303,49 @@ def test_a_chat_has_its_first_token_before_the_rows_it_revoked_leave(engine):
     assert seen == [[False, False, False]]                          # the chat's first token came first
     assert [job.done.is_set() for job in companions] == [False, True, True]   # then they left, that step
     assert batch.rows == 2 and all(job.result.finish_reason == "cancel" for job in companions[1:])
+
+
+#: Traffic around the one greedy question: prompts that share its first tokens (partial cache
+#: hits), others that do not (misses), each a short answer.
+OTHERS = ["Write a haiku about the sea.", "In one sentence, why is grass green?", "List three prime numbers.",
+          "In one sentence, why is the sky blue? Answer like a pirate.", "What is 2 + 2?", "Name a color.",
+          "Tell me a joke about cats.", "In one sentence, why is the sea salty?"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_one_greedy_question_gets_one_answer_whatever_the_cache_holds_and_the_rows_beside(dtype, monkeypatch):
+    """Issue 35: asked 20 times amid random other traffic (1-8 rows beside it, the prefix cache
+    hit, missed and cleared), the same temperature-0 request gets the same tokens with
+    UNIUN_DETERMINISTIC. Without it SmolLM2 in bf16 gave three answers here ("...Rayleigh
+    scattering, where light encounters", "...Rayleigh Scavenger,", "...Scavenger Hunt,"): a padded
+    row's attention summed its keys otherwise than alone, and one row took oneDNN's one-row
+    kernel. Uses the user's model cache (test_models)."""
+    import random
+
+    from test_models import DEVICE, USER_CACHE
+    from uniun_ray.models import DEFAULT_CHAT_MODEL, Engine
+    from uniun_ray.models.requests.registry import CACHE_ENV
+
+    if USER_CACHE is None:
+        monkeypatch.delenv(CACHE_ENV, raising=False)
+    else:
+        monkeypatch.setenv(CACHE_ENV, USER_CACHE)
+    engine = Engine(device=DEVICE, dtype=dtype, deterministic=True)
+    engine.load(DEFAULT_CHAT_MODEL)
+    rng, asked, questions = random.Random(1), 0, []
+    batch = Batch(engine, slots=9)
+
+    def ask(prompt: str, tokens: int):
+        return batch.add(GenerateRequest(prompt=prompt, max_new_tokens=tokens, temperature=0), threading.Event())
+    while asked < 20 or batch.busy:
+        if asked < 20 and rng.random() < 0.3:
+            questions.append(ask("In one sentence, why is the sky blue?", 14))
+            asked += 1
+        while asked < 20 and batch.rows + len(batch._waiting) < rng.randint(1, 8):
+            ask(rng.choice(OTHERS), rng.randint(2, 20))
+        if rng.random() < 0.05:
+            engine.resident.prefix.clear()
+        batch.step()
+    answers = {engine.resident.vocabulary.tokenizer.decode(job.result.token_ids) for job in questions}
+    assert len(answers) == 1, answers

@@ -756,6 +756,26 @@ def test_a_packed_linear_layer_computes_what_the_plain_one_does(dtype):
             packing.unpack(model)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_packed_linear_gives_each_row_the_same_bits_whatever_rows_beside_it(dtype):
+    """Issue 35: oneDNN's kernel for one row rounds otherwise than its kernel for several (an
+    inner size over 1,024 in bf16, any in float32); with UNIUN_DETERMINISTIC a packed layer
+    runs one row as two."""
+    from torch import nn
+    from uniun_ray.models.host import packing
+
+    if not packing.available(torch.device("cpu")):
+        pytest.skip("this torch build has no oneDNN")
+    torch.manual_seed(0)
+    layer = packing.PackedLinear(nn.Linear(1536, 576, bias=False).to(dtype), one_row_as_two=True)
+    x = torch.randn(40, 1536, dtype=dtype)
+    with torch.inference_mode():
+        alone = torch.cat([layer(x[row : row + 1]) for row in range(40)])
+        for rows in (2, 3, 8, 17, 40):
+            assert torch.equal(layer(x[:rows]), alone[:rows])
+        assert torch.equal(layer(x[None, None, 5]), alone[None, 5:6])     # a decode step's [1, 1, features]
+
+
 def test_the_engine_packs_its_linear_layers_on_cpu_and_says_so(engine):
     from uniun_ray.models.host import packing
 

@@ -41,13 +41,15 @@ def test_settings_come_from_the_environment_with_clear_errors():
         EngineSettings(threads=True)
 
 
-def test_hub_kernels_are_off_unless_the_user_opts_in_by_name():
-    assert EngineSettings.from_env({}).hub_kernels is False is EngineSettings().hub_kernels
-    assert EngineSettings.from_env({"UNIUN_HUB_KERNELS": "0"}).hub_kernels is False
-    assert EngineSettings.from_env({"UNIUN_HUB_KERNELS": "1"}).hub_kernels is True
+@pytest.mark.parametrize("name, field, what", [("UNIUN_HUB_KERNELS", "hub_kernels", "let transformers fetch"),
+                                               ("UNIUN_DETERMINISTIC", "deterministic", "decode each row as alone")])
+def test_opt_in_switches_are_off_unless_the_user_sets_them_by_name(name, field, what):
+    assert getattr(EngineSettings.from_env({}), field) is False is getattr(EngineSettings(), field)
+    assert getattr(EngineSettings.from_env({name: "0"}), field) is False
+    assert getattr(EngineSettings.from_env({name: "1"}), field) is True
     for bad in ("yes", "2", "true"):
-        with pytest.raises(ValueError, match=rf"UNIUN_HUB_KERNELS='{bad}': use 1 to let transformers fetch"):
-            EngineSettings.from_env({"UNIUN_HUB_KERNELS": bad})
+        with pytest.raises(ValueError, match=rf"{name}='{bad}': use 1 to {what}"):
+            EngineSettings.from_env({name: bad})
 
 
 def test_unset_threads_mean_every_core_this_process_may_use():

@@ -53,7 +53,7 @@ class TransformersEngine:
         self.model = Engine(device=device, dtype=settings.dtype, num_threads=settings.threads,
                             thread_budget=thread_budget, kv_cache_mb=settings.kv_cache_mb,
                             kv_offload_mb=settings.kv_offload_mb, max_memory=settings.max_memory,
-                            hub_kernels=settings.hub_kernels)
+                            hub_kernels=settings.hub_kernels, deterministic=settings.deterministic)
         self._loop = DecodeLoop(self.model, MAX_SLOTS, wake)
         self._flags: dict[Hashable, tuple[threading.Event, Job]] = {}
         self._lock = threading.Lock()

@@ -61,7 +61,9 @@ class Engine:
     (``device_map="auto"``) and offload what does not fit, to CPU memory or to disk under the
     cache folder: a model larger than the device runs, slower. ``hub_kernels`` lets transformers
     fetch and run kernels from the Hugging Face Hub at load (``UNIUN_HUB_KERNELS=1``); off by
-    default, a load reads nothing but the model's folder.
+    default, a load reads nothing but the model's folder. ``deterministic`` (``UNIUN_DETERMINISTIC=1``):
+    on CPU a decode step computes each row as it would alone, so a greedy answer does not depend
+    on the rows beside it in bfloat16 either; it costs decode throughput (README).
 
     Thread safety: ``generate`` may be iterated in a worker thread. ``load`` and ``unload`` refuse
     (RuntimeError) while a run is in progress: revoke it and let its iterator finish first.
@@ -78,8 +80,9 @@ class Engine:
         kv_offload_mb: int | None = None,
         max_memory: dict[str, str] | None = None,
         hub_kernels: bool = False,
+        deterministic: bool = False,
     ) -> None:
-        self._weights = Weights(device, dtype, num_threads, thread_budget, max_memory, hub_kernels)
+        self._weights = Weights(device, dtype, num_threads, thread_budget, max_memory, hub_kernels, deterministic)
         self.device = self._weights.device
         if prefill_chunk is not None and (not _is_int(prefill_chunk) or prefill_chunk < 1):
             raise ValueError(f"prefill_chunk must be an int >= 1 or None, got {prefill_chunk!r}")

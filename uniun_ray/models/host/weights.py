@@ -89,6 +89,8 @@ class Weights:
     weights (``device_map="auto"``) and offload what does not fit. ``hub_kernels``: whether
     transformers may kernelize the model at load, fetching kernel code from the Hub
     (``settings.EngineSettings.hub_kernels``); off, a load reads only the model's folder.
+    ``deterministic``: on CPU a decode step computes each row as alone (``attention``'s row-invariant
+    SDPA, ``packing``'s one row as two), so greedy tokens do not depend on the rows beside.
     """
 
     def __init__(
@@ -99,9 +101,10 @@ class Weights:
         thread_budget: int | None,
         max_memory: dict[str, str] | None,
         hub_kernels: bool = False,
+        deterministic: bool = False,
     ) -> None:
         self.device = torch.device(device)
-        self.hub_kernels = hub_kernels
+        self.hub_kernels, self.deterministic = hub_kernels, deterministic
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError(f"device {device!r} requested, but CUDA is not available")
         self.dtype = dtype_choice(dtype)
@@ -122,7 +125,8 @@ class Weights:
         described = {"device": str(self.device), "threads": torch.get_num_threads(),
                      "threads_setting": self.thread_budget if self.threads_fixed else f"auto, up to {self.thread_budget}",
                      "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-                     "dtype_setting": self.dtype, "hub_kernels": self.hub_kernels}
+                     "dtype_setting": self.dtype, "hub_kernels": self.hub_kernels,
+                     "deterministic": self.deterministic}
         if loaded is None:
             return described
         placement = getattr(loaded.model, "hf_device_map", None)
@@ -144,7 +148,7 @@ class Weights:
         model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, use_kernels=self.hub_kernels,
                                                      **self._placement(model_id))
         model.eval()
-        prefer_grouped(model)
+        prefer_grouped(model, row_invariant=self.deterministic)
         loaded = Loaded(
             vocabulary=read_vocabulary(model_id, tokenizer, model.config),
             model=model,
@@ -183,6 +187,8 @@ class Weights:
         key = f"{host_signature()}|{folder}|{'+'.join(dtypes)}|threads {'+'.join(map(str, threads))}"
         if self._packs():   # the step profile was measured on packed weights: not a plain model's
             key += "|packed"
+        if self.deterministic:   # and with each row decoded as alone
+            key += "|row-invariant"
         probe = self._probes.get(key)
         if (probe is None or sorted((s.dtype, s.threads) for s in probe.speeds) != sorted(candidates)
                 or probe.provisional and quiet(max(threads))):
@@ -224,7 +230,7 @@ class Weights:
         if not self._packs():
             yield
             return
-        packing.pack(loaded.model, keep_plain=True)
+        packing.pack(loaded.model, keep_plain=True, one_row_as_two=self.deterministic)
         try:
             yield
         finally:
@@ -233,7 +239,7 @@ class Weights:
     def _pack(self, loaded: Loaded) -> None:
         """Pack the linear layers in the dtype kept, for good (the plain weights are freed)."""
         if not loaded.packed and self._packs():
-            loaded.packed = packing.pack(loaded.model)
+            loaded.packed = packing.pack(loaded.model, one_row_as_two=self.deterministic)
 
     def _packs(self) -> bool:
         return self.max_memory is None and packing.available(self.device)

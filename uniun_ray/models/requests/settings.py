@@ -1,6 +1,6 @@
 """How a user sets the engine's host choices: ``UNIUN_ENGINE``, ``UNIUN_DTYPE``, ``UNIUN_THREADS``,
-``UNIUN_KV_CACHE_MB``, ``UNIUN_KV_OFFLOAD_MB``, ``UNIUN_MAX_MEMORY``, ``UNIUN_SLOTS`` and
-``UNIUN_HUB_KERNELS``.
+``UNIUN_KV_CACHE_MB``, ``UNIUN_KV_OFFLOAD_MB``, ``UNIUN_MAX_MEMORY``, ``UNIUN_SLOTS``,
+``UNIUN_HUB_KERNELS`` and ``UNIUN_DETERMINISTIC``.
 
 Parsed without torch, in the process that starts the ModelActor (so a bad value is refused with
 a clear message before any actor exists) and handed to the actor as plain data: an environment
@@ -21,6 +21,7 @@ KV_OFFLOAD_ENV = "UNIUN_KV_OFFLOAD_MB"
 MAX_MEMORY_ENV = "UNIUN_MAX_MEMORY"
 SLOTS_ENV = "UNIUN_SLOTS"
 HUB_KERNELS_ENV = "UNIUN_HUB_KERNELS"
+DETERMINISTIC_ENV = "UNIUN_DETERMINISTIC"
 #: The most slots a device may be given (R25): a batch's rows, each with its own KV.
 MAX_SLOTS = 256
 
@@ -49,7 +50,9 @@ class EngineSettings:
     fix its batch when it starts (vLLM's ``max_num_seqs``) starts with this many.
     ``hub_kernels``: let transformers replace layers with kernels it fetches from the Hugging Face
     Hub at load (its ``use_kernels``): off unless the user opts in, since that downloads and runs
-    code nobody asked for, and fails offline on a GPU."""
+    code nobody asked for, and fails offline on a GPU. ``deterministic``: a CPU decode step
+    computes each row as it would alone, so a greedy answer does not depend on the rows beside
+    it in bfloat16 either (``host.attention``, ``host.packing``; it costs decode throughput)."""
 
     dtype: str = "auto"
     threads: int | None = None
@@ -59,13 +62,15 @@ class EngineSettings:
     engine: str = ENGINES[0]
     slots: int | None = None
     hub_kernels: bool = False
+    deterministic: bool = False
 
     def __post_init__(self) -> None:
         if self.engine not in ENGINES:
             raise ValueError(f"engine must be one of {', '.join(ENGINES)}; got {self.engine!r}")
         check_slot_count(self.slots)
-        if not isinstance(self.hub_kernels, bool):
-            raise ValueError(f"hub_kernels must be True or False, got {self.hub_kernels!r}")
+        for name in ("hub_kernels", "deterministic"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}; got {self.dtype!r}")
         if self.threads is not None and (
@@ -103,7 +108,9 @@ class EngineSettings:
         if engine not in ENGINES:
             raise ValueError(f"{ENGINE_ENV}={engine!r} is not an engine; use one of {', '.join(ENGINES)}")
         return cls(dtype, threads, kv_cache_mb, kv_offload_mb, max_memory, engine,
-                   parse_slots(environ.get(SLOTS_ENV, "")), hub_kernels(environ))
+                   parse_slots(environ.get(SLOTS_ENV, "")),
+                   _switch(environ, HUB_KERNELS_ENV, "let transformers fetch and run Hub kernels at load"),
+                   _switch(environ, DETERMINISTIC_ENV, "decode each row as alone, whatever rows are beside it"))
 
     def resolved_threads(self) -> int:
         """The thread count to give torch in this process."""
@@ -135,12 +142,11 @@ def parse_slots(raw: str) -> int | None:
     return int(raw)
 
 
-def hub_kernels(environ: Mapping[str, str] = os.environ) -> bool:
-    """``UNIUN_HUB_KERNELS``: "1" opts into transformers' Hub kernels, "0" or unset keeps them off."""
-    raw = environ.get(HUB_KERNELS_ENV, "").strip()
+def _switch(environ: Mapping[str, str], name: str, what: str) -> bool:
+    """A setting that is off unless the user opts in: "1" on, "0" or unset off."""
+    raw = environ.get(name, "").strip()
     if raw not in ("", "0", "1"):
-        raise ValueError(f"{HUB_KERNELS_ENV}={raw!r}: use 1 to let transformers fetch and run Hub kernels "
-                         "at load, 0 (the default) not to")
+        raise ValueError(f"{name}={raw!r}: use 1 to {what}, 0 (the default) not to")
     return raw == "1"
 
 
