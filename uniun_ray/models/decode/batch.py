@@ -95,7 +95,7 @@ class Batch:
         self._waiting: deque[Job] = deque()
         self._joining: Job | None = None
         self._rows: list[Job] = []
-        self._kv: kv_rows.Rows = kv_rows.PaddedRows(engine.device)   # the rows' KV, in the order of _rows
+        self._kv: kv_rows.Rows = kv_rows.rows_for(engine.device)   # the rows' KV, in the order of _rows
         self.last_step_rows = 0                  # rows the last step decoded (0: it only prefilled)
 
     @property

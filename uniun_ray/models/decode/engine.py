@@ -126,7 +126,9 @@ class Engine:
         "window_s", "others_cpu": the share of the probe's cores other programs took,
         "load_avg": [before, after], "busy": whether they are provisional (measured again at
         the next load that finds the host quiet), "note" (why, when later steps beat them),
-        "step_profile": {batch: seconds}, "slots_auto": the slot count it implies}."""
+        "step_profile": {batch: seconds}, "step_spread": {batch: interquartile range / median of its
+        samples}, "tokens_per_s": {batch: decode tokens per second}, "slots_auto": the slot count
+        they imply}."""
         loaded = self._loaded
         if loaded is not None:
             self._weights.revise(loaded)

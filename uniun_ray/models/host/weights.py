@@ -135,6 +135,8 @@ class Weights:
                             "packed_linears": loaded.packed,
                             "measured": [dataclasses.asdict(speed) for speed in probe.speeds],
                             "probe": probe.taken.describe() | {"step_profile": probe.steps,
+                                                               "step_spread": probe.spread,
+                                                               "tokens_per_s": _rates(probe.steps),
                                                                "slots_auto": auto_slots(probe.steps)}}
 
     def load(self, model_id: str, folder: Any, prefix: PrefixCache) -> Loaded:
@@ -220,8 +222,9 @@ class Weights:
         torch.set_num_threads(best.threads)
         self._pack(loaded)
         sizes = batch_sizes(self.device) if kv_rows.batchable(loaded.model) else (1,)
-        steps = measure_profile(loaded.model, loaded.cache_arg, loaded.forward_kwargs, vocab_size, self.device, sizes)
-        return Probe(speeds, steps, watch.stop())
+        steps, spread = measure_profile(loaded.model, loaded.cache_arg, loaded.forward_kwargs, vocab_size,
+                                        self.device, sizes)
+        return Probe(speeds, steps, watch.stop(), spread)
 
     @contextmanager
     def _packed_for_now(self, loaded: Loaded) -> Iterator[None]:
@@ -264,6 +267,11 @@ def forward(loaded: Loaded, ids: list[int], cache: Any, device: torch.device) ->
             **loaded.forward_kwargs,
         )
     return output.logits[0, -1], getattr(output, loaded.cache_arg)
+
+
+def _rates(steps: dict[int, float]) -> dict[int, float]:
+    """The step profile as decode tokens per second by batch size: the curve "auto" reads."""
+    return {batch: round(batch / seconds, 1) for batch, seconds in steps.items() if seconds > 0}
 
 
 def _synced(step: tuple[torch.Tensor, Any]) -> tuple[torch.Tensor, Any]:

@@ -24,6 +24,12 @@ def batchable(model: Any) -> bool:
     return all(type(layer) is DynamicLayer for layer in DynamicCache(config=model.config).layers)
 
 
+def rows_for(device: torch.device) -> "Rows":
+    """The rows a batch on ``device`` keeps its KV in; the load's step profile times the same
+    (``host.steps``), so the slot count is read off the path the batch runs."""
+    return PaddedRows(device)
+
+
 class Rows(ABC):
     """The KV of a batch's decoding rows, in the order they joined."""
 
