@@ -305,6 +305,21 @@ def test_a_chat_has_its_first_token_before_the_rows_it_revoked_leave(engine):
     assert batch.rows == 2 and all(job.result.finish_reason == "cancel" for job in companions[1:])
 
 
+def test_a_seeded_run_draws_the_same_tokens_whatever_rows_sample_beside_it(engine):
+    """Issue 35: a row's draws depend on its own seed and position only: its own generator, one
+    draw per token, never the rows beside it (sampled too, seeded otherwise or not at all)."""
+    seeded = GenerateRequest(prompt=PROMPT, max_new_tokens=20, temperature=1.2, seed=5)
+    expected = alone(engine, [seeded])[0]
+    beside = [GenerateRequest(prompt=LONG_PROMPT[:200], max_new_tokens=30, temperature=1.5, seed=6),
+              GenerateRequest(prompt="class Stack:", max_new_tokens=25, temperature=1.5),
+              GenerateRequest(prompt="import os", max_new_tokens=9, temperature=0.7, seed=5)]
+    batch = Batch(engine)
+    jobs, widths = drive(batch, {0: [(beside[0], threading.Event()), (beside[1], threading.Event())],
+                                 2: [(seeded, threading.Event())], 4: [(beside[2], threading.Event())]})
+    assert jobs[2].result.token_ids == expected and max(widths.values()) >= 3
+    assert alone(engine, [seeded])[0] == expected
+
+
 #: Traffic around the one greedy question: prompts that share its first tokens (partial cache
 #: hits), others that do not (misses), each a short answer.
 OTHERS = ["Write a haiku about the sea.", "In one sentence, why is grass green?", "List three prime numbers.",

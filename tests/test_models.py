@@ -475,8 +475,16 @@ SAMPLING = dict(temperature=0.8, top_k=40, top_p=0.9, repetition_penalty=1.3)
 
 
 def test_seeded_sampling_draws_what_transformers_generate_draws(engine):
-    """The processors are transformers' own, built from generation_config + the request."""
+    """The processors are transformers' own, built from generation_config + the request. The
+    engine samples on the CPU with a generator of the run's own, on every device (so a row's
+    draws never depend on the rows beside it, nor on a device's global RNG that other work
+    advances); `generate` on a GPU draws from the GPU's RNG, another stream for the same seed:
+    on a GPU the reference is `generate` on a CPU copy of the model."""
+    import copy
+
     model, tokenizer = engine.resident.model, engine.resident.vocabulary.tokenizer
+    if model.device.type != "cpu":
+        model = copy.deepcopy(model).to("cpu")
     inputs = tokenizer(PROMPT, return_tensors="pt").to(model.device)
     torch.manual_seed(11)
     with torch.inference_mode():
@@ -1049,7 +1057,8 @@ def test_a_swap_drops_the_cache_and_a_bad_budget_is_refused(engine):
     assert kv(engine)["entries"] >= 1
     engine.unload()
     engine.load("tiny")
-    assert kv(engine)["entries"] == 0 and kv(engine)["budget_mb"] == 1024
+    # the device's default budget: 1 GiB of host memory on a CPU, 4 GiB on a GPU
+    assert kv(engine)["entries"] == 0 and kv(engine)["budget_mb"] == {"cpu": 1024, "cuda": 4096}[engine.device.type]
     with pytest.raises(ValueError, match="kv_cache_mb must be an int >= 0"):
         Engine(kv_cache_mb=-1)
     with pytest.raises(ValueError, match="kv_offload_mb must be an int >= 0"):
