@@ -317,10 +317,12 @@ def test_load_unload_report_state(tiny_cache):
         engine.generate(GenerateRequest(prompt=PROMPT), threading.Event())
 
 
-def test_no_conversion_or_load_asks_for_hub_kernels_unless_the_user_opts_in(tiny_cache):
+def test_no_conversion_or_load_asks_for_hub_kernels_unless_the_user_opts_in(tiny_cache, monkeypatch):
     """transformers kernelizes every model at `from_pretrained` unless told not to, and on CUDA
     that asks the Hub for kernel code (offline: the load fails; online: it downloads and runs
-    it, unasked). The recorder refuses every such request, so a load that asks fails here too."""
+    it, unasked). The recorder refuses every such request, so a load that asks fails here too.
+    transformers' own USE_HUB_KERNELS=0 (a GPU machine's recipe) would hide what the engine asks."""
+    monkeypatch.delenv("USE_HUB_KERNELS", raising=False)
     assert tiny_cache["hub_kernels_asked"] == []    # the GGUF conversion, above
     with hub_kernel_requests() as asked:
         Engine(device=DEVICE, dtype="float32").load("tiny")
@@ -331,9 +333,10 @@ def test_no_conversion_or_load_asks_for_hub_kernels_unless_the_user_opts_in(tiny
     assert asked, "UNIUN_HUB_KERNELS=1 lets transformers kernelize the model"
 
 
-def test_the_embedder_loads_without_hub_kernels_unless_the_user_opts_in():
+def test_the_embedder_loads_without_hub_kernels_unless_the_user_opts_in(monkeypatch):
     """sentence-transformers loads through transformers' `from_pretrained`: the same hook (Ray-free,
     in this process; about 3 s for all-MiniLM-L6-v2)."""
+    monkeypatch.delenv("USE_HUB_KERNELS", raising=False)
     pytest.importorskip("ray")   # the actor's metrics are Ray's (the GPU check runs without Ray)
     from uniun_ray.runtime.embedding_actor import EmbeddingActor
 
