@@ -22,6 +22,10 @@ step() {  # step TITLE COMMAND...: run it, its output into the file under a head
 }
 { echo "# gpu-check, $(date -u +%Y-%m-%dT%H:%MZ)"; echo; nvidia-smi -L; "$python" -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda)'; } > "$out"
 step "engine tests on cuda" env UNIUN_TEST_DEVICE=cuda "$python" -m pytest -q -p no:cacheprovider tests/test_models.py tests/test_batch.py
+# issue 35: its CUDA checks are in the engine tests above (no Hub kernels at load, the seeded draws,
+# the KV budget, one greedy answer with UNIUN_DETERMINISTIC); here what the probe reads on the GPU
+step "engine probe on cuda (issue 35): step profile, spread, tokens/s and slots auto of tiny" "$python" -c \
+  'import json; from uniun_ray.models import Engine; e = Engine(device="cuda"); e.load("tiny"); print(json.dumps(e.describe()["probe"], indent=1))'
 step "runtime tests, the ModelActor on the GPU" "$python" -m pytest -q -p no:cacheprovider tests/test_runtime.py tests/test_runtime_slots.py
 step "slots on the GPU: 32 background streams at slots auto against slots 1, a chat beside full slots (goal >= 10x)" \
   "$python" benchmarks/slots_bench.py --streams 32 --window 30
