@@ -191,12 +191,18 @@ def test_a_long_prompt_joins_one_chunk_per_step_while_the_others_decode(engine, 
 
 
 def test_a_seeded_sampled_job_draws_in_a_batch_what_it_draws_alone(engine):
-    sampled = GenerateRequest(prompt=PROMPT, max_new_tokens=30, temperature=0.8, top_k=40, seed=7)
-    expected = alone(engine, [sampled])[0]
+    """Issue 35: a row's draws depend on its own seed and position only: its own generator, one
+    draw per token, never the rows beside it (sampled too, seeded otherwise or not at all)."""
+    seeded = GenerateRequest(prompt=PROMPT, max_new_tokens=20, temperature=1.2, seed=5)
+    expected = alone(engine, [seeded])[0]
+    beside = [GenerateRequest(prompt=LONG_PROMPT[:200], max_new_tokens=30, temperature=1.5, seed=6),
+              GenerateRequest(prompt="class Stack:", max_new_tokens=25, temperature=1.5),
+              GenerateRequest(prompt="import os", max_new_tokens=9, temperature=0.7, seed=5)]
     batch = Batch(engine)
-    jobs = [batch.add(request, threading.Event()) for request in (REQUESTS[2], sampled, REQUESTS[0])]
-    batch.run()
-    assert jobs[1].result.token_ids == expected
+    jobs, widths = drive(batch, {0: [(beside[0], threading.Event()), (beside[1], threading.Event())],
+                                 2: [(seeded, threading.Event())], 4: [(beside[2], threading.Event())]})
+    assert jobs[2].result.token_ids == expected and max(widths.values()) >= 3
+    assert alone(engine, [seeded])[0] == expected
 
 
 def test_a_chat_reads_its_prompt_in_one_pass_and_a_background_prompt_in_short_chunks(engine, monkeypatch, forwards):
@@ -303,21 +309,6 @@ def test_a_chat_has_its_first_token_before_the_rows_it_revoked_leave(engine):
     assert seen == [[False, False, False]]                          # the chat's first token came first
     assert [job.done.is_set() for job in companions] == [False, True, True]   # then they left, that step
     assert batch.rows == 2 and all(job.result.finish_reason == "cancel" for job in companions[1:])
-
-
-def test_a_seeded_run_draws_the_same_tokens_whatever_rows_sample_beside_it(engine):
-    """Issue 35: a row's draws depend on its own seed and position only: its own generator, one
-    draw per token, never the rows beside it (sampled too, seeded otherwise or not at all)."""
-    seeded = GenerateRequest(prompt=PROMPT, max_new_tokens=20, temperature=1.2, seed=5)
-    expected = alone(engine, [seeded])[0]
-    beside = [GenerateRequest(prompt=LONG_PROMPT[:200], max_new_tokens=30, temperature=1.5, seed=6),
-              GenerateRequest(prompt="class Stack:", max_new_tokens=25, temperature=1.5),
-              GenerateRequest(prompt="import os", max_new_tokens=9, temperature=0.7, seed=5)]
-    batch = Batch(engine)
-    jobs, widths = drive(batch, {0: [(beside[0], threading.Event()), (beside[1], threading.Event())],
-                                 2: [(seeded, threading.Event())], 4: [(beside[2], threading.Event())]})
-    assert jobs[2].result.token_ids == expected and max(widths.values()) >= 3
-    assert alone(engine, [seeded])[0] == expected
 
 
 #: Traffic around the one greedy question: prompts that share its first tokens (partial cache
