@@ -70,6 +70,10 @@ then
 fi
 step "engine tests on $device" timeout "$tests_s" env UNIUN_TEST_DEVICE="$device" "$python" -m pytest --noconftest -q \
   -p no:cacheprovider tests/test_models.py tests/test_batch.py ${GPU_CHECK_PYTEST_ARGS:-}
+# issue 35: its CUDA checks are in the engine tests above (no Hub kernels at load, the seeded draws,
+# the KV budget, one greedy answer); here what the probe reads on the device
+step "engine probe on $device (issue 35): step profile, spread, tokens/s and slots auto of tiny" "$python" -c \
+  "import json; from uniun_ray.models import Engine; e = Engine(device='$device'); e.load('tiny'); print(json.dumps(e.describe()['probe'], indent=1))"
 left=$((budget - (SECONDS - started) - 10))
 # shellcheck disable=SC2086  # the bench's arguments are words
 step "the GPU benchmark (issue 36), within ${left} s" timeout --signal=TERM "$((left + 60))" \

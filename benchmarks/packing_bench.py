@@ -4,7 +4,7 @@
 
 SmolLM2-135M-Instruct (the converted copy in ``UNIUN_CACHE_DIR``) is loaded four times: bf16 and
 float32, each plain and packed. Each round takes the engine's own step profile
-(`uniun_ray/models/steps.measure_profile`: decode steps of B left-padded rows) of every copy in
+(`uniun_ray/models/host/steps.measure_profile`: decode steps of B rows as a batch keeps them) of every copy in
 turn, so a load that comes and goes stretches them all alike; a figure is the median over rounds.
 Also checks that the packed copy's logits are the plain copy's (bf16: bit-identical here).
 Writes its rows through `record.py` (section "slots", `benchmarks/results/packing_bench.json`).
@@ -26,7 +26,7 @@ from uniun_ray.models.host.steps import measure_profile
 def load(folder, dtype: torch.dtype, packed: bool):
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).eval()
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, use_kernels=False).eval()
     if packed:
         packing.pack(model)
     return model
@@ -54,7 +54,7 @@ def main() -> None:
         for copy, model in copies.items():
             vocab = model.config.vocab_size
             for batch, seconds in measure_profile(model, "cache", {"logits_to_keep": 1}, vocab, torch.device("cpu"),
-                                                  batches).items():
+                                                  batches)[0].items():
                 steps[copy][batch].append(seconds)
     record = Record("slots", quick=args.quick, note=f"{DEFAULT_CHAT_MODEL}, median of {rounds} rounds")
     for dtype in ("bfloat16", "float32"):

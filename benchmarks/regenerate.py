@@ -55,6 +55,7 @@ PLAN = (
     Step("kv_cache_bench.py"),
     Step("turn_cost.py"),
     Step("batch_bench.py"),
+    Step("invariance_bench.py"),
     Step("http_bench.py", ("--requests", "60", "--turns", "10")),
     Step("real_vs_sim.py"),
     Step("node_loss.py"),

@@ -7,10 +7,11 @@
 
 What SPEC §6 (R23, R25) and the simulator's step-time profiles (`uniun_ray/sim/device.py`)
 need: one decode step of B sequences at once, as a continuous-batching engine runs it with
-transformers. For each batch size B: B prompts of different lengths (``--prompt`` tokens, the
-shortest 3/4 of that), left-padded into one batch with an attention mask, one prefill forward
-into a ``DynamicCache``, then ``--steps`` decode forwards of one token per row (the mask and
-position ids grown by one each step; one row gets neither, as the engine's ``Batch`` runs it),
+transformers. For each batch size B: one prompt of ``--prompt`` tokens is prefilled into a
+``DynamicCache``, B copies of it cut to different lengths (the shortest 3/4 of it) join the rows
+the engine's ``Batch`` keeps on the device (``kv.rows.rows_for``), then ``--steps`` decode
+forwards of one token per row, each given what those rows give a batch's step (mask and position
+ids for several rows, none for one, as ``Batch`` runs it),
 timed one by one after ``--warmup`` untimed ones; the step time is the median over ``--repeats``
 such rounds. The decode steps are those of the engine's own probe at load
 (`uniun_ray/models/host/steps.py`, ``Engine.step_profile()``); this one takes more steps and rounds,
@@ -52,7 +53,8 @@ import torch  # noqa: E402
 from record import Record  # noqa: E402
 
 from uniun_ray.models.requests.registry import DEFAULT_CHAT_MODEL, materialize, resolve  # noqa: E402
-from uniun_ray.models.host.steps import decode_times, device_clock, positions, row_lengths  # noqa: E402
+from uniun_ray.models.host.steps import decode_times, device_clock, joined_rows  # noqa: E402
+from uniun_ray.models.kv.rows import Runner  # noqa: E402
 from uniun_ray.models.host.tuning import cpu_model  # noqa: E402
 
 
@@ -60,18 +62,9 @@ def load(model_id: str, dtype: str, device: str):
     from transformers import AutoModelForCausalLM
 
     folder = materialize(resolve(model_id))
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(torch, dtype), device_map=device)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(torch, dtype), device_map=device,
+                                                 use_kernels=False)   # offline, as the engine loads
     return model.eval()
-
-
-def batch_inputs(batch: int, prompt: int, vocab: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """`batch` prompts of lengths spread over [3/4 prompt, prompt], left-padded: (ids, mask)."""
-    ids = torch.zeros((batch, prompt), dtype=torch.long)
-    mask = torch.zeros((batch, prompt), dtype=torch.long)
-    for row, n in enumerate(row_lengths(batch, prompt)):
-        ids[row, prompt - n:] = torch.tensor([(7919 * (i + 31 * row)) % vocab + 1 for i in range(n)])
-        mask[row, prompt - n:] = 1
-    return ids.to(device), mask.to(device)
 
 
 def clock_of(kind: str, device: str):
@@ -80,17 +73,18 @@ def clock_of(kind: str, device: str):
 
 
 def round_of_steps(model, batch: int, prompt: int, steps: int, warmup: int, clock) -> list[float]:
-    """Prefill one batch, then time `steps` decode forwards (after `warmup` untimed ones), as the
-    engine's probe at load times them (`uniun_ray.models.host.steps`)."""
-    from transformers import DynamicCache
-
-    ids, mask = batch_inputs(batch, prompt, model.config.vocab_size - 1, model.device)
+    """Prefill one row, join `batch` copies of it cut to different lengths to the rows a batch
+    keeps, then time `steps` decode forwards (after `warmup` untimed ones), as the engine's probe
+    at load times them (`uniun_ray.models.host.steps`)."""
     # the forward's keyword for the KV cache: transformers 5 renamed past_key_values (as the engine reads it)
     cache_arg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    vocab = model.config.vocab_size - 1
+    ids = torch.tensor([[(7919 * i) % vocab + 1 for i in range(prompt)]], device=model.device)
     with torch.inference_mode():
-        out = model(input_ids=ids, attention_mask=mask, position_ids=positions(mask),
-                    use_cache=True, logits_to_keep=1, **{cache_arg: DynamicCache()})
-    return decode_times(model, cache_arg, getattr(out, cache_arg), mask, steps, warmup, clock, logits_to_keep=1)
+        out = model(input_ids=ids, use_cache=True, logits_to_keep=1, **{cache_arg: None})
+    rows, lengths = joined_rows(Runner(model, cache_arg, {"logits_to_keep": 1}), getattr(out, cache_arg), batch,
+                                prompt, model.device, warmup + steps)
+    return decode_times(rows, lengths, steps, warmup, clock)
 
 
 def profile(model, batches: list[int], prompt: int, steps: int, warmup: int, repeats: int,

@@ -86,6 +86,8 @@ def test_the_step_profile_is_measured_at_load_and_a_quiet_one_is_not_measured_ag
     assert list(profile) == list(CPU_BATCHES) and all(seconds > 0 for seconds in profile.values())
     described = engine.describe()["probe"]
     assert described["step_profile"] == profile and described["slots_auto"] == auto_slots(profile)
+    assert set(described["step_spread"]) == set(profile) and all(s >= 0 for s in described["step_spread"].values())
+    assert described["tokens_per_s"] == {b: round(b / seconds, 1) for b, seconds in profile.items()}
     assert set(described) >= {"taken_at", "window_s", "others_cpu", "load_avg", "busy"}
     assert described["window_s"] > 0 and 0 <= described["others_cpu"] <= 1 and len(profiles) == 1
     key, kept = the_probe(probes)
@@ -94,6 +96,30 @@ def test_the_step_profile_is_measured_at_load_and_a_quiet_one_is_not_measured_ag
     again = loaded()
     assert len(profiles) == 1 and again.step_profile() == profile            # cached: not measured again
     assert Engine().step_profile() == {}                                     # nothing loaded
+
+
+def test_the_probe_steps_the_rows_a_batch_keeps_with_what_they_give_a_step(probes, monkeypatch):
+    """Issue 35: the probe timed its steps on rows of its own making (one row unmasked, several
+    masked); it now joins its rows to the batch's own (``kv.rows.rows_for``: static rows on a
+    GPU once they exist) and passes what they give, as ``Batch`` does."""
+    from uniun_ray.models.kv import rows as kv_rows
+
+    joined, given = [], []
+
+    class Recording(kv_rows.PaddedRows):
+        def join(self, cache, tokens):
+            joined.append(tokens)
+            super().join(cache, tokens)
+
+        def inputs(self, positions):
+            cache, shaping = super().inputs(positions)
+            given.append((len(positions), sorted(shaping)))
+            return cache, shaping
+    monkeypatch.setattr(steps_module, "rows_for", lambda device: Recording(device))
+    loaded()
+    assert len(joined) >= sum(CPU_BATCHES)
+    assert {rows: shaping for rows, shaping in given} == {
+        rows: [] if rows == 1 else ["attention_mask", "position_ids"] for rows in CPU_BATCHES}
 
 
 def test_a_probe_taken_beside_cpu_burners_is_busy_kept_provisional_and_measured_again_when_quiet(

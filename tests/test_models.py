@@ -31,6 +31,7 @@ from uniun_ray.models import (
     materialize,
     resolve,
 )
+from hub_kernels import HubKernelRequest, hub_kernel_requests
 from uniun_ray.models.requests import registry
 from uniun_ray.models.requests.registry import CACHE_ENV
 from uniun_ray.models.host.tuning import GATED_CHUNK_DECODE_STEPS, Speed, fastest, thread_options
@@ -64,14 +65,15 @@ def tiny_cache(tmp_path_factory):
 
     gguf.GGUFReader = CountingReader
     try:
-        started = time.perf_counter()
-        folder = materialize(resolve("tiny"))
-        conversion_s = time.perf_counter() - started
+        with hub_kernel_requests() as hub_asked:
+            started = time.perf_counter()
+            folder = materialize(resolve("tiny"))
+            conversion_s = time.perf_counter() - started
         reader_after = gguf.GGUFReader
     finally:
         gguf.GGUFReader = library_reader
     yield {"root": root, "tiny": folder, "conversion_s": conversion_s, "gguf_parses": parses,
-           "reader_after": reader_after, "counting_reader": CountingReader}
+           "reader_after": reader_after, "counting_reader": CountingReader, "hub_kernels_asked": hub_asked}
     if previous is None:
         del os.environ[CACHE_ENV]
     else:
@@ -318,6 +320,38 @@ def test_load_unload_report_state(tiny_cache):
         engine.generate(GenerateRequest(prompt=PROMPT), threading.Event())
 
 
+def test_no_conversion_or_load_asks_for_hub_kernels_unless_the_user_opts_in(tiny_cache, monkeypatch):
+    """transformers kernelizes every model at `from_pretrained` unless told not to, and on CUDA
+    that asks the Hub for kernel code (offline: the load fails; online: it downloads and runs
+    it, unasked). The recorder refuses every such request, so a load that asks fails here too.
+    transformers' own USE_HUB_KERNELS=0 (a GPU machine's recipe) would hide what the engine asks."""
+    monkeypatch.delenv("USE_HUB_KERNELS", raising=False)
+    assert tiny_cache["hub_kernels_asked"] == []    # the GGUF conversion, above
+    with hub_kernel_requests() as asked:
+        Engine(device=DEVICE, dtype="float32").load("tiny")
+    assert asked == []
+    pytest.importorskip("kernels")   # without it transformers never kernelizes: nothing to opt into
+    with hub_kernel_requests() as asked, pytest.raises(HubKernelRequest):
+        Engine(device=DEVICE, dtype="float32", hub_kernels=True).load("tiny")
+    assert asked, "UNIUN_HUB_KERNELS=1 lets transformers kernelize the model"
+
+
+def test_the_embedder_loads_without_hub_kernels_unless_the_user_opts_in(monkeypatch):
+    """sentence-transformers loads through transformers' `from_pretrained`: the same hook (Ray-free,
+    in this process; about 3 s for all-MiniLM-L6-v2)."""
+    monkeypatch.delenv("USE_HUB_KERNELS", raising=False)
+    pytest.importorskip("ray")   # the actor's metrics are Ray's (the GPU check runs without Ray)
+    from uniun_ray.runtime.embedding_actor import EmbeddingActor
+
+    with hub_kernel_requests() as asked:
+        assert len(EmbeddingActor(device=DEVICE).embed(["offline"])[0]) == 384
+    assert asked == []
+    pytest.importorskip("kernels")
+    with hub_kernel_requests() as asked, pytest.raises(HubKernelRequest):
+        EmbeddingActor(device=DEVICE, hub_kernels=True)
+    assert asked
+
+
 def test_load_and_unload_refused_while_generating(engine):
     generation = engine.generate(GenerateRequest(prompt=PROMPT, max_new_tokens=50), threading.Event())
     next(generation)
@@ -447,8 +481,16 @@ SAMPLING = dict(temperature=0.8, top_k=40, top_p=0.9, repetition_penalty=1.3)
 
 
 def test_seeded_sampling_draws_what_transformers_generate_draws(engine):
-    """The processors are transformers' own, built from generation_config + the request."""
+    """The processors are transformers' own, built from generation_config + the request. The
+    engine samples on the CPU with a generator of the run's own, on every device (so a row's
+    draws never depend on the rows beside it, nor on a device's global RNG that other work
+    advances); `generate` on a GPU draws from the GPU's RNG, another stream for the same seed:
+    on a GPU the reference is `generate` on a CPU copy of the model."""
+    import copy
+
     model, tokenizer = engine.resident.model, engine.resident.vocabulary.tokenizer
+    if model.device.type != "cpu":
+        model = copy.deepcopy(model).to("cpu")
     inputs = tokenizer(PROMPT, return_tensors="pt").to(model.device)
     torch.manual_seed(11)
     with torch.inference_mode():
@@ -728,6 +770,26 @@ def test_a_packed_linear_layer_computes_what_the_plain_one_does(dtype):
             packing.unpack(model)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_packed_linear_gives_each_row_the_same_bits_whatever_rows_beside_it(dtype):
+    """Issue 35: oneDNN's kernel for one row rounds otherwise than its kernel for several (an
+    inner size over 1,024 in bf16, any in float32); with UNIUN_DETERMINISTIC a packed layer
+    runs one row as two."""
+    from torch import nn
+    from uniun_ray.models.host import packing
+
+    if not packing.available(torch.device("cpu")):
+        pytest.skip("this torch build has no oneDNN")
+    torch.manual_seed(0)
+    layer = packing.PackedLinear(nn.Linear(1536, 576, bias=False).to(dtype), one_row_as_two=True)
+    x = torch.randn(40, 1536, dtype=dtype)
+    with torch.inference_mode():
+        alone = torch.cat([layer(x[row : row + 1]) for row in range(40)])
+        for rows in (2, 3, 8, 17, 40):
+            assert torch.equal(layer(x[:rows]), alone[:rows])
+        assert torch.equal(layer(x[None, None, 5]), alone[None, 5:6])     # a decode step's [1, 1, features]
+
+
 def test_the_engine_packs_its_linear_layers_on_cpu_and_says_so(engine):
     from uniun_ray.models.host import packing
 
@@ -1001,7 +1063,8 @@ def test_a_swap_drops_the_cache_and_a_bad_budget_is_refused(engine):
     assert kv(engine)["entries"] >= 1
     engine.unload()
     engine.load("tiny")
-    assert kv(engine)["entries"] == 0 and kv(engine)["budget_mb"] == 1024
+    # the device's default budget: 1 GiB of host memory on a CPU, 4 GiB on a GPU
+    assert kv(engine)["entries"] == 0 and kv(engine)["budget_mb"] == {"cpu": 1024, "cuda": 4096}[engine.device.type]
     with pytest.raises(ValueError, match="kv_cache_mb must be an int >= 0"):
         Engine(kv_cache_mb=-1)
     with pytest.raises(ValueError, match="kv_offload_mb must be an int >= 0"):

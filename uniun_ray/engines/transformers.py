@@ -54,7 +54,8 @@ class TransformersEngine:
         self.model = Engine(device=device, dtype=settings.dtype, num_threads=settings.threads,
                             thread_budget=thread_budget, kv_cache_mb=settings.kv_cache_mb,
                             kv_offload_mb=settings.kv_offload_mb, max_memory=settings.max_memory,
-                            warm_mb=settings.warm_mb, coresident=settings.coresident)
+                            warm_mb=settings.warm_mb, coresident=settings.coresident,
+                            hub_kernels=settings.hub_kernels, deterministic=settings.deterministic)
         self._loop = DecodeLoop(self.model, MAX_SLOTS, wake)
         self._flags: dict[Hashable, tuple[threading.Event, Job]] = {}
         self._lock = threading.Lock()

@@ -23,13 +23,18 @@ def default_model_path() -> str:
 
 
 class EmbeddingActor:
-    def __init__(self, model_path: str | None = None, device: str = "cpu", num_threads: int | None = None) -> None:
+    """``hub_kernels``: let transformers fetch and run Hub kernels at load (``UNIUN_HUB_KERNELS=1``,
+    ``EngineSettings.hub_kernels``); off, the model loads from its package's folder alone."""
+
+    def __init__(self, model_path: str | None = None, device: str = "cpu", num_threads: int | None = None,
+                 hub_kernels: bool = False) -> None:
         import torch
         from sentence_transformers import SentenceTransformer
 
         self._threads = num_threads or max(1, (os.cpu_count() or 2) // 2)
         torch.set_num_threads(self._threads)
-        self._model = SentenceTransformer(model_path or default_model_path(), device=device)
+        self._model = SentenceTransformer(model_path or default_model_path(), device=device,
+                                          model_kwargs={"use_kernels": hub_kernels})
         self._lock = threading.Lock()
         self._in_flight = 0
         self._peak = 0          # the most embeds ever in flight at once: max_concurrency bounds it

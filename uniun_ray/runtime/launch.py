@@ -212,7 +212,7 @@ def start(config: RuntimeConfig | None = None, *, models: Mapping[str, str] | No
     _check_seats([(model_actor_name(d), fleet.seat(resources)) for d in devices] + [(EMBEDDER_NAME, embedder_seat)])
     models = {d: fleet.create(d, resources) for d in devices}
     embedder = RemoteEmbedder.options(**embedder_options(EMBEDDER_NAME, embedder_seat, concurrency)).remote(
-        device=embedder_seat.torch_device)
+        device=embedder_seat.torch_device, hub_kernels=settings.hub_kernels)
     scheduler = RemoteScheduler.options(**scheduler_options(SCHEDULER_NAME)).remote(devices, fleet, config)
     if warm_start():
         started = scheduler.ready.remote(wait_ready)

@@ -20,7 +20,8 @@ pieces and result (``token_ids`` for an exact resume), and its own prefix-cache 
 
 Greedy output per job is token-identical to the job running alone in float32: padded positions
 get exactly zero attention weight (tested with the tiny model; in lower precision a batched
-kernel may round differently and flip a near-tie).
+kernel may round differently and flip a near-tie, unless ``UNIUN_DETERMINISTIC`` has a CPU
+compute each row as alone: ``host.attention``, ``host.packing``).
 """
 from __future__ import annotations
 

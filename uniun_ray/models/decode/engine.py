@@ -40,7 +40,7 @@ from ..host.weights import DEFAULT_KV_OFFLOAD_MB, Loaded, Weights, default_kv_ca
 from ..kv import rows as kv_rows
 from ..kv.prefix import PrefixCache
 from ..requests.registry import materialize, resolve
-from ..requests.request import GenerateRequest, GenerationResult, _is_int
+from ..requests.request import GenerateRequest, _is_int
 from ..requests.settings import check_megabytes, default_warm_mb
 from ..requests.swap import COLD, NONE, Swap
 from ..requests.vocabulary import PromptTooLong, context_of
@@ -66,6 +66,11 @@ class Engine:
     cache folder: a model larger than the device runs, slower. ``warm_mb`` bounds the idle
     models kept warm after a swap (``host.warm``; 0: none; None: ``settings.default_warm_mb``);
     ``coresident`` lets them stay on the device beside the active one where it has room.
+    ``hub_kernels`` lets transformers fetch and run kernels from the Hugging Face Hub at load
+    (``UNIUN_HUB_KERNELS=1``); off by default, a load reads nothing but the model's folder.
+    ``deterministic`` (``UNIUN_DETERMINISTIC=1``): on CPU a decode step computes each row as it
+    would alone, so a greedy answer does not depend on the rows beside it in bfloat16 either; it
+    costs decode throughput (README).
 
     Thread safety: ``generate`` may be iterated in a worker thread. ``load`` and ``unload`` refuse
     (RuntimeError) while a run is in progress: revoke it and let its iterator finish first.
@@ -83,8 +88,10 @@ class Engine:
         max_memory: dict[str, str] | None = None,
         warm_mb: int | None = None,
         coresident: bool = True,
+        hub_kernels: bool = False,
+        deterministic: bool = False,
     ) -> None:
-        self._weights = Weights(device, dtype, num_threads, thread_budget, max_memory)
+        self._weights = Weights(device, dtype, num_threads, thread_budget, max_memory, hub_kernels, deterministic)
         self.device = self._weights.device
         if prefill_chunk is not None and (not _is_int(prefill_chunk) or prefill_chunk < 1):
             raise ValueError(f"prefill_chunk must be an int >= 1 or None, got {prefill_chunk!r}")
@@ -132,7 +139,9 @@ class Engine:
         "window_s", "others_cpu": the share of the probe's cores other programs took,
         "load_avg": [before, after], "busy": whether they are provisional (measured again at
         the next load that finds the host quiet), "note" (why, when later steps beat them),
-        "step_profile": {batch: seconds}, "slots_auto": the slot count it implies}."""
+        "step_profile": {batch: seconds}, "step_spread": {batch: interquartile range / median of its
+        samples}, "tokens_per_s": {batch: decode tokens per second}, "slots_auto": the slot count
+        they imply}."""
         loaded = self._loaded
         if loaded is not None:
             self._weights.revise(loaded)

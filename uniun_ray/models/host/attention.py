@@ -10,6 +10,10 @@ transformers keeps the copy for CUDA, whose fast kernels want no mask with it. S
 this implementation passes the heads as they are; everywhere else it is transformers' own. The
 result is the same to the bit (tests/test_models.py). Measured on SmolLM2 in float32, one
 thread, 18 new tokens over 1,177 cached: 230 → 184 ms CPU a pass (the copy was 27 ms of it).
+
+With ``UNIUN_DETERMINISTIC=1`` a CPU decode step of several left-padded rows attends each row
+over its own keys, as alone (``row_invariant_sdpa``): a greedy answer then does not depend on the
+rows beside it, at a cost (``benchmarks/invariance_bench.py``).
 """
 from __future__ import annotations
 
@@ -22,6 +26,8 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 #: The name models are loaded with (`attn_implementation`): masks are made as for "sdpa".
 NAME = "uniun_sdpa"
+#: The same, with a CPU decode step of padded rows attending each row alone (``UNIUN_DETERMINISTIC``).
+ROW_INVARIANT = "uniun_sdpa_rows"
 
 
 def grouped_sdpa(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -37,16 +43,47 @@ def grouped_sdpa(module: Any, query: torch.Tensor, key: torch.Tensor, value: tor
     return output.transpose(1, 2).contiguous(), None
 
 
+def row_invariant_sdpa(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                       attention_mask: torch.Tensor | None, scaling: float | None = None,
+                       **kwargs) -> tuple[torch.Tensor, None]:
+    """``grouped_sdpa``, but a CPU decode step of several left-padded rows attends each row over
+    its own keys alone, unmasked, as the row would be decoded by itself (``_left_padding``)."""
+    starts = _left_padding(query, attention_mask)
+    if starts is None:
+        return grouped_sdpa(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
+    return torch.cat([sdpa_attention_forward(module, query[row : row + 1], key[row : row + 1, :, start:],
+                                             value[row : row + 1, :, start:], None, scaling=scaling, **kwargs)[0]
+                      for row, start in enumerate(starts)]), None
+
+
+def _left_padding(query: torch.Tensor, attention_mask: torch.Tensor | None) -> list[int] | None:
+    """Where each row's real keys start, for a CPU decode step of several left-padded rows (one
+    query token each, a mask that hides each row's leading keys and nothing else); None for any
+    other pass. SDPA sums a padded row's keys in other groups than the same keys unpadded, and
+    in bf16 that flipped near-tie tokens with the rows beside (issue 35)."""
+    if query.shape[2] != 1 or query.shape[0] == 1 or attention_mask is None or query.device.type != "cpu":
+        return None
+    keep = attention_mask[:, 0, -1]
+    keep = keep if keep.dtype == torch.bool else keep == 0
+    starts = (~keep).sum(-1)
+    if not torch.equal(keep, torch.arange(keep.shape[-1], device=keep.device) >= starts[:, None]):
+        return None
+    return starts.tolist()
+
+
 AttentionInterface.register(NAME, grouped_sdpa)
 AttentionMaskInterface.register(NAME, sdpa_mask)
+AttentionInterface.register(ROW_INVARIANT, row_invariant_sdpa)
+AttentionMaskInterface.register(ROW_INVARIANT, sdpa_mask)
 
 
-def prefer_grouped(model: Any) -> None:
-    """Run a model that transformers gave SDPA attention with `grouped_sdpa` instead; a model
-    on another implementation (eager, flash), or one that cannot switch, keeps its own."""
+def prefer_grouped(model: Any, row_invariant: bool = False) -> None:
+    """Run a model that transformers gave SDPA attention with `grouped_sdpa` instead (or
+    `row_invariant_sdpa`); a model on another implementation (eager, flash), or one that cannot
+    switch, keeps its own."""
     if getattr(model.config, "_attn_implementation", None) != "sdpa":
         return
     try:
-        model.set_attn_implementation(NAME)
+        model.set_attn_implementation(ROW_INVARIANT if row_invariant else NAME)
     except (ValueError, ImportError, AttributeError):
         pass

@@ -30,8 +30,9 @@ class PackedLinear(nn.Module):
     the packed weight is an opaque tensor that ``Module.to`` must not try to cast, so a packed
     model keeps its dtype for good."""
 
-    def __init__(self, linear: nn.Linear, keep_plain: bool = False) -> None:
+    def __init__(self, linear: nn.Linear, keep_plain: bool = False, one_row_as_two: bool = False) -> None:
         super().__init__()
+        self.one_row_as_two = one_row_as_two
         # For ``unpack`` (a probe packs each dtype it tries); not a submodule: the model has one layer here.
         object.__setattr__(self, "plain", linear if keep_plain else None)
         self.in_features, self.out_features = linear.in_features, linear.out_features
@@ -41,13 +42,22 @@ class PackedLinear(nn.Module):
         self.bias = linear.bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """With ``one_row_as_two`` (``UNIUN_DETERMINISTIC``) one row runs as two: oneDNN takes
+        another kernel for a single row, whose sums round differently (bf16 and float32), while
+        for two rows or more each row's result is the same bits whatever the other rows are
+        (``tests/test_models.py``). So a row decoded alone gets the same logits as beside others,
+        and a one-token prefill as that token in a longer one."""
+        if self.one_row_as_two and x.numel() == x.shape[-1]:
+            row = x.reshape(1, -1)
+            out = torch.ops.mkldnn._linear_pointwise(torch.cat([row, row]), self.packed, self.bias, "none", [], "")
+            return out[:1].reshape(*x.shape[:-1], -1)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, packed {self.dtype}"
 
 
-def pack(model: Any, keep_plain: bool = False) -> int:
+def pack(model: Any, keep_plain: bool = False, one_row_as_two: bool = False) -> int:
     """Swap every ``nn.Linear`` of ``model`` for a ``PackedLinear``; how many were swapped (0 when
     accelerate's hooks place its modules: they would move weights the packed layer no longer has).
     ``keep_plain`` keeps the plain layers beside the packed ones, for ``unpack``."""
@@ -57,7 +67,7 @@ def pack(model: Any, keep_plain: bool = False) -> int:
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if type(child) is nn.Linear:
-                setattr(parent, name, PackedLinear(child, keep_plain))
+                setattr(parent, name, PackedLinear(child, keep_plain, one_row_as_two))
                 swapped += 1
     return swapped
 

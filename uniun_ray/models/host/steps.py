@@ -3,20 +3,23 @@
 One decode step of B sequences reads the weights once, so B rows cost far less than B steps of
 one; how much less depends on the model and the host (SPEC §6). The policy needs the figures for
 R23 (which jobs may decode beside a chat) and the device for its slot count (R25, "auto"). They
-are measured at load on the loaded model, as ``batch.Batch`` decodes: a ``DynamicCache`` of B rows
-of a short context (``PROFILE_CONTEXT``), left-padded to different lengths, an attention mask
-and per-row position ids (none for one row), one token per row per step.
-``benchmarks/step_profile.py`` times the same steps, longer, for BENCHMARKS.md.
+are measured at load on the loaded model, on the path ``batch.Batch`` decodes: B rows of a short
+context (``PROFILE_CONTEXT``) of different lengths join the ``kv.rows`` a batch on this device
+keeps (``rows_for``), and each step passes what those rows give it (mask and position ids or
+none, as the batch does), one token per row. ``benchmarks/step_profile.py`` times the same steps,
+longer, for BENCHMARKS.md.
 """
 from __future__ import annotations
 
 import copy
-import math
 import statistics
 import time
 from typing import Any, Callable
 
 import torch
+
+from ..kv.prefix import crop_layers
+from ..kv.rows import Rows, Runner, rows_for
 
 #: Batch sizes measured at load: a CPU's tokens per second stop growing well before 16 rows of a
 #: small model; a GPU's grow to dozens.
@@ -36,10 +39,10 @@ PROFILE_WARMUP = 2
 #: at most PROFILE_ROUNDS of them; each size's figure is the median of its steps.
 PROFILE_MIN_S = 0.3
 PROFILE_ROUNDS = 5
-#: A slot count is worth doubling while tokens per second grow by this much more per doubling:
-#: 15% buys a noticeable gain in throughput and stays clear of the few percent of noise in a
-#: step time; each slot beyond the knee costs every job its share of the step and its KV memory.
-SLOT_GAIN = 0.15
+#: "auto" takes the fewest slots whose tokens per second come within this share of the most the
+#: curve reaches (read off a line fitted to all of it): each slot beyond the knee costs every job
+#: its share of the step and its KV memory for a few percent more throughput.
+SLOT_MARGIN = 0.2
 
 Clock = Callable[[], float]
 
@@ -60,26 +63,29 @@ def device_clock(device: torch.device) -> Clock:
 
 
 def auto_slots(profile: dict[int, float], limit: int | None = None) -> int:
-    """The slot count "auto" (R25): the largest measured batch size whose tokens per second
-    (B / step(B)) grew by at least ``SLOT_GAIN`` per doubling over the size before it, every
-    size before it having grown so too; then at most ``limit``. 1 for an empty profile."""
+    """The slot count "auto" (R25): the smallest measured batch size whose tokens per second
+    (B / step(B)) reach ``1 - SLOT_MARGIN`` of the most the curve reaches, read at its largest
+    size off the line ``step(B) = a + b B`` fitted to every measured size (least squares), so
+    that no one noisy size sets the bar (an H200's 8B steps took 65 ms at 1 row and 111-120 ms
+    at 2 to 64 in one probe: a rule that stopped at the first doubling that gained under 15%
+    chose 1 slot there); then at most ``limit``. 1 for an empty profile."""
     sizes = sorted(size for size in profile if profile[size] > 0)
-    slots = sizes[0] if sizes else 1
-    for previous, size in zip(sizes, sizes[1:]):
-        gain = (size / profile[size]) / (previous / profile[previous])
-        if gain < (1 + SLOT_GAIN) ** _doublings(previous, size):
-            break
-        slots = size
+    if not sizes:
+        return 1
+    fixed, per_row = _line(sizes, [profile[size] for size in sizes])
+    best = sizes[-1] / max(fixed + per_row * sizes[-1], 1e-12)
+    slots = next((size for size in sizes if size / profile[size] >= (1 - SLOT_MARGIN) * best), sizes[-1])
     return min(slots, limit) if limit is not None else slots
 
 
-def _doublings(previous: int, size: int) -> float:
-    return math.log2(size / previous)
-
-
-def positions(mask: torch.Tensor) -> torch.Tensor:
-    """Position ids of a left-padded batch: counted from each row's first real token."""
-    return (mask.cumsum(-1) - 1).clamp(min=0)
+def _line(xs: list[int], ys: list[float]) -> tuple[float, float]:
+    """Least-squares intercept and slope of ``ys`` over ``xs`` (flat for a single point)."""
+    if len(xs) == 1:
+        return ys[0], 0.0
+    mean_x, mean_y = statistics.fmean(xs), statistics.fmean(ys)
+    slope = (sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys))
+             / sum((x - mean_x) ** 2 for x in xs))
+    return mean_y - slope * mean_x, slope
 
 
 def row_lengths(batch: int, longest: int) -> list[int]:
@@ -87,33 +93,27 @@ def row_lengths(batch: int, longest: int) -> list[int]:
     return [longest - (longest // 4) * row // max(1, batch - 1) for row in range(batch)]
 
 
-def decode_times(model: Any, cache_arg: str, cache: Any, mask: torch.Tensor, steps: int, warmup: int,
-                 clock: Clock, **forward_kwargs: Any) -> list[float]:
-    """Time ``steps`` decode forwards (after ``warmup`` untimed ones) of one token per row on
-    ``cache``, whose rows ``mask`` [rows, cached tokens] says are padded (0) or real (1). Several
-    rows get the mask and their position ids, as ``batch.Batch`` passes them; one gets neither."""
-    rows = mask.shape[0]
-    token = torch.ones((rows, 1), dtype=torch.long, device=mask.device)
+def decode_times(rows: Rows, lengths: list[int], steps: int, warmup: int, clock: Clock) -> list[float]:
+    """Time ``steps`` decode steps (after ``warmup`` untimed ones) of one token per row of
+    ``rows`` (holding ``lengths`` tokens each), each the step a batch's rows take."""
+    tokens = [1] * len(lengths)
     times = []
-    with torch.inference_mode():
-        for i in range(warmup + steps):
-            mask = torch.cat([mask, torch.ones((rows, 1), dtype=mask.dtype, device=mask.device)], dim=1)
-            shaping = {"attention_mask": mask, "position_ids": positions(mask)[:, -1:]} if rows > 1 else {}
-            started = clock()
-            output = model(input_ids=token, use_cache=True, **{cache_arg: cache}, **shaping, **forward_kwargs)
-            token = output.logits[:, -1].argmax(-1, keepdim=True)
-            if i >= warmup:
-                times.append(clock() - started)
-            cache = getattr(output, cache_arg)
+    for i in range(warmup + steps):
+        started = clock()
+        tokens = rows.decode(tokens, [length + i for length in lengths]).argmax(-1).tolist()
+        if i >= warmup:
+            times.append(clock() - started)
+    rows.clear()
     return times
 
 
 def measure_profile(model: Any, cache_arg: str, forward_kwargs: dict, vocab_size: int, device: torch.device,
-                    batches: tuple[int, ...]) -> dict[int, float]:
-    """Seconds per decode step at each of ``batches`` for ``model`` as loaded: one row of
-    ``PROFILE_CONTEXT`` tokens is prefilled once, and each round copies its KV into B rows
-    (padded as ``row_lengths`` says) and times ``PROFILE_STEPS`` steps. Rounds go over every
-    size in turn, so a load that comes and goes stretches every size alike."""
+                    batches: tuple[int, ...]) -> tuple[dict[int, float], dict[int, float]]:
+    """Seconds per decode step at each of ``batches`` for ``model`` as loaded, and their spread
+    (interquartile range over median, 0 for fewer than 4 samples): one row of
+    ``PROFILE_CONTEXT`` tokens is prefilled once, and each round joins B copies of it, cut to
+    ``row_lengths``, to the rows a batch keeps (``rows_for``) and times ``PROFILE_STEPS`` steps.
+    Rounds go over every size in turn, so a load that comes and goes stretches every size alike."""
     ids = torch.tensor([[(7919 * i) % vocab_size for i in range(1, PROFILE_CONTEXT + 1)]], device=device)
     with torch.inference_mode():
         prefilled = getattr(model(input_ids=ids, use_cache=True, **{cache_arg: None},
@@ -122,20 +122,29 @@ def measure_profile(model: Any, cache_arg: str, forward_kwargs: dict, vocab_size
     started, rounds = time.perf_counter(), 0
     while rounds < PROFILE_ROUNDS and (rounds == 0 or time.perf_counter() - started < PROFILE_MIN_S):
         for batch in batches:
-            cache, mask = _rows(prefilled, batch, device)
-            times[batch] += decode_times(model, cache_arg, cache, mask, PROFILE_STEPS, PROFILE_WARMUP, clock,
-                                         **forward_kwargs)
+            rows, lengths = joined_rows(Runner(model, cache_arg, forward_kwargs), prefilled, batch, PROFILE_CONTEXT,
+                                        device, PROFILE_WARMUP + PROFILE_STEPS)
+            times[batch] += decode_times(rows, lengths, PROFILE_STEPS, PROFILE_WARMUP, clock)
         rounds += 1
-    return {batch: statistics.median(seconds) for batch, seconds in times.items()}
+    return ({batch: statistics.median(seconds) for batch, seconds in times.items()},
+            {batch: _spread(seconds) for batch, seconds in times.items()})
 
 
-def _rows(prefilled: Any, batch: int, device: torch.device) -> tuple[Any, torch.Tensor]:
-    """A copy of a one-row cache as ``batch`` rows, and a mask that pads them to ``row_lengths``:
-    the padded positions hold real KV, masked out, which costs a step what padding costs it."""
-    cache = copy.deepcopy(prefilled)
-    for layer in cache.layers:
-        layer.keys, layer.values = layer.keys.repeat(batch, 1, 1, 1), layer.values.repeat(batch, 1, 1, 1)
-    mask = torch.zeros((batch, PROFILE_CONTEXT), dtype=torch.long, device=device)
-    for row, length in enumerate(row_lengths(batch, PROFILE_CONTEXT)):
-        mask[row, PROFILE_CONTEXT - length:] = 1
-    return cache, mask
+def joined_rows(runner: Runner, prefilled: Any, batch: int, context: int, device: torch.device,
+                steps: int) -> tuple[Rows, list[int]]:
+    """``batch`` copies of a one-row cache of ``context`` tokens, cut to ``row_lengths``, joined to
+    the rows a batch on ``device`` keeps (with room for ``steps`` more tokens), as its jobs join
+    them; and their lengths."""
+    rows, lengths = rows_for(runner, device, batch, context=context + steps), row_lengths(batch, context)
+    for length in lengths:
+        cache = copy.deepcopy(prefilled)
+        crop_layers(cache, length)
+        rows.join(cache, length)
+    return rows, lengths
+
+
+def _spread(seconds: list[float]) -> float:
+    if len(seconds) < 4:
+        return 0.0
+    low, _, high = statistics.quantiles(seconds, n=4)
+    return (high - low) / statistics.median(seconds)

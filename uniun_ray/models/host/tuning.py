@@ -24,7 +24,7 @@ import platform
 import statistics
 import threading
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable
 
@@ -122,12 +122,14 @@ def cpu_model() -> str:
 @dataclass(frozen=True)
 class Probe:
     """What a load measured of one model on this host: the speed of every dtype and thread count
-    tried, the step profile ({batch: seconds per decode step}, ``steps``) at the fastest, and
-    when and under what load (``Taken``)."""
+    tried, the step profile ({batch: seconds per decode step}, ``steps``, the median of its
+    samples) at the fastest, how far its samples spread (``spread``: interquartile range over
+    median, per batch), and when and under what load (``Taken``)."""
 
     speeds: list[Speed]
     steps: dict[int, float]
     taken: Taken
+    spread: dict[int, float] = field(default_factory=dict)
 
     @property
     def provisional(self) -> bool:
@@ -138,14 +140,17 @@ class Probe:
     def to_json(self) -> dict:
         return {"speeds": [asdict(speed) for speed in self.speeds],
                 "steps": {str(batch): seconds for batch, seconds in self.steps.items()},
+                "spread": {str(batch): share for batch, share in self.spread.items()},
                 "taken": asdict(self.taken)}
 
     @classmethod
     def from_json(cls, entry: dict) -> Probe:
         taken = entry["taken"] | {"load_avg": tuple(entry["taken"]["load_avg"])}
+        # an entry without "spread" was taken on the probe's old path (one row unmasked): measured anew
         return cls([Speed(**speed) for speed in entry["speeds"]],
                    dict(sorted((int(batch), float(seconds)) for batch, seconds in entry["steps"].items())),
-                   Taken(**taken))
+                   Taken(**taken),
+                   dict(sorted((int(batch), float(share)) for batch, share in entry["spread"].items())))
 
 
 #: Decode steps this much faster than the probe's, seen over at least BEATEN_AFTER steps since the
@@ -166,8 +171,8 @@ def revised(probe: Probe, clock: StepClock) -> Probe | None:
     ratio = clock.decode_s / single
     note = (f"decode steps of {clock.decode_s * 1e3:.1f} ms seen since load beat the probe's "
             f"{single * 1e3:.1f} ms: its step times scaled by {ratio:.2f}; measured again at the next quiet load")
-    return Probe(probe.speeds, {batch: seconds * ratio for batch, seconds in probe.steps.items()},
-                 replace(probe.taken, busy=True, note=note))
+    return replace(probe, steps={batch: seconds * ratio for batch, seconds in probe.steps.items()},
+                   taken=replace(probe.taken, busy=True, note=note))
 
 
 class ProbeCache:

@@ -99,7 +99,11 @@ class Weights:
     the probe measures every core of ``thread_budget`` (None: every core this process may run
     on) against half of them on CPU and keeps the faster; on a GPU the budget is used. Never
     Ray's OMP_NUM_THREADS=1, which actors inherit. ``max_memory`` lets accelerate place the
-    weights (``device_map="auto"``) and offload what does not fit.
+    weights (``device_map="auto"``) and offload what does not fit. ``hub_kernels``: whether
+    transformers may kernelize the model at load, fetching kernel code from the Hub
+    (``settings.EngineSettings.hub_kernels``); off, a load reads only the model's folder.
+    ``deterministic``: on CPU a decode step computes each row as alone (``attention``'s row-invariant
+    SDPA, ``packing``'s one row as two), so greedy tokens do not depend on the rows beside.
     """
 
     def __init__(
@@ -109,8 +113,11 @@ class Weights:
         num_threads: int | None,
         thread_budget: int | None,
         max_memory: dict[str, str] | None,
+        hub_kernels: bool = False,
+        deterministic: bool = False,
     ) -> None:
         self.device = torch.device(device)
+        self.hub_kernels, self.deterministic = hub_kernels, deterministic
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError(f"device {device!r} requested, but CUDA is not available")
         self.dtype = dtype_choice(dtype)
@@ -131,7 +138,8 @@ class Weights:
         described = {"device": str(self.device), "threads": torch.get_num_threads(),
                      "threads_setting": self.thread_budget if self.threads_fixed else f"auto, up to {self.thread_budget}",
                      "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-                     "dtype_setting": self.dtype}
+                     "dtype_setting": self.dtype, "hub_kernels": self.hub_kernels,
+                     "deterministic": self.deterministic}
         if loaded is None:
             return described
         placement = getattr(loaded.model, "hf_device_map", None)
@@ -141,6 +149,8 @@ class Weights:
                             "kv_rows": loaded.rows.describe() if loaded.rows is not None else {"kind": "padded"},
                             "measured": [dataclasses.asdict(speed) for speed in probe.speeds],
                             "probe": probe.taken.describe() | {"step_profile": probe.steps,
+                                                               "step_spread": probe.spread,
+                                                               "tokens_per_s": _rates(probe.steps),
                                                                "slots_auto": auto_slots(probe.steps)}}
 
     def load(self, model_id: str, folder: Any, prefix: PrefixCache, abandon: Any = None) -> Loaded:
@@ -153,10 +163,11 @@ class Weights:
         dtype = default_dtype(self.device) if self.dtype == "auto" else getattr(torch, self.dtype)
         from .attention import prefer_grouped
 
-        model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, **self._placement(model_id))
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, use_kernels=self.hub_kernels,
+                                                     **self._placement(model_id))
         _check(abandon, model_id)
         model.eval()
-        prefer_grouped(model)
+        prefer_grouped(model, row_invariant=self.deterministic)
         loaded = Loaded(
             vocabulary=read_vocabulary(model_id, tokenizer, model.config),
             model=model,
@@ -202,6 +213,8 @@ class Weights:
         key = f"{host_signature()}|{folder}|{'+'.join(dtypes)}|threads {'+'.join(map(str, threads))}"
         if self._packs():   # the step profile was measured on packed weights: not a plain model's
             key += "|packed"
+        if self.deterministic:   # and with each row decoded as alone
+            key += "|row-invariant"
         probe = self._probes.get(key)
         if (probe is None or sorted((s.dtype, s.threads) for s in probe.speeds) != sorted(candidates)
                 or probe.provisional and quiet(max(threads))):
@@ -235,8 +248,9 @@ class Weights:
         self._pack(loaded)
         _check(abandon, loaded.vocabulary.model_id)
         sizes = batch_sizes(self.device) if kv_rows.batchable(loaded.model) else (1,)
-        steps = measure_profile(loaded.model, loaded.cache_arg, loaded.forward_kwargs, vocab_size, self.device, sizes)
-        return Probe(speeds, steps, watch.stop())
+        steps, spread = measure_profile(loaded.model, loaded.cache_arg, loaded.forward_kwargs, vocab_size,
+                                        self.device, sizes)
+        return Probe(speeds, steps, watch.stop(), spread)
 
     @contextmanager
     def _packed_for_now(self, loaded: Loaded) -> Iterator[None]:
@@ -245,7 +259,7 @@ class Weights:
         if not self._packs():
             yield
             return
-        packing.pack(loaded.model, keep_plain=True)
+        packing.pack(loaded.model, keep_plain=True, one_row_as_two=self.deterministic)
         try:
             yield
         finally:
@@ -254,7 +268,7 @@ class Weights:
     def _pack(self, loaded: Loaded) -> None:
         """Pack the linear layers in the dtype kept, for good (the plain weights are freed)."""
         if not loaded.packed and self._packs():
-            loaded.packed = packing.pack(loaded.model)
+            loaded.packed = packing.pack(loaded.model, one_row_as_two=self.deterministic)
 
     def _packs(self) -> bool:
         return self.max_memory is None and packing.available(self.device)
@@ -284,6 +298,11 @@ def forward(loaded: Loaded, ids: list[int], cache: Any, device: torch.device) ->
             **loaded.forward_kwargs,
         )
     return output.logits[0, -1], getattr(output, loaded.cache_arg)
+
+
+def _rates(steps: dict[int, float]) -> dict[int, float]:
+    """The step profile as decode tokens per second by batch size: the curve "auto" reads."""
+    return {batch: round(batch / seconds, 1) for batch, seconds in steps.items() if seconds > 0}
 
 
 def _synced(step: tuple[torch.Tensor, Any]) -> tuple[torch.Tensor, Any]:

@@ -356,6 +356,7 @@ def _convert_gguf(spec: ModelSpec, out: Path) -> None:
 
     ``dequantize=True`` is explicit: where the optional ``kernels`` package is installed,
     transformers would otherwise keep the weights packed in GGUF blocks, which it refuses to save.
+    ``use_kernels=False``: the model is only saved, so no Hub kernel is fetched for it.
     """
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
@@ -368,6 +369,7 @@ def _convert_gguf(spec: ModelSpec, out: Path) -> None:
             gguf_file=gguf.name,
             dtype=getattr(torch, _STORAGE_DTYPE),
             quantization_config=GgufConfig(dequantize=True),
+            use_kernels=False,
         )
     if spec.assembled_by:
         gguf.unlink()  # the assembled GGUF was only an input; keep the cache folder lean

@@ -1,6 +1,6 @@
 """How a user sets the engine's host choices: ``UNIUN_ENGINE``, ``UNIUN_DTYPE``, ``UNIUN_THREADS``,
-``UNIUN_KV_CACHE_MB``, ``UNIUN_KV_OFFLOAD_MB``, ``UNIUN_MAX_MEMORY``, ``UNIUN_SLOTS``, ``UNIUN_WARM_MB`` and
-``UNIUN_CORESIDENT``.
+``UNIUN_KV_CACHE_MB``, ``UNIUN_KV_OFFLOAD_MB``, ``UNIUN_MAX_MEMORY``, ``UNIUN_SLOTS``, ``UNIUN_WARM_MB``,
+``UNIUN_CORESIDENT``, ``UNIUN_HUB_KERNELS`` and ``UNIUN_DETERMINISTIC``.
 
 Parsed without torch, in the process that starts the ModelActor (so a bad value is refused with
 a clear message before any actor exists) and handed to the actor as plain data: an environment
@@ -26,6 +26,8 @@ CORESIDENT_ENV = "UNIUN_CORESIDENT"
 WARM_START_ENV = "UNIUN_WARM_START"
 #: The share of the host's available memory that idle models may keep by default (``default_warm_mb``).
 WARM_SHARE = 0.5
+HUB_KERNELS_ENV = "UNIUN_HUB_KERNELS"
+DETERMINISTIC_ENV = "UNIUN_DETERMINISTIC"
 #: The most slots a device may be given (R25): a batch's rows, each with its own KV.
 MAX_SLOTS = 256
 
@@ -55,7 +57,12 @@ class EngineSettings:
     ``warm_mb``: host memory for the idle models this engine keeps warm (``models.host.warm``;
     0: none, every swap is a cold load; None: ``default_warm_mb``). ``coresident``: whether an
     idle model may stay on the device beside the active one where it has room (a swap back is
-    then a switch, no copy); False keeps idle models in host memory (a swap back is a copy)."""
+    then a switch, no copy); False keeps idle models in host memory (a swap back is a copy).
+    ``hub_kernels``: let transformers replace layers with kernels it fetches from the Hugging Face
+    Hub at load (its ``use_kernels``): off unless the user opts in, since that downloads and runs
+    code nobody asked for, and fails offline on a GPU. ``deterministic``: a CPU decode step
+    computes each row as it would alone, so a greedy answer does not depend on the rows beside
+    it in bfloat16 either (``host.attention``, ``host.packing``; it costs decode throughput)."""
 
     dtype: str = "auto"
     threads: int | None = None
@@ -66,11 +73,16 @@ class EngineSettings:
     slots: int | None = None
     warm_mb: int | None = None
     coresident: bool = True
+    hub_kernels: bool = False
+    deterministic: bool = False
 
     def __post_init__(self) -> None:
         if self.engine not in ENGINES:
             raise ValueError(f"engine must be one of {', '.join(ENGINES)}; got {self.engine!r}")
         check_slot_count(self.slots)
+        for name in ("hub_kernels", "deterministic"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}; got {self.dtype!r}")
         if self.threads is not None and (
@@ -114,7 +126,9 @@ class EngineSettings:
         if coresident not in ("0", "1"):
             raise ValueError(f"{CORESIDENT_ENV}={coresident!r}: use 1 (idle models may stay on the device) or 0")
         return cls(dtype, threads, kv_cache_mb, kv_offload_mb, max_memory, engine,
-                   parse_slots(environ.get(SLOTS_ENV, "")), warm_mb, coresident == "1")
+                   parse_slots(environ.get(SLOTS_ENV, "")), warm_mb, coresident == "1",
+                   _switch(environ, HUB_KERNELS_ENV, "let transformers fetch and run Hub kernels at load"),
+                   _switch(environ, DETERMINISTIC_ENV, "decode each row as alone, whatever rows are beside it"))
 
     def resolved_threads(self) -> int:
         """The thread count to give torch in this process."""
@@ -175,6 +189,14 @@ def parse_slots(raw: str) -> int | None:
     if not raw.isdigit() or not 1 <= int(raw) <= MAX_SLOTS:
         raise ValueError(f"{SLOTS_ENV}={raw!r}: slots are 'auto' or a count from 1 to {MAX_SLOTS}")
     return int(raw)
+
+
+def _switch(environ: Mapping[str, str], name: str, what: str) -> bool:
+    """A setting that is off unless the user opts in: "1" on, "0" or unset off."""
+    raw = environ.get(name, "").strip()
+    if raw not in ("", "0", "1"):
+        raise ValueError(f"{name}={raw!r}: use 1 to {what}, 0 (the default) not to")
+    return raw == "1"
 
 
 def check_megabytes(name: str, value: object) -> None:
