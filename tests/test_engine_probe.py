@@ -100,26 +100,24 @@ def test_the_step_profile_is_measured_at_load_and_a_quiet_one_is_not_measured_ag
 
 def test_the_probe_steps_the_rows_a_batch_keeps_with_what_they_give_a_step(probes, monkeypatch):
     """Issue 35: the probe timed its steps on rows of its own making (one row unmasked, several
-    masked); it now joins its rows to the batch's own (``kv.rows.rows_for``: static rows on a
-    GPU once they exist) and passes what they give, as ``Batch`` does."""
+    masked); it now joins its rows to the kind a batch keeps (``kv.rows.rows_for``: static rows
+    on a GPU) and steps them as ``Batch`` does (``Rows.decode``: their own mask and positions)."""
     from uniun_ray.models.kv import rows as kv_rows
 
-    joined, given = [], []
+    joined, decoded = [], []
 
     class Recording(kv_rows.PaddedRows):
         def join(self, cache, tokens):
             joined.append(tokens)
             super().join(cache, tokens)
 
-        def inputs(self, positions):
-            cache, shaping = super().inputs(positions)
-            given.append((len(positions), sorted(shaping)))
-            return cache, shaping
-    monkeypatch.setattr(steps_module, "rows_for", lambda device: Recording(device))
+        def decode(self, tokens, positions):
+            decoded.append(len(tokens))
+            return super().decode(tokens, positions)
+    monkeypatch.setattr(steps_module, "rows_for", lambda runner, device, slots, **kw: Recording(device, runner))
     loaded()
     assert len(joined) >= sum(CPU_BATCHES)
-    assert {rows: shaping for rows, shaping in given} == {
-        rows: [] if rows == 1 else ["attention_mask", "position_ids"] for rows in CPU_BATCHES}
+    assert set(decoded) == set(CPU_BATCHES)
 
 
 def test_a_probe_taken_beside_cpu_burners_is_busy_kept_provisional_and_measured_again_when_quiet(

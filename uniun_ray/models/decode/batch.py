@@ -91,6 +91,11 @@ class Batch:
             raise ValueError(f"slots must be an int >= 1 or None, got {slots!r}")
         self.engine, self.loaded, self._first_token = engine, loaded, first_token
         self.batched = kv_rows.batchable(loaded.model)
+        # Below float32 a token's logits depend on how many tokens its pass read (the kernels
+        # round differently per shape): with the last prompt token always read alone, the same
+        # request asked again over its cached prompt (which leaves exactly that token to read)
+        # gets the first token, and so every greedy token, it got the first time.
+        self._last_alone = loaded.dtype != "float32"
         slots = (slots or DEFAULT_SLOTS) if self.batched else 1
         # the rows' KV, in the order of _rows: a static store holds at most its rows
         self._kv = kv_rows.rows_for(loaded.runner, engine.device, slots, loaded.rows)
@@ -234,7 +239,13 @@ class Batch:
         """Prompt tokens in this step's chunk: the engine's fixed size if set; a run nothing but
         its own cancel may stop (chat) reads its prompt in one pass, the others waiting for it
         (its time to first token is the goal, R23); otherwise the engine's time-sized chunk, cut
-        to about CHUNK_DECODE_STEPS decode steps while others decode (they wait for it)."""
+        to about CHUNK_DECODE_STEPS decode steps while others decode (they wait for it). Below
+        float32 the prompt's last token is read alone (``_last_alone``)."""
+        chunk = self._sized_chunk(job)
+        before_last = len(job.sequence.context) - 1 - job.sequence.fed
+        return min(chunk, before_last) if self._last_alone and before_last > 0 else chunk
+
+    def _sized_chunk(self, job: Job) -> int:
         clock = self.loaded.clock
         if self.engine.prefill_chunk:
             return self.engine.prefill_chunk
