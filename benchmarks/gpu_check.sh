@@ -41,7 +41,7 @@ site_packages() {  # the carried wheels, unpacked offline; one at a time where s
 }
 export PYTHONPATH="$(site_packages)$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONUNBUFFERED=1 RAY_AUTH_MODE=${RAY_AUTH_MODE:-disabled}
-export USE_HUB_KERNELS=${USE_HUB_KERNELS:-0}   # until issue 35: transformers asks the Hub for kernels at load
+export USE_HUB_KERNELS=${USE_HUB_KERNELS:-0}   # belt and braces: the project loads with use_kernels=False itself (issue 35; its test unsets this)
 [ -n "${OUT:-}" ] && export BENCH_RESULTS=$out_dir/results
 export GPU_CHECK_NOTE=${GPU_CHECK_NOTE:-make gpu-check}   # the record's note: how it ran
 
