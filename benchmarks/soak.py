@@ -12,7 +12,7 @@ embedder, the Serve replica and proxy) and each device's prefix KV cache (held b
 its budget). The rows: per process its RSS after the first minute, at the end, the most, and its
 growth over the last third of the soak (MB/min; a plateau is about 0); the cache's bytes against
 the budget, and how much of each ModelActor's growth the cache does not explain. Every sample
-goes to `results/soak-samples.json` beside the record. `--quick` gives the cache a small budget
+goes to `results/soak-samples.jsonl` (a sample a line) beside the record. `--quick` gives the cache a small budget
 (`--kv-cache-mb`), so that it fills, and the plateau shows, within its 90 s.
 """
 from __future__ import annotations
@@ -186,7 +186,8 @@ def record(samples: list[dict], answers: dict, minutes: float, quick: bool) -> N
             rec.row(f"{actor}: RSS growth from {warm['t']:.0f} s to the end / of it the cache's / the rest",
                     f"{rss:+.0f} / {cached:+.0f} / {rss - cached:+.0f} MB")
     rec.save()
-    (RESULTS / "soak-samples.json").write_text(json.dumps(samples) + "\n")
+    # one sample a line, as .jsonl: results/*.json are the records render.py reads
+    (RESULTS / "soak-samples.jsonl").write_text("".join(json.dumps(sample) + "\n" for sample in samples))
 
 
 def main() -> None:
