@@ -21,6 +21,7 @@ from record import Record
 from uniun_ray.models.host import packing
 from uniun_ray.models.requests.registry import DEFAULT_CHAT_MODEL, materialize, resolve
 from uniun_ray.models.host.steps import measure_profile
+from uniun_ray.models.kv.rows import Runner
 
 
 def load(folder, dtype: torch.dtype, packed: bool):
@@ -53,8 +54,8 @@ def main() -> None:
     for _ in range(rounds):
         for copy, model in copies.items():
             vocab = model.config.vocab_size
-            for batch, seconds in measure_profile(model, "cache", {"logits_to_keep": 1}, vocab, torch.device("cpu"),
-                                                  batches)[0].items():
+            for batch, seconds in measure_profile(Runner(model, "cache", {"logits_to_keep": 1}), vocab,
+                                                  torch.device("cpu"), batches)[0].items():
                 steps[copy][batch].append(seconds)
     record = Record("slots", quick=args.quick, note=f"{DEFAULT_CHAT_MODEL}, median of {rounds} rounds")
     for dtype in ("bfloat16", "float32"):

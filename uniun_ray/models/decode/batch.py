@@ -273,7 +273,7 @@ class Batch:
         greedy = [job.sequence.greedy for job in rows]
         choices = logits.argmax(-1).tolist() if any(greedy) else []
         others = [row for row, plain in enumerate(greedy) if not plain]
-        host = logits[others].to(dtype=torch.float32, device="cpu") if others else None   # one copy, not one per row
+        host = iter(logits[others].to(dtype=torch.float32, device="cpu") if others else ())   # one copy, not one per row
         self.loaded.clock.observe(1, time.perf_counter() - started)
         self.last_step_rows = len(rows)
         for row, job in enumerate(rows):
@@ -282,7 +282,7 @@ class Batch:
             if greedy[row]:
                 job.sequence.take(choices[row])
             else:
-                job.sequence.accept(host[others.index(row)])
+                job.sequence.accept(next(host))     # the sampled rows' logits, in row order
         self._leave([job for job in rows if job.sequence.ended], None)
 
     # -- leaving -----------------------------------------------------------------------------

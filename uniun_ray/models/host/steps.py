@@ -107,23 +107,23 @@ def decode_times(rows: Rows, lengths: list[int], steps: int, warmup: int, clock:
     return times
 
 
-def measure_profile(model: Any, cache_arg: str, forward_kwargs: dict, vocab_size: int, device: torch.device,
+def measure_profile(runner: Runner, vocab_size: int, device: torch.device,
                     batches: tuple[int, ...]) -> tuple[dict[int, float], dict[int, float]]:
-    """Seconds per decode step at each of ``batches`` for ``model`` as loaded, and their spread
+    """Seconds per decode step at each of ``batches`` for the model as loaded, and their spread
     (interquartile range over median, 0 for fewer than 4 samples): one row of
     ``PROFILE_CONTEXT`` tokens is prefilled once, and each round joins B copies of it, cut to
     ``row_lengths``, to the rows a batch keeps (``rows_for``) and times ``PROFILE_STEPS`` steps.
     Rounds go over every size in turn, so a load that comes and goes stretches every size alike."""
     ids = torch.tensor([[(7919 * i) % vocab_size for i in range(1, PROFILE_CONTEXT + 1)]], device=device)
     with torch.inference_mode():
-        prefilled = getattr(model(input_ids=ids, use_cache=True, **{cache_arg: None},
-                                  **forward_kwargs), cache_arg)
+        prefilled = getattr(runner.model(input_ids=ids, use_cache=True, **{runner.cache_arg: None},
+                                         **runner.kwargs), runner.cache_arg)
     clock, times = device_clock(device), {batch: [] for batch in batches}
     started, rounds = time.perf_counter(), 0
     while rounds < PROFILE_ROUNDS and (rounds == 0 or time.perf_counter() - started < PROFILE_MIN_S):
         for batch in batches:
-            rows, lengths = joined_rows(Runner(model, cache_arg, forward_kwargs), prefilled, batch, PROFILE_CONTEXT,
-                                        device, PROFILE_WARMUP + PROFILE_STEPS)
+            rows, lengths = joined_rows(runner, prefilled, batch, PROFILE_CONTEXT, device,
+                                        PROFILE_WARMUP + PROFILE_STEPS)
             times[batch] += decode_times(rows, lengths, PROFILE_STEPS, PROFILE_WARMUP, clock)
         rounds += 1
     return ({batch: statistics.median(seconds) for batch, seconds in times.items()},

@@ -248,8 +248,7 @@ class Weights:
         self._pack(loaded)
         _check(abandon, loaded.vocabulary.model_id)
         sizes = batch_sizes(self.device) if kv_rows.batchable(loaded.model) else (1,)
-        steps, spread = measure_profile(loaded.model, loaded.cache_arg, loaded.forward_kwargs, vocab_size,
-                                        self.device, sizes)
+        steps, spread = measure_profile(loaded.runner, vocab_size, self.device, sizes)
         return Probe(speeds, steps, watch.stop(), spread)
 
     @contextmanager
