@@ -1,4 +1,5 @@
-"""transformers' SDPA attention, without copying grouped K/V heads in a CPU prefill over a cache.
+"""transformers' SDPA attention for a CPU prefill: grouped K/V heads read as they are, and each
+token's result the same whatever the pass it is read in.
 
 A model with grouped-query attention keeps fewer K/V heads than query heads (SmolLM2: 9 query
 heads over 3, Gemma-3-270M: 4 over 1). When a forward pass reads several new tokens over a
@@ -7,9 +8,16 @@ pass and, except on XPU and MPS, copies every K/V head once per query head (`rep
 torch's SDPA: the whole cached K and V, in every layer, each pass. torch's SDPA reads grouped
 heads as they are (`enable_gqa`), and on the CPU it does so with a mask as fast as without;
 transformers keeps the copy for CUDA, whose fast kernels want no mask with it. So on the CPU
-this implementation passes the heads as they are; everywhere else it is transformers' own. The
-result is the same to the bit (tests/test_models.py). Measured on SmolLM2 in float32, one
-thread, 18 new tokens over 1,177 cached: 230 → 184 ms CPU a pass (the copy was 27 ms of it).
+this implementation passes the heads as they are; everywhere else it is transformers' own.
+Measured on SmolLM2 in float32, one thread, 18 new tokens over 1,177 cached: 230 → 184 ms CPU a pass (the copy was 27 ms of it).
+
+A CPU pass of several new tokens is also laid out so that each token's result depends on the
+tokens before it and nothing else (``aligned_sdpa``): torch's CPU flash attention sums a query's
+keys per block of 512 and runs queries per block of 32, 64 or 256 (by how many there are), and a
+short last block, or a key block cut short where the pass ends, rounds otherwise. In bfloat16 that
+gave a prompt other KV, and another greedy answer, when the prefix cache left another suffix to
+read (issue 35). So keys and values are padded with masked zeros to whole key blocks and the
+queries with spare rows to whole query blocks; the first pass gets an explicit causal mask.
 
 With ``UNIUN_DETERMINISTIC=1`` a CPU decode step of several left-padded rows attends each row
 over its own keys, as alone (``row_invariant_sdpa``): a greedy answer then does not depend on the
@@ -20,6 +28,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
@@ -30,17 +39,47 @@ NAME = "uniun_sdpa"
 ROW_INVARIANT = "uniun_sdpa_rows"
 
 
+#: torch's CPU flash attention: keys per block of this many; queries per block of 32, 64 or 256,
+#: by how many there are (aten/src/ATen/native/cpu/FlashAttentionKernel.cpp).
+KEY_BLOCK = 512
+QUERY_BLOCKS = ((0, 32), (192, 64), (768, 256))
+
+
 def grouped_sdpa(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                  attention_mask: torch.Tensor | None, scaling: float | None = None, **kwargs) -> tuple[torch.Tensor, None]:
     """(batch, heads, tokens, dim) query over (batch, K/V heads, cached + tokens, dim) keys and
     values; returns (batch, tokens, heads, dim), as every transformers attention function does."""
-    if (attention_mask is None or query.shape[2] == 1 or query.device.type != "cpu"
-            or getattr(module, "num_key_value_groups", 1) == 1
+    if (query.shape[2] == 1 or query.device.type != "cpu" or not getattr(module, "is_causal", True)
             or any(kwargs.get(name) for name in ("position_bias", "softcap", "dropout", "output_attentions"))):
         return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
-    output = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask,
-                                                              scale=scaling, enable_gqa=True)
-    return output.transpose(1, 2).contiguous(), None
+    return aligned_sdpa(query, key, value, attention_mask, scaling, getattr(module, "num_key_value_groups", 1) > 1), None
+
+
+def aligned_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: torch.Tensor | None,
+                 scaling: float | None, grouped: bool) -> torch.Tensor:
+    """A causal pass of several queries (the last of the keys) in whole key and query blocks:
+    the padding keys are masked out, the spare query rows dropped."""
+    tokens, keys = query.shape[2], key.shape[2]
+    if attention_mask is None:
+        positions = torch.arange(keys, device=query.device)
+        attention_mask = (positions[None, :] <= positions[keys - tokens :, None])[None, None]
+    elif attention_mask.dtype != torch.bool:
+        attention_mask = attention_mask == 0
+    pad_keys, pad_rows = -keys % KEY_BLOCK, _query_rows(tokens) - tokens
+    key, value = (F.pad(tensor, (0, 0, 0, pad_keys)) for tensor in (key, value))
+    attention_mask = F.pad(F.pad(attention_mask, (0, pad_keys), value=False), (0, 0, 0, pad_rows), value=True)
+    output = F.scaled_dot_product_attention(F.pad(query, (0, 0, 0, pad_rows)), key, value,
+                                            attn_mask=attention_mask, scale=scaling, enable_gqa=grouped)
+    return output[:, :, :tokens].transpose(1, 2).contiguous()
+
+
+def _query_rows(tokens: int) -> int:
+    """``tokens`` rounded up to whole query blocks of the size torch picks for the rounded count."""
+    rows = tokens
+    for least, block in QUERY_BLOCKS:
+        if rows >= least:
+            rows = -(-tokens // block) * block
+    return rows
 
 
 def row_invariant_sdpa(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
