@@ -91,11 +91,6 @@ class Batch:
             raise ValueError(f"slots must be an int >= 1 or None, got {slots!r}")
         self.engine, self.loaded, self._first_token = engine, loaded, first_token
         self.batched = kv_rows.batchable(loaded.model)
-        # Below float32 a token's logits depend on how many tokens its pass read (the kernels
-        # round differently per shape): with the last prompt token always read alone, the same
-        # request asked again over its cached prompt (which leaves exactly that token to read)
-        # gets the first token, and so every greedy token, it got the first time.
-        self._last_alone = loaded.dtype != "float32"
         slots = (slots or DEFAULT_SLOTS) if self.batched else 1
         # the rows' KV, in the order of _rows: a static store holds at most its rows
         self._kv = kv_rows.rows_for(loaded.runner, engine.device, slots, loaded.rows)
@@ -186,8 +181,8 @@ class Batch:
                 return
             self._waiting.remove(job)
         sequence = job.sequence
-        sequence.hit = self.loaded.prefix.take(sequence.context)
-        job.cache, sequence.fed = sequence.hit.cache, sequence.hit.tokens
+        sequence.start_from(self.loaded.prefix.take(sequence.context))
+        job.cache = sequence.hit.cache
         self._joining = job
 
     def _row_free(self) -> bool:
@@ -215,10 +210,11 @@ class Batch:
 
     def _prefill(self, job: Job) -> None:
         """One chunk of the joining job's prompt; at its end, its first token, then its row."""
-        sequence = job.sequence
+        sequence, start = job.sequence, job.sequence.fed
         logits, job.cache, sequence.fed = prefill_chunk(
             self.loaded, sequence.context, job.cache, sequence.fed, self._chunk(job), self.engine.device,
             sequence.decoding.cancel)
+        sequence.prefilled(start)
         if logits is None:
             self._joining = None
             self._end(job, "cancel", job.cache)
@@ -239,11 +235,20 @@ class Batch:
         """Prompt tokens in this step's chunk: the engine's fixed size if set; a run nothing but
         its own cancel may stop (chat) reads its prompt in one pass, the others waiting for it
         (its time to first token is the goal, R23); otherwise the engine's time-sized chunk, cut
-        to about CHUNK_DECODE_STEPS decode steps while others decode (they wait for it). Below
-        float32 the prompt's last token is read alone (``_last_alone``)."""
-        chunk = self._sized_chunk(job)
-        before_last = len(job.sequence.context) - 1 - job.sequence.fed
-        return min(chunk, before_last) if self._last_alone and before_last > 0 else chunk
+        to about CHUNK_DECODE_STEPS decode steps while others decode (they wait for it).
+
+        Whatever the chunks, a prompt is read as a fresh read reads it, so that its greedy answer
+        does not depend on what the prefix cache held (issue 35): the last token alone (the same
+        request asked again over its own cached prompt leaves exactly that token to read), every
+        other in passes of two or more (``kv.prefix``: such passes compute each token to the bit
+        alike; a lone token rounds otherwise). A prompt of two tokens is read in one pass."""
+        left = len(job.sequence.context) - job.sequence.fed
+        if left <= 2:
+            return left
+        chunk = max(2, min(self._sized_chunk(job), left - 1))
+        if left - 1 - chunk == 1:       # no lone token before the last
+            chunk += 1 if chunk == 2 else -1
+        return chunk
 
     def _sized_chunk(self, job: Job) -> int:
         clock = self.loaded.clock

@@ -19,7 +19,8 @@ from ..requests.request import GenerateRequest, GenerationResult
 
 
 class Sequence:
-    """The state of one run on ``loaded``. ``fed``: how many of its tokens the KV cache holds; ``reason``:
+    """The state of one run on ``loaded``. ``fed``: how many of its tokens the KV cache holds; ``read``:
+    how many of the first of them it holds as any prefill reads them (``kv.prefix``); ``reason``:
     why it ended ("error" until a loop says otherwise); ``pieces``: the text handed out."""
 
     def __init__(self, loaded: Loaded, context: list[int], request: GenerateRequest, cancel: Any,
@@ -36,7 +37,7 @@ class Sequence:
         self.tokens[0, : len(context)] = torch.tensor(context)
         self.length = len(context)
         self.pieces: list[str] = []
-        self.hit, self.fed = Hit(None, 0), 0
+        self.hit, self.fed, self.read = Hit(None, 0), 0, 0
         self.first_token_at = self.prefilled_at = None
         self.reason = "error"       # what an exception from the model leaves
         self.ended = False
@@ -54,6 +55,16 @@ class Sequence:
     def emitted_tokens(self) -> int:
         """Generated tokens whose text has been handed out."""
         return len(self.detokenizer.committed)
+
+    def start_from(self, hit: Hit) -> None:
+        """Start from the prefix cache's ``hit`` (its KV is the caller's to extend)."""
+        self.hit, self.fed, self.read = hit, hit.tokens, hit.read
+
+    def prefilled(self, start: int) -> None:
+        """A prefill pass read the tokens from ``start`` to ``fed``: several in one pass, they are read as
+        any prefill reads them; one alone (the last prompt token) rounds otherwise."""
+        if self.fed - start >= 2 and self.read == start:
+            self.read = self.fed
 
     def stepped(self, rows: int) -> None:
         """One decode step taken among ``rows`` jobs."""
@@ -106,7 +117,7 @@ class Sequence:
         """Store the KV of the tokens fed, for the next turn or for the resume of a revoked run."""
         if self.reason != "error" and self.fed:
             prefix.put(self.tokens[0, : self.fed].tolist(), cache, preempted=self.reason == "cancel",
-                       prompt=len(self.context))
+                       prompt=len(self.context), read=self.read)
 
     def result(self) -> GenerationResult:
         return GenerationResult(

@@ -27,6 +27,12 @@ this per block; one engine here runs one sequence, so whole sequences are the un
   On a CPU device there is one tier: offloading would copy host memory to host memory.
 * A cache that cannot be cropped back to a prefix (sliding-window layers that already dropped
   their oldest tokens) is reused only whole.
+* A hit changes no greedy answer (issue 35): a run takes only tokens whose KV its own prefill would
+  have computed to the bit, those the entry's run read in passes of several tokens (``read``;
+  ``host.attention`` makes a token's KV the same whatever such pass it is in), not the last prompt
+  token nor the decoded ones, computed one row at a time, which rounds otherwise. And it leaves
+  what a fresh read leaves: the last token to read alone, never a lone token before it. A
+  revoked run's resume alone takes all it shares: it goes on from its own KV.
 * The cache belongs to the loaded model: a swap drops it (``Engine`` makes a new one), rather
   than holding another model's KV in memory it needs for the new model's weights.
 """
@@ -185,15 +191,18 @@ class _Entry:
     nbytes: int
     preempted: bool
     prompt: int                 # of ``tokens``, the run's prompt: a hit that covers it is a resume
+    read: int                   # of ``tokens``, the first read as any prefill reads them
     offloaded: bool = False
 
 
 @dataclass(frozen=True)
 class Hit:
-    """What a run starts from: a cache holding the KV of ``context[:tokens]`` (None: nothing)."""
+    """What a run starts from: a cache holding the KV of ``context[:tokens]`` (None: nothing), the
+    first ``read`` of them as any prefill computes them (fewer only in a revoked run's resume)."""
 
     cache: Any
     tokens: int
+    read: int = 0
 
 
 class PrefixCache:
@@ -211,15 +220,13 @@ class PrefixCache:
         self.reused_tokens = self.prefilled_tokens = 0
 
     def take(self, context: list[int]) -> Hit:
-        """The longest cached prefix of ``context``, leaving at least its last token to prefill
-        (the run needs the logits after it)."""
+        """The longest cached prefix of ``context`` a run may start from (``_usable``)."""
         with self._lock:
             best, length = None, 0
             for entry in self._entries.values():
-                common = _common_prefix(entry.tokens, context)
-                if common > length:
-                    best, length = entry, common
-            length = min(length, len(context) - 1)
+                usable = _usable(entry, _common_prefix(entry.tokens, context), len(context))
+                if usable > length:
+                    best, length = entry, usable
             hit = self._reuse(best, length) if best is not None and length > 0 else None
             if hit is None:
                 self.misses += 1
@@ -245,12 +252,14 @@ class PrefixCache:
             self._fit()
         if surplus:
             cache.crop(-surplus)
-        return Hit(cache, length)
+        return Hit(cache, length, min(length, entry.read))
 
-    def put(self, tokens: list[int], cache: Any, preempted: bool, prompt: int | None = None) -> None:
+    def put(self, tokens: list[int], cache: Any, preempted: bool, prompt: int | None = None,
+            read: int | None = None) -> None:
         """Keep ``cache``, which holds the KV of exactly ``tokens``; ``preempted``: its run was
         revoked and will resume from ``prompt`` tokens (None: all of ``tokens``) and what it
-        produced. An entry larger than the device budget is not kept."""
+        produced; ``read``: how many of the first tokens it read in passes of several tokens
+        (None: all). An entry larger than the device budget is not kept."""
         if not tokens or cache is None or self.budget_bytes <= 0:
             return
         key = tuple(tokens)
@@ -261,7 +270,8 @@ class PrefixCache:
             if nbytes > self.budget_bytes:
                 self.evictions += 1
                 return
-            self._entries[key] = _Entry(key, cache, nbytes, preempted, min(len(key), prompt or len(key)))
+            self._entries[key] = _Entry(key, cache, nbytes, preempted, min(len(key), prompt or len(key)),
+                                        len(key) if read is None else min(len(key), read))
             self.held_bytes += nbytes
             self._fit()
 
@@ -326,6 +336,20 @@ class PrefixCache:
 
 def _mb(nbytes: int, digits: int = 1) -> float:
     return round(nbytes / 2**20, digits)
+
+
+def _usable(entry: _Entry, common: int, total: int) -> int:
+    """Of the ``common`` first tokens a context of ``total`` shares with ``entry``, how many its run
+    may take: all but the last for the revoked run's resume; otherwise only tokens the entry read
+    as a prefill reads them, leaving what a fresh read of the context leaves (``Batch._chunk``):
+    the last token alone after passes of two or more (nothing taken from a context of two)."""
+    common = min(common, total - 1)
+    if entry.preempted and common >= entry.prompt:
+        return common
+    common = min(common, entry.read)
+    if total <= 2:
+        return 0
+    return common - 1 if total - common == 2 else common
 
 
 def _common_prefix(a: tuple[int, ...], b: list[int]) -> int:
