@@ -942,6 +942,31 @@ def test_a_run_revoked_mid_prefill_resumes_from_the_chunks_it_read(engine, uncac
     assert after["prefilled_tokens"] - before["prefilled_tokens"] == engine.check(request) - 48
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_one_greedy_question_gets_one_answer_whatever_prefixes_the_cache_holds(tiny_cache, dtype):
+    """Issue 35: asked fresh, again over its own cached prompt, after other prompts that share
+    its first 1 to all but 2 tokens were read, each alone in the cache (so a hit leaves suffixes of
+    many lengths to read, in other chunks), and after a clear, one greedy question gets one answer,
+    by default.
+    Before, a token's KV depended on the pass it was read in (torch's CPU attention rounds a
+    short query or key block otherwise; oneDNN's one-row kernel too) and a hit reused decoded
+    tokens: the tiny model, whose logits are near ties, answered otherwise."""
+    engine = Engine(device=DEVICE, dtype=dtype)
+    engine.load("tiny")
+    ids = engine.resident.vocabulary.tokenizer(LONG_PROMPT)["input_ids"][:300]
+    question = GenerateRequest(prompt=ids, max_new_tokens=8)
+    fresh = run(engine, question)[1].token_ids
+    answers = {fresh, run(engine, question)[1].token_ids}
+    for shared in (1, 2, 17, 95, 191, 212, 297, 298):
+        engine.resident.prefix.clear()                             # the question's own entry out of the way
+        run(engine, GenerateRequest(prompt=ids[:shared] + [7 + shared, 11], max_new_tokens=3))
+        answers.add(run(engine, question)[1].token_ids)
+    engine.resident.prefix.clear()
+    answers.add(run(engine, question)[1].token_ids)
+    assert answers == {fresh}
+    assert engine.describe()["kv_cache"]["hits"] >= 8          # the suffixes were read over cache hits
+
+
 def test_the_cache_is_bounded_evicts_the_least_recent_first_and_revoked_runs_last(engine):
     from uniun_ray.models.kv.prefix import PrefixCache
 
