@@ -4,6 +4,13 @@ keys alone; a packed linear runs one row as two) against the same steps without 
 
     .venv/bin/python benchmarks/invariance_bench.py                # 5 rounds of 32 steps per size
     .venv/bin/python benchmarks/invariance_bench.py --quick        # 1 round of 8 steps
+    .venv/bin/python benchmarks/invariance_bench.py --prefill      # what the default's prefill rules cost
+
+``--prefill`` times, by default settings, a chat's time to first token over a 1,000-token prompt
+(nothing cached: each pass in whole attention blocks, the last token alone) and a
+conversation's next turn (the cache may not reuse the decoded reply: it is read again), each
+against the same without those rules: the attention as before issue 35 (one SDPA call over the
+keys as they are) and a hit that reuses every token it shares.
 
 Rounds alternate the two ways at every batch size, so a host whose speed drifts stretches both
 alike; each figure is the median over the rounds. "Without" puts back what ran before issue 35:
@@ -22,8 +29,28 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from batch_bench import MODEL, batch_tokens_per_s  # noqa: E402
 from record import Record  # noqa: E402
 
-from uniun_ray.models import Engine  # noqa: E402
+import torch  # noqa: E402
+from transformers import AttentionInterface  # noqa: E402
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask  # noqa: E402
+
+from uniun_ray.models import Engine, GenerateRequest  # noqa: E402
 from uniun_ray.models.host import attention, packing  # noqa: E402
+from uniun_ray.models.kv import prefix  # noqa: E402
+
+UNALIGNED = "bench_unaligned_sdpa"
+
+
+def unaligned_sdpa(module, query, key, value, attention_mask, scaling=None, **kwargs):
+    """The CPU prefill attention before issue 35: one SDPA call over the keys as they are."""
+    if attention_mask is None or query.shape[2] == 1:
+        return attention.sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
+    output = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask,
+                                                              scale=scaling, enable_gqa=True)
+    return output.transpose(1, 2).contiguous(), None
+
+
+AttentionInterface.register(UNALIGNED, unaligned_sdpa)
+AttentionMaskInterface.register(UNALIGNED, sdpa_mask)
 
 
 @contextmanager
@@ -41,12 +68,70 @@ def by_default(model):
             linear.one_row_as_two = True
 
 
+@contextmanager
+def without_prefill_rules(model):
+    """Prefill as before issue 35: the attention over the keys as they are, a hit reusing all it shares."""
+    usable = prefix._usable
+    model.set_attn_implementation(UNALIGNED)
+    prefix._usable = lambda entry, common, total: min(common, total - 1)
+    try:
+        yield
+    finally:
+        model.set_attn_implementation(attention.NAME)
+        prefix._usable = usable
+
+
+def ttfts(engine: Engine) -> tuple[float, float]:
+    """A chat's TTFT over a 1,000-token prompt, nothing cached; a next turn's after a 100-token reply."""
+    tokenizer = engine.resident.vocabulary.tokenizer
+    words = " ".join(f"Note {i}: the sky, the sea and a cat named {i * 7}." for i in range(120))
+    long = tokenizer.decode(tokenizer(words)["input_ids"][:1000])
+    engine.resident.prefix.clear()
+    first = _run(engine, GenerateRequest(prompt=long, max_new_tokens=1))
+    turn = [{"role": "user", "content": words[:1200]}]
+    reply = _run(engine, GenerateRequest(messages=turn, max_new_tokens=100, stop=()))
+    turn += [{"role": "assistant", "content": reply.text}, {"role": "user", "content": "Now in one line."}]
+    return first.ttft_s, _run(engine, GenerateRequest(messages=turn, max_new_tokens=1)).ttft_s
+
+
+def _run(engine: Engine, request: GenerateRequest):
+    import threading
+
+    generation = engine.generate(request, threading.Event(), revocable=False)
+    for _ in generation:
+        pass
+    return generation.result
+
+
+def prefill_main(args) -> None:
+    engine = Engine(dtype=args.dtype)
+    engine.load(MODEL)
+    record = Record("slots", quick=args.quick, name="invariance_bench-prefill")
+    record.runs_on(threads=engine.describe()["threads"], dtype=engine.describe()["dtype"], engine="uniun Engine")
+    ttfts(engine)                        # warm-up, not recorded
+    kept, before = [], []
+    for _ in range(1 if args.quick else 5):
+        kept.append(ttfts(engine))
+        with without_prefill_rules(engine.resident.model):
+            before.append(ttfts(engine))
+    for index, what in enumerate(("chat TTFT, 1,000-token prompt, nothing cached",
+                                  "next turn TTFT, after a 100-token reply")):
+        now, then = (statistics.median(run[index] for run in runs) for runs in (kept, before))
+        record.row(f"{MODEL} {what}: with the prefill rules against without (cost)",
+                   f"{now * 1e3:.0f} vs {then * 1e3:.0f} ms ({now / then - 1:+.0%})", goal="cost ≤ 10%",
+                   met=now <= 1.1 * then)
+    record.save()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="1 round of 8 steps per batch size")
+    ap.add_argument("--prefill", action="store_true", help="the default's prefill rules instead")
     ap.add_argument("--sizes", default="1,4,8")
     ap.add_argument("--dtype", default="bfloat16")
     args = ap.parse_args()
+    if args.prefill:
+        return prefill_main(args)
     rounds, steps = (1, 8) if args.quick else (5, 32)
     engine = Engine(dtype=args.dtype, kv_cache_mb=0, deterministic=True)
     engine.load(MODEL)

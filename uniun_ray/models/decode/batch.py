@@ -91,6 +91,8 @@ class Batch:
             raise ValueError(f"slots must be an int >= 1 or None, got {slots!r}")
         self.engine, self.loaded, self._first_token = engine, loaded, first_token
         self.batched = kv_rows.batchable(loaded.model)
+        # Below float32 a token's logits depend on how many tokens its pass read (``_chunk``).
+        self._last_alone = loaded.dtype != "float32"
         slots = (slots or DEFAULT_SLOTS) if self.batched else 1
         # the rows' KV, in the order of _rows: a static store holds at most its rows
         self._kv = kv_rows.rows_for(loaded.runner, engine.device, slots, loaded.rows)
@@ -241,8 +243,11 @@ class Batch:
         does not depend on what the prefix cache held (issue 35): the last token alone (the same
         request asked again over its own cached prompt leaves exactly that token to read), every
         other in passes of two or more (``kv.prefix``: such passes compute each token to the bit
-        alike; a lone token rounds otherwise). A prompt of two tokens is read in one pass."""
+        alike; a lone token rounds otherwise). A prompt of two tokens is read in one pass. Only
+        below float32 (``_last_alone``): in float32 a prompt's last pass reads its last token too."""
         left = len(job.sequence.context) - job.sequence.fed
+        if not self._last_alone:
+            return self._sized_chunk(job)
         if left <= 2:
             return left
         chunk = max(2, min(self._sized_chunk(job), left - 1))
