@@ -30,9 +30,9 @@ this per block; one engine here runs one sequence, so whole sequences are the un
 * A hit changes no greedy answer (issue 35): a run takes only tokens whose KV its own prefill would
   have computed to the bit, those the entry's run read in passes of several tokens (``read``;
   ``host.attention`` makes a token's KV the same whatever such pass it is in), not the last prompt
-  token nor the decoded ones, computed one row at a time, which rounds otherwise. And it leaves
-  what a fresh read leaves: the last token to read alone, never a lone token before it. A
-  revoked run's resume alone takes all it shares: it goes on from its own KV.
+  token read alone below float32 nor the decoded ones, computed one row at a time, which rounds
+  otherwise. And it leaves what a fresh read leaves: the last token to read alone, never a lone
+  token before it. A revoked run's resume alone takes all it shares: it goes on from its own KV.
 * The cache belongs to the loaded model: a swap drops it (``Engine`` makes a new one), rather
   than holding another model's KV in memory it needs for the new model's weights.
 """
