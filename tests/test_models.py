@@ -828,11 +828,16 @@ def test_default_chat_model_applies_its_template(monkeypatch):
     # A plain prompt to a chat model is sent as a single user turn.
     assert run(engine, GenerateRequest(prompt=question, max_new_tokens=24))[1].text == result.text
     # The next turn resends the reply as text: the template re-tokenizes it into the ids it was
-    # generated as, so the whole history is a cache hit and only the new line is prefilled.
+    # generated as, so the prompt before it is a cache hit; the reply, decoded a token a step, is
+    # read again (issue 35: a prefill computes its KV otherwise), and the new line.
+    from uniun_ray.models.requests.vocabulary import context_of
+
     messages += [{"role": "assistant", "content": result.text}, {"role": "user", "content": "And of Italy?"}]
+    history = context_of(engine.resident.vocabulary, GenerateRequest(messages=messages))
+    assert history[result.prompt_tokens : result.prompt_tokens + result.tokens] == list(result.token_ids)
     second = run(engine, GenerateRequest(messages=messages, max_new_tokens=24))[1]
-    assert second.cached_tokens == result.prompt_tokens + result.tokens
-    assert second.prompt_tokens - second.cached_tokens <= 16
+    assert second.cached_tokens == result.prompt_tokens - (engine.dtype != torch.float32)   # the last read alone
+    assert second.prompt_tokens - second.cached_tokens <= 16 + result.tokens
 
 
 # -- the prefix cache (issue 11) ----------------------------------------------------------------
