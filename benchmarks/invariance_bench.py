@@ -4,13 +4,12 @@ keys alone; a packed linear runs one row as two) against the same steps without 
 
     .venv/bin/python benchmarks/invariance_bench.py                # 5 rounds of 32 steps per size
     .venv/bin/python benchmarks/invariance_bench.py --quick        # 1 round of 8 steps
-    .venv/bin/python benchmarks/invariance_bench.py --prefill      # what the default's prefill rules cost
+    .venv/bin/python benchmarks/invariance_bench.py --prefill      # what the setting costs a prefill
 
-``--prefill`` times, by default settings, a chat's time to first token over a 1,000-token prompt
-(nothing cached: each pass in whole attention blocks, the last token alone) and a
-conversation's next turn (the cache may not reuse the decoded reply: it is read again), each
-against the same without those rules: the attention as before issue 35 (one SDPA call over the
-keys as they are) and a hit that reuses every token it shares.
+``--prefill`` times a chat's time to first token over a 1,000-token prompt (nothing cached:
+with the setting each pass runs in whole attention blocks, the last token alone) and a
+conversation's next turn (with the setting the cache may not reuse the decoded reply: it is read
+again), on an engine with ``UNIUN_DETERMINISTIC`` against one without, in alternate rounds.
 
 Rounds alternate the two ways at every batch size, so a host whose speed drifts stretches both
 alike; each figure is the median over the rounds. "Without" puts back what ran before issue 35:
@@ -29,28 +28,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from batch_bench import MODEL, batch_tokens_per_s  # noqa: E402
 from record import Record  # noqa: E402
 
-import torch  # noqa: E402
-from transformers import AttentionInterface  # noqa: E402
-from transformers.masking_utils import AttentionMaskInterface, sdpa_mask  # noqa: E402
-
 from uniun_ray.models import Engine, GenerateRequest  # noqa: E402
 from uniun_ray.models.host import attention, packing  # noqa: E402
-from uniun_ray.models.kv import prefix  # noqa: E402
-
-UNALIGNED = "bench_unaligned_sdpa"
-
-
-def unaligned_sdpa(module, query, key, value, attention_mask, scaling=None, **kwargs):
-    """The CPU prefill attention before issue 35: one SDPA call over the keys as they are."""
-    if attention_mask is None or query.shape[2] == 1:
-        return attention.sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
-    output = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask,
-                                                              scale=scaling, enable_gqa=True)
-    return output.transpose(1, 2).contiguous(), None
-
-
-AttentionInterface.register(UNALIGNED, unaligned_sdpa)
-AttentionMaskInterface.register(UNALIGNED, sdpa_mask)
 
 
 @contextmanager
@@ -66,19 +45,6 @@ def by_default(model):
         model.set_attn_implementation(attention.ROW_INVARIANT)
         for linear in linears:
             linear.one_row_as_two = True
-
-
-@contextmanager
-def without_prefill_rules(model):
-    """Prefill as before issue 35: the attention over the keys as they are, a hit reusing all it shares."""
-    usable = prefix._usable
-    model.set_attn_implementation(UNALIGNED)
-    prefix._usable = lambda entry, common, total: min(common, total - 1)
-    try:
-        yield
-    finally:
-        model.set_attn_implementation(attention.NAME)
-        prefix._usable = usable
 
 
 def ttfts(engine: Engine) -> tuple[float, float]:
@@ -104,20 +70,20 @@ def _run(engine: Engine, request: GenerateRequest):
 
 
 def prefill_main(args) -> None:
-    engine = Engine(dtype=args.dtype)
-    engine.load(MODEL)
+    exact, default = (Engine(dtype=args.dtype, deterministic=flag) for flag in (True, False))
+    for engine in (exact, default):
+        engine.load(MODEL)
+        ttfts(engine)                    # warm-up, not recorded
     record = Record("slots", quick=args.quick, name="invariance_bench-prefill")
-    record.runs_on(threads=engine.describe()["threads"], dtype=engine.describe()["dtype"], engine="uniun Engine")
-    ttfts(engine)                        # warm-up, not recorded
-    kept, before = [], []
+    record.runs_on(threads=default.describe()["threads"], dtype=default.describe()["dtype"], engine="uniun Engine")
+    runs = {exact: [], default: []}
     for _ in range(1 if args.quick else 5):
-        kept.append(ttfts(engine))
-        with without_prefill_rules(engine.resident.model):
-            before.append(ttfts(engine))
+        for engine in runs:
+            runs[engine].append(ttfts(engine))
     for index, what in enumerate(("chat TTFT, 1,000-token prompt, nothing cached",
                                   "next turn TTFT, after a 100-token reply")):
-        now, then = (statistics.median(run[index] for run in runs) for runs in (kept, before))
-        record.row(f"{MODEL} {what}: with the prefill rules against without (cost)",
+        now, then = (statistics.median(run[index] for run in runs[engine]) for engine in (exact, default))
+        record.row(f"{MODEL} {what}: UNIUN_DETERMINISTIC=1 against the default (cost)",
                    f"{now * 1e3:.0f} vs {then * 1e3:.0f} ms ({now / then - 1:+.0%})", goal="cost ≤ 10%",
                    met=now <= 1.1 * then)
     record.save()
@@ -126,7 +92,7 @@ def prefill_main(args) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="1 round of 8 steps per batch size")
-    ap.add_argument("--prefill", action="store_true", help="the default's prefill rules instead")
+    ap.add_argument("--prefill", action="store_true", help="what the setting costs a prefill instead")
     ap.add_argument("--sizes", default="1,4,8")
     ap.add_argument("--dtype", default="bfloat16")
     args = ap.parse_args()

@@ -582,10 +582,10 @@ def test_a_tool_result_fed_back_continues_the_conversation_from_its_cached_prefi
     after = client.chat.completions.create(model=tool_model_id, messages=history, tools=utc, max_tokens=4)
     assert after.choices[0].finish_reason in ("stop", "length") and after.choices[0].message.tool_calls is None
     assert after.choices[0].message.content and after.model_extra["uniun"]["tool_call_format"] == "hermes"
-    # the turn before came from the cache; its call, decoded a token a step, is read again (issue 35:
-    # a prefill computes its KV otherwise, and a hit must not change the answer)
+    # the turn before, its call included, came from the cache (all but the call's last token, which
+    # tiny's tokenizer merges with the template's next text)
     reused = after.usage.prompt_tokens_details.cached_tokens
-    assert reused >= asked.usage.prompt_tokens - 1, (reused, asked.usage)
+    assert reused >= asked.usage.prompt_tokens + asked.usage.completion_tokens - 1, (reused, asked.usage)
     assert server.status()["devices"][0]["engine"]["tool_call_format"] == "hermes"
 
 

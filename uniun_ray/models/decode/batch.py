@@ -239,21 +239,17 @@ class Batch:
         (its time to first token is the goal, R23); otherwise the engine's time-sized chunk, cut
         to about CHUNK_DECODE_STEPS decode steps while others decode (they wait for it).
 
-        Whatever the chunks, a prompt is read as a fresh read reads it, so that its greedy answer
-        does not depend on what the prefix cache held (issue 35): the last token alone (the same
-        request asked again over its own cached prompt leaves exactly that token to read), every
-        other in passes of two or more (``kv.prefix``: such passes compute each token to the bit
-        alike; a lone token rounds otherwise). A prompt of two tokens is read in one pass. Only
-        below float32 (``_last_alone``): in float32 a prompt's last pass reads its last token too."""
-        left = len(job.sequence.context) - job.sequence.fed
-        if not self._last_alone:
-            return self._sized_chunk(job)
-        if left <= 2:
-            return left
-        chunk = max(2, min(self._sized_chunk(job), left - 1))
-        if left - 1 - chunk == 1:       # no lone token before the last
-            chunk += 1 if chunk == 2 else -1
-        return chunk
+        Below float32 the prompt's last token is read alone (``_last_alone``): the same request
+        asked again over its own cached prompt leaves exactly that token to read, and so gets the
+        first token, and every greedy one, it got the first time. An ``exact`` prefix cache
+        (``UNIUN_DETERMINISTIC``, in every dtype) also has every other token read in passes of two
+        or more, as a fresh read reads them (``kv.prefix``: such passes compute each token to the
+        bit alike; a lone token rounds otherwise): the answer then does not depend on what the
+        prefix cache held. A prompt of two tokens is read in one pass then."""
+        chunk, left = self._sized_chunk(job), len(job.sequence.context) - job.sequence.fed
+        if self.loaded.prefix.exact:
+            return _exact_chunk(chunk, left)
+        return min(chunk, left - 1) if self._last_alone and left > 1 else chunk
 
     def _sized_chunk(self, job: Job) -> int:
         clock = self.loaded.clock
@@ -348,3 +344,13 @@ def prefill_chunk(
             return None, None, 0
         return None, cache, start
     return logits, extended, min(start + chunk, len(context))
+
+
+def _exact_chunk(chunk: int, left: int) -> int:
+    """``chunk`` of the ``left`` prompt tokens, cut so that the last is read alone and no other is."""
+    if left <= 2:
+        return left
+    chunk = max(2, min(chunk, left - 1))
+    if left - 1 - chunk == 1:       # no lone token before the last
+        chunk += 1 if chunk == 2 else -1
+    return chunk

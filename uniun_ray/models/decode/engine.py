@@ -316,7 +316,7 @@ class Engine:
                 del parked
                 self._free()
         folder = folder or materialize(resolve(model_id))
-        prefix = PrefixCache(self.kv_cache_mb * 2**20, self.kv_offload_mb * 2**20)
+        prefix = PrefixCache(self.kv_cache_mb * 2**20, self.kv_offload_mb * 2**20, self._weights.deterministic)
         try:
             self._loaded = self._weights.load(model_id, folder, prefix, abandon)
         except (torch.OutOfMemoryError, MemoryError) as error:

@@ -1,5 +1,4 @@
-"""transformers' SDPA attention for a CPU prefill: grouped K/V heads read as they are, and each
-token's result the same whatever the pass it is read in.
+"""transformers' SDPA attention, without copying grouped K/V heads in a CPU prefill over a cache.
 
 A model with grouped-query attention keeps fewer K/V heads than query heads (SmolLM2: 9 query
 heads over 3, Gemma-3-270M: 4 over 1). When a forward pass reads several new tokens over a
@@ -8,20 +7,22 @@ pass and, except on XPU and MPS, copies every K/V head once per query head (`rep
 torch's SDPA: the whole cached K and V, in every layer, each pass. torch's SDPA reads grouped
 heads as they are (`enable_gqa`), and on the CPU it does so with a mask as fast as without;
 transformers keeps the copy for CUDA, whose fast kernels want no mask with it. So on the CPU
-this implementation passes the heads as they are; everywhere else it is transformers' own.
-Measured on SmolLM2 in float32, one thread, 18 new tokens over 1,177 cached: 230 → 184 ms CPU a pass (the copy was 27 ms of it).
-
-A CPU pass of several new tokens is also laid out so that each token's result depends on the
-tokens before it and nothing else (``aligned_sdpa``): torch's CPU flash attention sums a query's
-keys per block of 512 and runs queries per block of 32, 64 or 256 (by how many there are), and a
-short last block, or a key block cut short where the pass ends, rounds otherwise. In bfloat16 that
-gave a prompt other KV, and another greedy answer, when the prefix cache left another suffix to
-read (issue 35). So keys and values are padded with masked zeros to whole key blocks and the
-queries with spare rows to whole query blocks; the first pass gets an explicit causal mask.
+this implementation passes the heads as they are; everywhere else it is transformers' own. The
+result is the same to the bit (tests/test_models.py). Measured on SmolLM2 in float32, one
+thread, 18 new tokens over 1,177 cached: 230 → 184 ms CPU a pass (the copy was 27 ms of it).
 
 With ``UNIUN_DETERMINISTIC=1`` a CPU decode step of several left-padded rows attends each row
 over its own keys, as alone (``row_invariant_sdpa``): a greedy answer then does not depend on the
 rows beside it, at a cost (``benchmarks/invariance_bench.py``).
+
+The same setting makes a CPU prefill pass of several tokens exact (``aligned_sdpa``): each token's
+result depends on the tokens before it and nothing else. torch's CPU flash attention sums a
+query's keys per block of 512 and runs queries per block of 32, 64 or 256 (by how many there
+are), and a short last block, or a key block cut short where the pass ends, rounds otherwise: in
+bfloat16 a prompt got other KV, and another greedy answer, when the prefix cache left another
+suffix to read (issue 35). So keys and values are padded with masked zeros to whole key blocks,
+the queries with spare rows to whole query blocks, and the first pass gets an explicit causal mask
+(which gives up the kernel's skipping of the masked half: the cost is in BENCHMARKS.md).
 """
 from __future__ import annotations
 
@@ -35,7 +36,8 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 #: The name models are loaded with (`attn_implementation`): masks are made as for "sdpa".
 NAME = "uniun_sdpa"
-#: The same, with a CPU decode step of padded rows attending each row alone (``UNIUN_DETERMINISTIC``).
+#: The same, exact on the CPU (``UNIUN_DETERMINISTIC``): a decode step's padded rows each attend
+#: alone, a prefill pass runs in whole blocks.
 ROW_INVARIANT = "uniun_sdpa_rows"
 
 
@@ -49,10 +51,15 @@ def grouped_sdpa(module: Any, query: torch.Tensor, key: torch.Tensor, value: tor
                  attention_mask: torch.Tensor | None, scaling: float | None = None, **kwargs) -> tuple[torch.Tensor, None]:
     """(batch, heads, tokens, dim) query over (batch, K/V heads, cached + tokens, dim) keys and
     values; returns (batch, tokens, heads, dim), as every transformers attention function does."""
-    if (query.shape[2] == 1 or query.device.type != "cpu" or not getattr(module, "is_causal", True)
-            or any(kwargs.get(name) for name in ("position_bias", "softcap", "dropout", "output_attentions"))):
+    if (attention_mask is None or query.shape[2] == 1 or query.device.type != "cpu"
+            or getattr(module, "num_key_value_groups", 1) == 1 or _special(kwargs)):
         return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
-    return aligned_sdpa(query, key, value, attention_mask, scaling, getattr(module, "num_key_value_groups", 1) > 1), None
+    output = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, scale=scaling, enable_gqa=True)
+    return output.transpose(1, 2).contiguous(), None
+
+
+def _special(kwargs: dict) -> bool:
+    return any(kwargs.get(name) for name in ("position_bias", "softcap", "dropout", "output_attentions"))
 
 
 def aligned_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: torch.Tensor | None,
@@ -85,14 +92,18 @@ def _query_rows(tokens: int) -> int:
 def row_invariant_sdpa(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                        attention_mask: torch.Tensor | None, scaling: float | None = None,
                        **kwargs) -> tuple[torch.Tensor, None]:
-    """``grouped_sdpa``, but a CPU decode step of several left-padded rows attends each row over
-    its own keys alone, unmasked, as the row would be decoded by itself (``_left_padding``)."""
+    """``grouped_sdpa``, but exact on the CPU: a decode step of several left-padded rows attends
+    each row over its own keys alone, unmasked, as the row would be decoded by itself
+    (``_left_padding``), and a causal pass of several tokens runs in whole blocks (``aligned_sdpa``)."""
     starts = _left_padding(query, attention_mask)
-    if starts is None:
-        return grouped_sdpa(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
-    return torch.cat([sdpa_attention_forward(module, query[row : row + 1], key[row : row + 1, :, start:],
-                                             value[row : row + 1, :, start:], None, scaling=scaling, **kwargs)[0]
-                      for row, start in enumerate(starts)]), None
+    if starts is not None:
+        return torch.cat([sdpa_attention_forward(module, query[row : row + 1], key[row : row + 1, :, start:],
+                                                 value[row : row + 1, :, start:], None, scaling=scaling, **kwargs)[0]
+                          for row, start in enumerate(starts)]), None
+    if query.shape[2] > 1 and query.device.type == "cpu" and getattr(module, "is_causal", True) and not _special(kwargs):
+        grouped = getattr(module, "num_key_value_groups", 1) > 1
+        return aligned_sdpa(query, key, value, attention_mask, scaling, grouped), None
+    return grouped_sdpa(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
 
 
 def _left_padding(query: torch.Tensor, attention_mask: torch.Tensor | None) -> list[int] | None:

@@ -27,12 +27,15 @@ this per block; one engine here runs one sequence, so whole sequences are the un
   On a CPU device there is one tier: offloading would copy host memory to host memory.
 * A cache that cannot be cropped back to a prefix (sliding-window layers that already dropped
   their oldest tokens) is reused only whole.
-* A hit changes no greedy answer (issue 35): a run takes only tokens whose KV its own prefill would
-  have computed to the bit, those the entry's run read in passes of several tokens (``read``;
+* An ``exact`` cache (``UNIUN_DETERMINISTIC``) changes no greedy answer by a hit (issue 35): a
+  run takes only tokens whose KV its own prefill would have computed to the bit, those the entry's run read in passes of several tokens (``read``;
   ``host.attention`` makes a token's KV the same whatever such pass it is in), not the last prompt
   token read alone below float32 nor the decoded ones, computed one row at a time, which rounds
   otherwise. And it leaves what a fresh read leaves: the last token to read alone, never a lone
   token before it. A revoked run's resume alone takes all it shares: it goes on from its own KV.
+  By default a hit takes all it shares but the last token (a whole conversation, its replies
+  included): the same request asked again still gets its answer (``Batch._chunk``), another
+  prompt over a shared prefix may round otherwise below float32 (README).
 * The cache belongs to the loaded model: a swap drops it (``Engine`` makes a new one), rather
   than holding another model's KV in memory it needs for the new model's weights.
 """
@@ -210,8 +213,8 @@ class PrefixCache:
     it (0: off) and ``offload_bytes`` of CPU memory for what the device tier pushes out (0: one
     tier, what is pushed out is dropped)."""
 
-    def __init__(self, budget_bytes: int, offload_bytes: int = 0) -> None:
-        self.budget_bytes = budget_bytes
+    def __init__(self, budget_bytes: int, offload_bytes: int = 0, exact: bool = False) -> None:
+        self.budget_bytes, self.exact = budget_bytes, exact
         self.offload_bytes = offload_bytes if budget_bytes > 0 else 0
         self._entries: OrderedDict[tuple[int, ...], _Entry] = OrderedDict()  # least recent first
         self._lock = threading.Lock()
@@ -224,7 +227,7 @@ class PrefixCache:
         with self._lock:
             best, length = None, 0
             for entry in self._entries.values():
-                usable = _usable(entry, _common_prefix(entry.tokens, context), len(context))
+                usable = _usable(entry, _common_prefix(entry.tokens, context), len(context), self.exact)
                 if usable > length:
                     best, length = entry, usable
             hit = self._reuse(best, length) if best is not None and length > 0 else None
@@ -338,13 +341,14 @@ def _mb(nbytes: int, digits: int = 1) -> float:
     return round(nbytes / 2**20, digits)
 
 
-def _usable(entry: _Entry, common: int, total: int) -> int:
+def _usable(entry: _Entry, common: int, total: int, exact: bool) -> int:
     """Of the ``common`` first tokens a context of ``total`` shares with ``entry``, how many its run
-    may take: all but the last for the revoked run's resume; otherwise only tokens the entry read
-    as a prefill reads them, leaving what a fresh read of the context leaves (``Batch._chunk``):
-    the last token alone after passes of two or more (nothing taken from a context of two)."""
+    may take: all but the last (the run needs the logits after it), which is all when not
+    ``exact`` and for the revoked run's resume; otherwise only tokens the entry read as a prefill
+    reads them, leaving what a fresh read of the context leaves (``Batch._chunk``): the last token
+    alone after passes of two or more (nothing taken from a context of two)."""
     common = min(common, total - 1)
-    if entry.preempted and common >= entry.prompt:
+    if not exact or (entry.preempted and common >= entry.prompt):
         return common
     common = min(common, entry.read)
     if total <= 2:
