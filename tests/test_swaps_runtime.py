@@ -170,3 +170,58 @@ def test_a_first_swap_back_is_priced_for_its_kind_not_at_the_cold_cost():
     # never above the cold load it would otherwise be
     assert priced([Swap("a", COLD, 0.001), Swap("b", COLD, 8.0, "a", {"a": HOST}, kept_bytes={"a": 100 * mb})])[1] \
         == {"a": 0.001}
+
+
+class GatedDevice(FakeDevice):
+    """A load that ends only when the test opens its gate: no sleep races the probe."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = asyncio.Event()
+
+    async def load(self, model_id: str) -> Swap:
+        await self.gate.wait()
+        return await super().load(model_id)
+
+
+def test_health_answers_503_loading_until_the_warm_start_loaded_the_chat_model(monkeypatch):
+    """/health (in-process app) asks the scheduler what its warm start still loads, as the
+    SchedulerActor's `warming` answers it: a real WarmStart whose load the test holds open."""
+    import threading
+
+    from fastapi.testclient import TestClient
+
+    from uniun_ray.http import app as app_module
+
+    loop = asyncio.new_event_loop()
+    threading.Thread(target=loop.run_forever, daemon=True).start()
+
+    def on_loop(coro):
+        return asyncio.run_coroutine_threadsafe(coro, loop).result(10)
+
+    async def build():
+        device = GatedDevice()
+        service = SchedulerService(device, RuntimeConfig(reap_period_s=0.05, chat_model="m"))
+        return device, WarmStart(service)
+    device, warm = on_loop(build())
+
+    async def warming():   # the SchedulerActor's `warming`
+        return warm.loading
+
+    async def answers():
+        return True
+    monkeypatch.setattr(app_module, "scheduler_answers", answers)
+    monkeypatch.setattr(app_module, "warm_start_loading",
+                        lambda: asyncio.wrap_future(asyncio.run_coroutine_threadsafe(warming(), loop)))
+    client = TestClient(app_module.create_app())
+    try:
+        assert on_loop(warm.ready(wait=False)) == "m on dev0"
+        for _ in range(2):   # however often it is asked while the load runs
+            loading = client.get("/health")
+            assert loading.status_code == 503 and "loading m on dev0" in loading.json()["error"]["message"]
+        loop.call_soon_threadsafe(device.gate.set)
+        assert on_loop(warm.ready()) is None and device.loads == ["m"]
+        ready = client.get("/health")
+        assert ready.status_code == 200 and ready.json() == {"status": "ok"}
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
