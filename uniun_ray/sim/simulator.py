@@ -56,8 +56,11 @@ from .device import DeviceProfile, PROFILES
 from ..events.schema import Event
 from .workload import Flow, SimJob, Workload
 
-#: Slots per device: one count for every device, or a count per device name (others: 1).
-Slots = int | Mapping[str, int]
+#: Slots per device: one count for every device, or a count per device name (others: 1), or
+#: AUTO: as the runtime's default ("auto", R25) has them, each device's count is the loaded
+#: model's (`ModelSpeed.auto_slots`), given to the policy (`set_slots`) at each swap's end; 1 before.
+AUTO = "auto"
+Slots = int | Mapping[str, int] | str
 
 
 class ContractError(RuntimeError):
@@ -141,7 +144,8 @@ class Simulator:
         self._jobs: dict[str, _JobState] = {}
         self._outstanding: set[str] = set()
         self._running: dict[str, _Run] = {}  # job id -> its run
-        counts = slots if isinstance(slots, Mapping) else dict.fromkeys(devices, slots)
+        self._auto = slots == AUTO
+        counts = slots if isinstance(slots, Mapping) else dict.fromkeys(devices, 1 if self._auto else slots)
         self._devices = {name: _Device(name, counts.get(name, 1), device.kv_cache_tokens)
                          for name in devices}
         self._last_wake: float = -math.inf
@@ -315,6 +319,10 @@ class Simulator:
         given = getattr(self.policy, "set_swap_cost", None)
         for model in sorted(device.kept - {device.model}) if given else ():
             given(model, device.name, self.device.speed(model).swap_cost(self.device.keeps))
+        if self._auto:   # what the device chose for the model it loaded (R25)
+            device.slots = self.device.speed(device.model).auto_slots
+            self._log("slots", device=device.name, model=device.model, slots=device.slots)
+            self._apply(self.policy.set_slots(device.name, device.slots, self.now))
 
     def _abandon_swap(self, device: _Device) -> None:
         """R13, as the runtime does: a swap under way whose every job was revoked, with the

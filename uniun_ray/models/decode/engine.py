@@ -207,12 +207,13 @@ class Engine:
             self._refuse_while_running("load")
             previous = self.loaded
             if previous == model_id:
-                return Swap(model_id, NONE, 0.0, previous, self._warm.kept())
+                return Swap(model_id, NONE, 0.0, previous, self._warm.kept(), kept_bytes=self._warm.sizes())
             started = time.perf_counter()
             folder = None if model_id in self._warm else materialize(resolve(model_id))
             self._release(keep=True)
             kind, note = self._bring(model_id, folder, abandon)
-            return Swap(model_id, kind, time.perf_counter() - started, previous, self._warm.kept(), note)
+            return Swap(model_id, kind, time.perf_counter() - started, previous, self._warm.kept(), note,
+                        self._warm.sizes())
 
     def unload(self) -> float:
         """Drop the resident model and every warm one, and free their memory; return the
