@@ -398,12 +398,12 @@ class SchedulerService:
 
     def _take_plan(self, device: str, model_id: str, plan: dict) -> None:
         """What the device chose for the model it loaded: its step profile (R23) and slot
-        count (R25), given to the policy."""
+        count (R25), given to the policy, which keeps the count for the model's next swap there."""
         now = self._now()
         self.policy.set_step_profile(model_id, device, {int(b): s for b, s in plan["step_profile"].items()})
         self._emit("slots", None, device=device, model=model_id, slots=plan["slots"],
                    step_profile=plan["step_profile"], auto=plan.get("auto"))
-        self._apply(self.policy.set_slots(device, plan["slots"], now))
+        self._apply(self.policy.set_slots(device, plan["slots"], now, model_id=model_id))
 
     def _remove_device(self, device: str, reason: str) -> bool:
         """R20: the device is gone for good. The policy forgets it and puts its jobs, if any,
