@@ -136,3 +136,20 @@ def test_the_pool_chats_workload_has_over_a_hundred_chats():
     chats = [e for e in simulate(SchedulerPolicy(slots=1), generate("pool_chats", 1), PROFILES["cpu-warm"],
                                  slots=AUTO).events if e["ev"] == "first_token" and e["kind"] == "chat"]
     assert len(chats) >= 100
+
+
+def test_with_auto_slots_no_dispatch_exceeds_the_count_its_model_got_on_the_device():
+    """R25 during a swap: once a model's count is known on a device (its first load's end), a
+    swap back to it dispatches no more jobs than that count (gemma-3-270m: 1, a sliding window)
+    while it loads, not the previous model's 16. Only a first load, whose count is not known
+    yet, may get the previous count's jobs (the engine queues those beyond its own)."""
+    profile = PROFILES["cpu-warm"]
+    events = simulate(SchedulerPolicy(slots=1), generate("pool_chats", 1), profile, slots=AUTO).events
+    measured, over = set(), []
+    for e in events:
+        if e["ev"] == "slots":
+            measured.add((e["device"], e["model"]))
+        elif e["ev"] == "dispatch" and e["batch"] > profile.speed(e["model"]).auto_slots:
+            over.append(((e["device"], e["model"]) in measured, e["job"]))
+    assert sum(e["ev"] == "dispatch" and e["model"] == GEMMA3 for e in events) > 200
+    assert [job for known, job in over if known] == []

@@ -148,15 +148,24 @@ class SchedulerPolicy:
         self._pool.add(device, slots)
         return self._react(now, passed)
 
-    def set_slots(self, device: str, slots: int, now: float) -> list[Action]:
-        """R25: the device's slot count for the model it holds, as its ModelActor chose it
-        after a load (measured, "auto", or the setting). Jobs beyond a smaller count run to
-        their end; no free slot is filled until they have."""
+    def set_slots(self, device: str, slots: int, now: float, model_id: str | None = None) -> list[Action]:
+        """R25: the device's slot count for `model_id` (default: the model it holds), as its
+        ModelActor chose it after that model's load (measured, "auto", or the setting). Jobs
+        beyond a smaller count run to their end; no free slot is filled until they have. The
+        count is remembered: a later swap back to the model has it from its dispatch on, so
+        the jobs dispatched while the model loads fit it (a count that arrives once the
+        device moved on to another model waits for that swap back)."""
         now = self._check_now(now)
         target = self._pool.get(device)
         slots = check_slots(slots, device)
+        if model_id is not None and (not isinstance(model_id, str) or not model_id):
+            raise ValueError(f"model_id must be a non-empty string or None, got {model_id!r}")
         passed = self._advance(now)
-        target.slots = slots
+        model_id = target.loaded if model_id is None else model_id
+        if model_id is not None:
+            target.counts[model_id] = slots
+        if model_id == target.loaded:
+            target.slots = slots
         return self._react(now, passed)
 
     def set_step_profile(self, model_id: str, device: str, profile: Mapping[int, float],

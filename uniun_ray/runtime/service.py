@@ -388,22 +388,31 @@ class SchedulerService:
             return
         if self.drivers.get(device) is not driver:
             return
+        try:
+            self._hand_out(tracked, dispatch, epoch, swap_s)
+        except Exception:   # our own fault (`_prepare` fails the job): the device must not admit the epoch
+            self._spawn(driver.revoke(epoch))
+            raise
+
+    def _hand_out(self, tracked: Tracked, dispatch: Dispatch, epoch: int, swap_s: float) -> None:
+        """The fenced epoch's lease to its job, unless the job was revoked meanwhile: then it
+        ends its turn without ever running."""
         if tracked.revoke_requested:
-            driver.ended(epoch)
+            self.drivers[dispatch.device].ended(epoch)
             self._finish(tracked, Outcome.REVOKED)
             return
         self.leases.hand_out(tracked, Lease(tracked.job.id, epoch, dispatch.model_id, tracked.job.kind.value,
                                             swap_s, renew_every_s=self.config.lease_timeout_s / 3,
-                                            tier=int(dispatch.tier), device=device))
+                                            tier=int(dispatch.tier), device=dispatch.device))
 
     def _take_plan(self, device: str, model_id: str, plan: dict) -> None:
         """What the device chose for the model it loaded: its step profile (R23) and slot
-        count (R25), given to the policy."""
+        count (R25), given to the policy, which keeps the count for the model's next swap there."""
         now = self._now()
         self.policy.set_step_profile(model_id, device, {int(b): s for b, s in plan["step_profile"].items()})
         self._emit("slots", None, device=device, model=model_id, slots=plan["slots"],
                    step_profile=plan["step_profile"], auto=plan.get("auto"))
-        self._apply(self.policy.set_slots(device, plan["slots"], now))
+        self._apply(self.policy.set_slots(device, plan["slots"], now, model_id=model_id))
 
     def _remove_device(self, device: str, reason: str) -> bool:
         """R20: the device is gone for good. The policy forgets it and puts its jobs, if any,

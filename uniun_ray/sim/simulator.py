@@ -108,6 +108,7 @@ class _Device:
     kv: dict[str, KvCache] = field(default_factory=dict)   # model -> its prefix KV cache
     model: str | None = None
     kept: set[str] = field(default_factory=set)   # models it held before: they come back as `keeps` says
+    measured: set[str] = field(default_factory=set)   # models whose "auto" count it gave the policy (R25)
     ready: float = 0.0         # the end of the swap under way: nothing computes before it
     runs: dict[int, _Run] = field(default_factory=dict)      # slot -> its unfinished run
     joining: list[_Run] = field(default_factory=list)        # dispatched, join at the next boundary
@@ -253,6 +254,7 @@ class Simulator:
                 raise ContractError(f"unknown action {action!r}")
 
     def _dispatch(self, action: Dispatch) -> None:
+        self._count_at_swap(action)
         device = self._check_dispatch(action)
         state = self._jobs[action.job_id]
         speed = self.device.speed(action.model_id)
@@ -279,6 +281,14 @@ class Simulator:
             self._at(device.ready, self._swap_end, run)
         device.joining.append(run)
         self._wake_at(device, self._boundary(device))
+
+    def _count_at_swap(self, action: Dispatch) -> None:
+        """R25, as the policy keeps it: a swap to a model whose count the device gave before
+        runs that count from its dispatch on (a model never measured there keeps the device's
+        count until its swap's end)."""
+        device = self._devices.get(action.device)
+        if self._auto and action.swap and device is not None and action.model_id in device.measured:
+            device.slots = self.device.speed(action.model_id).auto_slots
 
     def _check_dispatch(self, action: Dispatch) -> "_Device":
         """The device the Dispatch may run on, or a ContractError saying why not."""
@@ -321,8 +331,9 @@ class Simulator:
             given(model, device.name, self.device.speed(model).swap_cost(self.device.keeps))
         if self._auto:   # what the device chose for the model it loaded (R25)
             device.slots = self.device.speed(device.model).auto_slots
+            device.measured.add(device.model)
             self._log("slots", device=device.name, model=device.model, slots=device.slots)
-            self._apply(self.policy.set_slots(device.name, device.slots, self.now))
+            self._apply(self.policy.set_slots(device.name, device.slots, self.now, model_id=device.model))
 
     def _abandon_swap(self, device: _Device) -> None:
         """R13, as the runtime does: a swap under way whose every job was revoked, with the
