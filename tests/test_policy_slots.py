@@ -344,3 +344,4 @@ def test_r25_a_swap_takes_the_slot_count_its_model_got_on_the_device_from_its_di
     assert p.snapshot()["devices"][0]["slots"] == 1
     assert p.set_slots("d0", 3, 18, model_id="m") == []      # a late count of the model it left
     assert p.snapshot()["devices"][0]["slots"] == 1          # is m's next time, not the device's now
+    assert p.snapshot()["devices"][0]["slots_by_model"] == {"m": 3, "y": 1}   # status shows each

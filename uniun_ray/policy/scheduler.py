@@ -235,7 +235,7 @@ class SchedulerPolicy:
         for entry in sorted(self._queues, key=lambda e: e.seq):
             tiers[self.tier(entry.job).label].append(self._describe(entry, now))
         used, held = self._window.usage(now, self._running_runs(now))
-        devices = [{"device": d.name, "loaded_model": d.loaded, "slots": d.slots,
+        devices = [{"device": d.name, "loaded_model": d.loaded, "slots": d.slots, "slots_by_model": dict(d.counts),
                     "running": self._describe_running(d, d.running, now) if d.running else None,
                     "jobs": [self._describe_running(d, e, now) for e in d.jobs.values()],
                     "draining_for": d.drain_for}
