@@ -1,8 +1,8 @@
 """Hand the C heap's free pages back to the system once KV tensors are let go.
 
-The prefix cache's KV lives in tensors of a few hundred KB each, which glibc's malloc serves from
-its heaps (arenas) rather than from a mapping of their own once its mmap threshold has risen
-past them. Freed, they leave holes between tensors still held, and a heap gives memory back only
+The prefix cache's KV lives in many mid-sized tensors (a layer's keys or values of one run),
+which glibc's malloc serves from its heaps (arenas) rather than from a mapping of their own once
+its mmap threshold has risen past them. Freed, they leave holes between tensors still held, and a heap gives memory back only
 from its top: with the cache at its budget, every eviction freeing KV and the next runs
 allocating KV of other sizes, the process's resident memory kept growing while the bytes it
 held stayed flat (issue 35). ``malloc_trim(0)`` releases the free pages inside every arena too.
