@@ -2,10 +2,11 @@
 
 The prefix cache's KV lives in many mid-sized tensors (a layer's keys or values of one run),
 which glibc's malloc serves from its heaps (arenas) rather than from a mapping of their own once
-its mmap threshold has risen past them. Freed, they leave holes between tensors still held, and a heap gives memory back only
-from its top: with the cache at its budget, every eviction freeing KV and the next runs
-allocating KV of other sizes, the process's resident memory kept growing while the bytes it
-held stayed flat (issue 35). ``malloc_trim(0)`` releases the free pages inside every arena too.
+its mmap threshold has risen past them. Freed, they leave holes between tensors still held, and
+a heap gives memory back only from its top: with the cache at its budget, every eviction
+freeing KV and the next runs allocating KV of other sizes, the process's resident memory kept
+growing while the bytes it held stayed flat (issue 35). ``malloc_trim(0)`` releases the free
+pages inside every arena too.
 Elsewhere (musl, macOS) there is no such call and ``trim`` does nothing.
 """
 from __future__ import annotations
