@@ -7,7 +7,7 @@ PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.installed
 export RAY_AUTH_MODE ?= disabled
 
-.PHONY: demo test test-stress test-cluster test-vllm install-vllm peers gpu-check gpu-check-full bench bench-suite install clean
+.PHONY: demo test test-repeat test-stress test-cluster test-vllm install-vllm peers gpu-check gpu-check-full bench bench-suite install clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -53,6 +53,10 @@ peers: $(STAMP)
 	$(PY) benchmarks/peers.py $(PEERS_ARGS)
 
 # The runtime tests three times, each with an empty model cache and two CPU burners beside them.
+# The tests that once failed at random, each 50 times in a row beside a CPU burner (COUNT=50).
+test-repeat: $(STAMP)
+	PYTHON=$(PY) tests/repeat.sh
+
 test-stress: $(STAMP)
 	PYTHON=$(PY) tests/stress.sh
 

@@ -601,3 +601,23 @@ def test_one_greedy_question_gets_one_answer_whatever_the_cache_holds_and_the_ro
         batch.step()
     answers = {engine.resident.vocabulary.tokenizer.decode(job.result.token_ids) for job in questions}
     assert len(answers) == 1, answers
+
+
+def test_a_run_that_evicts_prefix_kv_or_leaves_the_engine_idle_hands_the_heaps_free_pages_back(engine, monkeypatch):
+    """Issue 35: with the prefix cache at its budget, the KV each eviction freed stayed resident
+    as holes in malloc's heaps, and the process grew while the cache held its budget."""
+    from uniun_ray.models.host import heap
+
+    prefix, trims = engine.resident.prefix, []
+    monkeypatch.setattr(heap, "trim", lambda: trims.append(prefix.evictions))
+    run(engine, GenerateRequest(prompt=PROMPT, max_new_tokens=2))
+    assert trims == [0]                                   # nothing evicted, but nothing left running
+    monkeypatch.setattr(prefix, "budget_bytes", prefix.held_bytes)   # full: the next entry evicts
+    batch = Batch(engine)
+    short = batch.add(GenerateRequest(prompt="x = 1", max_new_tokens=2), threading.Event())
+    batch.add(GenerateRequest(prompt="y = 2", max_new_tokens=12), threading.Event())
+    while not short.done.is_set():
+        batch.step()
+    assert trims == [0, 1]                                # the short run's KV evicted, the other still decoding
+    batch.run()
+    assert len(trims) == 3                                # and the last run left the engine idle

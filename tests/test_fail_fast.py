@@ -65,3 +65,28 @@ def test_a_model_the_device_cannot_load_fails_its_job_with_the_cause_and_http_sa
     answer = from_client(error)
     assert (answer.status, answer.code, answer.type) == (503, "model_unavailable", "service_unavailable")
     assert "make install-vllm" in answer.message
+
+
+def test_a_local_ray_whose_node_registers_late_is_started_again_and_other_errors_are_not(monkeypatch):
+    """Ray gives its raylet 30 s to register with the GCS, then raises a bare Exception: on a
+    busy host a new Ray can take longer, and a second start usually succeeds. Any other error
+    of `ray.init` is the caller's to see, at once."""
+    from uniun_ray.runtime import launch
+
+    calls, errors = [], [Exception("The current node timed out during startup. This could happen ...")]
+    def init(**kwargs):
+        calls.append(kwargs)
+        if errors:
+            raise errors.pop()
+        return "context"
+    monkeypatch.setattr(launch.ray, "init", init)
+    monkeypatch.setattr(launch.ray, "shutdown", lambda: calls.append("shutdown"))
+    assert launch.init_local() == "context"
+    assert calls[1] == "shutdown" and len(calls) == 3
+    errors[:] = [ValueError("auth mode")]
+    with pytest.raises(ValueError, match="auth mode"):
+        launch.init_local()
+    errors[:] = [Exception("The current node timed out during startup.")] * launch.STARTS
+    with pytest.raises(Exception, match="timed out during startup"):
+        launch.init_local()
+    assert not errors

@@ -316,3 +316,32 @@ def test_r24_slots_freed_at_one_instant_are_shared_when_a_producer_has_not_ended
     d = SlotDriver(PolicyConfig(decay_period_s=1e9), 1, 3)
     d.run(arrivals)
     check_equal_service(d.runs, arrivals, max(a_jobs + b_jobs))
+
+
+def test_r25_a_swap_takes_the_slot_count_its_model_got_on_the_device_from_its_dispatch_on():
+    """A count the device reported for a model after loading it (`set_slots`) is that model's
+    there: a swap back to it has that count from the swap's dispatch on, not the previous
+    model's until its load ends; a model never measured there keeps the current count."""
+    p = slotted(slots=1)
+    for i in range(4):
+        p.submit(job(f"n{i}", "nataraj", producer=f"n:{i}"), 1)
+    p.set_slots("d0", 4, 2)                                  # m's count, after its load
+    p.submit(job("g0", "gana", model="y", producer="g:0"), 2)
+    p.submit(job("g1", "gana", model="y", producer="g:1"), 2)
+    swapped = [a for i in range(4) for a in p.finish(f"n{i}", 3 + i, "done")]
+    assert [(a.job_id, a.swap) for a in swapped] == [("g0", True), ("g1", False)]  # y not measured: 4 slots
+    assert p.set_slots("d0", 1, 7, model_id="y") == []       # y's count, after its load
+    for i in range(4, 7):
+        p.submit(job(f"n{i}", "nataraj", producer=f"n:{i}"), 7)
+    p.finish("g0", 8, "done")
+    back = p.finish("g1", 9, "done")                         # back to m: its 4 slots at once
+    assert [(a.job_id, a.swap) for a in back] == [("n4", True), ("n5", False), ("n6", False)]
+    assert p.set_slots("d0", 4, 10, model_id="m") == [] and p.snapshot()["devices"][0]["slots"] == 4
+    for i in range(2, 5):
+        p.submit(job(f"g{i}", "gana", model="y", producer=f"g:{i}"), 10)
+    again = [a for i in range(4, 7) for a in p.finish(f"n{i}", 11 + i, "done")]
+    assert [(a.job_id, a.swap) for a in again] == [("g2", True)]   # to y: the one slot y got
+    assert p.snapshot()["devices"][0]["slots"] == 1
+    assert p.set_slots("d0", 3, 18, model_id="m") == []      # a late count of the model it left
+    assert p.snapshot()["devices"][0]["slots"] == 1          # is m's next time, not the device's now
+    assert p.snapshot()["devices"][0]["slots_by_model"] == {"m": 3, "y": 1}   # status shows each

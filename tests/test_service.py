@@ -9,7 +9,7 @@ import asyncio
 import pytest
 
 from conftest import FakeDevice, ManualClock, lease_of, spec
-from uniun_ray.runtime.protocol import JobDropped, QueueFull
+from uniun_ray.runtime.protocol import JobDropped, QueueFull, UniunError
 from uniun_ray.runtime.service import RuntimeConfig, SchedulerService
 
 
@@ -132,6 +132,65 @@ def test_failed_load_fails_the_job_and_the_next_one_runs():
             await lease_of(s, "a")
         lease = await lease_of(s, "b")
         assert lease.model_id == "m" and dev.loads == ["m"]
+    run(go())
+
+
+def test_a_fault_of_the_schedulers_own_while_preparing_a_job_is_logged_recorded_and_fails_that_job(tmp_path, caplog):
+    """The spawned `_prepare` task: an exception of the scheduler's own code there (here: handing
+    out the lease, injected) is logged with its traceback, kept in `status` and the event log,
+    and fails the job it held visibly (its holder's grant raises); the next job runs."""
+    from uniun_ray.events.log import read
+
+    async def go():
+        s = SchedulerService(FakeDevice(), RuntimeConfig(event_log=str(tmp_path / "ev.jsonl"), reap_period_s=0.05))
+        hand_out = s.leases.hand_out
+
+        def broken_once(tracked, lease):
+            if tracked.job.id == "a":
+                raise RuntimeError("injected")
+            hand_out(tracked, lease)
+        s.leases.hand_out = broken_once
+        await s.submit(spec("a", "gana"))
+        await s.submit(spec("b", "gana", producer="p2"))
+        with pytest.raises(UniunError, match="failed preparing it: RuntimeError: injected"):
+            await lease_of(s, "a")
+        lease = await lease_of(s, "b")
+        await s.release("b", lease.epoch, "done")
+        return await s.status()
+    with caplog.at_level("ERROR", logger="uniun_ray.runtime.service"):
+        status = run(go())
+    assert [f["error"] for f in status["faults"]] == ["RuntimeError: injected"] and status["leases"] == {}
+    assert status["devices"][0]["jobs"] == []   # the policy holds nothing for it
+    logged = [r for r in caplog.records if "preparing a" in r.getMessage()]
+    assert logged and logged[0].exc_info is not None          # with its traceback
+    events = [(e["ev"], e["job"], e.get("outcome")) for e in read(tmp_path / "ev.jsonl") if e.get("job") == "a"]
+    assert events[-2:] == [("fault", "a", None), ("finish", "a", "failed")]
+
+
+def test_a_fault_after_the_fence_ends_the_epoch_it_fenced():
+    """A fault of the scheduler's own after the job's epoch was fenced (here: handing out its
+    lease, injected) fails the job and ends that epoch as a revoke does: the driver keeps it no
+    more among the live ones (the next grant fences it) and the device refuses it at once."""
+    async def go():
+        dev = FakeDevice()
+        s = SchedulerService(dev, FAST)
+        driver, hand_out, fenced = next(iter(s.drivers.values())), s.leases.hand_out, []
+
+        def broken_once(tracked, lease):
+            if tracked.job.id == "a":
+                fenced.append(lease.epoch)
+                raise RuntimeError("injected")
+            hand_out(tracked, lease)
+        s.leases.hand_out = broken_once
+        await s.submit(spec("a", "gana"))
+        with pytest.raises(UniunError, match="failed preparing it"):
+            await lease_of(s, "a")
+        await asyncio.sleep(0.01)
+        assert fenced and fenced[0] not in driver.live and fenced[0] in dev.revoked
+        await s.submit(spec("b", "gana", producer="p2"))
+        lease = await lease_of(s, "b")
+        assert driver.live == {lease.epoch}   # its grant names b alone
+        await s.release("b", lease.epoch, "done")
     run(go())
 
 

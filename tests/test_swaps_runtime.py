@@ -6,9 +6,12 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
+
 from conftest import FakeDevice, ManualClock, lease_of, spec
 from uniun_ray.events.log import read
-from uniun_ray.models.requests.swap import COLD, HOST, WARM, Swap
+from uniun_ray.models.requests.swap import COLD, HOST, RESIDENT, SWITCH, WARM, Swap
+from uniun_ray.runtime.driver import COPY_BYTES_PER_S, FIRST_SWITCH_S, DeviceDriver
 from uniun_ray.runtime.service import RuntimeConfig, SchedulerService
 from uniun_ray.runtime.warmstart import WarmStart
 
@@ -48,9 +51,9 @@ def test_each_swaps_kind_and_time_reach_the_log_the_status_and_the_policy(tmp_pa
             costs.append(s.policy.snapshot()["swap_cost_s"]["dev0"].get(other))
         return costs, await s.status()
     costs, status = run(go())
-    # after b's cold load a's swap back would be a warm copy, not measured yet: its cold time;
-    # once each came back warm, the other's next swap is its warm time
-    assert costs == [None, 0.05, 0.05, 0.001]
+    # after b's cold load a's swap back would be a warm copy of unknown size, none measured yet:
+    # its cold time; once a came back warm, b's first copy back is priced at a's (`_first`)
+    assert costs == [None, 0.05, 0.001, 0.001]
     swaps = status["devices"][0]["swaps"]
     assert (swaps["last"]["kind"], swaps["last"]["kept"]) == (WARM, {"a": HOST})
     assert swaps["measured"] == {"a": {COLD: 0.05, WARM: 0.001}, "b": {COLD: 0.05, WARM: 0.001}}
@@ -128,3 +131,97 @@ def test_the_jobs_that_joined_an_abandoned_swap_go_back_to_their_queue_revoked_n
     assert dev.abandoned == ["y"] and dev.loads == ["m", "y"]
     finishes = [(e["job"], e["outcome"]) for e in read(tmp_path / "ev.jsonl") if e["ev"] == "finish"]
     assert sorted(finishes[:2]) == [("n1", "revoked"), ("n2", "revoked")]
+
+
+class ScriptedDevice:
+    """Answers each load with the next of `swaps`."""
+
+    def __init__(self, swaps: list[Swap]) -> None:
+        self.swaps = iter(swaps)
+
+    async def load(self, model_id: str) -> Swap:
+        swap = next(self.swaps)
+        assert swap.model == model_id
+        return swap
+
+
+def priced(swaps: list[Swap]) -> list[dict[str, float]]:
+    """What the driver prices the next swaps at after each of `swaps`."""
+    async def go():
+        driver, costs = DeviceDriver(ScriptedDevice(swaps)), []
+        for swap in swaps:
+            await driver.load(swap.model)
+            costs.append(driver.swap_costs())
+        return costs
+    return run(go())
+
+
+def test_a_first_swap_back_is_priced_for_its_kind_not_at_the_cold_cost():
+    """Before a switch or a warm copy to a model was measured, the policy is given an estimate
+    of that kind: a switch at FIRST_SWITCH_S, then at the dearest switch measured on the device;
+    a warm copy at its bytes over the conservative rate, then over the rate a copy measured."""
+    mb = 2**20
+    switches = priced([Swap("a", COLD, 5.0), Swap("b", COLD, 8.0, "a", {"a": RESIDENT}),
+                       Swap("a", SWITCH, 0.002, "b", {"b": RESIDENT}), Swap("b", SWITCH, 0.001, "a", {"a": RESIDENT})])
+    assert switches == [{}, {"a": FIRST_SWITCH_S}, {"b": 0.002}, {"a": 0.002}]
+    copies = priced([Swap("a", COLD, 5.0), Swap("b", COLD, 8.0, "a", {"a": HOST}, kept_bytes={"a": 100 * mb}),
+                     Swap("a", WARM, 0.01, "b", {"b": HOST}, kept_bytes={"b": 300 * mb})])
+    assert copies == [{}, {"a": 100 * mb / COPY_BYTES_PER_S}, {"b": pytest.approx(0.03)}]
+    # never above the cold load it would otherwise be
+    assert priced([Swap("a", COLD, 0.001), Swap("b", COLD, 8.0, "a", {"a": HOST}, kept_bytes={"a": 100 * mb})])[1] \
+        == {"a": 0.001}
+
+
+class GatedDevice(FakeDevice):
+    """A load that ends only when the test opens its gate: no sleep races the probe."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = asyncio.Event()
+
+    async def load(self, model_id: str) -> Swap:
+        await self.gate.wait()
+        return await super().load(model_id)
+
+
+def test_health_answers_503_loading_until_the_warm_start_loaded_the_chat_model(monkeypatch):
+    """/health (in-process app) asks the scheduler what its warm start still loads, as the
+    SchedulerActor's `warming` answers it: a real WarmStart whose load the test holds open."""
+    import threading
+
+    from fastapi.testclient import TestClient
+
+    from uniun_ray.http import app as app_module
+
+    loop = asyncio.new_event_loop()
+    threading.Thread(target=loop.run_forever, daemon=True).start()
+
+    def on_loop(coro):
+        return asyncio.run_coroutine_threadsafe(coro, loop).result(10)
+
+    async def build():
+        device = GatedDevice()
+        service = SchedulerService(device, RuntimeConfig(reap_period_s=0.05, chat_model="m"))
+        return device, WarmStart(service)
+    device, warm = on_loop(build())
+
+    async def warming():   # the SchedulerActor's `warming`
+        return warm.loading
+
+    async def answers():
+        return True
+    monkeypatch.setattr(app_module, "scheduler_answers", answers)
+    monkeypatch.setattr(app_module, "warm_start_loading",
+                        lambda: asyncio.wrap_future(asyncio.run_coroutine_threadsafe(warming(), loop)))
+    client = TestClient(app_module.create_app())
+    try:
+        assert on_loop(warm.ready(wait=False)) == "m on dev0"
+        for _ in range(2):   # however often it is asked while the load runs
+            loading = client.get("/health")
+            assert loading.status_code == 503 and "loading m on dev0" in loading.json()["error"]["message"]
+        loop.call_soon_threadsafe(device.gate.set)
+        assert on_loop(warm.ready()) is None and device.loads == ["m"]
+        ready = client.get("/health")
+        assert ready.status_code == 200 and ready.json() == {"status": "ok"}
+    finally:
+        loop.call_soon_threadsafe(loop.stop)

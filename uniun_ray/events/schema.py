@@ -49,6 +49,10 @@ device         device, change ("added"|"removed"); optional: reason. The pool ch
 slots          device, model, slots (int): after loading ``model`` the device decodes up to
                ``slots`` jobs together (SPEC §6, R25); optional: step_profile ({batch: seconds
                per step}, R23), auto (bool: the count was measured, not set)
+fault          where (the scheduler's step that failed, e.g. "prepare"), error (its type and
+               message): a fault of the scheduler's own code, logged with its traceback; optional:
+               job, kind, producer, model, device (the run it failed; a finish "failed" follows
+               while the job was still running)
 node           node (Ray's node id), address, change ("joined"|"left"); optional: reason.
                A node of the cluster joined it (its devices follow as ``device`` "added")
                or died (its devices leave as ``device`` "removed")
@@ -85,6 +89,7 @@ REQUIRED: dict[str, tuple[str, ...]] = {
     "device": ("device", "change"),
     "node": ("node", "address", "change"),
     "slots": ("device", "model", "slots"),
+    "fault": ("where", "error"),
 }
 OUTCOMES = ("done", "failed", "revoked")
 

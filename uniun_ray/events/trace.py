@@ -30,6 +30,7 @@ class Run:
     device: str = "dev0"
     slot: int = 0
     batch: int = 1        # jobs on the device at the dispatch, this one included (SPEC §6)
+    prefill_tokens: int | None = None   # context it had to read (not in the prefix cache), where logged
     swap_s: float = 0.0
     end: float | None = None
     outcome: str | None = None
@@ -107,7 +108,7 @@ class Trace:
                 tier = ev.get("tier")
                 tier = int(tier_of(rec.job, self.foreground_at(t), t)) if tier is None else tier
                 run = Run(rec.job.id, rec.kind, rec.producer, ev["model"], t, tier, ev.get("device", "dev0"),
-                          ev.get("slot", 0), ev.get("batch", 1))
+                          ev.get("slot", 0), ev.get("batch", 1), ev.get("prefill_tokens"))
                 self.devices.setdefault(run.device, None)
                 rec.runs.append(run)
                 self.runs.append(run)

@@ -32,6 +32,7 @@ class Device:
     jobs: dict[str, Entry] = field(default_factory=dict)  # job id -> entry, in dispatch order
     slots: int = 1
     drain_for: str | None = None  # R21: a waiting job will take this device once it is empty
+    counts: dict[str, int] = field(default_factory=dict)  # model -> the slots it got here (R25)
 
     @property
     def running(self) -> Entry | None:
@@ -113,6 +114,8 @@ class Pool:
 
     def start(self, device: Device, entry: Entry, dispatch_no: int) -> Entry | None:
         """Give `entry` a slot on `device`; returns the revoked job it took the slot of, if any."""
+        if device.loaded != entry.job.model_id:   # a swap: the model's own count from now on
+            device.slots = device.counts.get(entry.job.model_id, device.slots)
         entry.slot, handed = device.free_slot()
         if handed is not None:
             handed.handed = True

@@ -148,15 +148,24 @@ class SchedulerPolicy:
         self._pool.add(device, slots)
         return self._react(now, passed)
 
-    def set_slots(self, device: str, slots: int, now: float) -> list[Action]:
-        """R25: the device's slot count for the model it holds, as its ModelActor chose it
-        after a load (measured, "auto", or the setting). Jobs beyond a smaller count run to
-        their end; no free slot is filled until they have."""
+    def set_slots(self, device: str, slots: int, now: float, model_id: str | None = None) -> list[Action]:
+        """R25: the device's slot count for `model_id` (default: the model it holds), as its
+        ModelActor chose it after that model's load (measured, "auto", or the setting). Jobs
+        beyond a smaller count run to their end; no free slot is filled until they have. The
+        count is remembered: a later swap back to the model has it from its dispatch on, so
+        the jobs dispatched while the model loads fit it (a count that arrives once the
+        device moved on to another model waits for that swap back)."""
         now = self._check_now(now)
         target = self._pool.get(device)
         slots = check_slots(slots, device)
+        if model_id is not None and (not isinstance(model_id, str) or not model_id):
+            raise ValueError(f"model_id must be a non-empty string or None, got {model_id!r}")
         passed = self._advance(now)
-        target.slots = slots
+        model_id = target.loaded if model_id is None else model_id
+        if model_id is not None:
+            target.counts[model_id] = slots
+        if model_id == target.loaded:
+            target.slots = slots
         return self._react(now, passed)
 
     def set_step_profile(self, model_id: str, device: str, profile: Mapping[int, float],
@@ -226,7 +235,7 @@ class SchedulerPolicy:
         for entry in sorted(self._queues, key=lambda e: e.seq):
             tiers[self.tier(entry.job).label].append(self._describe(entry, now))
         used, held = self._window.usage(now, self._running_runs(now))
-        devices = [{"device": d.name, "loaded_model": d.loaded, "slots": d.slots,
+        devices = [{"device": d.name, "loaded_model": d.loaded, "slots": d.slots, "slots_by_model": dict(d.counts),
                     "running": self._describe_running(d, d.running, now) if d.running else None,
                     "jobs": [self._describe_running(d, e, now) for e in d.jobs.values()],
                     "draining_for": d.drain_for}

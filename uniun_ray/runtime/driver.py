@@ -28,10 +28,19 @@ import asyncio
 import logging
 from typing import Protocol
 
-from ..models.requests.swap import COLD, Swap
+from ..models.requests.swap import COLD, SWITCH, WARM, Swap
 from .protocol import DeviceLost
 
 log = logging.getLogger(__name__)
+
+#: What the first switch to a co-resident model is priced at before any switch was measured on
+#: the device: only the active model changes (1-2 ms measured on a 2-core CPU, BENCHMARKS.md
+#: "Swaps"); a conservative 10 ms.
+FIRST_SWITCH_S = 0.01
+#: Host-to-device bytes per second a first warm copy is priced at before any copy of known size
+#: was measured on the device: a pinned copy over PCIe 3 x16 runs ~12 GB/s, a CPU's copy is empty;
+#: a conservative 2 GB/s.
+COPY_BYTES_PER_S = 2e9
 
 class Device(Protocol):
     """`load`, `grant` and `revoke` raise DeviceLost when the device died under the call
@@ -75,6 +84,7 @@ class DeviceDriver:
         self.swap_s: dict[str, float] = {}     # the last measured load time per model
         self.measured: dict[tuple[str, str], float] = {}   # (model, swap kind) -> the last seconds
         self.last_swap: Swap | None = None      # what the device kept warm after it (`Swap.kept`)
+        self.copy_bytes_per_s: float | None = None   # measured by a warm copy of known size
         self.plan: dict | None = None           # what the device chose for its model: slots, step profile
         self.live: set[int] = set()           # epochs granted and not yet ended or revoked
         self._epochs = epochs or EpochClock()
@@ -103,6 +113,9 @@ class DeviceDriver:
         finally:
             self._loaded.set()
             self.loading = None
+        copied = self.last_swap.kept_bytes.get(model_id) if self.last_swap else None
+        if swap.kind == WARM and copied and swap.seconds > 0:
+            self.copy_bytes_per_s = copied / swap.seconds
         self.swap_s[model_id], self.last_swap = swap.seconds, swap
         self.measured[(model_id, swap.kind)] = swap.seconds
         return swap
@@ -111,15 +124,32 @@ class DeviceDriver:
         """What a swap to each model measured here would cost now (R12: given to the policy):
         the kind it would be after the last swap (a switch or a warm copy for a model the
         device kept, else a cold load), at that model's last time of that kind, else (the
-        first swap back) its last cold load's."""
+        first swap back) as `_first` estimates that kind."""
         if self.last_swap is None:
             return {}
         costs = {}
         for model in {m for m, _ in self.measured} - {self.model}:
-            cost = self.measured.get((model, self.last_swap.next_kind(model)), self.measured.get((model, COLD)))
+            kind = self.last_swap.next_kind(model)
+            cost = self.measured.get((model, kind), self._first(model, kind))
             if cost is not None:
                 costs[model] = cost
         return costs
+
+    def _first(self, model: str, kind: str) -> float | None:
+        """A swap of `kind` to `model` before one was measured: a warm copy at its bytes over
+        the copy rate measured here (else COPY_BYTES_PER_S); a switch, or a copy of unknown
+        size, at the dearest of that kind measured here for any model (else FIRST_SWITCH_S for a
+        switch); never above the model's cold load, which is the cost of anything else."""
+        cold = self.measured.get((model, COLD))
+        size = self.last_swap.kept_bytes.get(model) if kind == WARM else None
+        seen = [s for (_, k), s in self.measured.items() if k == kind]
+        if size:
+            cost = size / (self.copy_bytes_per_s or COPY_BYTES_PER_S)
+        elif seen:
+            cost = max(seen)
+        else:
+            cost = FIRST_SWITCH_S if kind == SWITCH else None
+        return cold if cost is None else cost if cold is None else min(cost, cold)
 
     async def fence(self, model_id: str | None = None, confirm: bool = False) -> int:
         """A new epoch for one slot, announced to the device with the live ones beside it:

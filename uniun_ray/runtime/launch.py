@@ -6,6 +6,7 @@ number of scripts, producers and CLI calls can `start()` at once and share one s
 """
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import time
@@ -28,6 +29,13 @@ from ..models.requests.settings import MODELS_ENV, SLOTS_ENV, EngineSettings, pa
 
 #: Resources a local cluster declares for one stand-in device of a CPU-only machine.
 LOCAL_RESOURCES = stand_in_resources(0)
+#: What `ray.init` says when the raylet did not register with the GCS within the 30 s Ray
+#: allows (hard-coded in ray/_private/node.py): on a host busy enough, a new Ray's start can
+#: take longer, and a second start usually succeeds. How many starts a local Ray gets.
+STARTUP_TIMEOUT = "timed out during startup"
+STARTS = 3
+
+log = logging.getLogger(__name__)
 
 
 def ensure_auth_mode() -> str:
@@ -101,8 +109,16 @@ def init_local(namespace: str = NAMESPACE, *, dashboard: bool = False, devices: 
     init_kwargs.setdefault("log_to_driver", False)
     if dashboard:
         init_kwargs.setdefault("dashboard_host", "127.0.0.1")
-    return ray.init(address="local", namespace=namespace, resources=stand_in_resources(0, devices),
-                    include_dashboard=dashboard, **init_kwargs)
+    for attempt in range(1, STARTS + 1):
+        try:
+            return ray.init(address="local", namespace=namespace, resources=stand_in_resources(0, devices),
+                            include_dashboard=dashboard, **init_kwargs)
+        except Exception as error:   # Ray raises a bare Exception when its raylet registers late
+            if STARTUP_TIMEOUT not in str(error) or attempt == STARTS:
+                raise
+            log.warning("Ray's node did not register in time (a busy host?); starting it again (%d/%d)",
+                        attempt + 1, STARTS)
+            ray.shutdown()
 
 
 @contextmanager

@@ -19,8 +19,10 @@ nothing here re-derives a policy fact.
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 import os
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Mapping
 
@@ -40,6 +42,10 @@ __all__ = ["Device", "RuntimeConfig", "SchedulerService"]
 #: How often one job may lose the device (ModelActor died under it) and be re-queued
 #: before it fails with DeviceLost: a model that kills its actor must not loop forever.
 MAX_DEVICE_FAULTS = 3
+#: The scheduler's own faults `status` keeps (its `faults`: the newest last).
+FAULTS_KEPT = 20
+
+log = logging.getLogger(__name__)
 #: A revoke's reason in the log when the call that caused it names none (a tick, say).
 _REASONS = {RevokeCause.ARRIVAL: "arrival of an outranking job", RevokeCause.FOREGROUND: "foreground change",
             RevokeCause.DEADLINE: "deadline passed", RevokeCause.AFFINITY: "an outranking job's affinity wait ended",
@@ -132,6 +138,7 @@ class SchedulerService:
         # every event, refresh(snapshot_fn) from the timer
         self.metrics = metrics
         self._tasks: set[asyncio.Task] = set()
+        self.faults: deque[dict] = deque(maxlen=FAULTS_KEPT)   # the scheduler's own, for status
 
     # -- the producer-facing protocol ---------------------------------------------------
     async def submit(self, job: Job) -> str:
@@ -291,6 +298,7 @@ class SchedulerService:
         snap["event_log"] = str(self.events.path)
         snap["chat_model"] = self.config.chat_model
         snap["leases"] = self.leases.snapshot()
+        snap["faults"] = list(self.faults)
         return snap
 
     # -- executing the policy's actions ---------------------------------------------------
@@ -320,6 +328,25 @@ class SchedulerService:
                     self._spawn(self.drivers[tracked.device].abandon(tracked.job.model_id))
 
     async def _prepare(self, tracked: Tracked, dispatch: Dispatch) -> None:
+        """`_grant` in a task of its own, guarded: a fault of the scheduler's own code there
+        (the device's faults are `_grant`'s to handle) would vanish with the task. It is
+        logged with its traceback, kept for `status` (`faults`) and written to the event log
+        (`fault`), and the job, if it is still the policy's, fails as a failed load does: its
+        holder's acquire raises, the policy frees its slot, nothing waits for it forever."""
+        try:
+            await self._grant(tracked, dispatch)
+        except Exception as error:
+            log.exception("preparing %s on %s failed", tracked.job.id, dispatch.device)
+            fault = {"t": self._now(), "where": "prepare", "job": tracked.job.id, "device": dispatch.device,
+                     "error": f"{type(error).__name__}: {error}"}
+            self.faults.append(fault)
+            self._emit_run("fault", tracked, where="prepare", error=fault["error"])
+            held = any(job.id == tracked.job.id for job in self.policy.slot_jobs.get(dispatch.device, ()))
+            if self.leases.jobs.get(tracked.job.id) is tracked and held:
+                reason = f"the scheduler failed preparing it: {fault['error']}"
+                self._fail(tracked, UniunError(f"job {tracked.job.id}: {reason}"), reason)
+
+    async def _grant(self, tracked: Tracked, dispatch: Dispatch) -> None:
         """Load the model if asked, fence a new epoch at the device, then hand out the lease,
         unless the job was revoked meanwhile: then it ends its turn without ever running. A
         device that left the pool meanwhile (its node died) put the job back already (R20):
@@ -361,22 +388,31 @@ class SchedulerService:
             return
         if self.drivers.get(device) is not driver:
             return
+        try:
+            self._hand_out(tracked, dispatch, epoch, swap_s)
+        except Exception:   # our own fault (`_prepare` fails the job): the device must not admit the epoch
+            self._spawn(driver.revoke(epoch))
+            raise
+
+    def _hand_out(self, tracked: Tracked, dispatch: Dispatch, epoch: int, swap_s: float) -> None:
+        """The fenced epoch's lease to its job, unless the job was revoked meanwhile: then it
+        ends its turn without ever running."""
         if tracked.revoke_requested:
-            driver.ended(epoch)
+            self.drivers[dispatch.device].ended(epoch)
             self._finish(tracked, Outcome.REVOKED)
             return
         self.leases.hand_out(tracked, Lease(tracked.job.id, epoch, dispatch.model_id, tracked.job.kind.value,
                                             swap_s, renew_every_s=self.config.lease_timeout_s / 3,
-                                            tier=int(dispatch.tier), device=device))
+                                            tier=int(dispatch.tier), device=dispatch.device))
 
     def _take_plan(self, device: str, model_id: str, plan: dict) -> None:
         """What the device chose for the model it loaded: its step profile (R23) and slot
-        count (R25), given to the policy."""
+        count (R25), given to the policy, which keeps the count for the model's next swap there."""
         now = self._now()
         self.policy.set_step_profile(model_id, device, {int(b): s for b, s in plan["step_profile"].items()})
         self._emit("slots", None, device=device, model=model_id, slots=plan["slots"],
                    step_profile=plan["step_profile"], auto=plan.get("auto"))
-        self._apply(self.policy.set_slots(device, plan["slots"], now))
+        self._apply(self.policy.set_slots(device, plan["slots"], now, model_id=model_id))
 
     def _remove_device(self, device: str, reason: str) -> bool:
         """R20: the device is gone for good. The policy forgets it and puts its jobs, if any,
@@ -425,11 +461,11 @@ class SchedulerService:
                                                     f"after {reason}"))
         return True
 
-    def _fail(self, tracked: Tracked, error: Exception) -> None:
+    def _fail(self, tracked: Tracked, error: Exception, reason: str | None = None) -> None:
         self._lease_ended(tracked)
         actions = self.policy.finish(tracked.job.id, self._now(), Outcome.FAILED)
         self._emit_run("finish", tracked, outcome="failed", requeued=False,
-                   reason=str(error) if isinstance(error, DeviceLost) else f"load failed: {error}")
+                       reason=reason or (str(error) if isinstance(error, DeviceLost) else f"load failed: {error}"))
         self.leases.end(tracked, f"failed: {error}", error)
         self._apply(actions)
 

@@ -3,7 +3,9 @@ batching), as the simulator models it.
 
 Each step (one batched forward) gives every *decoding* job its next token and, when a job is
 still prefilling, reads one prefill chunk of one such job: the one of the best tier at its
-dispatch (a chat first), the earliest joined among equals; the others wait their turn. A step
+dispatch (a chat first), the earliest joined among equals; the others wait their turn. A chat
+(T0: nothing but its cancel stops it) reads its whole prompt in one chunk, as the engine's
+``Batch`` reads it in one pass while the others wait: its time to first token is the goal. A step
 of b decoding jobs alone costs ``step_s(b)``; a chunk alone costs its prefill time
 (``chunk x prefill_s_per_token``); a step that carries both is one forward pass, which reads
 the weights once: the chunk's time plus what the b decoding rows add to a pass,
@@ -100,8 +102,8 @@ def plan(batch: list[Progress], start: float, speed: ModelSpeed, chunk: int) -> 
     if decoders:
         count = min(job.goal - job.tokens for job in decoders)
         length = speed.step_s(len(decoders))
-    if reader is not None:
-        read = min(chunk, reader.to_read)
-        count = min(count, max(1, reader.to_read // chunk))
+    if reader is not None:   # a chat reads its prompt in one pass, the others waiting (as the engine's Batch)
+        read = reader.to_read if reader.tier == 0 else min(chunk, reader.to_read)
+        count = min(count, max(1, reader.to_read // read))
         length += speed.prefill_s(read) - (speed.fixed_s if decoders else 0.0)
     return Epoch(start, length, count, decoders, reader, read)

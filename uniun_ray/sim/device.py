@@ -105,6 +105,10 @@ class ModelSpeed:
     batch_cost: tuple[tuple[int, float], ...] = ((1, 1.0),)
     warm_s: float | None = None     # a swap back from host memory (None: as cold)
     switch_s: float | None = None   # a switch to it, resident beside the last model (None: as warm)
+    #: The slots the runtime's "auto" (R25, `models.host.steps.auto_slots` over `steps` at the
+    #: batch sizes it measures) gives the model once loaded: 1 for a model its engine cannot
+    #: batch (Gemma's sliding window). Played where the simulator is given ``slots="auto"``.
+    auto_slots: int = 1
 
     def swap_cost(self, kind: str) -> float:
         """Seconds of a swap to this model of `kind` (``events.schema.SWAP_KINDS``)."""
@@ -176,18 +180,22 @@ CPU_BATCH_COST = ((1, 1.0), (2, 1.181), (4, 1.822), (8, 2.575), (16, 3.277), (32
 GPU_BATCH_COST = ((1, 1.0), (128, (128 / 1737) / (1 / 65)))
 
 
-def _from_rates(decode_tok_s: float, prefill_tok_s: float, swap_s: float) -> ModelSpeed:
-    return ModelSpeed(1.0 / decode_tok_s, 1.0 / prefill_tok_s, swap_s, CPU_BATCH_COST)
+def _from_rates(decode_tok_s: float, prefill_tok_s: float, swap_s: float, auto_slots: int) -> ModelSpeed:
+    return ModelSpeed(1.0 / decode_tok_s, 1.0 / prefill_tok_s, swap_s, CPU_BATCH_COST, auto_slots=auto_slots)
 
+
+#: What "auto" chooses on these curves (checked against `auto_slots` in tests/test_sim_swaps.py):
+#: 16 of the CPU's sizes 1-16 (tokens per second still grow past 8), 64 of a GPU's 1-64.
+CPU_AUTO_SLOTS, GPU_AUTO_SLOTS = 16, 64
 
 PROFILES: dict[str, DeviceProfile] = {
     "cpu": DeviceProfile("cpu", {
-        SMOLLM2: _from_rates(22.33, 1107 / 1.61, 0.43),
-        GEMMA3: _from_rates(19.48, 1078 / 1.14, 3.29),
-        TINY: _from_rates(834.55, 1188 / 0.03, 0.47),
+        SMOLLM2: _from_rates(22.33, 1107 / 1.61, 0.43, CPU_AUTO_SLOTS),
+        GEMMA3: _from_rates(19.48, 1078 / 1.14, 3.29, 1),
+        TINY: _from_rates(834.55, 1188 / 0.03, 0.47, CPU_AUTO_SLOTS),
     }, batch_source="SmolLM2's batch curve measured beside other work, one thread, CPU seconds: provisional"),
     "gpu": DeviceProfile("gpu", {
-        SMOLLM2: ModelSpeed(0.015, 0.00002, 0.4, GPU_BATCH_COST),
+        SMOLLM2: ModelSpeed(0.015, 0.00002, 0.4, GPU_BATCH_COST, auto_slots=GPU_AUTO_SLOTS),
         GEMMA3: ModelSpeed(0.010, 0.00002, 0.6, GPU_BATCH_COST),
     }, batch_source="batch curve estimated from published vLLM figures, not measured"),
 }

@@ -48,7 +48,7 @@ from dataclasses import dataclass, field
 from typing import Iterable, Iterator
 
 from ..events.schema import Event
-from ..events.trace import JobRecord, Trace
+from ..events.trace import JobRecord, Run, Trace
 
 POOL_KINDS = ("nataraj", "gana")
 
@@ -159,9 +159,57 @@ def drain_s(log: Iterable[Event] | Trace, producer: str) -> float | None:
     return max(rec.end for rec in recs) - min(rec.submit for rec in recs)
 
 
+def _first_token_run(rec: JobRecord) -> Run:
+    return next(r for r in rec.runs if r.start <= rec.first_token <= r.end)
+
+
 def _chat_delay(rec: JobRecord) -> float:
-    run = next(r for r in rec.runs if r.start <= rec.first_token <= r.end)
+    run = _first_token_run(rec)
     return run.start + run.swap_s - rec.submit
+
+
+@dataclass(frozen=True)
+class ChatWait:
+    """What one chat's time to first token was made of: queued from its submit to its dispatch
+    (behind the jobs that held its device's slots meanwhile, by kind), its swap, then its own
+    compute to the first token (the prefill of `prefill_tokens`, beside `batch` - 1 others)."""
+
+    job: str
+    ttft: float
+    queued: float
+    behind: tuple[str, ...]
+    swap: float
+    compute: float
+    prefill_tokens: int | None
+    batch: int
+
+    def describe(self) -> str:
+        behind = f" behind {', '.join(self.behind)}" if self.behind else ""
+        tokens = "" if self.prefill_tokens is None else f" of {self.prefill_tokens} uncached tokens"
+        return (f"{self.job} {self.ttft:.2f} s: queued {self.queued:.2f} s{behind}, swap {self.swap:.3f} s, "
+                f"own prefill {self.compute:.2f} s{tokens} (batch {self.batch})")
+
+
+def chat_waits(log: Iterable[Event] | Trace) -> list[ChatWait]:
+    """Every chat that got a first token, slowest first: what it waited for (issue 37)."""
+    trace = log if isinstance(log, Trace) else Trace(log)
+    waits = []
+    for rec in trace.jobs.values():
+        if rec.kind != "chat" or rec.first_token is None:
+            continue
+        run = _first_token_run(rec)
+        behind = Counter(other.kind for other in trace.runs if other.device == run.device and other is not run
+                         and other.start < run.start and other.end > rec.submit)
+        waits.append(ChatWait(rec.job.id, rec.first_token - rec.submit, run.start - rec.submit,
+                              tuple(f"{n} {kind}" for kind, n in sorted(behind.items())), run.swap_s,
+                              rec.first_token - run.start - run.swap_s, run.prefill_tokens, run.batch))
+    return sorted(waits, key=lambda w: -w.ttft)
+
+
+def p99_chat(log: Iterable[Event] | Trace) -> ChatWait | None:
+    """The chat at the p99 of TTFT (nearest rank, as `percentile`)."""
+    waits = chat_waits(log)
+    return waits[len(waits) - max(1, math.ceil(0.99 * len(waits)))] if waits else None
 
 
 def forced_swaps(trace: Trace) -> int:

@@ -14,7 +14,7 @@ from uniun_ray.policy import SchedulerPolicy
 
 from .device import DeviceProfile
 from .metrics import Goal, Metrics, goals_table, measure
-from .simulator import simulate
+from .simulator import AUTO, Slots, simulate
 from ..events.trace import Trace
 from .workload import Workload
 
@@ -32,15 +32,16 @@ class PoolOutcome:
     revokes: int
     idle_while_waiting_s: float
     wall_s: float
-    slots: int = 1
+    slots: int | str = 1            # or "auto": each model's own (`ModelSpeed.auto_slots`)
     trace: Trace | None = None      # the run's log and its scores, for more figures (`slotbench`)
     metrics: Metrics | None = None
 
 
-def run(workload: Workload, profile: DeviceProfile, n: int, slots: int = 1) -> PoolOutcome:
+def run(workload: Workload, profile: DeviceProfile, n: int, slots: Slots = 1) -> PoolOutcome:
     """`workload` on `n` devices of `profile` with `slots` slots each (SPEC §5, §6)."""
     names = tuple(f"dev{i}" for i in range(n))
-    result = simulate(SchedulerPolicy(devices=names, slots=slots), workload, profile, names, slots)
+    policy = SchedulerPolicy(devices=names, slots=1 if slots == AUTO else slots)
+    result = simulate(policy, workload, profile, names, slots)
     trace = Trace(result.events)
     m = measure(trace)
     horizon = max(f.stop for f in workload.flows if f.stop is not None)

@@ -56,8 +56,11 @@ from .device import DeviceProfile, PROFILES
 from ..events.schema import Event
 from .workload import Flow, SimJob, Workload
 
-#: Slots per device: one count for every device, or a count per device name (others: 1).
-Slots = int | Mapping[str, int]
+#: Slots per device: one count for every device, or a count per device name (others: 1), or
+#: AUTO: as the runtime's default ("auto", R25) has them, each device's count is the loaded
+#: model's (`ModelSpeed.auto_slots`), given to the policy (`set_slots`) at each swap's end; 1 before.
+AUTO = "auto"
+Slots = int | Mapping[str, int] | str
 
 
 class ContractError(RuntimeError):
@@ -105,6 +108,7 @@ class _Device:
     kv: dict[str, KvCache] = field(default_factory=dict)   # model -> its prefix KV cache
     model: str | None = None
     kept: set[str] = field(default_factory=set)   # models it held before: they come back as `keeps` says
+    measured: set[str] = field(default_factory=set)   # models whose "auto" count it gave the policy (R25)
     ready: float = 0.0         # the end of the swap under way: nothing computes before it
     runs: dict[int, _Run] = field(default_factory=dict)      # slot -> its unfinished run
     joining: list[_Run] = field(default_factory=list)        # dispatched, join at the next boundary
@@ -141,7 +145,8 @@ class Simulator:
         self._jobs: dict[str, _JobState] = {}
         self._outstanding: set[str] = set()
         self._running: dict[str, _Run] = {}  # job id -> its run
-        counts = slots if isinstance(slots, Mapping) else dict.fromkeys(devices, slots)
+        self._auto = slots == AUTO
+        counts = slots if isinstance(slots, Mapping) else dict.fromkeys(devices, 1 if self._auto else slots)
         self._devices = {name: _Device(name, counts.get(name, 1), device.kv_cache_tokens)
                          for name in devices}
         self._last_wake: float = -math.inf
@@ -249,6 +254,7 @@ class Simulator:
                 raise ContractError(f"unknown action {action!r}")
 
     def _dispatch(self, action: Dispatch) -> None:
+        self._count_at_swap(action)
         device = self._check_dispatch(action)
         state = self._jobs[action.job_id]
         speed = self.device.speed(action.model_id)
@@ -275,6 +281,14 @@ class Simulator:
             self._at(device.ready, self._swap_end, run)
         device.joining.append(run)
         self._wake_at(device, self._boundary(device))
+
+    def _count_at_swap(self, action: Dispatch) -> None:
+        """R25, as the policy keeps it: a swap to a model whose count the device gave before
+        runs that count from its dispatch on (a model never measured there keeps the device's
+        count until its swap's end)."""
+        device = self._devices.get(action.device)
+        if self._auto and action.swap and device is not None and action.model_id in device.measured:
+            device.slots = self.device.speed(action.model_id).auto_slots
 
     def _check_dispatch(self, action: Dispatch) -> "_Device":
         """The device the Dispatch may run on, or a ContractError saying why not."""
@@ -315,6 +329,11 @@ class Simulator:
         given = getattr(self.policy, "set_swap_cost", None)
         for model in sorted(device.kept - {device.model}) if given else ():
             given(model, device.name, self.device.speed(model).swap_cost(self.device.keeps))
+        if self._auto:   # what the device chose for the model it loaded (R25)
+            device.slots = self.device.speed(device.model).auto_slots
+            device.measured.add(device.model)
+            self._log("slots", device=device.name, model=device.model, slots=device.slots)
+            self._apply(self.policy.set_slots(device.name, device.slots, self.now, model_id=device.model))
 
     def _abandon_swap(self, device: _Device) -> None:
         """R13, as the runtime does: a swap under way whose every job was revoked, with the

@@ -16,6 +16,8 @@
 ``POOL_WORKLOADS`` saturate a pool of devices (`uniun-ray bench --devices 1,2,4`):
 ``pool``: three Nataraj producers on the chat model and three Gana loops on the other,
 each keeping two jobs queued for 30 min, while five chat conversations come and go.
+``pool_chats`` (issue 37, for a chat p99 over 100+ chats): the same producers for 2 h while 34
+conversations come and go (~110 chat turns), one every ~4 min.
 
 ``SLOT_WORKLOADS`` are for devices with slots (`uniun-ray bench --slots 1,4,8,16`, beside
 ``issue118``): ``backfill_bulk``: a backfill of 500 notes submitted at once beside Nataraj and a
@@ -245,13 +247,13 @@ def mixed_day(seed: int) -> Workload:
 
 
 def _busy(rng: random.Random, end: float, natarajs: int, nataraj_depth: int, ganas: int, gana_depth: int,
-          gana_model: str) -> tuple[Flow, ...]:
-    """Nataraj producers and Gana loops keeping jobs queued until `end`, and five chats."""
+          gana_model: str, chats: int = 5) -> tuple[Flow, ...]:
+    """Nataraj producers and Gana loops keeping jobs queued until `end`, and `chats` conversations."""
     flows = [_backlog(rng, f"nataraj:{i}", "nataraj", CHAT_MODEL, 0.0, end, nataraj_depth, CARD_PROMPT, CARD)
              for i in range(natarajs)]
     flows += [_backlog(rng, f"gana:{i}", "gana", gana_model, 0.0, end, gana_depth, GANA_PROMPT, GANA_OUT)
               for i in range(ganas)]
-    starts = sorted(rng.uniform(60.0, end - 300.0) for _ in range(5))
+    starts = sorted(rng.uniform(60.0, end - 300.0) for _ in range(chats))
     flows += [_chat(rng, f"chat:{i}", start, rng.randint(2, 4)) for i, start in enumerate(starts)]
     return tuple(flows)
 
@@ -259,6 +261,11 @@ def _busy(rng: random.Random, end: float, natarajs: int, nataraj_depth: int, gan
 def pool(seed: int) -> Workload:
     return Workload("pool", seed, "saturating: 3 Nataraj and 3 Gana producers on two models, 2 jobs queued "
                     "each, for 30 min; five chats", flows=_busy(random.Random(seed), 1800.0, 3, 2, 3, 2, GEMMA3))
+
+
+def pool_chats(seed: int) -> Workload:
+    return Workload("pool_chats", seed, "saturating as `pool`, for 2 h; 34 chat conversations",
+                    flows=_busy(random.Random(seed), 7200.0, 3, 2, 3, 2, GEMMA3, chats=34))
 
 
 def backfill_bulk(seed: int) -> Workload:
@@ -303,13 +310,15 @@ WORKLOADS: dict[str, Callable[[int], Workload]] = {
 SHORT_WORKLOADS: dict[str, Callable[[int], Workload]] = {"issue118_short": issue118_short, "swaps_short": swaps_short}
 #: For a pool of devices (`uniun-ray bench --devices`); not in the one-device bench.
 POOL_WORKLOADS: dict[str, Callable[[int], Workload]] = {"pool": pool}
+#: For the chat p99 of issue 37 on one device (`benchmarks/sim_bench.py`, "swaps"): many chats.
+SWAP_WORKLOADS: dict[str, Callable[[int], Workload]] = {"pool_chats": pool_chats}
 #: For devices with slots (`uniun-ray bench --slots`), with issue118; not in the one-slot bench.
 SLOT_WORKLOADS: dict[str, Callable[[int], Workload]] = {"issue118": issue118, "backfill_bulk": backfill_bulk,
                                                         "saturate": saturate}
 
 
 def generate(name: str, seed: int = 1) -> Workload:
-    known = {**WORKLOADS, **SHORT_WORKLOADS, **POOL_WORKLOADS, **SLOT_WORKLOADS}
+    known = {**WORKLOADS, **SHORT_WORKLOADS, **POOL_WORKLOADS, **SWAP_WORKLOADS, **SLOT_WORKLOADS}
     try:
         return known[name](seed)
     except KeyError:

@@ -34,6 +34,7 @@ import torch
 
 from .generation import Generation
 from .sequence import Sequence
+from ..host import heap
 from ..host.gate import CancelFlag
 from ..host.warm import WarmStore, park, unpark
 from ..host.weights import DEFAULT_KV_OFFLOAD_MB, Loaded, Weights, default_kv_cache_mb
@@ -207,12 +208,13 @@ class Engine:
             self._refuse_while_running("load")
             previous = self.loaded
             if previous == model_id:
-                return Swap(model_id, NONE, 0.0, previous, self._warm.kept())
+                return Swap(model_id, NONE, 0.0, previous, self._warm.kept(), kept_bytes=self._warm.sizes())
             started = time.perf_counter()
             folder = None if model_id in self._warm else materialize(resolve(model_id))
             self._release(keep=True)
             kind, note = self._bring(model_id, folder, abandon)
-            return Swap(model_id, kind, time.perf_counter() - started, previous, self._warm.kept(), note)
+            return Swap(model_id, kind, time.perf_counter() - started, previous, self._warm.kept(), note,
+                        self._warm.sizes())
 
     def unload(self) -> float:
         """Drop the resident model and every warm one, and free their memory; return the
@@ -265,11 +267,17 @@ class Engine:
             self._running += 1
 
     def retire(self, sequence: Sequence, cache: Any) -> None:
-        """The run ended: keep the KV of its tokens (``cache``) for the next turn or its resume."""
-        sequence.keep(sequence.loaded.prefix, cache)
+        """The run ended: keep the KV of its tokens (``cache``) for the next turn or its resume.
+        Where that evicted KV from the prefix cache, or no run is left, the heap's free pages go
+        back to the system (``host.heap``): freed KV would otherwise stay resident."""
+        prefix = sequence.loaded.prefix
+        evictions = prefix.evictions
+        sequence.keep(prefix, cache)
         with self._lock:
             self._running -= 1
             idle, loaded = not self._running, self._loaded
+        if idle or prefix.evictions != evictions:
+            heap.trim()
         if idle and loaded is not None:
             self._weights.revise(loaded)   # the runs since the load may have beaten its probe
 

@@ -90,6 +90,10 @@ class WarmStore:
         """Model id -> where it is kept (RESIDENT or HOST), least recently used first."""
         return {model_id: parked.where for model_id, parked in self._parked.items()}
 
+    def sizes(self) -> dict[str, int]:
+        """Model id -> the bytes it counts for (what a copy back moves, where it is HOST)."""
+        return {model_id: parked.nbytes for model_id, parked in self._parked.items()}
+
     def describe(self) -> dict:
         return {"budget_mb": round(self.budget_bytes / 2**20), "held_mb": round(self.held_bytes / 2**20, 1),
                 "models": {model_id: {"where": parked.where, "mb": round(parked.nbytes / 2**20, 1)}

@@ -33,8 +33,9 @@ class SwapAbandoned(RuntimeError):
 class Swap:
     """One ``load``: the model made active, how (``kind``), in how many seconds (the swap's
     whole cost: the old model set aside and the new one ready), the model it replaced, the
-    idle models kept afterwards (model id -> RESIDENT or HOST) and, when a warm swap fell back
-    to a cold load, why (``note``)."""
+    idle models kept afterwards (model id -> RESIDENT or HOST), the bytes each counts for where
+    the engine knows them (``kept_bytes``: the size of a warm copy back, which the scheduler
+    prices a first copy by) and, when a warm swap fell back to a cold load, why (``note``)."""
 
     model: str
     kind: str
@@ -42,6 +43,7 @@ class Swap:
     previous: str | None = None
     kept: dict[str, str] = field(default_factory=dict)
     note: str = ""
+    kept_bytes: dict[str, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
