@@ -43,7 +43,7 @@ def test_settings_come_from_the_environment_with_clear_errors():
 
 
 @pytest.mark.parametrize("name, field, what", [("UNIUN_HUB_KERNELS", "hub_kernels", "let transformers fetch"),
-                                               ("UNIUN_DETERMINISTIC", "deterministic", "decode each row as alone")])
+                                               ("UNIUN_DETERMINISTIC", "deterministic", "get one greedy answer")])
 def test_opt_in_switches_are_off_unless_the_user_sets_them_by_name(name, field, what):
     assert getattr(EngineSettings.from_env({}), field) is False is getattr(EngineSettings(), field)
     assert getattr(EngineSettings.from_env({name: "0"}), field) is False

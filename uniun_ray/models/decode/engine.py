@@ -70,8 +70,9 @@ class Engine:
     ``hub_kernels`` lets transformers fetch and run kernels from the Hugging Face Hub at load
     (``UNIUN_HUB_KERNELS=1``); off by default, a load reads nothing but the model's folder.
     ``deterministic`` (``UNIUN_DETERMINISTIC=1``): on CPU a decode step computes each row as it
-    would alone, so a greedy answer does not depend on the rows beside it in bfloat16 either; it
-    costs decode throughput (README).
+    would alone, and a prompt's KV is the same however the prefix cache left it to read, so a
+    greedy answer depends on neither, in bfloat16 either; it costs decode throughput and prefill
+    time (README).
 
     Thread safety: ``generate`` may be iterated in a worker thread. ``load`` and ``unload`` refuse
     (RuntimeError) while a run is in progress: revoke it and let its iterator finish first.

@@ -61,8 +61,9 @@ class EngineSettings:
     ``hub_kernels``: let transformers replace layers with kernels it fetches from the Hugging Face
     Hub at load (its ``use_kernels``): off unless the user opts in, since that downloads and runs
     code nobody asked for, and fails offline on a GPU. ``deterministic``: a CPU decode step
-    computes each row as it would alone, so a greedy answer does not depend on the rows beside
-    it in bfloat16 either (``host.attention``, ``host.packing``; it costs decode throughput)."""
+    computes each row as it would alone and a prompt is read the same whatever the prefix cache
+    held, so a greedy answer depends on neither, in bfloat16 either (``host.attention``,
+    ``host.packing``, ``kv.prefix``; it costs decode throughput and prefill time)."""
 
     dtype: str = "auto"
     threads: int | None = None
@@ -128,7 +129,7 @@ class EngineSettings:
         return cls(dtype, threads, kv_cache_mb, kv_offload_mb, max_memory, engine,
                    parse_slots(environ.get(SLOTS_ENV, "")), warm_mb, coresident == "1",
                    _switch(environ, HUB_KERNELS_ENV, "let transformers fetch and run Hub kernels at load"),
-                   _switch(environ, DETERMINISTIC_ENV, "decode each row as alone, whatever rows are beside it"))
+                   _switch(environ, DETERMINISTIC_ENV, "get one greedy answer whatever rows are beside it and the prefix cache held"))
 
     def resolved_threads(self) -> int:
         """The thread count to give torch in this process."""
