@@ -70,7 +70,7 @@ class Chromium:
             raise RuntimeError(f"{expression}: {result['exceptionDetails']}")
         return result["result"].get("value")
 
-    def wait_for(self, expression: str, timeout: float = 30.0, what: str = ""):
+    def wait_for(self, expression: str, timeout: float = 60.0, what: str = ""):
         """Until `expression` is truthy in the page; returns its value."""
         deadline = time.monotonic() + timeout
         probe = f"(() => {{ const v = ({expression}); return v instanceof Node ? true : v; }})()"
