@@ -42,6 +42,7 @@ def one_run(burners: int) -> dict:
     finally:
         for burner in running:
             burner.kill()
+    (folder / "test.log").write_text(test.stdout + test.stderr)   # which test failed, and how
     summary = (test.stdout.strip().splitlines() or ["no output"])[-1]
     return {"install_s": install_s, "test_s": test_s, "ok": install.returncode == 0 and test.returncode == 0,
             "summary": summary, "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=clone,
