@@ -389,16 +389,16 @@ class SchedulerService:
         if self.drivers.get(device) is not driver:
             return
         try:
-            self._hand_out(tracked, dispatch, epoch, swap_s)
+            self._hand_out(tracked, dispatch, driver, epoch, swap_s)
         except Exception:   # our own fault (`_prepare` fails the job): the device must not admit the epoch
             self._spawn(driver.revoke(epoch))
             raise
 
-    def _hand_out(self, tracked: Tracked, dispatch: Dispatch, epoch: int, swap_s: float) -> None:
+    def _hand_out(self, tracked: Tracked, dispatch: Dispatch, driver: DeviceDriver, epoch: int, swap_s: float) -> None:
         """The fenced epoch's lease to its job, unless the job was revoked meanwhile: then it
         ends its turn without ever running."""
         if tracked.revoke_requested:
-            self.drivers[dispatch.device].ended(epoch)
+            driver.ended(epoch)
             self._finish(tracked, Outcome.REVOKED)
             return
         self.leases.hand_out(tracked, Lease(tracked.job.id, epoch, dispatch.model_id, tracked.job.kind.value,
