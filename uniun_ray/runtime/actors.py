@@ -22,8 +22,8 @@ from .model_actor import ModelActor
 from .protocol import NAMESPACE, SCHEDULER_NAME, DeviceGone, DeviceLost, UniunError, model_actor_name
 from .service import RuntimeConfig, SchedulerService
 from .warmstart import WarmStart
-from ..models.requests.registry import configure
-from ..models.requests.settings import EngineSettings
+from ..models.registry import configure
+from ..settings import EngineSettings
 
 from .placement import Seat
 

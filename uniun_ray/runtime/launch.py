@@ -24,8 +24,8 @@ from .head import stand_in_resources, worker_niceness
 from .protocol import EMBEDDER_NAME, NAMESPACE, SCHEDULER_NAME, UniunError, model_actor_name
 from .releases import RELEASES
 from .service import RuntimeConfig
-from ..models.requests.registry import DEFAULT_CHAT_MODEL, configure, known_ids, resolve
-from ..models.requests.settings import MODELS_ENV, SLOTS_ENV, EngineSettings, parse_models, parse_slots, warm_start
+from ..models.registry import DEFAULT_CHAT_MODEL, configure, known_ids, resolve
+from ..settings import MODELS_ENV, SLOTS_ENV, EngineSettings, parse_models, parse_slots, warm_start
 
 #: Resources a local cluster declares for one stand-in device of a CPU-only machine.
 LOCAL_RESOURCES = stand_in_resources(0)

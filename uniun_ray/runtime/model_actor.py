@@ -24,10 +24,10 @@ from collections import deque
 from dataclasses import asdict, replace
 
 from .. import engines
-from ..models.requests.registry import UnknownModel, configure, configured, prepared, resolve
+from ..models.registry import UnknownModel, configure, configured, prepared, resolve
 from ..models.requests.request import GenerateRequest
-from ..models.requests.settings import MAX_SLOTS, EngineSettings, default_warm_mb
-from ..models.requests.swap import HOST, NONE, RESIDENT, Swap
+from ..settings import MAX_SLOTS, EngineSettings, default_warm_mb
+from ..models.swap import HOST, NONE, RESIDENT, Swap
 from ..models.requests.vocabulary import tool_call_format
 from .metrics import ModelMetrics
 from .placement import DEVICE_RESOURCE, assigned_resources, devices_here, node_id, stand_ins_here
@@ -184,7 +184,7 @@ class ModelActor:
         return await asyncio.to_thread(self._slot_plan, setting)
 
     def _slot_plan(self, setting: int | None) -> dict:
-        from ..models.host.steps import auto_slots
+        from ..models.runner.profile import auto_slots
 
         profile = self._engine.step_profile()
         chosen = setting or auto_slots(profile, limit=MAX_SLOTS)
