@@ -36,7 +36,7 @@ import torch
 from .sequence import Sequence
 from ..runner.gate import CancelFlag, Interrupted
 from ..tune.tuning import CHUNK_DECODE_STEPS, MAX_CHUNK, MIN_CHUNK
-from ..load.weights import Loaded, forward
+from ..load.weights import Loaded
 from ..runner import rows as kv_rows
 from ..kv.prefix import crop_layers
 from ..requests.request import GenerateRequest, GenerationResult
@@ -337,7 +337,7 @@ def prefill_chunk(
         with loaded.gate.armed(cancel) if loaded.gate is not None else nullcontext():
             started = time.perf_counter()
             ids = context[start : start + chunk]
-            logits, extended = forward(loaded, ids, cache, device)
+            logits, extended = loaded.runner.prefill(ids, cache, device)
             loaded.clock.observe(len(ids), time.perf_counter() - started)
     except Interrupted:
         if cache is None or not crop_layers(cache, start):

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import os
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
@@ -20,6 +19,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 from ..kv.prefix import fork
+from .forward import Runner
 from .static import BUDGET_ENV, STEP_MODES, STORE_ROWS, RowStore, static_budget, store_shape  # noqa: F401
 
 ROWS_ENV, STEPS_ENV = "UNIUN_KV_ROWS", "UNIUN_KV_STEPS"
@@ -30,16 +30,6 @@ def batchable(model: Any) -> bool:
     """Whether every layer of the cache the model builds is a plain full-attention DynamicLayer,
     which can be left-padded, stacked and cut out again."""
     return all(type(layer) is DynamicLayer for layer in DynamicCache(config=model.config).layers)
-
-
-@dataclass(frozen=True)
-class Runner:
-    """A loaded model and how its forward pass is called: the cache keyword transformers
-    expects of it, and keywords every pass takes (``logits_to_keep``)."""
-
-    model: Any
-    cache_arg: str
-    kwargs: dict = field(default_factory=dict)
 
 
 def rows_kind(device: torch.device) -> str:
@@ -61,11 +51,17 @@ def _choice(setting: str, choices: tuple[str, ...], default: str) -> str:
     return configured or default
 
 
+def static_rows(runner: Runner, device: torch.device) -> bool:
+    """The one choice of padded against static rows: static where ``rows_kind`` says so and
+    the model's cache can be batched at all."""
+    return rows_kind(device) == "static" and batchable(runner.model)
+
+
 def store_for(runner: Runner, device: torch.device, context_length: int, reserved_bytes: int) -> RowStore | None:
     """The static rows of a model just loaded (its dtype final), sized from their own budget
     (``static.static_budget``; ``reserved_bytes``: the prefix cache's); None where its batches
-    use padded rows (``rows_kind``, a model that cannot be batched, a budget too small)."""
-    if rows_kind(device) != "static" or not batchable(runner.model):
+    use padded rows (``static_rows``, a budget too small)."""
+    if not static_rows(runner, device):
         return None
     dtype = next(runner.model.parameters()).dtype
     rows, context = store_shape(runner.model, dtype, static_budget(device, reserved_bytes),
@@ -80,7 +76,7 @@ def rows_for(runner: Runner, device: torch.device, slots: int, store: RowStore |
     """The rows a batch of up to ``slots`` rows keeps its KV in: static rows in ``store`` (the
     loaded model's, ``store_for``), or, static rows being chosen and no store given, a store of
     their own of ``slots`` rows of ``context`` tokens (a probe's); else padded rows."""
-    if not batchable(runner.model) or rows_kind(device) != "static" or (store is None and context is None):
+    if not static_rows(runner, device) or (store is None and context is None):
         return PaddedRows(device, runner)
     mode = steps_mode(device)
     mode = "exact" if mode == "graphs" else mode      # a store of its own captures no graphs
