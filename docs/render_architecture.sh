@@ -1,5 +1,5 @@
 #!/bin/sh
-# Render the README's architecture picture from its text source (graphviz, offline):
+# Render docs/architecture.md's picture from its text source (graphviz, offline):
 #   docs/render_architecture.sh        # needs `dot` (apt-get install graphviz)
 set -eu
 cd "$(dirname "$0")"
