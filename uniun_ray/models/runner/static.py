@@ -13,7 +13,7 @@ kernels and replanning attention for a GPU that waits (issue 36). Here:
   to a batch-1 ``DynamicCache`` for the prefix cache (a revoked job resumes from it). The live
   rows are kept in the first rows of the store (a leave moves the last rows into the holes: a
   copy of those rows, never of the batch), so a step of n rows runs on the store's first rows.
-* ``Steps``: one decode step of the first rows. "exact" runs n rows over the longest row's
+* ``Graphs``: one decode step of the first rows. "exact" runs n rows over the longest row's
   length; "buckets" runs the bucket of rows (1, 2, 4 ... up to the store's rows; the rows past n
   are free rows whose output is dropped) over a bucketed span, with inputs in buffers of fixed
   address, which is what a CUDA graph replays; "graphs" captures that function once per
@@ -36,7 +36,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 #: Rows a store holds unless its budget is too small for CONTEXT_FLOOR tokens a row: a GPU's
-#: tokens per second grow to dozens of rows, a CPU's stop growing before 16 (``host.steps``).
+#: tokens per second grow to dozens of rows, a CPU's stop growing before 16 (``runner.profile``).
 STORE_ROWS = {"cuda": 64, "cpu": 16}
 #: Halve the rows (down to 1) while a row would hold fewer tokens than this (or the model's context).
 CONTEXT_FLOOR = 2048
@@ -134,7 +134,7 @@ def at_least(sizes: list[int], needed: int) -> int:
 class RowStore:
     """The KV rows of one loaded model: per layer keys and values [rows, heads, context, dim],
     zeroed once (a masked column must hold a finite value: zero weight times NaN is NaN), and
-    the decode steps over them. One ``StaticRows`` holds it at a time (``take``/``give``)."""
+    the decode steps over them. One ``StaticRows`` holds it at a time (``claim``/``release``)."""
 
     def __init__(self, runner: Any, device: torch.device, rows: int, context: int, mode: str = "exact") -> None:
         """``runner``: a ``rows.Runner`` (the model and how its forward pass is called)."""
@@ -152,9 +152,9 @@ class RowStore:
         self.bytes = 2 * sum(tensor.numel() * tensor.element_size() for tensor in self.keys)
         self._held = False
         self._lock = threading.Lock()
-        self.steps = Steps(runner, self)
+        self.graphs = Graphs(runner, self)
 
-    def take(self) -> bool:
+    def claim(self) -> bool:
         """Hold the store for one ``StaticRows``; False if another holds it."""
         with self._lock:
             if self._held:
@@ -162,18 +162,18 @@ class RowStore:
             self._held = True
             return True
 
-    def give(self) -> None:
+    def release(self) -> None:
         with self._lock:
             self._held = False
 
     def free(self) -> None:
         """Let the rows' memory and the graphs go now (the model is unloaded; a batch that still
         holds the store cannot step again: the engine admits no run of an unloaded model)."""
-        self.keys, self.values, self.steps = [], [], None
+        self.keys, self.values, self.graphs = [], [], None
 
     def describe(self) -> dict:
         return {"kind": "static", "rows": self.rows, "context": self.context, "mb": round(self.bytes / 2**20, 1),
-                "steps": self.mode} | self.steps.describe()
+                "steps": self.mode} | self.graphs.describe()
 
 
 class _RowLayer(CacheLayerMixin):
@@ -206,7 +206,7 @@ class _RowLayer(CacheLayerMixin):
         return self.keys.shape[-2]
 
 
-class Steps:
+class Graphs:
     """The decode steps over a store's first rows (see the module's doc for the modes)."""
 
     def __init__(self, runner: Any, store: RowStore) -> None:
