@@ -320,15 +320,14 @@ def test_prop_t2_holds_its_share_of_slot_seconds_plus_one_job_per_slot(arrivals,
 
 
 def fair_bound(slots: int) -> float:
-    """How far apart, in largest jobs, two equal backlogged flows may be on one device of `slots`
-    slots (R24). A flow ranks first by its running jobs, so each holds half the slots; with an odd
-    count the odd slot is one flow's until one of its own jobs ends (at most one largest job L), and
-    then goes by the flows' service as the policy estimates it: a running job counts for at least
-    its flow's last run, so each of the (S - 1) / 2 jobs a flow runs then may read up to L more than
-    it held. A wrong pick gives the odd slot to the flow ahead for another L: the flows stay
-    within L + (S - 1) / 2 * L = (S + 1) / 2 * L. That is R24's 2 L up to 4 slots; from 5 on it is
-    the weaker bound (3 L at 5 and 6 slots, 4 L at 7 and 8): what can be shown, not what random
-    runs meet (they stay near 2 L), so no example can fail it at random."""
+    """R24's bound, in largest jobs, on how far apart two equal backlogged flows may be on one
+    device of `slots` slots: max(2, (S + 1) // 2). Why it grows with S: a flow ranks first by
+    its running jobs, so each holds half the slots; with an odd count the odd slot is one flow's
+    until one of its own jobs ends (at most one largest job L), and then goes by the flows'
+    service as the policy estimates it: a running job counts for at least its flow's last run,
+    so each of the (S - 1) / 2 jobs a flow runs then may read up to L more than it held. A wrong
+    pick gives the odd slot to the flow ahead for another L: L + (S - 1) / 2 * L = (S + 1) / 2 * L
+    (2 L up to 4 slots, 3 L at 5 and 6, 4 L at 7 and 8); random runs stay near 2 L."""
     return max(2.0, float((slots + 1) // 2))
 
 
