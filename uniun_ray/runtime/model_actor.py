@@ -188,6 +188,16 @@ class ModelActor:
         chosen = setting or auto_slots(profile, limit=MAX_SLOTS)
         return {"slots": min(chosen, self._engine.capacity), "step_profile": profile, "auto": setting is None}
 
+    async def steps(self) -> dict:
+        """The step times this device serves now (R23: the policy reads those, not only the
+        probe's at load), which the scheduler asks for now and then while the device is busy:
+        the resident model and its step profile (`Engine.step_profile`). Off the event loop,
+        and off the decode loop's thread: the engine keeps the figures as it steps."""
+        return await asyncio.to_thread(self._served_steps)
+
+    def _served_steps(self) -> dict:
+        return {"model": self._engine.loaded, "step_profile": self._engine.step_profile()}
+
     # -- work ------------------------------------------------------------------------------
     async def check(self, model_id: str, request: GenerateRequest) -> int:
         """Validate a request against a model without loading its weights (tokenizer and
