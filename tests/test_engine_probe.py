@@ -18,13 +18,13 @@ from dataclasses import replace
 
 import pytest
 
-from uniun_ray.models import Engine, GenerateRequest, materialize, resolve
-from uniun_ray.models.host import steps as steps_module
-from uniun_ray.models.host import weights as weights_module
-from uniun_ray.models.host.contention import BUSY_SHARE
-from uniun_ray.models.requests.registry import CACHE_ENV
-from uniun_ray.models.host.steps import CPU_BATCHES, SERVED_MIN, SERVED_WINDOW, ServedSteps, auto_slots
-from uniun_ray.models.host.tuning import BEATEN_AFTER, ProbeCache
+from uniun_ray.models import Engine, GenerateRequest, generate, materialize, resolve
+from uniun_ray.models.runner import profile as steps_module
+from uniun_ray.models.load import weights as weights_module
+from uniun_ray.models.tune.contention import BUSY_SHARE
+from uniun_ray.models.registry import CACHE_ENV
+from uniun_ray.models.runner.profile import CPU_BATCHES, SERVED_MIN, SERVED_WINDOW, ServedSteps, auto_slots
+from uniun_ray.models.tune.tuning import BEATEN_AFTER, ProbeCache
 
 
 @pytest.fixture(scope="module")
@@ -102,9 +102,9 @@ def test_the_step_profile_is_measured_at_load_and_a_quiet_one_is_not_measured_ag
 
 def test_the_probe_steps_the_rows_a_batch_keeps_with_what_they_give_a_step(probes, monkeypatch):
     """Issue 35: the probe timed its steps on rows of its own making (one row unmasked, several
-    masked); it now joins its rows to the kind a batch keeps (``kv.rows.rows_for``: static rows
+    masked); it now joins its rows to the kind a batch keeps (``runner.rows.rows_for``: static rows
     on a GPU) and steps them as ``Batch`` does (``Rows.decode``: their own mask and positions)."""
-    from uniun_ray.models.kv import rows as kv_rows
+    from uniun_ray.models.runner import rows as kv_rows
 
     joined, decoded = [], []
 
@@ -137,7 +137,7 @@ def test_a_probe_taken_beside_cpu_burners_is_busy_kept_provisional_and_measured_
 
 
 def test_a_model_that_cannot_be_batched_is_profiled_at_one_row(probes, profiles, monkeypatch):
-    from uniun_ray.models.kv import rows
+    from uniun_ray.models.runner import rows
 
     monkeypatch.setattr(rows, "batchable", lambda model: False)
     engine = loaded()
@@ -152,7 +152,7 @@ def test_decode_steps_that_beat_a_stretched_probe_revise_it_and_a_quiet_load_mea
     stretched = {batch: seconds * 1000 for batch, seconds in engine.step_profile().items()}
     engine.resident.probe = replace(engine.resident.probe, steps=stretched,
                                    taken=replace(engine.resident.probe.taken, busy=False))
-    generation = engine.generate(GenerateRequest(prompt="def fibonacci(n):", max_new_tokens=BEATEN_AFTER + 8),
+    generation = generate(engine, GenerateRequest(prompt="def fibonacci(n):", max_new_tokens=BEATEN_AFTER + 8),
                                  threading.Event())
     assert len(list(generation)) > 0 and generation.result.tokens >= BEATEN_AFTER + 1
     revised = engine.step_profile()

@@ -13,7 +13,7 @@ import torch
 
 from .decoding import StopText, decoding
 from .detokenizer import Detokenizer
-from ..host.weights import Loaded
+from ..load.weights import Loaded
 from ..kv.prefix import Hit, PrefixCache
 from ..requests.request import GenerateRequest, GenerationResult
 
@@ -80,9 +80,9 @@ class Sequence:
     def accept(self, logits: torch.Tensor) -> str:
         """Choose the next token from the model's last ``logits`` ([vocabulary]); return the text
         it makes safe to hand out ("" if none). Sets ``ended`` (and ``reason``) when the run ends."""
-        return self.take(self.decoding.next_token(self.tokens[:, : self.length], logits))
+        return self.append(self.decoding.next_token(self.tokens[:, : self.length], logits))
 
-    def take(self, token: int) -> str:
+    def append(self, token: int) -> str:
         """Continue with ``token`` (chosen by ``accept``, or by a batch for a ``greedy`` run), as ``accept``."""
         if self.first_token_at is None:
             self.first_token_at = time.perf_counter()
