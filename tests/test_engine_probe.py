@@ -193,6 +193,15 @@ def test_served_steps_keep_the_latest_and_add_the_batch_sizes_the_probe_did_not_
     assert served.profile(PROBED) == {1: 0.050, 2: 0.075, 4: 0.080, 5: 0.090}
 
 
+def test_a_batch_size_not_served_yet_is_no_faster_than_a_smaller_one_served():
+    """Contexts grew and the host got busy: 2 rows step in 200 ms, not the probe's 70; the probe's
+    80 ms for 4 rows would let the policy keep 4 rows beside a chat until 4 had been served."""
+    served = ServedSteps()
+    for _ in range(SERVED_MIN):
+        served.observe(2, 0.200)
+    assert served.profile(PROBED) == {1: 0.050, 2: 0.200, 4: 0.200}
+
+
 def test_the_engine_reports_the_decode_steps_it_served_at_each_batch_size(probes):
     engine = loaded()
     seen = []
@@ -202,7 +211,7 @@ def test_the_engine_reports_the_decode_steps_it_served_at_each_batch_size(probes
             seen.append((batch, seconds))
             super().observe(batch, seconds)
     engine.resident.served = Recording()
-    generation = engine.generate(GenerateRequest(prompt="def fibonacci(n):", max_new_tokens=12), threading.Event())
+    generation = generate(engine, GenerateRequest(prompt="def fibonacci(n):", max_new_tokens=12), threading.Event())
     assert len(list(generation)) > 0
     ones = [seconds for batch, seconds in seen if batch == 1]
     assert len(ones) >= SERVED_MIN and {batch for batch, _ in seen} == {1}

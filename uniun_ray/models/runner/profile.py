@@ -75,11 +75,19 @@ class ServedSteps:
 
     def profile(self, probed: Mapping[int, float]) -> dict[int, float]:
         """Seconds per step by batch size: each size served SERVED_MIN times or more at the
-        median of its latest steps (sizes the probe did not measure too), the others as probed."""
+        median of its latest steps (sizes the probe did not measure too), the others as probed
+        but never faster than a smaller size served (the probe's short contexts on a quiet host
+        would otherwise promise a chat more rows than the device, serving fewer, shows it has)."""
         with self._lock:
             seen = {batch: list(steps) for batch, steps in self._seen.items() if len(steps) >= SERVED_MIN}
         served = {batch: statistics.median(steps) for batch, steps in seen.items()}
-        return dict(sorted((dict(probed) | served).items()))
+        figures, slowest = dict(sorted((dict(probed) | served).items())), 0.0
+        for batch, seconds in figures.items():
+            if batch in served:
+                slowest = max(slowest, seconds)
+            else:
+                figures[batch] = max(seconds, slowest)
+        return figures
 
 
 def batch_sizes(device: torch.device) -> tuple[int, ...]:
