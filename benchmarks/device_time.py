@@ -147,6 +147,7 @@ def rows(accounted: dict) -> list[tuple[str, str]]:
                     f"{share(accounted['loop_idle_while_held_s'])}"))
     r = accounted["revokes"]
     stop = "–" if r["stop_s_mean"] is None else f"{r['stop_s_mean'] * 1e3:.0f} ms"
+    causes = dict(sorted(r["by_cause"].items())) or "none"
     out.append(("revokes by cause; re-joins; background seconds out of a slot; mean stop",
-                f"{dict(sorted(r['by_cause'].items())) or 'none'}; {r['rejoined']}; {r['background_out_s']:.1f} s; {stop}"))
+                f"{causes}; {r['rejoined']}; {r['background_out_s']:.1f} s; {stop}"))
     return out

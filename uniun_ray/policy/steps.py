@@ -6,8 +6,9 @@ slower than the larger of `slack` x its step alone and `floor` seconds (a step f
 floor is faster than anyone reads, so it need not be kept fast at the background's cost), so
 beside c chats the policy keeps the largest k with step(c + k) <= max(slack x step(c), floor).
 Between measured sizes the step time is interpolated linearly; past the largest it is
-extrapolated from the last two (a step grows at least as fast as it did). Without a profile nothing runs beside a chat (k = 0): chat's latency is the
-product, and an unmeasured device cannot promise it.
+extrapolated from the last two (a step grows at least as fast as it did). Without a profile
+nothing runs beside a chat (k = 0): chat's latency is the product, and an unmeasured device
+cannot promise it.
 """
 from __future__ import annotations
 
