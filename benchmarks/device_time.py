@@ -6,7 +6,8 @@ one state: swapping; a chat alone; a chat beside k other jobs; b background jobs
 job waits in the queue (the scheduler's gap); idle. A job counts from its dispatch until its
 revoke or finish (a revoked row stops at the next step). The revokes are counted by cause, with
 what they cost: a revoked background job's time out of its slot until it re-joins (its next
-dispatch), and the revoke's stop (revoke to finish).
+dispatch), and the revoke's stop (revoke to finish). The ModelActor's process CPU seconds over
+the window (`process_cpu_s`) against the threads it was given say how much of its cores it used.
 
 From the engine's counters, taken before and after the window (`status()`: `steps_by_batch`,
 `step_s_by_batch`), the steps the decode loop took at each batch size and their seconds (0
@@ -123,9 +124,13 @@ def account(events: list[dict], start: float, end: float, engine_before: dict | 
     steps = engine_steps(engine_before, engine_after)
     held = sum(s for by_state in states.values() for name, s in by_state.items() if name not in (IDLE, WAITING, SWAP))
     stepping = sum(s for _, s in steps.values())
+    cpu = (engine_after["process_cpu_s"] - engine_before["process_cpu_s"]
+           if engine_before and engine_after and "process_cpu_s" in engine_before and "process_cpu_s" in engine_after
+           else None)
     return {"window_s": end - start, "states": states, "revokes": revokes(events, start, end), "steps": steps,
             "held_s": held, "stepping_s": stepping if steps else None,
-            "loop_idle_while_held_s": held - stepping if steps else None}
+            "loop_idle_while_held_s": held - stepping if steps else None,
+            "cpu_s": cpu, "threads": (engine_after or {}).get("threads")}
 
 
 def rows(accounted: dict) -> list[tuple[str, str]]:
@@ -145,6 +150,9 @@ def rows(accounted: dict) -> list[tuple[str, str]]:
         out.append(("decode loop: held by jobs / stepping / idle while held",
                     f"{share(accounted['held_s'])} / {share(accounted['stepping_s'])} / "
                     f"{share(accounted['loop_idle_while_held_s'])}"))
+    if accounted["cpu_s"] is not None:
+        out.append(("model actor: CPU seconds; cores used on average; threads given",
+                    f"{accounted['cpu_s']:.1f} s; {accounted['cpu_s'] / window:.2f}; {accounted['threads']}"))
     r = accounted["revokes"]
     stop = "–" if r["stop_s_mean"] is None else f"{r['stop_s_mean'] * 1e3:.0f} ms"
     causes = dict(sorted(r["by_cause"].items())) or "none"

@@ -26,8 +26,9 @@ LOG = [ev(95, "submit", "n1"), ev(95, "submit", "n2"), ev(96, "dispatch", "n1", 
        ev(106, "dispatch", "n2"), ev(110, "finish", "n1", outcome="done"), ev(110, "finish", "n2", outcome="done"),
        ev(111, "submit", "n3"), ev(113, "dispatch", "n3", swap=True), ev(113, "swap_start", "n3"),
        ev(114, "swap_end", "n3")]
-BEFORE = {"steps_by_batch": {"2": 10}, "step_s_by_batch": {"2": 1.0}}
-AFTER = {"steps_by_batch": {"1": 50, "2": 110}, "step_s_by_batch": {"0": 0.5, "1": 3.0, "2": 9.0}}
+BEFORE = {"steps_by_batch": {"2": 10}, "step_s_by_batch": {"2": 1.0}, "process_cpu_s": 100.0, "threads": 2}
+AFTER = {"steps_by_batch": {"1": 50, "2": 110}, "step_s_by_batch": {"0": 0.5, "1": 3.0, "2": 9.0},
+         "process_cpu_s": 120.0, "threads": 2}
 
 
 def test_every_second_of_the_window_is_in_one_state_replayed_from_before_it():
@@ -50,6 +51,7 @@ def test_the_engines_counters_give_its_steps_and_its_idle_while_jobs_held_the_de
     assert rows["decode loop: steps by batch size (0: prompt only): seconds, steps, ms a step"] == \
         "0: 0.5 s (2%); 1: 3.0 s (15%), 50, 60; 2: 8.0 s (40%), 100, 80"
     assert rows["decode loop: held by jobs / stepping / idle while held"] == "16.0 s (80%) / 11.5 s (57%) / 4.5 s (22%)"
+    assert rows["model actor: CPU seconds; cores used on average; threads given"] == "20.0 s; 1.00; 2"
     assert device_time.account(LOG, 100.0, 120.0)["loop_idle_while_held_s"] is None   # no counters: not guessed
 
 

@@ -334,7 +334,9 @@ class ModelActor:
                 "slots": {"rows": engine["running"], "steps_by_batch": engine.get("steps_by_batch", {})},
                 "context_length": engine.get("context_length"),
                 "engine": engine | {"niceness": os.nice(0),   # its threads run at it
-                                    "tool_call_format": calls},
+                                    "tool_call_format": calls,
+                                    # over a window: the cores this process used, against its threads
+                                    "process_cpu_s": time.process_time()},
                 "models": _models(self._engine.loaded, self._swaps),
                 "swaps": [swap.describe() for swap in self._swaps],
                 "ray_resources": assigned_resources(), "node": node_id(),
