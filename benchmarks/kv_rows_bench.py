@@ -18,7 +18,6 @@ other work on the cores stretches every figure. The rows go to BENCHMARKS.md, se
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 import threading
@@ -34,7 +33,9 @@ from record import Record  # noqa: E402
 from uniun_ray.models import GenerateRequest  # noqa: E402
 from uniun_ray.models.decode.batch import Batch  # noqa: E402
 from uniun_ray.models.decode.engine import Engine  # noqa: E402
+from uniun_ray.settings import EngineSettings  # noqa: E402
 from uniun_ray.models.runner import rows as kv_rows  # noqa: E402
+from uniun_ray.models.runner.static import static_budget  # noqa: E402
 
 KINDS = {"padded": ("padded", "exact"), "static": ("static", "exact"), "buckets": ("static", "buckets"),
          "graphs": ("static", "graphs")}
@@ -42,11 +43,11 @@ KINDS = {"padded": ("padded", "exact"), "static": ("static", "exact"), "buckets"
 
 def use(engine: Engine, kind: str) -> None:
     """The engine's batches keep their KV in rows of ``kind`` from now on."""
-    os.environ[kv_rows.ROWS_ENV], os.environ[kv_rows.STEPS_ENV] = KINDS[kind]
     loaded = engine.resident
     loaded.rows = None          # the last kind's store freed before the next is allocated
     loaded.rows = kv_rows.store_for(loaded.runner, engine.device, loaded.vocabulary.context_length,
-                                    loaded.prefix.budget_bytes)
+                                    kv_rows.RowChoice(*KINDS[kind]),
+                                    static_budget(engine.device, loaded.prefix.budget_bytes))
 
 
 def prompt_of(engine: Engine, tokens: int, seed: int) -> tuple[int, ...]:
@@ -97,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = [int(n) for n in args.rows.split(",")]
     record = Record("kv-rows", quick=args.quick,
                     note=f"{args.prompt}-token prompts, {args.new} new tokens, {args.clock} clock")
-    engine = Engine(device=args.device, dtype=args.dtype, num_threads=args.threads)
+    engine = Engine(args.device, EngineSettings(dtype=args.dtype, threads=args.threads))
     clock = time.process_time if args.clock == "cpu" else time.perf_counter
     record.runs_on(threads=torch.get_num_threads(), dtype=args.dtype, engine="transformers")
     for model in args.models.split(","):

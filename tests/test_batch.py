@@ -19,6 +19,8 @@ from uniun_ray.models import GenerateRequest
 from uniun_ray.models.decode.batch import Batch
 from uniun_ray.models.runner import rows as kv_rows
 from uniun_ray.models.runner.rows import batchable
+from uniun_ray.models.runner.static import static_budget
+from uniun_ray.settings import Settings
 from uniun_ray.models.decode.decoding import Decoding
 from uniun_ray.models.decode.sequence import Sequence
 
@@ -60,11 +62,9 @@ ROW_KINDS = {"padded": ("padded", "exact"), "static": ("static", "exact"), "buck
 def use_rows(engine, monkeypatch, kind: str):
     """Make the engine's batches keep their KV in rows of ``kind`` (``ROW_KINDS``); returns the
     static store (None for padded rows)."""
-    rows, steps = ROW_KINDS[kind]
-    monkeypatch.setenv(kv_rows.ROWS_ENV, rows)
-    monkeypatch.setenv(kv_rows.STEPS_ENV, steps)
     loaded = engine.resident
-    store = kv_rows.store_for(loaded.runner, engine.device, loaded.vocabulary.context_length, 0)
+    store = kv_rows.store_for(loaded.runner, engine.device, loaded.vocabulary.context_length,
+                              kv_rows.RowChoice(*ROW_KINDS[kind]), static_budget(engine.device, 0))
     monkeypatch.setattr(loaded, "rows", store)
     return store
 
@@ -469,16 +469,15 @@ def test_the_store_is_sized_from_its_budget():
     assert spans(2048) == [256, 512, 1024, 2048] and spans(700) == [256, 512, 700]
 
 
-def test_the_rows_kind_and_steps_are_settings(monkeypatch):
+def test_the_rows_kind_and_steps_are_settings():
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
-    assert (kv_rows.rows_kind(cpu), kv_rows.rows_kind(cuda)) == ("padded", "static")
-    assert (kv_rows.steps_mode(cpu), kv_rows.steps_mode(cuda)) == ("exact", "graphs")
-    monkeypatch.setenv(kv_rows.ROWS_ENV, "static")
-    monkeypatch.setenv(kv_rows.STEPS_ENV, "buckets")
-    assert (kv_rows.rows_kind(cpu), kv_rows.steps_mode(cuda)) == ("static", "buckets")
-    monkeypatch.setenv(kv_rows.ROWS_ENV, "paged")
-    with pytest.raises(ValueError, match="UNIUN_KV_ROWS='paged'"):
-        kv_rows.rows_kind(cpu)
+    choice = kv_rows.RowChoice
+    assert (choice.of(cpu), choice.of(cuda)) == (choice("padded", "exact"), choice("static", "graphs"))
+    assert choice.of(cpu, "static", "buckets") == choice("static", "buckets")
+    settings = Settings.load({"UNIUN_KV_ROWS": "static", "UNIUN_KV_STEPS": "buckets"}).engine_settings
+    assert (settings.kv_rows, settings.kv_steps) == ("static", "buckets")
+    with pytest.raises(ValueError, match="UNIUN_KV_ROWS='paged' is not allowed: use one of padded, static"):
+        Settings.load({"UNIUN_KV_ROWS": "paged"})
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="CUDA graphs: `make gpu-check` runs this on a GPU")
@@ -569,6 +568,7 @@ def test_one_greedy_question_gets_one_answer_whatever_the_cache_holds_and_the_ro
 
     from test_models import DEVICE, USER_CACHE
     from uniun_ray.models import DEFAULT_CHAT_MODEL, Engine
+    from uniun_ray.settings import EngineSettings
     from uniun_ray.models.registry import CACHE_ENV
 
     from uniun_ray.models import materialize, resolve
@@ -581,7 +581,7 @@ def test_one_greedy_question_gets_one_answer_whatever_the_cache_holds_and_the_ro
         materialize(resolve(DEFAULT_CHAT_MODEL))
     except Exception as error:   # the lent GPU machine carries no embedded GGUF (../shared/gpu/README.md)
         pytest.skip(f"{DEFAULT_CHAT_MODEL} cannot be had here: {error}")
-    engine = Engine(device=DEVICE, dtype=dtype, deterministic=True)
+    engine = Engine(DEVICE, EngineSettings(dtype=dtype, deterministic=True))
     engine.load(DEFAULT_CHAT_MODEL)
     rng, asked, questions = random.Random(1), 0, []
     batch = Batch(engine, slots=9)

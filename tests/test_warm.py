@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from uniun_ray.models import Engine, GenerateRequest, generate
+from uniun_ray.settings import EngineSettings
 from uniun_ray.models.decode import engine as engine_module
 from uniun_ray.models.load import weights as weights_module
 from uniun_ray.models.load.parked import Parked, ParkedStore
@@ -46,7 +47,7 @@ def tokens(engine: Engine) -> list[int]:
 @pytest.fixture(scope="module")
 def cold(other):
     """Each model's output after a cold load, and the engine that made them."""
-    engine = Engine(dtype="float32", coresident=False)
+    engine = Engine(settings=EngineSettings(dtype="float32", coresident=False))
     outputs = {}
     for model_id in ("tiny", other):
         assert engine.load(model_id).kind == COLD
@@ -79,7 +80,7 @@ def test_a_warm_swap_back_reads_no_file_and_answers_as_a_cold_load(cold, other, 
 
 def test_a_coresident_switch_keeps_both_models_outputs(cold, other):
     _, outputs = cold
-    engine = Engine(dtype="float32")   # co-resident by default
+    engine = Engine(settings=EngineSettings(dtype="float32"))   # co-resident by default
     for model_id in ("tiny", other):
         engine.load(model_id)
     for model_id in ("tiny", other, "tiny"):
@@ -119,7 +120,7 @@ def test_a_cold_load_short_of_memory_drops_the_warm_models_and_loads(cold, other
 
 
 def test_no_warm_budget_means_every_swap_is_cold(cold, other):
-    engine = Engine(dtype="float32", warm_mb=0)
+    engine = Engine(settings=EngineSettings(dtype="float32", warm_mb=0))
     kinds = [engine.load(model_id).kind for model_id in ("tiny", other, "tiny")]
     assert kinds == [COLD, COLD, COLD] and engine.warm["models"] == {}
 
@@ -140,7 +141,7 @@ def test_an_abandoned_load_leaves_nothing_active_and_the_old_model_warm(cold, ot
     """R13: a cold load whose abandon flag is set stops (SwapAbandoned); the model it replaced
     comes back as a switch."""
     _, outputs = cold
-    engine = Engine(dtype="float32")
+    engine = Engine(settings=EngineSettings(dtype="float32"))
     engine.load("tiny")
     abandon = threading.Event()
     abandon.set()

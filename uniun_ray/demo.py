@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import platform
 import statistics
 import threading
@@ -20,7 +19,7 @@ import ray
 
 from .client import agenerate, await_generating
 from .models import DEFAULT_CHAT_MODEL
-from .settings import ENGINE_ENV, ENGINES
+from .settings import ENGINES, Settings
 from .producers import spawn_producer
 from .runtime.launch import local_cluster, start
 from .runtime.protocol import model_actor_name
@@ -69,11 +68,9 @@ def bare_engine(turns: int, chat_tokens: int) -> dict:
     import gc
 
     from .models import Engine, GenerateRequest, generate
-    from .settings import EngineSettings
 
-    settings = EngineSettings.from_env()
-    engine = Engine(dtype=settings.dtype, num_threads=settings.threads, kv_cache_mb=settings.kv_cache_mb,
-                    kv_offload_mb=settings.kv_offload_mb)
+    settings = Settings.load().engine_settings
+    engine = Engine(settings=settings)
     engine.load(DEFAULT_CHAT_MODEL)
     ttfts, prefills = [], []
     for prompt in ["warm up"] + prompts(turns):
@@ -113,12 +110,12 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--devices", type=int, default=1,
                     help="stand-in devices on a CPU machine (every GPU is a device anyway); with 2 or more, "
                          "Nataraj fills on one while chat takes another")
-    ap.add_argument("--engine", choices=ENGINES, default=os.environ.get(ENGINE_ENV) or ENGINES[0],
+    ap.add_argument("--engine", choices=ENGINES,
                     help="what runs the device's forward passes (UNIUN_ENGINE; vllm needs `make install-vllm` "
                          "and starts a server at the first load: minutes on a CPU). The bare figures stay "
-                         "the transformers engine's")
+                         "the transformers engine's (default: UNIUN_ENGINE, else transformers)")
     args = ap.parse_args(argv)
-    os.environ[ENGINE_ENV] = args.engine   # `start` hands the settings to the ModelActors
+    settings = Settings.load(flags={"engine": args.engine})   # `start` hands them to the ModelActors
 
     print("Measuring the bare engine on this host (the first run converts the chat model once, "
           "~20 s, and measures its dtypes)...", flush=True)
@@ -128,7 +125,7 @@ def main(argv: list[str] | None = None) -> dict:
           f"{host['threads']} threads; {DEFAULT_CHAT_MODEL} runs in {host['dtype']} "
           f"(decode {host['decode_ms']:.0f} ms/token, prefill chunk {host['prefill_chunk']} tokens)")
     with local_cluster(dashboard=True, devices=args.devices) as context:
-        status = ray.get(start().scheduler.status.remote())
+        status = ray.get(start(settings=settings).scheduler.status.remote())
         devices = [d["device"] for d in status["devices"]]
         models = ", ".join(model_actor_name(d) for d in devices)
         print(f"Ray dashboard: http://{context.dashboard_url}  (actors: scheduler, {models}, "

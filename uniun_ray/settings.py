@@ -1,174 +1,118 @@
-"""How a user sets the engine's host choices: ``UNIUN_ENGINE``, ``UNIUN_DTYPE``, ``UNIUN_THREADS``,
-``UNIUN_KV_CACHE_MB``, ``UNIUN_KV_OFFLOAD_MB``, ``UNIUN_MAX_MEMORY``, ``UNIUN_SLOTS``, ``UNIUN_WARM_MB``,
-``UNIUN_CORESIDENT``, ``UNIUN_HUB_KERNELS`` and ``UNIUN_DETERMINISTIC``.
+"""The settings room: every ``UNIUN_*`` setting, declared once (``SETTINGS``: its name, variable,
+default, what it takes, what it does, and whether it is a debug knob users leave alone).
 
-Parsed without torch, in the process that starts the ModelActor (so a bad value is refused with
-a clear message before any actor exists) and handed to the actor as plain data: an environment
-variable set in a driver does not reach an actor's worker process on its own.
+They are read once where the runtime starts (``Settings.load``: the environment, then the flags
+of ``uniun-ray up`` or the arguments of ``start`` over it), checked there, with an error that
+names the variable, its value and what it takes, before any actor exists, and handed to the
+actors as plain data (``EngineSettings`` to a ModelActor, ``Settings.describe`` to the
+scheduler's ``status``): an environment variable set in a driver does not reach an actor's
+worker process on its own. The few read where they are used (the folders, the vLLM Python, the
+HTTP key: ``read``) are read through this module too; no other module reads ``UNIUN_*``.
+Parsed without torch.
 """
 from __future__ import annotations
 
 import os
 import re
-from dataclasses import dataclass, field
-from typing import Mapping
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any, Callable, Mapping
 
-ENGINE_ENV = "UNIUN_ENGINE"
-DTYPE_ENV = "UNIUN_DTYPE"
-THREADS_ENV = "UNIUN_THREADS"
-KV_CACHE_ENV = "UNIUN_KV_CACHE_MB"
-KV_OFFLOAD_ENV = "UNIUN_KV_OFFLOAD_MB"
-MAX_MEMORY_ENV = "UNIUN_MAX_MEMORY"
-SLOTS_ENV = "UNIUN_SLOTS"
-WARM_ENV = "UNIUN_WARM_MB"
-CORESIDENT_ENV = "UNIUN_CORESIDENT"
-#: "0": `start()` and `uniun-ray up` do not load the active chat model before they are ready.
-WARM_START_ENV = "UNIUN_WARM_START"
-#: The share of the host's available memory that idle models may keep by default (``default_warm_mb``).
-WARM_SHARE = 0.5
-HUB_KERNELS_ENV = "UNIUN_HUB_KERNELS"
-DETERMINISTIC_ENV = "UNIUN_DETERMINISTIC"
 #: The most slots a device may be given (R25): a batch's rows, each with its own KV.
 MAX_SLOTS = 256
-
-_SIZE = re.compile(r"^\d+(\.\d+)?\s*(B|KB|MB|GB|TB|KiB|MiB|GiB|TiB)$")
-
 #: What runs a device's forward passes (SPEC §7, ``uniun_ray.engines``): the first is the default.
 ENGINES = ("transformers", "vllm")
-
 #: "auto" measures, per host and model, which precision runs fastest on a CPU (see ``tuning``);
 #: on a GPU it means bfloat16, or float16 where bf16 is not supported.
 DTYPES = ("auto", "bfloat16", "float16", "float32")
+#: How a batch keeps its KV rows (``models.runner.rows``) and how static rows step (``.static``).
+ROW_KINDS = ("padded", "static")
+STEP_MODES = ("exact", "buckets", "graphs")
+#: The share of the host's available memory that idle models may keep by default (``default_warm_mb``).
+WARM_SHARE = 0.5
+DEFAULT_CHAT_MODEL = "smollm2-135m-instruct"
+#: Where a setting's value came from, weakest first: a flag of `uniun-ray up`, an argument of `start`.
+SOURCES = ("default", "environment", "flag", "argument")
+
+_SIZE = re.compile(r"^\d+(\.\d+)?\s*(B|KB|MB|GB|TB|KiB|MiB|GiB|TiB)$")
+_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+          "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}
 
 
 @dataclass(frozen=True)
-class EngineSettings:
-    """``dtype``: one of ``DTYPES``. ``threads``: torch's intra-op threads, or None for every
-    core this process may run on (its CPU affinity), never Ray's OMP_NUM_THREADS=1 default.
-    ``kv_cache_mb``: the prefix cache's memory budget on the device (0: off; None: the device's
-    default). ``kv_offload_mb``: CPU memory for the cache entries pushed out of a GPU's budget
-    (0: they are dropped; None: the default); unused on a CPU device, whose one tier is host memory.
-    ``max_memory``: per device ("cpu", or a GPU index as a string) the most memory the weights
-    may take, as accelerate reads it ("6GiB"); what does not fit is offloaded (``device_map="auto"``),
-    so a model larger than the device still runs, slower. None: the whole model on the device.
-    ``engine``: one of ``ENGINES``. ``slots``: ``UNIUN_SLOTS`` as a count, or None for "auto". The
-    scheduler decides how many jobs a device runs (``RuntimeConfig.slots``); an engine that must
-    fix its batch when it starts (vLLM's ``max_num_seqs``) starts with this many.
-    ``warm_mb``: host memory for the idle models this engine keeps warm (``models.load.parked``;
-    0: none, every swap is a cold load; None: ``default_warm_mb``). ``coresident``: whether an
-    idle model may stay on the device beside the active one where it has room (a swap back is
-    then a switch, no copy); False keeps idle models in host memory (a swap back is a copy).
-    ``hub_kernels``: let transformers replace layers with kernels it fetches from the Hugging Face
-    Hub at load (its ``use_kernels``): off unless the user opts in, since that downloads and runs
-    code nobody asked for, and fails offline on a GPU. ``deterministic``: a CPU decode step
-    computes each row as it would alone and a prompt is read the same whatever the prefix cache
-    held, so a greedy answer depends on neither, in bfloat16 either (``runner.attention``,
-    ``load.packing``, ``kv.prefix``; it costs decode throughput and prefill time)."""
+class Kind:
+    """How a setting is written (``parse``: the variable's text to a value, ValueError where it
+    cannot be) and what values it takes (``valid``; ``allowed`` says it in words)."""
 
-    dtype: str = "auto"
-    threads: int | None = None
-    kv_cache_mb: int | None = None
-    kv_offload_mb: int | None = None
-    max_memory: dict[str, str] | None = field(default=None, hash=False)
-    engine: str = ENGINES[0]
-    slots: int | None = None
-    warm_mb: int | None = None
-    coresident: bool = True
-    hub_kernels: bool = False
-    deterministic: bool = False
-
-    def __post_init__(self) -> None:
-        if self.engine not in ENGINES:
-            raise ValueError(f"engine must be one of {', '.join(ENGINES)}; got {self.engine!r}")
-        check_slot_count(self.slots)
-        for name in ("hub_kernels", "deterministic"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}; got {self.dtype!r}")
-        if self.threads is not None and (
-            isinstance(self.threads, bool) or not isinstance(self.threads, int) or self.threads < 1
-        ):
-            raise ValueError(f"threads must be an int >= 1 or None, got {self.threads!r}")
-        for name in ("kv_cache_mb", "kv_offload_mb", "warm_mb"):
-            check_megabytes(name, getattr(self, name))
-        if not isinstance(self.coresident, bool):
-            raise ValueError(f"coresident must be a bool, got {self.coresident!r}")
-        if self.max_memory is not None:
-            check_max_memory(self.max_memory)
-
-    @classmethod
-    def from_env(cls, environ: Mapping[str, str] = os.environ) -> "EngineSettings":
-        dtype = environ.get(DTYPE_ENV, "").strip() or "auto"
-        if dtype not in DTYPES:
-            raise ValueError(f"{DTYPE_ENV}={dtype!r} is not a dtype; use one of {', '.join(DTYPES)}")
-        threads = _count(environ, THREADS_ENV, "a thread count; use an integer >= 1", minimum=1)
-        kv_cache_mb = _count(environ, KV_CACHE_ENV, "a size in MB; use an integer >= 0 (0 turns the cache off)",
-                             minimum=0)
-        kv_offload_mb = _count(environ, KV_OFFLOAD_ENV,
-                               "a size in MB; use an integer >= 0 (0 drops what the device's cache pushes out)",
-                               minimum=0)
-        raw = environ.get(MAX_MEMORY_ENV, "").strip()
-        max_memory = None
-        if raw:
-            pairs = [part.split("=", 1) for part in raw.split(",")]
-            if any(len(pair) != 2 for pair in pairs):
-                raise ValueError(f"{MAX_MEMORY_ENV}={raw!r}: write DEVICE=SIZE pairs, e.g. 'cpu=2GiB' or '0=6GiB,cpu=20GiB'")
-            max_memory = {device.strip(): size.strip() for device, size in pairs}
-            try:
-                check_max_memory(max_memory)
-            except ValueError as error:
-                raise ValueError(f"{MAX_MEMORY_ENV}={raw!r}: {error}") from None
-        engine = environ.get(ENGINE_ENV, "").strip() or ENGINES[0]
-        if engine not in ENGINES:
-            raise ValueError(f"{ENGINE_ENV}={engine!r} is not an engine; use one of {', '.join(ENGINES)}")
-        warm_mb = _count(environ, WARM_ENV, "a size in MB; use an integer >= 0 (0 keeps no model warm)", minimum=0)
-        coresident = environ.get(CORESIDENT_ENV, "").strip() or "1"
-        if coresident not in ("0", "1"):
-            raise ValueError(f"{CORESIDENT_ENV}={coresident!r}: use 1 (idle models may stay on the device) or 0")
-        return cls(dtype, threads, kv_cache_mb, kv_offload_mb, max_memory, engine,
-                   parse_slots(environ.get(SLOTS_ENV, "")), warm_mb, coresident == "1",
-                   _switch(environ, HUB_KERNELS_ENV, "let transformers fetch and run Hub kernels at load"),
-                   _switch(environ, DETERMINISTIC_ENV, "get one greedy answer whatever rows are beside it and the prefix cache held"))
-
-    def resolved_threads(self) -> int:
-        """The thread count to give torch in this process."""
-        return self.threads or len(os.sched_getaffinity(0)) or 1
+    parse: Callable[[str], Any]
+    valid: Callable[[Any], bool]
+    allowed: str
 
 
-def warm_start(environ: Mapping[str, str] = os.environ) -> bool:
-    """Whether `start()` and `uniun-ray up` load the active chat model before they are ready
-    (``UNIUN_WARM_START``; on unless "0")."""
-    return environ.get(WARM_START_ENV, "1").strip() != "0"
+def _choice(*options: str) -> Kind:
+    return Kind(str.lower, lambda value: value in options, "one of " + ", ".join(options))
 
 
-def default_warm_mb(shares: int = 1) -> int:
-    """The warm budget when ``UNIUN_WARM_MB`` is not set: WARM_SHARE of the memory the host has
-    available now (what Ray's object store already holds is not available), split evenly
-    between the ``shares`` ModelActors of the node, which each keep their own idle models."""
-    import psutil   # Ray's own dependency
-
-    return int(psutil.virtual_memory().available * WARM_SHARE / max(1, shares) / 2**20)
+def _int(text: str) -> int:
+    if not text.isdigit():
+        raise ValueError
+    return int(text)
 
 
-def _count(environ: Mapping[str, str], name: str, what: str, minimum: int) -> int | None:
-    raw = environ.get(name, "").strip()
-    if not raw:
-        return None
-    if not raw.isdigit() or int(raw) < minimum:
-        raise ValueError(f"{name}={raw!r} is not {what}")
-    return int(raw)
+def _whole(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
-def check_slot_count(slots: object) -> None:
-    """A slot count (SPEC §6, R25): 1..MAX_SLOTS, or None for "auto" (measured at each load)."""
-    if slots is not None and (isinstance(slots, bool) or not isinstance(slots, int) or not 1 <= slots <= MAX_SLOTS):
-        raise ValueError(f"slots must be an int from 1 to {MAX_SLOTS}, or None for auto; got {slots!r}")
+def _count(minimum: int, what: str) -> Kind:
+    return Kind(_int, lambda value: _whole(value) and value >= minimum, f"{what}: an integer >= {minimum}")
 
 
-#: The operator's models where no command line names them (`ID=PATH,ID=PATH`): the twin of
-#: `uniun-ray up --model ID=PATH`, for scripts submitted to a head that start the runtime.
-MODELS_ENV = "UNIUN_MODELS"
+def _switch(on: str, off: str) -> Kind:
+    return Kind(lambda text: {"1": True, "0": False}[text] if text in ("0", "1") else _no(),
+                lambda value: isinstance(value, bool), f"1 to {on}, 0 {off}")
+
+
+def _no() -> Any:
+    raise ValueError
+
+
+def _slots(text: str) -> int | None:
+    return None if text.lower() == "auto" else _int(text)
+
+
+def size_bytes(text: str) -> int:
+    """"512MB", "6GiB": the bytes they say."""
+    match = _SIZE.match(text.strip())
+    if not match:
+        raise ValueError(f"{text!r} is not a size like '512MB' or '6GiB'")
+    return int(float(text.strip()[:match.start(2)].strip()) * _UNITS[match.group(2)])
+
+
+def _budget(text: str) -> float | int:
+    """A device's memory budget: a share of it ("0.8") or a size ("12GiB", as bytes)."""
+    try:
+        return float(text) if "." in text or text in ("0", "1") else size_bytes(text)
+    except ValueError:
+        raise ValueError from None
+
+
+def _valid_budget(value: object) -> bool:
+    return (isinstance(value, float) and 0 < value <= 1) or (_whole(value) and value > 0)
+
+
+def _max_memory(text: str) -> dict[str, str]:
+    pairs = [part.split("=", 1) for part in text.split(",")]
+    if any(len(pair) != 2 for pair in pairs):
+        raise ValueError("write DEVICE=SIZE pairs")
+    return {device.strip(): size.strip() for device, size in pairs}
+
+
+def _valid_max_memory(value: object) -> bool:
+    try:
+        check_max_memory(value)
+    except ValueError:
+        return False
+    return True
 
 
 def parse_models(text: str) -> dict[str, str]:
@@ -182,22 +126,253 @@ def parse_models(text: str) -> dict[str, str]:
     return models
 
 
+_MB = _count(0, "megabytes")
+_TEXT = Kind(str, lambda value: isinstance(value, str) and bool(value), "a non-empty text")
+_PATH = Kind(lambda text: str(Path(text).expanduser()), lambda value: isinstance(value, (str, os.PathLike)), "a path")
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One setting: ``name`` as code reads it, ``env`` the variable, ``default`` when it is not
+    set (None: decided where it is used, per device or host, as ``doc`` says)."""
+
+    name: str
+    env: str
+    default: Any
+    kind: Kind
+    doc: str
+    debug: bool = False
+
+    def read(self, raw: str) -> Any:
+        """The value of the variable's text ``raw`` (empty: the default); ValueError names the
+        variable, the value and what it takes."""
+        text = raw.strip()
+        if not text:
+            return self.default
+        try:
+            value = self.kind.parse(text)
+        except (ValueError, KeyError) as error:
+            value = error
+        if isinstance(value, Exception) or not self.kind.valid(value):
+            raise ValueError(f"{self.env}={text!r} is not allowed: use {self.kind.allowed}") from None
+        return value
+
+    def check(self, value: Any) -> Any:
+        """``value`` as given in code (None where the default is); ValueError says what it takes."""
+        if value is None and self.default is None or value == self.default:
+            return value
+        if value is None or not self.kind.valid(value):
+            unset = ", or None" if self.default is None else ""
+            raise ValueError(f"{self.name} ({self.env}) must be {self.kind.allowed}{unset}; got {value!r}")
+        return value
+
+
+SETTINGS: tuple[Setting, ...] = (
+    Setting("chat_model", "UNIUN_CHAT_MODEL", DEFAULT_CHAT_MODEL, _TEXT,
+            "The active chat model (`model_id=None`): an id, or a folder served under its name (`--chat-model`)."),
+    Setting("models", "UNIUN_MODELS", {}, Kind(parse_models, lambda value: isinstance(value, Mapping), "ID=PATH,ID=PATH"),
+            "The operator's models beside the embedded ones, id -> folder of weights (`--model ID=PATH`)."),
+    Setting("slots", "UNIUN_SLOTS", None,
+            Kind(_slots, lambda value: value is None or (_whole(value) and 1 <= value <= MAX_SLOTS),
+                 f"'auto' or a count from 1 to {MAX_SLOTS}"),
+            "Jobs each device decodes together; unset or 'auto': measured per host and model at each load (`--slots`)."),
+    Setting("engine", "UNIUN_ENGINE", ENGINES[0], _choice(*ENGINES),
+            "What runs each device's forward passes (`--engine`; vllm needs `make install-vllm`)."),
+    Setting("warm_start", "UNIUN_WARM_START", True, _switch("load the chat model before start returns", "not to"),
+            "`start()` and `uniun-ray up` load the active chat model before they are ready."),
+    Setting("dtype", "UNIUN_DTYPE", "auto", _choice(*DTYPES),
+            "The models' precision; auto: the faster of bf16 and float32 measured on a CPU, bf16 (fp16) on a GPU."),
+    Setting("threads", "UNIUN_THREADS", None, _count(1, "a thread count"),
+            "torch's intra-op threads; unset: every core of the process against half of them, measured."),
+    Setting("memory", "UNIUN_MEMORY", None, Kind(_budget, _valid_budget, "a share of the device (0.8) or a size (12GiB)"),
+            "Each device's memory plan divides this; unset: a GPU's whole memory, a CPU's share of the host's available memory."),
+    Setting("kv_cache_mb", "UNIUN_KV_CACHE_MB", None, _MB,
+            "The prefix cache's budget on the device (0: off); unset: 1024 on a CPU, 4096 on a GPU."),
+    Setting("kv_offload_mb", "UNIUN_KV_OFFLOAD_MB", None, _MB,
+            "Host memory for KV a GPU's prefix cache pushes out (0: dropped); unset: 4096 per GPU; unused on a CPU."),
+    Setting("warm_mb", "UNIUN_WARM_MB", None, _MB,
+            "Host memory for idle models kept warm (0: every swap is cold); unset: half the available memory, shared by the node's devices."),
+    Setting("coresident", "UNIUN_CORESIDENT", True, _switch("let idle models stay on the device where they fit", "to keep them in host memory"),
+            "Idle models may stay on the device beside the active one (a swap back is then a switch)."),
+    Setting("max_memory", "UNIUN_MAX_MEMORY", None, Kind(_max_memory, _valid_max_memory, "DEVICE=SIZE pairs, e.g. cpu=2GiB or 0=6GiB,cpu=20GiB"),
+            "The most memory the weights take per device; the rest is offloaded, so a model larger than the device runs, slower."),
+    Setting("kv_rows_mb", "UNIUN_KV_ROWS_MB", None, _MB,
+            "The static KV rows' budget; unset: 1024 on a CPU, what the memory plan leaves on a GPU."),
+    Setting("kv_rows", "UNIUN_KV_ROWS", None, _choice(*ROW_KINDS),
+            "How a batch keeps its KV rows; unset: static on a GPU, padded on a CPU.", debug=True),
+    Setting("kv_steps", "UNIUN_KV_STEPS", None, _choice(*STEP_MODES),
+            "How static rows step; unset: CUDA graphs on a GPU, exact shapes on a CPU.", debug=True),
+    Setting("hub_kernels", "UNIUN_HUB_KERNELS", False, _switch("let transformers fetch and run Hub kernels at load", "(the default) not to"),
+            "transformers may replace layers with kernels it downloads from the Hugging Face Hub at load."),
+    Setting("deterministic", "UNIUN_DETERMINISTIC", False,
+            _switch("get one greedy answer whatever rows are beside it and the prefix cache held", "(the default) not to"),
+            "On a CPU a greedy answer depends on neither the rows beside it nor the prefix cache (costs decode and prefill time)."),
+    Setting("torch_device", "UNIUN_TORCH_DEVICE", None, _choice("cpu", "cuda"),
+            "Force torch's device in the actors; cpu keeps torch on the CPU in actors Ray gave a GPU.", debug=True),
+    Setting("embedder_device", "UNIUN_EMBEDDER_DEVICE", "gpu", _choice("cpu", "gpu"),
+            "With two or more GPUs the embedder takes one of its own (gpu), or stays on the CPU (cpu)."),
+    Setting("embed_concurrency", "UNIUN_EMBED_CONCURRENCY", 2, _count(1, "a concurrency"),
+            "Embeds in flight at once in the embedder."),
+    Setting("cache_dir", "UNIUN_CACHE_DIR", None, _PATH,
+            "The converted models' folder; unset: ~/.cache/uniun-ray/models (vLLM's venv goes beside it)."),
+    Setting("state_dir", "UNIUN_STATE_DIR", None, _PATH,
+            "The event log (events.jsonl) and what `uniun-ray up` started (up.json); unset: ~/.cache/uniun-ray."),
+    Setting("vllm_python", "UNIUN_VLLM_PYTHON", None, _PATH,
+            "A Python that has vllm, instead of the venv `make install-vllm` builds."),
+    Setting("api_key", "UNIUN_API_KEY", None, _TEXT,
+            "HTTP clients must send `Authorization: Bearer` this key; unset: no key (bind to localhost only)."),
+)
+SETTING: dict[str, Setting] = {setting.name: setting for setting in SETTINGS}
+ENV: dict[str, str] = {setting.name: setting.env for setting in SETTINGS}   # name -> its variable
+SECRET = frozenset({"api_key"})
+
+
+def read(name: str, environ: Mapping[str, str] = os.environ) -> Any:
+    """One setting as the environment sets it now: for what is read where it is used (a folder,
+    the HTTP key), in whichever process uses it."""
+    return SETTING[name].read(environ.get(SETTING[name].env, ""))
+
+
+def state_dir(environ: Mapping[str, str] = os.environ) -> Path:
+    """``UNIUN_STATE_DIR``, else ~/.cache/uniun-ray (``$XDG_CACHE_HOME`` where set)."""
+    configured = read("state_dir", environ)
+    return Path(configured) if configured else _cache_home(environ) / "uniun-ray"
+
+
+def cache_dir(environ: Mapping[str, str] = os.environ) -> Path:
+    """``UNIUN_CACHE_DIR``, else ~/.cache/uniun-ray/models. Read on every call, so a test or a
+    deployment can redirect it through the environment."""
+    configured = read("cache_dir", environ)
+    return Path(configured) if configured else Path.home() / ".cache" / "uniun-ray" / "models"
+
+
+def _cache_home(environ: Mapping[str, str]) -> Path:
+    return Path(environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Every setting's effective value and where it came from (``SOURCES``), as read where the
+    runtime starts (``load``)."""
+
+    values: Mapping[str, Any]
+    sources: Mapping[str, str]
+
+    @classmethod
+    def load(cls, environ: Mapping[str, str] = os.environ, flags: Mapping[str, Any] | None = None) -> "Settings":
+        """The environment's settings, then ``flags`` over them (a flag's text is read as the
+        variable's, any other value checked as code gives it; None: not given). ValueError
+        names the first that is not allowed."""
+        values, sources = {}, {}
+        for setting in SETTINGS:
+            flag = (flags or {}).get(setting.name)
+            if flag is not None:
+                values[setting.name] = setting.read(flag) if isinstance(flag, str) else setting.check(flag)
+                sources[setting.name] = "flag"
+            else:
+                values[setting.name] = setting.read(environ.get(setting.env, ""))
+                sources[setting.name] = "environment" if environ.get(setting.env, "").strip() else "default"
+        return cls(values, sources)
+
+    def given(self, **values: Any) -> "Settings":
+        """These settings with ``values`` as code gave them (a ``start`` argument), checked;
+        the ones that change a value are counted as arguments."""
+        changed = {name: SETTING[name].check(value) for name, value in values.items() if value != self.values[name]}
+        return Settings({**self.values, **changed}, {**self.sources, **{name: "argument" for name in changed}})
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("_") or name in ("values", "sources"):
+            raise AttributeError(name)
+        try:
+            return self.values[name]
+        except KeyError:
+            raise AttributeError(name) from None
+
+    @property
+    def engine_settings(self) -> "EngineSettings":
+        """What a ModelActor's engine is built from."""
+        return EngineSettings(**{f.name: self.values[f.name] for f in fields(EngineSettings)})
+
+    def describe(self) -> list[dict]:
+        """Each setting's variable, value (a key shown as set, never itself) and source, for
+        ``uniun-ray config`` and ``status``."""
+        return [{"setting": s.env, "value": _shown(s.name, self.values[s.name]), "source": self.sources[s.name],
+                 "debug": s.debug} for s in SETTINGS]
+
+
+def _shown(name: str, value: Any) -> str:
+    if name in SECRET:
+        return "(unset)" if value is None else "(set)"
+    if value is None:
+        return "auto"
+    if isinstance(value, bool):
+        return "1" if value else "0"
+    if isinstance(value, Mapping):
+        return ",".join(f"{k}={v}" for k, v in value.items()) or "none"
+    return str(value)
+
+
+def _default(name: str) -> Any:
+    return field(default=SETTING[name].default, hash=not isinstance(SETTING[name].default, (dict, list)))
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    """The settings a device's engine is built from (``SETTINGS`` says what each does):
+    ``dtype``, ``threads`` (None: every core this process may run on, its CPU affinity, never
+    Ray's OMP_NUM_THREADS=1), the memory budgets in MB (None: the device's default, the memory
+    plan's), ``max_memory`` (device -> size, as accelerate reads it), ``engine``, ``slots``
+    (None: auto; an engine that fixes its batch at start, vLLM's ``max_num_seqs``, starts with
+    this many), ``coresident``, ``hub_kernels``, ``deterministic``, ``kv_rows``/``kv_steps``
+    (None: the device's), ``memory`` (the budget the plan divides)."""
+
+    dtype: str = _default("dtype")
+    threads: int | None = _default("threads")
+    kv_cache_mb: int | None = _default("kv_cache_mb")
+    kv_offload_mb: int | None = _default("kv_offload_mb")
+    max_memory: dict[str, str] | None = field(default=None, hash=False)
+    engine: str = _default("engine")
+    slots: int | None = _default("slots")
+    warm_mb: int | None = _default("warm_mb")
+    coresident: bool = _default("coresident")
+    hub_kernels: bool = _default("hub_kernels")
+    deterministic: bool = _default("deterministic")
+    kv_rows: str | None = _default("kv_rows")
+    kv_steps: str | None = _default("kv_steps")
+    kv_rows_mb: int | None = _default("kv_rows_mb")
+    memory: float | int | None = _default("memory")
+
+    def __post_init__(self) -> None:
+        for each in fields(self):
+            SETTING[each.name].check(getattr(self, each.name))
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] = os.environ) -> "EngineSettings":
+        return Settings.load(environ).engine_settings
+
+    def resolved_threads(self) -> int:
+        """The thread count to give torch in this process."""
+        return self.threads or len(os.sched_getaffinity(0)) or 1
+
+
+def default_warm_mb(shares: int = 1) -> int:
+    """The warm budget when ``UNIUN_WARM_MB`` is not set: WARM_SHARE of the memory the host has
+    available now (what Ray's object store already holds is not available), split evenly
+    between the ``shares`` ModelActors of the node, which each keep their own idle models."""
+    import psutil   # Ray's own dependency
+
+    return int(psutil.virtual_memory().available * WARM_SHARE / max(1, shares) / 2**20)
+
+
+def check_slot_count(slots: object) -> None:
+    """A slot count (SPEC §6, R25): 1..MAX_SLOTS, or None for "auto" (measured at each load)."""
+    if slots is not None and (isinstance(slots, bool) or not isinstance(slots, int) or not 1 <= slots <= MAX_SLOTS):
+        raise ValueError(f"slots must be an int from 1 to {MAX_SLOTS}, or None for auto; got {slots!r}")
+
+
 def parse_slots(raw: str) -> int | None:
     """``UNIUN_SLOTS`` / ``--slots``: "auto" (or empty) is None, else a count."""
-    raw = str(raw).strip().lower()
-    if raw in ("", "auto"):
-        return None
-    if not raw.isdigit() or not 1 <= int(raw) <= MAX_SLOTS:
-        raise ValueError(f"{SLOTS_ENV}={raw!r}: slots are 'auto' or a count from 1 to {MAX_SLOTS}")
-    return int(raw)
-
-
-def _switch(environ: Mapping[str, str], name: str, what: str) -> bool:
-    """A setting that is off unless the user opts in: "1" on, "0" or unset off."""
-    raw = environ.get(name, "").strip()
-    if raw not in ("", "0", "1"):
-        raise ValueError(f"{name}={raw!r}: use 1 to {what}, 0 (the default) not to")
-    return raw == "1"
+    return SETTING["slots"].read(str(raw))
 
 
 def check_megabytes(name: str, value: object) -> None:
@@ -214,3 +389,13 @@ def check_max_memory(max_memory: Mapping[str, str]) -> None:
             raise ValueError(f"max_memory: device {device!r} is neither 'cpu' nor a GPU index")
         if not isinstance(size, str) or not _SIZE.match(size):
             raise ValueError(f"max_memory: size {size!r} of {device!r} is not a size like '512MB' or '6GiB'")
+
+
+def markdown_table() -> str:
+    """The README's table of settings, made from ``SETTINGS`` (a test checks they agree)."""
+    lines = ["| Variable | Default | Takes | What it does |", "|---|---|---|---|"]
+    for s in SETTINGS:
+        debug = " *Debug: leave it unset.*" if s.debug else ""
+        lines.append(f"| `{s.env}` | {_shown(s.name, s.default) if s.default is not None else 'unset'} "
+                     f"| {s.kind.allowed} | {s.doc}{debug} |")
+    return "\n".join(lines)

@@ -37,11 +37,10 @@ from ..kv import heap
 from ..runner.gate import CancelFlag
 from ..load.parked import ParkedStore, park, unpark
 from ..load.weights import DEFAULT_KV_OFFLOAD_MB, Loaded, Weights, default_kv_cache_mb
-from ..runner import rows as kv_rows
 from ..kv.prefix import PrefixCache
 from ..registry import materialize, resolve
 from ..requests.request import GenerateRequest, _is_int
-from ...settings import check_megabytes, default_warm_mb
+from ...settings import EngineSettings, default_warm_mb
 from ..swap import COLD, NONE, Swap
 from ..requests.vocabulary import PromptTooLong, context_of
 
@@ -49,62 +48,39 @@ from ..requests.vocabulary import PromptTooLong, context_of
 class Engine:
     """Holds at most one causal LM on ``device`` and generates with it, one run at a time.
 
-    ``dtype``: one of ``settings.DTYPES`` or a torch dtype; "auto" (the default) measures bf16
-    against float32 on CPU, once per host and model (cached), and keeps the faster.
-    ``num_threads`` fixes torch's intra-op threads for the whole process. None (the default):
-    the probe measures every core of ``thread_budget`` (None: every core this process may run
-    on) against half of them on CPU and keeps the faster; on a GPU the budget is used. Never
-    Ray's OMP_NUM_THREADS=1, which actors inherit.
+    ``settings`` (``settings.EngineSettings``; ``settings.SETTINGS`` says what each does): the
+    dtype ("auto" measures bf16 against float32 on CPU, once per host and model, cached) and
+    threads (None: the probe measures every core of ``thread_budget``, None: every core this
+    process may run on, against half of them on CPU; never Ray's OMP_NUM_THREADS=1, which
+    actors inherit), the prefix cache's budgets (``kv.prefix``; None: the device's default),
+    ``max_memory`` (accelerate places the weights and offloads what does not fit: a model
+    larger than the device runs, slower), the warm budget for idle models (``load.parked``;
+    None: ``settings.default_warm_mb``) and whether they may stay ``coresident``, whether
+    transformers may fetch ``hub_kernels`` at load, ``deterministic`` decoding (on CPU a greedy
+    answer depends neither on the rows beside nor on what the prefix cache held; it costs
+    decode throughput and prefill time), and the KV rows (``runner.rows``).
     ``prefill_chunk`` fixes the prompt tokens per prefill forward pass; None (the default) sizes
     each chunk by the time it takes on this host (``tuning.StepClock``); the layer gate bounds
     how long a cancel waits within one.
-    ``kv_cache_mb`` bounds the prefix cache of the loaded model (``kvcache``; 0: off; None: the
-    device's default); ``kv_offload_mb`` the CPU memory its entries move to when a GPU's budget is
-    full (None: the default; a CPU device has one tier and ignores it). ``max_memory``
-    ({"cpu": "2GiB"} or {"0": "6GiB", "cpu": "20GiB"}) lets accelerate place the weights
-    (``device_map="auto"``) and offload what does not fit, to CPU memory or to disk under the
-    cache folder: a model larger than the device runs, slower. ``warm_mb`` bounds the idle
-    models kept warm after a swap (``load.parked``; 0: none; None: ``settings.default_warm_mb``);
-    ``coresident`` lets them stay on the device beside the active one where it has room.
-    ``hub_kernels`` lets transformers fetch and run kernels from the Hugging Face Hub at load
-    (``UNIUN_HUB_KERNELS=1``); off by default, a load reads nothing but the model's folder.
-    ``deterministic`` (``UNIUN_DETERMINISTIC=1``): on CPU a decode step computes each row as it
-    would alone, and a prompt's KV is the same however the prefix cache left it to read, so a
-    greedy answer depends on neither, in bfloat16 either; it costs decode throughput and prefill
-    time (README).
 
     Thread safety: a ``generation.generate`` run may be iterated in a worker thread. ``load`` and ``unload`` refuse
     (RuntimeError) while a run is in progress: revoke it and let its iterator finish first.
     """
 
-    def __init__(
-        self,
-        device: str | torch.device = "cpu",
-        dtype: str | torch.dtype | None = "auto",
-        num_threads: int | None = None,
-        thread_budget: int | None = None,
-        prefill_chunk: int | None = None,
-        kv_cache_mb: int | None = None,
-        kv_offload_mb: int | None = None,
-        max_memory: dict[str, str] | None = None,
-        warm_mb: int | None = None,
-        coresident: bool = True,
-        hub_kernels: bool = False,
-        deterministic: bool = False,
-    ) -> None:
-        self._weights = Weights(device, dtype, num_threads, thread_budget, max_memory, hub_kernels, deterministic)
+    def __init__(self, device: str | torch.device = "cpu", settings: EngineSettings | None = None, *,
+                 thread_budget: int | None = None, prefill_chunk: int | None = None) -> None:
+        settings = settings or EngineSettings()
+        self._weights = Weights(device, settings, thread_budget)
         self.device = self._weights.device
         if prefill_chunk is not None and (not _is_int(prefill_chunk) or prefill_chunk < 1):
             raise ValueError(f"prefill_chunk must be an int >= 1 or None, got {prefill_chunk!r}")
         self.prefill_chunk = prefill_chunk
-        check_megabytes("kv_cache_mb", kv_cache_mb)
-        check_megabytes("kv_offload_mb", kv_offload_mb)
-        self.kv_cache_mb = default_kv_cache_mb(self.device) if kv_cache_mb is None else kv_cache_mb
+        self.kv_cache_mb = default_kv_cache_mb(self.device) if settings.kv_cache_mb is None else settings.kv_cache_mb
         self.kv_offload_mb = (0 if self.device.type == "cpu" else
-                              DEFAULT_KV_OFFLOAD_MB if kv_offload_mb is None else kv_offload_mb)
-        check_megabytes("warm_mb", warm_mb)
-        self._parked = ParkedStore((default_warm_mb() if warm_mb is None else warm_mb) * 2**20)
-        self.coresident = coresident
+                              DEFAULT_KV_OFFLOAD_MB if settings.kv_offload_mb is None else settings.kv_offload_mb)
+        warm_mb = default_warm_mb() if settings.warm_mb is None else settings.warm_mb
+        self._parked = ParkedStore(warm_mb * 2**20)
+        self.coresident = settings.coresident
         self._lock = threading.Lock()
         self._loaded: Loaded | None = None
         self._running = 0
@@ -333,5 +309,5 @@ class Engine:
         if len(context) + request.max_new_tokens > loaded.context_length:
             raise PromptTooLong(
                 f"prompt is {len(context)} tokens + max_new_tokens {request.max_new_tokens}, more than the "
-                f"{loaded.context_length} tokens of a KV row ({kv_rows.BUDGET_ENV} sizes the rows)")
+                f"{loaded.context_length} tokens of a KV row (UNIUN_KV_ROWS_MB sizes the rows)")
         return loaded, context

@@ -26,7 +26,6 @@ row's KV in every layer, every step); free rows past n serve instead.
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from typing import Any
@@ -42,9 +41,8 @@ STORE_ROWS = {"cuda": 64, "cpu": 16}
 CONTEXT_FLOOR = 2048
 #: A row's context is a multiple of this (and so is every span bucket).
 CONTEXT_STEP = 256
-#: The store's budget on a CPU (``UNIUN_KV_ROWS_MB`` sets it on any device).
+#: The store's budget on a CPU (the ``kv_rows_mb`` setting sets it on any device).
 CPU_BUDGET_MB = 1024
-BUDGET_ENV = "UNIUN_KV_ROWS_MB"
 #: A GPU keeps this share of its free memory (after the weights and the prefix cache's budget)
 #: out of the store, and at least HEADROOM_MB: prefill activations, the graphs' pool, the allocator.
 HEADROOM_SHARE, HEADROOM_MB = 0.15, 2048
@@ -74,15 +72,12 @@ def layer_count(model: Any) -> int:
     return len(DynamicCache(config=model.config).layers)
 
 
-def static_budget(device: torch.device, reserved_bytes: int) -> int:
-    """Bytes for the store: ``UNIUN_KV_ROWS_MB`` if set; on a CPU, CPU_BUDGET_MB; on a GPU, its
-    free memory now (the weights loaded) less ``reserved_bytes`` (the prefix cache's budget) and
-    the headroom."""
-    configured = os.environ.get(BUDGET_ENV, "").strip()
-    if configured:
-        if not configured.isdigit():
-            raise ValueError(f"{BUDGET_ENV}={configured!r}: megabytes, a whole number")
-        return int(configured) * 2**20
+def static_budget(device: torch.device, reserved_bytes: int, configured_mb: int | None = None) -> int:
+    """Bytes for the store: ``configured_mb`` (the ``kv_rows_mb`` setting) if set; on a CPU,
+    CPU_BUDGET_MB; on a GPU, its free memory now (the weights loaded) less ``reserved_bytes``
+    (the prefix cache's budget) and the headroom."""
+    if configured_mb is not None:
+        return configured_mb * 2**20
     if device.type != "cuda":
         return CPU_BUDGET_MB * 2**20
     torch.cuda.empty_cache()       # what the load's probe left in torch's cache is free memory too
