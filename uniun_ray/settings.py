@@ -28,8 +28,6 @@ DTYPES = ("auto", "bfloat16", "float16", "float32")
 #: How a batch keeps its KV rows (``models.runner.rows``) and how static rows step (``.static``).
 ROW_KINDS = ("padded", "static")
 STEP_MODES = ("exact", "buckets", "graphs")
-#: The share of the host's available memory that idle models may keep by default (``default_warm_mb``).
-WARM_SHARE = 0.5
 DEFAULT_CHAT_MODEL = "smollm2-135m-instruct"
 #: Where a setting's value came from, weakest first: a flag of `uniun-ray up`, an argument of `start`.
 SOURCES = ("default", "environment", "flag", "argument")
@@ -134,14 +132,16 @@ _PATH = Kind(lambda text: str(Path(text).expanduser()), lambda value: isinstance
 @dataclass(frozen=True)
 class Setting:
     """One setting: ``name`` as code reads it, ``env`` the variable, ``default`` when it is not
-    set (None: decided where it is used, per device or host, as ``doc`` says)."""
+    set (None: decided where it is used, per device or host, as ``default_doc`` says)."""
 
     name: str
     env: str
     default: Any
     kind: Kind
     doc: str
-    debug: bool = False
+    default_doc: str = ""   # the default in words, where it is decided per device or host
+    flag: str = ""          # where else it is set: a flag of `uniun-ray up`, an argument of `start`
+    debug: bool = False     # for tests and benchmarks: users leave it unset
 
     def read(self, raw: str) -> Any:
         """The value of the variable's text ``raw`` (empty: the default); ValueError names the
@@ -169,58 +169,80 @@ class Setting:
 
 SETTINGS: tuple[Setting, ...] = (
     Setting("chat_model", "UNIUN_CHAT_MODEL", DEFAULT_CHAT_MODEL, _TEXT,
-            "The active chat model (`model_id=None`): an id, or a folder served under its name (`--chat-model`)."),
+            "the active chat model (what `model_id=None` and HTTP's `\"default\"` mean): the scheduler's "
+            "setting, so every process agrees; a folder is served under its name",
+            flag="`uniun-ray up --chat-model ID`"),
     Setting("models", "UNIUN_MODELS", {}, Kind(parse_models, lambda value: isinstance(value, Mapping), "ID=PATH,ID=PATH"),
-            "The operator's models beside the embedded ones, id -> folder of weights (`--model ID=PATH`)."),
+            "the operator's models, served by id beside the embedded ones",
+            flag="`uniun-ray up --model ID=PATH` (repeatable), `start(models={\"ID\": \"PATH\"})`"),
+    Setting("engine", "UNIUN_ENGINE", ENGINES[0], _choice(*ENGINES),
+            "what runs the devices' forward passes ([engines](engines.md)); vllm needs `make install-vllm`",
+            flag="`uniun-ray up --engine`, `make demo ENGINE=`"),
     Setting("slots", "UNIUN_SLOTS", None,
             Kind(_slots, lambda value: value is None or (_whole(value) and 1 <= value <= MAX_SLOTS),
                  f"'auto' or a count from 1 to {MAX_SLOTS}"),
-            "Jobs each device decodes together; unset or 'auto': measured per host and model at each load (`--slots`)."),
-    Setting("engine", "UNIUN_ENGINE", ENGINES[0], _choice(*ENGINES),
-            "What runs each device's forward passes (`--engine`; vllm needs `make install-vllm`)."),
+            "jobs a device decodes together; auto measures the step profile at each load",
+            default_doc="auto", flag="`uniun-ray up --slots N`, `RuntimeConfig(slots=N)`"),
     Setting("warm_start", "UNIUN_WARM_START", True, _switch("load the chat model before start returns", "not to"),
-            "`start()` and `uniun-ray up` load the active chat model before they are ready."),
+            "`start()` and `uniun-ray up` load the active chat model before they say they are ready"),
     Setting("dtype", "UNIUN_DTYPE", "auto", _choice(*DTYPES),
-            "The models' precision; auto: the faster of bf16 and float32 measured on a CPU, bf16 (fp16) on a GPU."),
+            "the models' precision; auto: measured per host and model on a CPU, bf16 (else fp16) on a GPU "
+            "([tuning](tuning.md#dtype-and-threads))"),
     Setting("threads", "UNIUN_THREADS", None, _count(1, "a thread count"),
-            "torch's intra-op threads; unset: every core of the process against half of them, measured."),
+            "torch's threads", default_doc="every core the actor's process may run on, or half, as measured"),
     Setting("memory", "UNIUN_MEMORY", None, Kind(_budget, _valid_budget, "a share of the device (0.8) or a size (12GiB)"),
-            "Each device's memory plan divides this; unset: a GPU's whole memory, a CPU's share of the host's available memory."),
+            "the memory each device's plan divides between the active weights, idle models, KV rows and the "
+            "prefix cache (`status` shows the plan); a setting that asks for more is refused",
+            default_doc="a GPU's memory; on a CPU the host's available memory, shared by the node's devices"),
     Setting("kv_cache_mb", "UNIUN_KV_CACHE_MB", None, _MB,
-            "The prefix cache's budget on the device (0: off); unset: 1024 on a CPU, 4096 on a GPU."),
+            "the prefix KV cache's budget on the device (0: off)", default_doc="1024 on a CPU, 4096 on a GPU"),
     Setting("kv_offload_mb", "UNIUN_KV_OFFLOAD_MB", None, _MB,
-            "Host memory for KV a GPU's prefix cache pushes out (0: dropped); unset: 4096 per GPU; unused on a CPU."),
+            "the prefix cache's second tier, in CPU memory, on a GPU (0: none; unused on a CPU)",
+            default_doc="4096 per GPU"),
     Setting("warm_mb", "UNIUN_WARM_MB", None, _MB,
-            "Host memory for idle models kept warm (0: every swap is cold); unset: half the available memory, shared by the node's devices."),
-    Setting("coresident", "UNIUN_CORESIDENT", True, _switch("let idle models stay on the device where they fit", "to keep them in host memory"),
-            "Idle models may stay on the device beside the active one (a swap back is then a switch)."),
-    Setting("max_memory", "UNIUN_MAX_MEMORY", None, Kind(_max_memory, _valid_max_memory, "DEVICE=SIZE pairs, e.g. cpu=2GiB or 0=6GiB,cpu=20GiB"),
-            "The most memory the weights take per device; the rest is offloaded, so a model larger than the device runs, slower."),
+            "host memory for the idle models kept warm (0: none kept, every swap is cold)",
+            default_doc="half the host's available memory at the actor's start, shared by the node's devices"),
+    Setting("coresident", "UNIUN_CORESIDENT", True, _switch("let idle models stay on the device where they fit",
+                                                            "to keep them in host memory"),
+            "idle models may stay on the device beside the active one (a swap back is then a switch)"),
+    Setting("max_memory", "UNIUN_MAX_MEMORY", None,
+            Kind(_max_memory, _valid_max_memory, "DEVICE=SIZE pairs, e.g. cpu=2GiB or 0=6GiB,cpu=20GiB"),
+            "lets accelerate place and offload the weights of a model larger than the device",
+            default_doc="the whole model on the device"),
     Setting("kv_rows_mb", "UNIUN_KV_ROWS_MB", None, _MB,
-            "The static KV rows' budget; unset: 1024 on a CPU, what the memory plan leaves on a GPU."),
-    Setting("kv_rows", "UNIUN_KV_ROWS", None, _choice(*ROW_KINDS),
-            "How a batch keeps its KV rows; unset: static on a GPU, padded on a CPU.", debug=True),
-    Setting("kv_steps", "UNIUN_KV_STEPS", None, _choice(*STEP_MODES),
-            "How static rows step; unset: CUDA graphs on a GPU, exact shapes on a CPU.", debug=True),
-    Setting("hub_kernels", "UNIUN_HUB_KERNELS", False, _switch("let transformers fetch and run Hub kernels at load", "(the default) not to"),
-            "transformers may replace layers with kernels it downloads from the Hugging Face Hub at load."),
+            "the static KV rows' store", default_doc="1024 on a CPU; on a GPU what its memory plan leaves"),
     Setting("deterministic", "UNIUN_DETERMINISTIC", False,
             _switch("get one greedy answer whatever rows are beside it and the prefix cache held", "(the default) not to"),
-            "On a CPU a greedy answer depends on neither the rows beside it nor the prefix cache (costs decode and prefill time)."),
-    Setting("torch_device", "UNIUN_TORCH_DEVICE", None, _choice("cpu", "cuda"),
-            "Force torch's device in the actors; cpu keeps torch on the CPU in actors Ray gave a GPU.", debug=True),
+            "one greedy answer whatever rows are beside it and the prefix cache held, on a CPU; costs throughput "
+            "([tuning](tuning.md#one-greedy-answer-determinism))"),
+    Setting("hub_kernels", "UNIUN_HUB_KERNELS", False,
+            _switch("let transformers fetch and run Hub kernels at load", "(the default) not to"),
+            "let transformers fetch and run Hub kernels at load"),
     Setting("embedder_device", "UNIUN_EMBEDDER_DEVICE", "gpu", _choice("cpu", "gpu"),
-            "With two or more GPUs the embedder takes one of its own (gpu), or stays on the CPU (cpu)."),
-    Setting("embed_concurrency", "UNIUN_EMBED_CONCURRENCY", 2, _count(1, "a concurrency"),
-            "Embeds in flight at once in the embedder."),
+            "cpu keeps the embedder on the CPU, so that every GPU serves models; gpu: it takes a GPU of its own "
+            "where there are two or more"),
+    Setting("embed_concurrency", "UNIUN_EMBED_CONCURRENCY", 2, _count(1, "a concurrency"), "embeds in flight"),
     Setting("cache_dir", "UNIUN_CACHE_DIR", None, _PATH,
-            "The converted models' folder; unset: ~/.cache/uniun-ray/models (vLLM's venv goes beside it)."),
+            "where embedded GGUFs are converted once, and `tuning.json` (vLLM's venv goes beside it)",
+            default_doc="~/.cache/uniun-ray/models"),
     Setting("state_dir", "UNIUN_STATE_DIR", None, _PATH,
-            "The event log (events.jsonl) and what `uniun-ray up` started (up.json); unset: ~/.cache/uniun-ray."),
-    Setting("vllm_python", "UNIUN_VLLM_PYTHON", None, _PATH,
-            "A Python that has vllm, instead of the venv `make install-vllm` builds."),
+            "where the event log `events.jsonl` is written, and `up.json` (what `uniun-ray up` started)",
+            default_doc="~/.cache/uniun-ray"),
     Setting("api_key", "UNIUN_API_KEY", None, _TEXT,
-            "HTTP clients must send `Authorization: Bearer` this key; unset: no key (bind to localhost only)."),
+            "every HTTP route but the page's files, `/health` and Serve's own then needs it as "
+            "`Authorization: Bearer` ([HTTP](http.md#on-a-network))", default_doc="none"),
+    Setting("vllm_python", "UNIUN_VLLM_PYTHON", None, _PATH,
+            "a Python that has vllm, instead of the venv `make install-vllm` builds", default_doc="that venv's"),
+    Setting("kv_rows", "UNIUN_KV_ROWS", None, _choice(*ROW_KINDS),
+            "where decoding rows keep their KV "
+            "([engines](engines.md#the-kv-rows-padded-on-a-cpu-static-with-cuda-graphs-on-a-gpu))",
+            default_doc="padded on a CPU, static on a GPU", debug=True),
+    Setting("kv_steps", "UNIUN_KV_STEPS", None, _choice(*STEP_MODES),
+            "how static rows step: CUDA graphs, their shapes without a capture, or exact shapes",
+            default_doc="graphs on a GPU, exact on a CPU", debug=True),
+    Setting("torch_device", "UNIUN_TORCH_DEVICE", None, _choice("cpu", "cuda"),
+            "cpu keeps torch on the CPU in actors Ray gave a GPU (how the GPU placement is tested on CPU machines)",
+            default_doc="the device Ray gave", debug=True),
 )
 SETTING: dict[str, Setting] = {setting.name: setting for setting in SETTINGS}
 ENV: dict[str, str] = {setting.name: setting.env for setting in SETTINGS}   # name -> its variable
@@ -355,15 +377,6 @@ class EngineSettings:
         return self.threads or len(os.sched_getaffinity(0)) or 1
 
 
-def default_warm_mb(shares: int = 1) -> int:
-    """The warm budget when ``UNIUN_WARM_MB`` is not set: WARM_SHARE of the memory the host has
-    available now (what Ray's object store already holds is not available), split evenly
-    between the ``shares`` ModelActors of the node, which each keep their own idle models."""
-    import psutil   # Ray's own dependency
-
-    return int(psutil.virtual_memory().available * WARM_SHARE / max(1, shares) / 2**20)
-
-
 def check_slot_count(slots: object) -> None:
     """A slot count (SPEC §6, R25): 1..MAX_SLOTS, or None for "auto" (measured at each load)."""
     if slots is not None and (isinstance(slots, bool) or not isinstance(slots, int) or not 1 <= slots <= MAX_SLOTS):
@@ -392,10 +405,12 @@ def check_max_memory(max_memory: Mapping[str, str]) -> None:
 
 
 def markdown_table() -> str:
-    """The README's table of settings, made from ``SETTINGS`` (a test checks they agree)."""
-    lines = ["| Variable | Default | Takes | What it does |", "|---|---|---|---|"]
+    """The table of settings in docs/configuration.md, made from ``SETTINGS`` (a test checks
+    that the page holds exactly this)."""
+    lines = ["| setting | values (default) | what it sets |", "|---|---|---|"]
     for s in SETTINGS:
-        debug = " *Debug: leave it unset.*" if s.debug else ""
-        lines.append(f"| `{s.env}` | {_shown(s.name, s.default) if s.default is not None else 'unset'} "
-                     f"| {s.kind.allowed} | {s.doc}{debug} |")
+        where = f"`{s.env}`" + (f", {s.flag}" if s.flag else "")
+        default = s.default_doc or _shown(s.name, s.default)
+        debug = " *Debug: for tests and benchmarks; leave it unset.*" if s.debug else ""
+        lines.append(f"| {where} | {s.kind.allowed} ({default}) | {s.doc}{debug} |")
     return "\n".join(lines)

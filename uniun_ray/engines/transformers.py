@@ -49,8 +49,8 @@ class TransformersEngine:
     name = "transformers"
 
     def __init__(self, wake: Wake, device: str = "cpu", settings: EngineSettings | None = None,
-                 thread_budget: int | None = None) -> None:
-        self.model = Engine(device, settings, thread_budget=thread_budget)
+                 thread_budget: int | None = None, shares: int = 1) -> None:
+        self.model = Engine(device, settings, thread_budget=thread_budget, shares=shares)
         self._loop = DecodeLoop(self.model, MAX_SLOTS, wake)
         self._flags: dict[Hashable, tuple[threading.Event, Job]] = {}
         self._lock = threading.Lock()

@@ -35,14 +35,26 @@ import torch
 from .sequence import Sequence
 from ..kv import heap
 from ..runner.gate import CancelFlag
-from ..load.parked import ParkedStore, park, unpark
-from ..load.weights import DEFAULT_KV_OFFLOAD_MB, Loaded, Weights, default_kv_cache_mb
+from ..load.parked import ParkedStore, park, unpark, weight_bytes
+from ..load.weights import Loaded, Weights
 from ..kv.prefix import PrefixCache
 from ..registry import materialize, resolve
 from ..requests.request import GenerateRequest, _is_int
-from ...settings import EngineSettings, default_warm_mb
-from ..swap import COLD, NONE, Swap
+from ... import memory
+from ...settings import EngineSettings
+from ..swap import COLD, NONE, RESIDENT, Swap
 from ..requests.vocabulary import PromptTooLong, context_of
+
+
+def device_memory(device: torch.device, shares: int = 1) -> memory.Device:
+    """What the memory plan divides: a GPU's total memory, or a CPU device's share of the host's
+    available memory (``shares``: the devices of the host); and its share of host memory."""
+    import psutil   # Ray's own dependency
+
+    host = psutil.virtual_memory().available // max(1, shares)
+    if device.type == "cuda":
+        return memory.Device("cuda", torch.cuda.mem_get_info(device)[1], host)
+    return memory.Device("cpu", host, host)
 
 
 class Engine:
@@ -54,11 +66,14 @@ class Engine:
     process may run on, against half of them on CPU; never Ray's OMP_NUM_THREADS=1, which
     actors inherit), the prefix cache's budgets (``kv.prefix``; None: the device's default),
     ``max_memory`` (accelerate places the weights and offloads what does not fit: a model
-    larger than the device runs, slower), the warm budget for idle models (``load.parked``;
-    None: ``settings.default_warm_mb``) and whether they may stay ``coresident``, whether
+    larger than the device runs, slower), the warm budget for idle models (``load.parked``)
+    and whether they may stay ``coresident``, whether
     transformers may fetch ``hub_kernels`` at load, ``deterministic`` decoding (on CPU a greedy
     answer depends neither on the rows beside nor on what the prefix cache held; it costs
     decode throughput and prefill time), and the KV rows (``runner.rows``).
+    The device's memory is divided by one plan (``uniun_ray.memory``; ``shares``: the devices of
+    this host, which share its memory): settings that ask for more than it has are refused here
+    (``memory.MemoryShort``), and each load plans again with its weights measured.
     ``prefill_chunk`` fixes the prompt tokens per prefill forward pass; None (the default) sizes
     each chunk by the time it takes on this host (``tuning.StepClock``); the layer gate bounds
     how long a cancel waits within one.
@@ -68,18 +83,17 @@ class Engine:
     """
 
     def __init__(self, device: str | torch.device = "cpu", settings: EngineSettings | None = None, *,
-                 thread_budget: int | None = None, prefill_chunk: int | None = None) -> None:
+                 thread_budget: int | None = None, prefill_chunk: int | None = None, shares: int = 1) -> None:
         settings = settings or EngineSettings()
         self._weights = Weights(device, settings, thread_budget)
         self.device = self._weights.device
         if prefill_chunk is not None and (not _is_int(prefill_chunk) or prefill_chunk < 1):
             raise ValueError(f"prefill_chunk must be an int >= 1 or None, got {prefill_chunk!r}")
         self.prefill_chunk = prefill_chunk
-        self.kv_cache_mb = default_kv_cache_mb(self.device) if settings.kv_cache_mb is None else settings.kv_cache_mb
-        self.kv_offload_mb = (0 if self.device.type == "cpu" else
-                              DEFAULT_KV_OFFLOAD_MB if settings.kv_offload_mb is None else settings.kv_offload_mb)
-        warm_mb = default_warm_mb() if settings.warm_mb is None else settings.warm_mb
-        self._parked = ParkedStore(warm_mb * 2**20)
+        self._settings, self._memory = settings, device_memory(self.device, shares)
+        self._plan = memory.plan(self._memory, settings, static_rows=self._weights.rows.kind == "static")
+        self.kv_cache_mb, self.kv_offload_mb = self._plan.prefix_cache // memory.MB, self._plan.offload // memory.MB
+        self._parked = ParkedStore(self._plan.warm)
         self.coresident = settings.coresident
         self._lock = threading.Lock()
         self._loaded: Loaded | None = None
@@ -124,9 +138,9 @@ class Engine:
             self._weights.revise(loaded)
         described = self._weights.describe(loaded)
         if loaded is None:
-            return described
+            return described | {"memory": self.memory_plan()}
         return described | loaded.clock.describe() | ({"prefill_chunk": self.prefill_chunk} if self.prefill_chunk else {}) \
-            | {"kv_cache": loaded.prefix.describe() | {"tiers": self._kv_tiers()}}
+            | {"kv_cache": loaded.prefix.describe() | {"tiers": self._kv_tiers()}, "memory": self.memory_plan()}
 
     def step_profile(self) -> dict[int, float]:
         """Seconds per batched decode step of the loaded model on this host, per batch size
@@ -281,7 +295,7 @@ class Engine:
         if parked is not None:
             try:
                 self._loaded = unpark(parked, self.device)
-                self._weights.make_rows(self._loaded)
+                self._plan_rows(self._loaded)
                 return parked.kind_back, ""
             except (RuntimeError, MemoryError) as error:   # torch.OutOfMemoryError is a RuntimeError
                 note = f"the warm copy did not come back ({error}); loaded cold"
@@ -298,7 +312,31 @@ class Engine:
             self._free()
             note = f"memory short ({error}); the warm models were dropped and it loaded cold"
             self._loaded = self._weights.load(model_id, folder, prefix, abandon)
+        self._plan_rows(self._loaded)
         return COLD, note
+
+    def _plan_rows(self, loaded: Loaded) -> None:
+        """Plan the device's memory again with the active model's weights and the idle models
+        beside it, then give the model its static rows and the idle models their budget."""
+        beside = self._beside() if self.device.type != "cpu" else 0   # a CPU's idle models are all warm copies
+        self._plan = memory.plan(self._memory, self._settings, weight_bytes(loaded), beside,
+                                 self._weights.rows.static(loaded.runner), check=False)
+        self._parked.budget_bytes = self._plan.warm
+        self._weights.make_rows(loaded, self._plan.kv_rows)
+
+    def _beside(self) -> int:
+        """Bytes of the idle models kept on the device beside the active one."""
+        kept = self._parked.kept()
+        return sum(size for model_id, size in self._parked.sizes().items() if kept[model_id] == RESIDENT)
+
+    def memory_plan(self) -> dict:
+        """The device's memory plan (``uniun_ray.memory``), each part planned and used, for ``status``."""
+        loaded = self._loaded
+        used = {"warm": self._parked.held_bytes, "coresident": self._beside()}
+        if loaded is not None:
+            used |= {"weights": weight_bytes(loaded), "prefix_cache": loaded.prefix.held_bytes,
+                     "offload": loaded.prefix.offloaded_bytes, "kv_rows": loaded.rows.bytes if loaded.rows else None}
+        return self._plan.describe(used)
 
     def _prepare(self, request: GenerateRequest) -> tuple[Loaded, list[int]]:
         """The loaded model and the token ids to prefill for ``request``; raises if it cannot run."""

@@ -27,23 +27,13 @@ from ..tune.tuning import (CHUNK_DECODE_STEPS, GATED_CHUNK_DECODE_STEPS, Probe, 
                      host_signature, measure, revised, thread_options)
 from ..runner import rows as kv_rows
 from ..runner.forward import Runner
-from ..runner.static import static_budget
+from ..runner.static import gpu_spare
 from ..kv.prefix import PrefixCache
 from ..registry import cache_dir
 from ..requests.request import _is_int
 from ...settings import EngineSettings
 from ..swap import SwapAbandoned
 from ..requests.vocabulary import Vocabulary, read_vocabulary
-
-#: CPU memory for the KV a GPU's cache pushes out, per GPU: a node with eight takes 32 GiB.
-DEFAULT_KV_OFFLOAD_MB = 4096
-
-
-def default_kv_cache_mb(device: torch.device) -> int:
-    """The prefix cache's budget when none is set: 1 GiB of host memory on CPU (about 22k tokens
-    of SmolLM2 in float32), 4 GiB on a GPU."""
-    return 4096 if device.type == "cuda" else 1024
-
 
 def default_dtype(device: torch.device) -> torch.dtype:
     """The dtype a model is loaded in before any measurement: bfloat16 (the converted weights'
@@ -163,16 +153,17 @@ class Weights:
             gate=layer_gate(model),
         )
         self._tune(loaded, folder, abandon)
-        self.make_rows(loaded)
         return loaded
 
-    def make_rows(self, loaded: Loaded) -> None:
-        """The static KV rows of a model now active (its dtype final), sized from the memory
-        free now (``runner.rows.store_for``; None: its batches use padded rows)."""
+    def make_rows(self, loaded: Loaded, planned_bytes: int) -> None:
+        """The static KV rows of a model now active (its dtype final), sized to the memory plan's
+        ``planned_bytes``, on a GPU at most what is free now (``runner.rows.store_for``; None:
+        its batches use padded rows)."""
         if self.rows.static(loaded.runner):
-            budget = static_budget(self.device, loaded.prefix.budget_bytes, self.rows_mb)
+            if self.device.type == "cuda" and self.rows_mb is None:   # what other programs left of the plan's
+                planned_bytes = min(planned_bytes, gpu_spare(self.device, loaded.prefix.budget_bytes))
             loaded.rows = kv_rows.store_for(loaded.runner, self.device, loaded.vocabulary.context_length, self.rows,
-                                            budget)
+                                            planned_bytes)
 
     def _placement(self, model_id: str) -> dict:
         """Where the weights go: all on the device, or where accelerate fits them in ``max_memory``."""

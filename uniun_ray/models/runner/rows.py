@@ -54,7 +54,7 @@ class RowChoice:
 def store_for(runner: Runner, device: torch.device, context_length: int, choice: RowChoice,
               budget_bytes: int) -> RowStore | None:
     """The static rows of a model just loaded (its dtype final), sized to ``budget_bytes``
-    (``static.static_budget``); None where its batches use padded rows (``choice``, a budget
+    (the device's memory plan); None where its batches use padded rows (``choice``, a budget
     too small)."""
     if not choice.static(runner):
         return None
