@@ -125,7 +125,10 @@ def parse_models(text: str) -> dict[str, str]:
 
 
 _MB = _count(0, "megabytes")
-_TEXT = Kind(str, lambda value: isinstance(value, str) and bool(value), "a non-empty text")
+def _text(what: str) -> Kind:
+    return Kind(str, lambda value: isinstance(value, str) and bool(value), what)
+
+
 _PATH = Kind(lambda text: str(Path(text).expanduser()), lambda value: isinstance(value, (str, os.PathLike)), "a path")
 
 
@@ -168,7 +171,7 @@ class Setting:
 
 
 SETTINGS: tuple[Setting, ...] = (
-    Setting("chat_model", "UNIUN_CHAT_MODEL", DEFAULT_CHAT_MODEL, _TEXT,
+    Setting("chat_model", "UNIUN_CHAT_MODEL", DEFAULT_CHAT_MODEL, _text("a model id or a folder of weights"),
             "the active chat model (what `model_id=None` and HTTP's `\"default\"` mean): the scheduler's "
             "setting, so every process agrees; a folder is served under its name",
             flag="`uniun-ray up --chat-model ID`"),
@@ -228,7 +231,7 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("state_dir", "UNIUN_STATE_DIR", None, _PATH,
             "where the event log `events.jsonl` is written, and `up.json` (what `uniun-ray up` started)",
             default_doc="~/.cache/uniun-ray"),
-    Setting("api_key", "UNIUN_API_KEY", None, _TEXT,
+    Setting("api_key", "UNIUN_API_KEY", None, _text("a key"),
             "every HTTP route but the page's files, `/health` and Serve's own then needs it as "
             "`Authorization: Bearer` ([HTTP](http.md#on-a-network))", default_doc="none"),
     Setting("vllm_python", "UNIUN_VLLM_PYTHON", None, _PATH,
