@@ -9,13 +9,17 @@ from __future__ import annotations
 import ast
 import asyncio
 import json
+import re
 from dataclasses import fields
 from pathlib import Path
 
 import pytest
 
+from rich.console import Console
+
 from uniun_ray import cli
 from uniun_ray.memory import MB, Device, MemoryShort, plan
+from uniun_ray.observe.statusview import render
 from uniun_ray.runtime.service import RuntimeConfig, SchedulerService
 from uniun_ray.settings import SETTING, SETTINGS, EngineSettings, Settings, markdown_table
 
@@ -129,6 +133,12 @@ def test_status_shows_the_settings_the_runtime_was_started_with():
     snapshot = asyncio.run(asyncio.wait_for(go(), 10))
     assert {"setting": "UNIUN_SLOTS", "value": "2", "source": "environment", "debug": False} in snapshot["settings"]
     assert len(snapshot["settings"]) == len(SETTINGS)
+    snapshot["devices"][0]["engine"] = {"memory": plan(CPU, EngineSettings(), weights=500 * MB).describe({"weights": 500 * MB})}
+    console = Console(record=True, width=200)
+    console.print(render(snapshot))
+    text = console.export_text()
+    assert re.search(r"settings +UNIUN_SLOTS=2 \(environment\)", text), text
+    assert re.search(r"memory dev0 +budget 8192 MB: weights 500/500, warm -/4096, prefix_cache -/1024", text), text
 
 
 def test_the_configuration_page_holds_the_table_made_from_the_settings():
