@@ -35,7 +35,10 @@ from uniun_ray.models.decode.batch import Batch  # noqa: E402
 from uniun_ray.models.decode.engine import Engine  # noqa: E402
 from uniun_ray.settings import EngineSettings  # noqa: E402
 from uniun_ray.models.runner import rows as kv_rows  # noqa: E402
-from uniun_ray.models.runner.static import static_budget  # noqa: E402
+from uniun_ray.memory import plan  # noqa: E402
+from uniun_ray.models.decode.engine import device_memory  # noqa: E402
+from uniun_ray.models.load.parked import weight_bytes  # noqa: E402
+from uniun_ray.models.runner.static import gpu_spare  # noqa: E402
 
 KINDS = {"padded": ("padded", "exact"), "static": ("static", "exact"), "buckets": ("static", "buckets"),
          "graphs": ("static", "graphs")}
@@ -45,9 +48,11 @@ def use(engine: Engine, kind: str) -> None:
     """The engine's batches keep their KV in rows of ``kind`` from now on."""
     loaded = engine.resident
     loaded.rows = None          # the last kind's store freed before the next is allocated
+    budget = plan(device_memory(engine.device), EngineSettings(), weight_bytes(loaded), static_rows=True).kv_rows
+    if engine.device.type == "cuda":   # as the engine sizes them: at most what is free
+        budget = min(budget, gpu_spare(engine.device, loaded.prefix.budget_bytes))
     loaded.rows = kv_rows.store_for(loaded.runner, engine.device, loaded.vocabulary.context_length,
-                                    kv_rows.RowChoice(*KINDS[kind]),
-                                    static_budget(engine.device, loaded.prefix.budget_bytes))
+                                    kv_rows.RowChoice(*KINDS[kind]), budget)
 
 
 def prompt_of(engine: Engine, tokens: int, seed: int) -> tuple[int, ...]:

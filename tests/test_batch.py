@@ -19,8 +19,11 @@ from uniun_ray.models import GenerateRequest
 from uniun_ray.models.decode.batch import Batch
 from uniun_ray.models.runner import rows as kv_rows
 from uniun_ray.models.runner.rows import batchable
-from uniun_ray.models.runner.static import static_budget
-from uniun_ray.settings import Settings
+from uniun_ray.memory import plan
+from uniun_ray.models.decode.engine import device_memory
+from uniun_ray.models.load.parked import weight_bytes
+from uniun_ray.models.runner.static import gpu_spare
+from uniun_ray.settings import EngineSettings, Settings
 from uniun_ray.models.decode.decoding import Decoding
 from uniun_ray.models.decode.sequence import Sequence
 
@@ -64,9 +67,15 @@ def use_rows(engine, monkeypatch, kind: str):
     static store (None for padded rows)."""
     loaded = engine.resident
     store = kv_rows.store_for(loaded.runner, engine.device, loaded.vocabulary.context_length,
-                              kv_rows.RowChoice(*ROW_KINDS[kind]), static_budget(engine.device, 0))
+                              kv_rows.RowChoice(*ROW_KINDS[kind]), rows_budget(engine))
     monkeypatch.setattr(loaded, "rows", store)
     return store
+
+
+def rows_budget(engine) -> int:
+    """The static rows' bytes the engine's memory plan gives its model (on a GPU, at most what is free)."""
+    planned = plan(device_memory(engine.device), EngineSettings(), weight_bytes(engine.resident), static_rows=True).kv_rows
+    return min(planned, gpu_spare(engine.device, 0)) if engine.device.type == "cuda" else planned
 
 
 @pytest.fixture(params=list(ROW_KINDS))
@@ -568,7 +577,6 @@ def test_one_greedy_question_gets_one_answer_whatever_the_cache_holds_and_the_ro
 
     from test_models import DEVICE, USER_CACHE
     from uniun_ray.models import DEFAULT_CHAT_MODEL, Engine
-    from uniun_ray.settings import EngineSettings
     from uniun_ray.models.registry import CACHE_ENV
 
     from uniun_ray.models import materialize, resolve

@@ -162,7 +162,7 @@ class Setting:
 
     def check(self, value: Any) -> Any:
         """``value`` as given in code (None where the default is); ValueError says what it takes."""
-        if value is None and self.default is None or value == self.default:
+        if value is self.default:
             return value
         if value is None or not self.kind.valid(value):
             unset = ", or None" if self.default is None else ""
@@ -381,20 +381,13 @@ class EngineSettings:
 
 
 def check_slot_count(slots: object) -> None:
-    """A slot count (SPEC §6, R25): 1..MAX_SLOTS, or None for "auto" (measured at each load)."""
-    if slots is not None and (isinstance(slots, bool) or not isinstance(slots, int) or not 1 <= slots <= MAX_SLOTS):
-        raise ValueError(f"slots must be an int from 1 to {MAX_SLOTS}, or None for auto; got {slots!r}")
+    """A slot count (SPEC §6, R25) as code gives it: 1..MAX_SLOTS, or None for "auto"."""
+    SETTING["slots"].check(slots)
 
 
 def parse_slots(raw: str) -> int | None:
     """``UNIUN_SLOTS`` / ``--slots``: "auto" (or empty) is None, else a count."""
     return SETTING["slots"].read(str(raw))
-
-
-def check_megabytes(name: str, value: object) -> None:
-    """A budget in MB: an int >= 0, or None for the default."""
-    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
-        raise ValueError(f"{name} must be an int >= 0 or None, got {value!r}")
 
 
 def check_max_memory(max_memory: Mapping[str, str]) -> None:
