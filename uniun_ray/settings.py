@@ -66,32 +66,27 @@ def _count(minimum: int, what: str) -> Kind:
 
 
 def _switch(on: str, off: str) -> Kind:
-    return Kind(lambda text: {"1": True, "0": False}[text] if text in ("0", "1") else _no(),
-                lambda value: isinstance(value, bool), f"1 to {on}, 0 {off}")
+    return Kind(_bit, lambda value: isinstance(value, bool), f"1 to {on}, 0 {off}")
 
 
-def _no() -> Any:
-    raise ValueError
+def _bit(text: str) -> bool:
+    if text not in ("0", "1"):
+        raise ValueError
+    return text == "1"
 
 
 def _slots(text: str) -> int | None:
     return None if text.lower() == "auto" else _int(text)
 
 
-def size_bytes(text: str) -> int:
-    """"512MB", "6GiB": the bytes they say."""
-    match = _SIZE.match(text.strip())
-    if not match:
-        raise ValueError(f"{text!r} is not a size like '512MB' or '6GiB'")
-    return int(float(text.strip()[:match.start(2)].strip()) * _UNITS[match.group(2)])
-
-
 def _budget(text: str) -> float | int:
-    """A device's memory budget: a share of it ("0.8") or a size ("12GiB", as bytes)."""
-    try:
-        return float(text) if "." in text or text in ("0", "1") else size_bytes(text)
-    except ValueError:
-        raise ValueError from None
+    """A device's memory budget: a share of it ("0.8", "1") or a size ("12GiB", as bytes)."""
+    if "." in text and text.replace(".", "", 1).isdigit() or text in ("0", "1"):
+        return float(text)
+    match = _SIZE.match(text)
+    if not match:
+        raise ValueError
+    return int(float(text[:match.start(2)].strip()) * _UNITS[match.group(2)])
 
 
 def _valid_budget(value: object) -> bool:
@@ -101,7 +96,7 @@ def _valid_budget(value: object) -> bool:
 def _max_memory(text: str) -> dict[str, str]:
     pairs = [part.split("=", 1) for part in text.split(",")]
     if any(len(pair) != 2 for pair in pairs):
-        raise ValueError("write DEVICE=SIZE pairs")
+        raise ValueError
     return {device.strip(): size.strip() for device, size in pairs}
 
 
@@ -124,11 +119,11 @@ def parse_models(text: str) -> dict[str, str]:
     return models
 
 
-_MB = _count(0, "megabytes")
 def _text(what: str) -> Kind:
     return Kind(str, lambda value: isinstance(value, str) and bool(value), what)
 
 
+_MB = _count(0, "megabytes")
 _PATH = Kind(lambda text: str(Path(text).expanduser()), lambda value: isinstance(value, (str, os.PathLike)), "a path")
 
 
