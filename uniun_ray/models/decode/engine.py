@@ -67,10 +67,10 @@ class Engine:
     actors inherit), the prefix cache's budgets (``kv.prefix``; None: the device's default),
     ``max_memory`` (accelerate places the weights and offloads what does not fit: a model
     larger than the device runs, slower), the warm budget for idle models (``load.parked``)
-    and whether they may stay ``coresident``, whether
-    transformers may fetch ``hub_kernels`` at load, ``deterministic`` decoding (on CPU a greedy
+    and whether they may stay ``coresident``, whether transformers may fetch ``hub_kernels``
+    at load, ``deterministic`` decoding (on CPU a greedy
     answer depends neither on the rows beside nor on what the prefix cache held; it costs
-    decode throughput and prefill time), and the KV rows (``runner.rows``).
+    decode throughput and prefill time: docs/tuning.md), and the KV rows (``runner.rows``).
     The device's memory is divided by one plan (``uniun_ray.memory``; ``shares``: the devices of
     this host, which share its memory): settings that ask for more than it has are refused here
     (``memory.MemoryShort``), and each load plans again with its weights measured.

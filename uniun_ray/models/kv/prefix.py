@@ -35,7 +35,7 @@ this per block; one engine here runs one sequence, so whole sequences are the un
   token before it. A revoked run's resume alone takes all it shares: it goes on from its own KV.
   By default a hit takes all it shares but the last token (a whole conversation, its replies
   included): the same request asked again still gets its answer (``Batch._chunk``), another
-  prompt over a shared prefix may round otherwise below float32 (README).
+  prompt over a shared prefix may round otherwise below float32 (docs/tuning.md).
 * The cache belongs to the loaded model: a swap drops it (``Engine`` makes a new one), rather
   than holding another model's KV in memory it needs for the new model's weights.
 """
