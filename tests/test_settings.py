@@ -182,6 +182,8 @@ def test_settings_that_ask_for_more_than_the_device_has_are_refused_naming_them(
     with pytest.raises(MemoryShort, match=r"UNIUN_KV_ROWS_MB=50000 come to .* budget of 40960.0 MB \(UNIUN_MEMORY=0.5\)"):
         plan(GPU, EngineSettings(memory=0.5, kv_rows_mb=50000))
     plan(CPU, EngineSettings(kv_cache_mb=4000, warm_mb=4000))   # 8000 MB fit
+    busy = plan(Device("cpu", 900 * MB, 900 * MB), EngineSettings())   # a default is never refused
+    assert (busy.prefix_cache, busy.warm, busy.headroom) == (GB, 0, 0)
 
 
 def test_the_engine_plans_its_device_and_shows_the_plan_planned_and_used(tiny_cache):  # noqa: F811

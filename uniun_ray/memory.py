@@ -87,13 +87,13 @@ def plan(device: Device, settings: EngineSettings, weights: int = 0, coresident:
     """The plan for ``device`` with ``weights`` bytes of active model and ``coresident`` bytes
     of idle models on it (0 before the first load), its batches keeping ``static_rows`` or not.
     MemoryShort where what the settings fix does not fit the budget (unless not ``check``: a
-    model loaded is served as before, and ``status`` shows its plan overdrawn)."""
+    model loaded is served as before, and ``status`` shows its plan overdrawn). A default is
+    never refused: on a small host it is what it was, and the plan shows no headroom."""
     budget, gpu = budget_of(device, settings.memory), device.kind != "cpu"
     prefix = _mb_or(settings.kv_cache_mb, DEFAULT_KV_CACHE_MB["cuda" if gpu else "cpu"] * MB)
     offload = 0 if not gpu or prefix == 0 else _mb_or(settings.kv_offload_mb, DEFAULT_KV_OFFLOAD_MB * MB)
-    check and _check(budget, settings, {"weights": weights, "coresident": coresident, "kv_cache_mb": prefix,
-                              "kv_rows_mb": _mb_or(settings.kv_rows_mb, 0),
-                              "warm_mb": 0 if gpu else _mb_or(settings.warm_mb, 0)})
+    if check:
+        _check(budget, settings, weights + coresident, ("kv_cache_mb", "kv_rows_mb") + (() if gpu else ("warm_mb",)))
     if gpu:
         spare = max(0, budget - weights - coresident - prefix)
         rows = _mb_or(settings.kv_rows_mb, max(0, int(min(spare * (1 - HEADROOM_SHARE), spare - HEADROOM_MB * MB))))
@@ -106,15 +106,16 @@ def plan(device: Device, settings: EngineSettings, weights: int = 0, coresident:
     return MemoryPlan(budget, weights, coresident, warm, rows, prefix, max(0, left - warm), offload)
 
 
-def _check(budget: int, settings: EngineSettings, asked: dict[str, int]) -> None:
-    """MemoryShort naming what was set, when what is fixed (the weights, the idle models on the
-    device, and every budget a setting gives) exceeds ``budget``."""
-    if sum(asked.values()) <= budget:
+def _check(budget: int, settings: EngineSettings, held: int, budgets: tuple[str, ...]) -> None:
+    """MemoryShort naming each setting among ``budgets`` (in MB, in the device's budget) that
+    is set, when they and ``held`` bytes (the weights and idle models on the device) exceed
+    ``budget``."""
+    asked = {name: getattr(settings, name) * MB for name in budgets if getattr(settings, name) is not None}
+    if not asked or held + sum(asked.values()) <= budget:
         return
-    setting = {name: f"{ENV[name]}={getattr(settings, name)}" for name in asked
-               if name in ENV and getattr(settings, name) is not None}
-    parts = ", ".join(setting.get(name, f"{name} {_mb(size)} MB") for name, size in asked.items() if size)
-    raise MemoryShort(f"the device's memory plan does not fit: {parts} come to {_mb(sum(asked.values()))} MB, "
+    parts = ", ".join([f"{ENV[name]}={getattr(settings, name)}" for name in asked]
+                      + ([f"{_mb(held)} MB of models"] if held else []))
+    raise MemoryShort(f"the device's memory plan does not fit: {parts} come to {_mb(held + sum(asked.values()))} MB, "
                       f"more than its budget of {_mb(budget)} MB ({ENV['memory']}={settings.memory or 'unset'}); "
                       f"lower them, or raise {ENV['memory']} where the device has more")
 

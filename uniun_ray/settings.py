@@ -323,8 +323,8 @@ class Settings:
 def _shown(name: str, value: Any) -> str:
     if name in SECRET:
         return "(unset)" if value is None else "(set)"
-    if value is None:
-        return "auto"
+    if value is None:   # decided per device or host; a folder unset is its default one
+        return "unset" if SETTING[name].kind is _PATH else "auto"
     if isinstance(value, bool):
         return "1" if value else "0"
     if isinstance(value, Mapping):
