@@ -112,14 +112,20 @@ def test_uniun_ray_config_prints_every_setting_and_its_source(monkeypatch, capsy
     monkeypatch.setenv("UNIUN_API_KEY", "s3cret")
     assert cli.main(["config", "--slots", "4"]) == 0
     out = capsys.readouterr().out
-    lines = {line.split()[0]: line.split()[1:] for line in out.splitlines()}
+    *table, plan_line = out.splitlines()
+    lines = {line.split()[0]: line.split()[1:] for line in table}
     assert set(lines) == {s.env for s in SETTINGS}
+    assert plan_line.startswith("memory plan of a CPU device here: budget ") and "prefix_cache -/1024" in plan_line
     assert lines["UNIUN_DTYPE"] == ["float32", "environment"] and lines["UNIUN_SLOTS"] == ["4", "flag"]
     assert lines["UNIUN_ENGINE"] == ["transformers", "default"] and lines["UNIUN_KV_ROWS"] == ["auto", "default", "(debug)"]
     assert lines["UNIUN_API_KEY"] == ["(set)", "environment"] and "s3cret" not in out
     assert cli.main(["config", "--json"]) == 0
-    rows = json.loads(capsys.readouterr().out)
-    assert {"setting": "UNIUN_DTYPE", "value": "float32", "source": "environment", "debug": False} in rows
+    shown = json.loads(capsys.readouterr().out)
+    assert {"setting": "UNIUN_DTYPE", "value": "float32", "source": "environment", "debug": False} in shown["settings"]
+    assert shown["cpu_memory_plan"]["parts"]["prefix_cache"]["planned_mb"] == 1024
+    monkeypatch.setenv("UNIUN_KV_CACHE_MB", str(10**9))
+    assert cli.main(["config"]) == 2
+    assert "the device's memory plan does not fit: UNIUN_KV_CACHE_MB=1000000000" in capsys.readouterr().err
     monkeypatch.setenv("UNIUN_THREADS", "many")
     assert cli.main(["config"]) == 2
     assert "UNIUN_THREADS='many' is not allowed: use a thread count: an integer >= 1" in capsys.readouterr().err

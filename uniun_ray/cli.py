@@ -221,15 +221,23 @@ def _settings(args) -> Settings:
 
 def _config(args) -> int:
     """Every setting as `up` here would read it, with where it came from (`status` shows a
-    running cluster's)."""
+    running cluster's), and the memory plan of a CPU device of this host (before any load)."""
+    import psutil
+
+    from . import memory
+    from .observe import statusview
+
     try:
-        rows = _settings(args).describe()
-    except ValueError as error:
+        settings = _settings(args)
+        available = psutil.virtual_memory().available
+        plan = memory.plan(memory.Device("cpu", available, available), settings.engine_settings)
+    except ValueError as error:   # a bad value, or budgets beyond this host's memory (MemoryShort)
         raise UsageError(str(error)) from error
     if args.json:
-        print(json.dumps(rows, indent=2))
+        print(json.dumps({"settings": settings.describe(), "cpu_memory_plan": plan.describe()}, indent=2))
         return 0
-    print(settings_table(rows))
+    print(settings_table(settings.describe()))
+    print(f"memory plan of a CPU device here: {statusview.memory_line(plan.describe())}")
     return 0
 
 

@@ -72,7 +72,7 @@ def _summary(snap: dict, now: float) -> Table:
     for device in devices:
         plan = (device.get("engine") or {}).get("memory")
         if plan:
-            grid.add_row(f"memory {device['device']}", _memory(plan), "", "")
+            grid.add_row(f"memory {device['device']}", memory_line(plan), "", "")
     niceness = max([(d.get("engine") or {}).get("niceness", 0) for d in devices] or [0])
     if niceness > 0:
         grid.add_row("CPU priority", Text(f"model actors at niceness {niceness}: the host's other busy programs come "
@@ -97,7 +97,7 @@ def _settings(rows: list[dict]) -> str:
     return ", ".join(changed) or "all defaults"
 
 
-def _memory(plan: dict) -> str:
+def memory_line(plan: dict) -> str:
     """A device's memory plan: each part used of planned, in MB (parts planned at 0 left out)."""
     parts = [f"{name} {'-' if part['used_mb'] is None else format(part['used_mb'], 'g')}/{part['planned_mb']:g}"
              for name, part in plan["parts"].items() if part["planned_mb"] or part["used_mb"]]
