@@ -191,10 +191,11 @@ def test_up_then_down_stops_exactly_that_head(tmp_path):
     state = tmp_path / "up.json"
     env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_AUTH_MODE")}
     env["UNIUN_STATE_DIR"] = str(tmp_path)   # up.json and the event log
+    env["UNIUN_EMBED_CONCURRENCY"] = "3"
     port, dashboard, http = free_port(), free_port(), free_port()
     try:
         up = run_cli("up", "--port", str(port), "--dashboard-port", str(dashboard), "--temp-dir", temp_dir,
-                     "--http-port", str(http),
+                     "--http-port", str(http), "--slots", "1",
                      "--", f"--ray-client-server-port={free_port()}",
                      f"--dashboard-agent-listen-port={free_port()}", env=env)
         assert up.returncode == 0, up.stdout + up.stderr
@@ -216,6 +217,9 @@ def test_up_then_down_stops_exactly_that_head(tmp_path):
         assert status.returncode == 0, status.stderr
         snapshot = json.loads(status.stdout)
         assert snapshot["queued"] == 0 and snapshot["engine"]["niceness"] == 0   # not Ray's 15
+        settings = {row["setting"]: (row["value"], row["source"]) for row in snapshot["settings"]}
+        assert settings["UNIUN_SLOTS"] == ("1", "flag") and settings["UNIUN_EMBED_CONCURRENCY"] == ("3", "environment")
+        assert snapshot["engine"]["memory"]["parts"]["prefix_cache"]["planned_mb"] > 0   # the device's plan
 
         down = run_cli("down", env=env)
         assert down.returncode == 0 and "stopped the Ray head" in down.stdout, down.stdout + down.stderr
