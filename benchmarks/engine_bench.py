@@ -15,7 +15,7 @@ and the user's cache is left alone):
   random moment, and the time until the iterator ends is taken; during decode and during a
   long prompt's chunked prefill, median and max over the trials;
 * the dtype the engine chose on this host (``--dtype auto``: bf16 and float32 measured) and
-  its prefill chunk, sized by time (``models/host/tuning.py``).
+  its prefill chunk, sized by time (``models/tune/tuning.py``).
 
 The prefix KV cache is off here (every prefill is a cold one); ``kv_cache_bench.py`` measures it.
 
@@ -39,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from record import Record  # noqa: E402
 
 from uniun_ray.models import Engine, GenerateRequest, known_ids  # noqa: E402
-from uniun_ray.models.requests.registry import CACHE_ENV  # noqa: E402
+from uniun_ray.models.registry import CACHE_ENV  # noqa: E402
 
 LONG_PROMPT = " ".join(f"Item {i} costs {i * 7 % 50} coins." for i in range(110))
 

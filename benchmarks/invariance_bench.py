@@ -29,7 +29,8 @@ from batch_bench import MODEL, batch_tokens_per_s  # noqa: E402
 from record import Record  # noqa: E402
 
 from uniun_ray.models import Engine, GenerateRequest  # noqa: E402
-from uniun_ray.models.host import attention, packing  # noqa: E402
+from uniun_ray.models.runner import attention  # noqa: E402
+from uniun_ray.models.load import packing  # noqa: E402
 
 
 @contextmanager

@@ -50,7 +50,7 @@ from uniun_ray.engines import venvs
 from uniun_ray.engines.server import ChildServer, free_port
 from uniun_ray.engines.vllm import server_command, server_env
 from uniun_ray.http.measure import stream_ttft
-from uniun_ray.models.requests.registry import DEFAULT_CHAT_MODEL, cache_dir, materialize, resolve
+from uniun_ray.models.registry import DEFAULT_CHAT_MODEL, cache_dir, materialize, resolve
 
 ROOT = Path(__file__).resolve().parents[1]
 CHAT = DEFAULT_CHAT_MODEL

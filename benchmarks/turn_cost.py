@@ -6,7 +6,7 @@ one-message chat), in the bare engine, in CPU time of one thread:
 
 SmolLM2 as the chat model. A one-message chat reads ~16 new tokens over the ~28 of the chat
 template's cached start; the 5th one-line turn reads ~18 over ~1,177 cached. Each is timed as
-the engine runs it (its attention, `models/host/attention.py`; a history grown in place,
+the engine runs it (its attention, `models/runner/attention.py`; a history grown in place,
 `models/kv/prefix.py`) and as transformers alone would (SDPA copying the grouped K/V heads, a
 cache that concatenates), interleaved in rounds; the figure is the least of the rounds (what the
 pass costs when nothing else takes the core; a median under other work is noise). One thread,
@@ -22,9 +22,9 @@ import torch
 from record import Record
 
 from uniun_ray.models import DEFAULT_CHAT_MODEL, Engine
-from uniun_ray.models.host.attention import NAME
+from uniun_ray.models.runner.attention import NAME
 from uniun_ray.models.kv.prefix import crop_layers, fork
-from uniun_ray.models.host.weights import forward
+from uniun_ray.models.load.weights import forward
 
 #: (new tokens, cached tokens) of the passes compared.
 PASSES = {"one-message chat: 16 new tokens over 28 cached": (16, 28),

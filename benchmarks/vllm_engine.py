@@ -29,8 +29,8 @@ import time
 from record import Record
 from uniun_ray.engines.vllm import VllmEngine, _metric, _Stream, completion_body
 from uniun_ray.models.requests.vocabulary import prompt_ids
-from uniun_ray.models.requests.registry import resolve
-from uniun_ray.models.requests.registry import DEFAULT_CHAT_MODEL
+from uniun_ray.models.registry import resolve
+from uniun_ray.models.registry import DEFAULT_CHAT_MODEL
 from uniun_ray.models.requests.request import GenerateRequest
 
 CHAT = DEFAULT_CHAT_MODEL

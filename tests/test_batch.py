@@ -17,8 +17,8 @@ from transformers import MistralConfig
 from test_models import DEVICE, LONG_PROMPT, PROMPT, engine, forwards, loaded_engine, run, tiny_cache  # noqa: F401 (fixtures)
 from uniun_ray.models import GenerateRequest
 from uniun_ray.models.decode.batch import Batch
-from uniun_ray.models.kv import rows as kv_rows
-from uniun_ray.models.kv.rows import batchable
+from uniun_ray.models.runner import rows as kv_rows
+from uniun_ray.models.runner.rows import batchable
 from uniun_ray.models.decode.decoding import Decoding
 from uniun_ray.models.decode.sequence import Sequence
 
@@ -293,7 +293,7 @@ def test_a_chat_reads_its_prompt_in_one_pass_and_a_background_prompt_in_short_ch
 
 
 def test_a_model_that_cannot_be_batched_runs_its_jobs_one_at_a_time(engine, monkeypatch):
-    from uniun_ray.models.kv import rows
+    from uniun_ray.models.runner import rows
 
     expected = alone(engine, REQUESTS[:3])
     monkeypatch.setattr(rows, "batchable", lambda model: False)     # as a sliding-window model
@@ -444,7 +444,7 @@ def test_a_second_batch_beside_one_holding_the_store_gets_rows_of_its_own(engine
 
 
 def test_a_run_longer_than_a_static_row_is_refused_and_the_row_is_the_context(engine, monkeypatch):
-    from uniun_ray.models.kv.static import RowStore
+    from uniun_ray.models.runner.static import RowStore
     from uniun_ray.models.requests.vocabulary import PromptTooLong
 
     loaded = engine.resident
@@ -456,7 +456,7 @@ def test_a_run_longer_than_a_static_row_is_refused_and_the_row_is_the_context(en
 
 
 def test_the_store_is_sized_from_its_budget():
-    from uniun_ray.models.kv.static import buckets, spans, store_shape
+    from uniun_ray.models.runner.static import buckets, spans, store_shape
 
     class Model:   # 2 layers of 4 K/V heads of 4: 256 bytes a token in float32
         config = MistralConfig(num_hidden_layers=2, hidden_size=16, num_attention_heads=4, num_key_value_heads=4)
@@ -483,7 +483,7 @@ def test_the_rows_kind_and_steps_are_settings(monkeypatch):
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="CUDA graphs: `make gpu-check` runs this on a GPU")
 def test_graphs_are_captured_at_load_and_replayed(engine, monkeypatch):
-    from uniun_ray.models.kv.static import CAPTURE_SPAN
+    from uniun_ray.models.runner.static import CAPTURE_SPAN
 
     store = use_rows(engine, monkeypatch, "graphs")
     described = store.describe()
@@ -498,7 +498,7 @@ def test_graphs_are_captured_at_load_and_replayed(engine, monkeypatch):
 
 
 def test_a_step_that_cannot_be_captured_runs_in_buckets_without_graphs(engine, monkeypatch):
-    from uniun_ray.models.kv.static import Steps
+    from uniun_ray.models.runner.static import Steps
 
     store = use_rows(engine, monkeypatch, "buckets")
     store.mode = "graphs"
@@ -529,7 +529,7 @@ def test_unloading_frees_the_static_rows_a_batch_still_holds(engine, monkeypatch
 def test_a_graph_captured_beside_live_rows_warms_up_on_that_steps_inputs(engine, monkeypatch):
     """A span first met mid-run is captured then, its rows live: the warm-up before the capture
     runs that step's own inputs (it writes what the step writes), never column 0 of live rows."""
-    from uniun_ray.models.kv.static import Steps
+    from uniun_ray.models.runner.static import Steps
 
     store = use_rows(engine, monkeypatch, "buckets")
     store.mode = "graphs"                          # nothing captured at load: every shape is met mid-run
@@ -571,7 +571,7 @@ def test_one_greedy_question_gets_one_answer_whatever_the_cache_holds_and_the_ro
 
     from test_models import DEVICE, USER_CACHE
     from uniun_ray.models import DEFAULT_CHAT_MODEL, Engine
-    from uniun_ray.models.requests.registry import CACHE_ENV
+    from uniun_ray.models.registry import CACHE_ENV
 
     from uniun_ray.models import materialize, resolve
 
@@ -606,7 +606,7 @@ def test_one_greedy_question_gets_one_answer_whatever_the_cache_holds_and_the_ro
 def test_a_run_that_evicts_prefix_kv_or_leaves_the_engine_idle_hands_the_heaps_free_pages_back(engine, monkeypatch):
     """Issue 35: with the prefix cache at its budget, the KV each eviction freed stayed resident
     as holes in malloc's heaps, and the process grew while the cache held its budget."""
-    from uniun_ray.models.host import heap
+    from uniun_ray.models.kv import heap
 
     prefix, trims = engine.resident.prefix, []
     monkeypatch.setattr(heap, "trim", lambda: trims.append(prefix.evictions))

@@ -17,12 +17,12 @@ from dataclasses import replace
 import pytest
 
 from uniun_ray.models import Engine, GenerateRequest, materialize, resolve
-from uniun_ray.models.host import steps as steps_module
-from uniun_ray.models.host import weights as weights_module
-from uniun_ray.models.host.contention import BUSY_SHARE
-from uniun_ray.models.requests.registry import CACHE_ENV
-from uniun_ray.models.host.steps import CPU_BATCHES, auto_slots
-from uniun_ray.models.host.tuning import BEATEN_AFTER, ProbeCache
+from uniun_ray.models.runner import profile as steps_module
+from uniun_ray.models.load import weights as weights_module
+from uniun_ray.models.tune.contention import BUSY_SHARE
+from uniun_ray.models.registry import CACHE_ENV
+from uniun_ray.models.runner.profile import CPU_BATCHES, auto_slots
+from uniun_ray.models.tune.tuning import BEATEN_AFTER, ProbeCache
 
 
 @pytest.fixture(scope="module")
@@ -100,9 +100,9 @@ def test_the_step_profile_is_measured_at_load_and_a_quiet_one_is_not_measured_ag
 
 def test_the_probe_steps_the_rows_a_batch_keeps_with_what_they_give_a_step(probes, monkeypatch):
     """Issue 35: the probe timed its steps on rows of its own making (one row unmasked, several
-    masked); it now joins its rows to the kind a batch keeps (``kv.rows.rows_for``: static rows
+    masked); it now joins its rows to the kind a batch keeps (``runner.rows.rows_for``: static rows
     on a GPU) and steps them as ``Batch`` does (``Rows.decode``: their own mask and positions)."""
-    from uniun_ray.models.kv import rows as kv_rows
+    from uniun_ray.models.runner import rows as kv_rows
 
     joined, decoded = [], []
 
@@ -135,7 +135,7 @@ def test_a_probe_taken_beside_cpu_burners_is_busy_kept_provisional_and_measured_
 
 
 def test_a_model_that_cannot_be_batched_is_profiled_at_one_row(probes, profiles, monkeypatch):
-    from uniun_ray.models.kv import rows
+    from uniun_ray.models.runner import rows
 
     monkeypatch.setattr(rows, "batchable", lambda model: False)
     engine = loaded()

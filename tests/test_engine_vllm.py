@@ -120,7 +120,7 @@ def test_the_servers_mask_continues_a_resumed_json_where_it_was_cut():
     A forced tool call opens with its marker, in the tokenizer's own first token of it."""
     from llguidance import LLMatcher
 
-    from uniun_ray.models.requests.registry import materialize, resolve
+    from uniun_ray.models.registry import materialize, resolve
     from uniun_ray.models.requests.tools import HERMES, call_grammar
 
     tool = {"type": "function", "function": {"name": "clock", "parameters": {"type": "object"}}}

@@ -9,7 +9,7 @@ import pytest
 
 from uniun_ray.engines import Engine, JobRun, create
 from uniun_ray.models.requests.request import GenerateRequest
-from uniun_ray.models.requests.settings import EngineSettings
+from uniun_ray.settings import EngineSettings
 
 from test_models import tiny_cache  # noqa: F401 (fixture)
 

@@ -32,9 +32,9 @@ from uniun_ray.models import (
     resolve,
 )
 from hub_kernels import HubKernelRequest, hub_kernel_requests
-from uniun_ray.models.requests import registry
-from uniun_ray.models.requests.registry import CACHE_ENV
-from uniun_ray.models.host.tuning import GATED_CHUNK_DECODE_STEPS, Speed, fastest, thread_options
+from uniun_ray.models import registry
+from uniun_ray.models.registry import CACHE_ENV
+from uniun_ray.models.tune.tuning import GATED_CHUNK_DECODE_STEPS, Speed, fastest, thread_options
 
 #: `make gpu-check` runs this module on a GPU (UNIUN_TEST_DEVICE=cuda); CPU otherwise.
 DEVICE = os.environ.get("UNIUN_TEST_DEVICE", "cpu")
@@ -271,7 +271,7 @@ def test_failed_conversion_leaves_nothing_behind(fake_conversion, monkeypatch):
 def test_prepared_converts_in_the_background_once_and_reports_a_failure(fake_conversion, monkeypatch):
     """What a server asks before holding a request for a model (issue 27): not ready while one
     background conversion runs, however often it is asked; ready after; a failure raised once."""
-    from uniun_ray.models.requests.registry import prepared
+    from uniun_ray.models.registry import prepared
 
     root, calls = fake_conversion
     spec = resolve("tiny")
@@ -751,7 +751,7 @@ def test_engine_arguments_are_checked():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_packed_linear_layer_computes_what_the_plain_one_does(dtype):
     from torch import nn
-    from uniun_ray.models.host import packing
+    from uniun_ray.models.load import packing
 
     if not packing.available(torch.device("cpu")):
         pytest.skip("this torch build has no oneDNN")
@@ -776,7 +776,7 @@ def test_a_packed_linear_gives_each_row_the_same_bits_whatever_rows_beside_it(dt
     inner size over 1,024 in bf16, any in float32); with UNIUN_DETERMINISTIC a packed layer
     runs one row as two."""
     from torch import nn
-    from uniun_ray.models.host import packing
+    from uniun_ray.models.load import packing
 
     if not packing.available(torch.device("cpu")):
         pytest.skip("this torch build has no oneDNN")
@@ -791,7 +791,7 @@ def test_a_packed_linear_gives_each_row_the_same_bits_whatever_rows_beside_it(dt
 
 
 def test_the_engine_packs_its_linear_layers_on_cpu_and_says_so(engine):
-    from uniun_ray.models.host import packing
+    from uniun_ray.models.load import packing
 
     described = engine.describe()
     if DEVICE != "cpu" or not packing.available(torch.device("cpu")):
@@ -1060,7 +1060,7 @@ def test_grouped_attention_over_a_cache_equals_transformers_sdpa_to_the_bit(new_
 
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    from uniun_ray.models.host.attention import grouped_sdpa
+    from uniun_ray.models.runner.attention import grouped_sdpa
 
     generator = torch.Generator().manual_seed(0)
     cached, heads, groups, dim = 40, 6, 3, 16
@@ -1083,7 +1083,7 @@ def test_exact_attention_gives_a_token_the_same_bits_whatever_pass_reads_it(dtyp
     rounds a short last query block, or a key block cut where the pass ends, otherwise)."""
     from types import SimpleNamespace
 
-    from uniun_ray.models.host.attention import row_invariant_sdpa
+    from uniun_ray.models.runner.attention import row_invariant_sdpa
 
     generator = torch.Generator().manual_seed(0)
     tokens, heads, groups, dim = 700, 6, 3, 64
@@ -1100,7 +1100,7 @@ def test_exact_attention_gives_a_token_the_same_bits_whatever_pass_reads_it(dtyp
 
 
 def test_models_load_with_the_grouped_attention(engine):
-    from uniun_ray.models.host.attention import NAME
+    from uniun_ray.models.runner.attention import NAME
 
     assert engine.resident.model.config._attn_implementation == NAME
 

@@ -1,4 +1,4 @@
-"""Issue 37 on real models, no Ray: a model swapped out stays warm (``models.host.warm``), so the
+"""Issue 37 on real models, no Ray: a model swapped out stays warm (``models.load.parked``), so the
 swap back is a switch (co-resident) or a copy from host memory, never a file read; the warm
 budget holds and evicts the least recently used; a warm swap that fails loads cold.
 
@@ -13,9 +13,9 @@ import torch
 
 from uniun_ray.models import Engine, GenerateRequest
 from uniun_ray.models.decode import engine as engine_module
-from uniun_ray.models.host import weights as weights_module
-from uniun_ray.models.host.warm import Parked, WarmStore
-from uniun_ray.models.requests.swap import COLD, HOST, NONE, RESIDENT, SWITCH, WARM, SwapAbandoned
+from uniun_ray.models.load import weights as weights_module
+from uniun_ray.models.load.parked import Parked, WarmStore
+from uniun_ray.models.swap import COLD, HOST, NONE, RESIDENT, SWITCH, WARM, SwapAbandoned
 
 from test_models import tiny_cache  # noqa: F401 (fixture)
 

@@ -20,7 +20,7 @@ import ray
 
 from .client import agenerate, await_generating
 from .models import DEFAULT_CHAT_MODEL
-from .models.requests.settings import ENGINE_ENV, ENGINES
+from .settings import ENGINE_ENV, ENGINES
 from .producers import spawn_producer
 from .runtime.launch import local_cluster, start
 from .runtime.protocol import model_actor_name
@@ -69,7 +69,7 @@ def bare_engine(turns: int, chat_tokens: int) -> dict:
     import gc
 
     from .models import Engine, GenerateRequest
-    from .models.requests.settings import EngineSettings
+    from .settings import EngineSettings
 
     settings = EngineSettings.from_env()
     engine = Engine(dtype=settings.dtype, num_threads=settings.threads, kv_cache_mb=settings.kv_cache_mb,

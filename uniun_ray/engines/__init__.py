@@ -22,8 +22,8 @@ from typing import TYPE_CHECKING, Callable, Hashable, Protocol, runtime_checkabl
 
 if TYPE_CHECKING:
     from ..models.requests.request import GenerateRequest, GenerationResult
-    from ..models.requests.settings import EngineSettings
-    from ..models.requests.swap import Swap
+    from ..settings import EngineSettings
+    from ..models.swap import Swap
 
 #: Called by an engine, from its own threads, after any job produced text or ended.
 Wake = Callable[[], None]
@@ -56,7 +56,7 @@ class JobRun(Protocol):
 class Engine(Protocol):
     """Runs one model at a time with up to `capacity` jobs decoding together.
 
-    * `load` returns a `Swap` (`models.requests.swap`: its kind, cold load, warm copy or
+    * `load` returns a `Swap` (`models.swap`: its kind, cold load, warm copy or
       switch, and the seconds it took: a swap's cost, reported to the policy), `unload` the
       seconds it took. A load stops early, raising `SwapAbandoned`, once its `abandon` flag
       (a threading.Event) is set: the engine then holds no active model;

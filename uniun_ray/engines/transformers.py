@@ -15,10 +15,10 @@ from . import Wake
 from ..models.decode.batch import Job
 from ..models.decode.engine import Engine
 from ..models.decode.loop import DecodeLoop
-from ..models.requests.registry import resolve
+from ..models.registry import resolve
 from ..models.requests.request import GenerateRequest, GenerationResult
-from ..models.requests.settings import MAX_SLOTS, EngineSettings
-from ..models.requests.swap import Swap
+from ..settings import MAX_SLOTS, EngineSettings
+from ..models.swap import Swap
 from ..models.requests.vocabulary import inspect_request
 
 

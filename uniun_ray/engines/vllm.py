@@ -50,8 +50,8 @@ from .venvs import has_cuda_gpu, vllm_python
 from ..models.requests.request import GenerateRequest, GenerationResult
 from ..models.requests.tools import request_grammar
 from ..models.requests.vocabulary import chat_template, inspect_request, prompt_ids
-from ..models.requests.registry import cache_dir, materialize, resolve
-from ..models.requests.swap import COLD, HOST, NONE, WARM, Swap
+from ..models.registry import cache_dir, materialize, resolve
+from ..models.swap import COLD, HOST, NONE, WARM, Swap
 
 #: The name vLLM serves every model under; the engine holds one model at a time.
 SERVED = "uniun"

@@ -130,7 +130,7 @@ async def served_models() -> dict:
     model's chat template here)."""
     import ray
 
-    from ..models.requests.registry import configure
+    from ..models.registry import configure
     from ..runtime.protocol import NAMESPACE, SCHEDULER_NAME
     require_scheduler()
     try:
@@ -144,7 +144,7 @@ async def served_models() -> dict:
 async def require_served(model_id: str) -> None:
     """404 for a model the operator does not serve, before anything reads a path or a cache
     for it: a request names an id, never a folder of the server's disk."""
-    from ..models.requests.registry import check_served, known_ids
+    from ..models.registry import check_served, known_ids
 
     if model_id in known_ids():
         return
@@ -434,7 +434,7 @@ def _model(model_id: str) -> dict:
 async def _model_ids() -> list[str]:
     """The ids served (the active chat model and the operator's first, where a scheduler runs),
     the embedded ones and the embedding model: ids only, never a folder."""
-    from ..models.requests.registry import known_ids
+    from ..models.registry import known_ids
 
     try:
         served = (await served_models())["ids"]

@@ -28,7 +28,7 @@ import asyncio
 import logging
 from typing import Protocol
 
-from ..models.requests.swap import COLD, SWITCH, WARM, Swap
+from ..models.swap import COLD, SWITCH, WARM, Swap
 from .protocol import DeviceLost
 
 log = logging.getLogger(__name__)

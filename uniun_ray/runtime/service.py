@@ -26,9 +26,9 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Mapping
 
-from ..models.requests.registry import DEFAULT_CHAT_MODEL
-from ..models.requests.settings import check_slot_count
-from ..models.requests.swap import SwapAbandoned
+from ..models.registry import DEFAULT_CHAT_MODEL
+from ..settings import check_slot_count
+from ..models.swap import SwapAbandoned
 from ..policy import Dispatch, Job, Outcome, PolicyConfig, Requeued, Revoke, RevokeCause, SchedulerPolicy
 from .clock import Clock
 from .driver import Device, DeviceDriver, EpochClock

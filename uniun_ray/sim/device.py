@@ -89,7 +89,7 @@ from ..events.schema import COLD, SWITCH, WARM
 from ..policy.steps import step_time
 
 #: A prefill chunk takes this many decode steps, as the engine sizes them
-#: (`uniun_ray.models.host.tuning.CHUNK_DECODE_STEPS`; the simulator does not import the models).
+#: (`uniun_ray.models.tune.tuning.CHUNK_DECODE_STEPS`; the simulator does not import the models).
 CHUNK_DECODE_STEPS = 2.0
 
 
@@ -105,7 +105,7 @@ class ModelSpeed:
     batch_cost: tuple[tuple[int, float], ...] = ((1, 1.0),)
     warm_s: float | None = None     # a swap back from host memory (None: as cold)
     switch_s: float | None = None   # a switch to it, resident beside the last model (None: as warm)
-    #: The slots the runtime's "auto" (R25, `models.host.steps.auto_slots` over `steps` at the
+    #: The slots the runtime's "auto" (R25, `models.runner.profile.auto_slots` over `steps` at the
     #: batch sizes it measures) gives the model once loaded: 1 for a model its engine cannot
     #: batch (Gemma's sliding window). Played where the simulator is given ``slots="auto"``.
     auto_slots: int = 1

@@ -8,7 +8,7 @@ pieces and result (``token_ids`` for an exact resume), and its own prefix-cache 
 
 * A joining job's prefill runs on its own (batch 1, its own cache, starting from its prefix-cache
   hit), one chunk per step between the others' decode steps, so nobody waits for a long prompt
-  for more than about one step. Its KV then joins the batch's rows (``kv.rows``: how rows are
+  for more than about one step. Its KV then joins the batch's rows (``runner.rows``: how rows are
   kept, padded or static, is the device's mechanism; when they join and leave is decided here).
 * A leaving job's row is dropped; its KV, cut out of the rows, goes into the prefix cache as the
   engine stores it (a revoked job's for its resume).
@@ -21,7 +21,7 @@ pieces and result (``token_ids`` for an exact resume), and its own prefix-cache 
 Greedy output per job is token-identical to the job running alone in float32: padded positions
 get exactly zero attention weight (tested with the tiny model; in lower precision a batched
 kernel may round differently and flip a near-tie, unless ``UNIUN_DETERMINISTIC`` has a CPU
-compute each row as alone: ``host.attention``, ``host.packing``).
+compute each row as alone: ``runner.attention``, ``load.packing``).
 """
 from __future__ import annotations
 
@@ -34,10 +34,10 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 
 from .sequence import Sequence
-from ..host.gate import CancelFlag, Interrupted
-from ..host.tuning import CHUNK_DECODE_STEPS, MAX_CHUNK, MIN_CHUNK
-from ..host.weights import Loaded, forward
-from ..kv import rows as kv_rows
+from ..runner.gate import CancelFlag, Interrupted
+from ..tune.tuning import CHUNK_DECODE_STEPS, MAX_CHUNK, MIN_CHUNK
+from ..load.weights import Loaded, forward
+from ..runner import rows as kv_rows
 from ..kv.prefix import crop_layers
 from ..requests.request import GenerateRequest, GenerationResult
 
@@ -75,7 +75,7 @@ class Batch:
     """The runs on ``engine``'s loaded model, stepped together by one thread (``step`` / ``run``).
 
     ``add`` may be called from any thread; a job beyond ``slots`` rows (None: DEFAULT_SLOTS; 1
-    for a model that cannot be batched, see ``kv.rows.batchable``) waits for a row. Jobs join one at a
+    for a model that cannot be batched, see ``runner.rows.batchable``) waits for a row. Jobs join one at a
     time, in the order they were added. The engine refuses ``load``/``unload`` while any job
     added here has not ended.
     """

@@ -5,7 +5,7 @@ lives here, so it can be tested (and benchmarked) without a cluster:
 
 * ``load`` / ``unload`` swap the single resident model and report how (a ``Swap``: cold load,
   warm copy or switch) and how long that took, because the scheduler weighs swaps by their
-  measured cost (SPEC R12); the model a swap replaces stays warm (``host.warm``).
+  measured cost (SPEC R12); the model a swap replaces stays warm (``load.parked``).
 * ``generate`` streams text and stops at the next token once its ``cancel`` event is set: this
   is how a revoke (SPEC R4) takes effect. The decode loop is our own rather than
   ``model.generate``: it checks the flag before every forward pass, including between the chunks
@@ -34,16 +34,16 @@ import torch
 
 from .generation import Generation
 from .sequence import Sequence
-from ..host import heap
-from ..host.gate import CancelFlag
-from ..host.warm import WarmStore, park, unpark
-from ..host.weights import DEFAULT_KV_OFFLOAD_MB, Loaded, Weights, default_kv_cache_mb
-from ..kv import rows as kv_rows
+from ..kv import heap
+from ..runner.gate import CancelFlag
+from ..load.parked import WarmStore, park, unpark
+from ..load.weights import DEFAULT_KV_OFFLOAD_MB, Loaded, Weights, default_kv_cache_mb
+from ..runner import rows as kv_rows
 from ..kv.prefix import PrefixCache
-from ..requests.registry import materialize, resolve
+from ..registry import materialize, resolve
 from ..requests.request import GenerateRequest, _is_int
-from ..requests.settings import check_megabytes, default_warm_mb
-from ..requests.swap import COLD, NONE, Swap
+from ...settings import check_megabytes, default_warm_mb
+from ..swap import COLD, NONE, Swap
 from ..requests.vocabulary import PromptTooLong, context_of
 
 
@@ -65,7 +65,7 @@ class Engine:
     ({"cpu": "2GiB"} or {"0": "6GiB", "cpu": "20GiB"}) lets accelerate place the weights
     (``device_map="auto"``) and offload what does not fit, to CPU memory or to disk under the
     cache folder: a model larger than the device runs, slower. ``warm_mb`` bounds the idle
-    models kept warm after a swap (``host.warm``; 0: none; None: ``settings.default_warm_mb``);
+    models kept warm after a swap (``load.parked``; 0: none; None: ``settings.default_warm_mb``);
     ``coresident`` lets them stay on the device beside the active one where it has room.
     ``hub_kernels`` lets transformers fetch and run kernels from the Hugging Face Hub at load
     (``UNIUN_HUB_KERNELS=1``); off by default, a load reads nothing but the model's folder.
@@ -196,7 +196,7 @@ class Engine:
         seconds; kind NONE and 0.0 s if it already was).
 
         The resident model is set aside first, and that time is included: the caller wants
-        the cost of the swap. It is kept warm (``host.warm``) within the budget, and a warm
+        the cost of the swap. It is kept warm (``load.parked``) within the budget, and a warm
         model comes back as it left (a switch, or a copy from host memory) without its files
         being read; any other is read cold. A warm model that fails to come back, or a cold
         load short of memory while models are kept warm, falls back to a cold load (with the
@@ -270,7 +270,7 @@ class Engine:
     def retire(self, sequence: Sequence, cache: Any) -> None:
         """The run ended: keep the KV of its tokens (``cache``) for the next turn or its resume.
         Where that evicted KV from the prefix cache, or no run is left, the heap's free pages go
-        back to the system (``host.heap``): freed KV would otherwise stay resident."""
+        back to the system (``kv.heap``): freed KV would otherwise stay resident."""
         prefix = sequence.loaded.prefix
         evictions = prefix.evictions
         sequence.keep(prefix, cache)

@@ -18,8 +18,8 @@ import torch
 
 from .batch import Batch, Job
 from .engine import Engine
-from ..host.cores import CoreShare
-from ..host.gate import CancelFlag
+from ..tune.cores import CoreShare
+from ..runner.gate import CancelFlag
 from ..requests.request import GenerateRequest
 
 log = logging.getLogger(__name__)

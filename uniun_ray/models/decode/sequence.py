@@ -13,7 +13,7 @@ import torch
 
 from .decoding import StopText, decoding
 from .detokenizer import Detokenizer
-from ..host.weights import Loaded
+from ..load.weights import Loaded
 from ..kv.prefix import Hit, PrefixCache
 from ..requests.request import GenerateRequest, GenerationResult
 

@@ -29,7 +29,7 @@ this per block; one engine here runs one sequence, so whole sequences are the un
   their oldest tokens) is reused only whole.
 * An ``exact`` cache (``UNIUN_DETERMINISTIC``) changes no greedy answer by a hit (issue 35): a
   run takes only tokens whose KV its own prefill would have computed to the bit, those the
-  entry's run read in passes of several tokens (``read``; ``host.attention`` makes a token's KV
+  entry's run read in passes of several tokens (``read``; ``runner.attention`` makes a token's KV
   the same whatever such pass it is in), not the last prompt token read alone nor the decoded
   ones, computed one row at a time, which rounds otherwise. And it leaves what a fresh read leaves: the last token to read alone, never a lone
   token before it. A revoked run's resume alone takes all it shares: it goes on from its own KV.

@@ -19,7 +19,7 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from .prefix import fork
+from ..kv.prefix import fork
 from .static import BUDGET_ENV, STEP_MODES, STORE_ROWS, RowStore, static_budget, store_shape  # noqa: F401
 
 ROWS_ENV, STEPS_ENV = "UNIUN_KV_ROWS", "UNIUN_KV_STEPS"

@@ -36,7 +36,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 #: Rows a store holds unless its budget is too small for CONTEXT_FLOOR tokens a row: a GPU's
-#: tokens per second grow to dozens of rows, a CPU's stop growing before 16 (``host.steps``).
+#: tokens per second grow to dozens of rows, a CPU's stop growing before 16 (``runner.profile``).
 STORE_ROWS = {"cuda": 64, "cpu": 16}
 #: Halve the rows (down to 1) while a row would hold fewer tokens than this (or the model's context).
 CONTEXT_FLOOR = 2048

@@ -4,7 +4,7 @@ One decode step of B sequences reads the weights once, so B rows cost far less t
 one; how much less depends on the model and the host (SPEC §6). The policy needs the figures for
 R23 (which jobs may decode beside a chat) and the device for its slot count (R25, "auto"). They
 are measured at load on the loaded model, on the path ``batch.Batch`` decodes: B rows of a short
-context (``PROFILE_CONTEXT``) of different lengths join the ``kv.rows`` a batch on this device
+context (``PROFILE_CONTEXT``) of different lengths join the ``runner.rows`` a batch on this device
 keeps (``rows_for``), and each step passes what those rows give it (mask and position ids or
 none, as the batch does), one token per row. ``benchmarks/step_profile.py`` times the same steps,
 longer, for BENCHMARKS.md.
@@ -19,7 +19,7 @@ from typing import Any, Callable
 import torch
 
 from ..kv.prefix import crop_layers
-from ..kv.rows import Rows, Runner, rows_for
+from .rows import Rows, Runner, rows_for
 
 #: Batch sizes measured at load: a CPU's tokens per second stop growing well before 16 rows of a
 #: small model; a GPU's grow to dozens.

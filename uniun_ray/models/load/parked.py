@@ -31,9 +31,9 @@ from dataclasses import dataclass
 import torch
 
 from .packing import PackedLinear
-from .tuning import fastest
+from ..tune.tuning import fastest
 from .weights import Loaded
-from ..requests.swap import HOST, RESIDENT, SWITCH, WARM
+from ..swap import HOST, RESIDENT, SWITCH, WARM
 
 
 @dataclass

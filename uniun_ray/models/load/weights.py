@@ -20,17 +20,17 @@ from typing import Any, Iterator
 import torch
 
 from . import packing
-from .contention import Watch, quiet
-from .gate import LayerGate, layer_gate
-from .steps import auto_slots, batch_sizes, measure_profile
-from .tuning import (CHUNK_DECODE_STEPS, GATED_CHUNK_DECODE_STEPS, Probe, ProbeCache, StepClock, fastest,
+from ..tune.contention import Watch, quiet
+from ..runner.gate import LayerGate, layer_gate
+from ..runner.profile import auto_slots, batch_sizes, measure_profile
+from ..tune.tuning import (CHUNK_DECODE_STEPS, GATED_CHUNK_DECODE_STEPS, Probe, ProbeCache, StepClock, fastest,
                      host_signature, measure, revised, thread_options)
-from ..kv import rows as kv_rows
+from ..runner import rows as kv_rows
 from ..kv.prefix import PrefixCache
-from ..requests.registry import cache_dir
+from ..registry import cache_dir
 from ..requests.request import _is_int
-from ..requests.settings import DTYPES, EngineSettings, check_max_memory
-from ..requests.swap import SwapAbandoned
+from ...settings import DTYPES, EngineSettings, check_max_memory
+from ..swap import SwapAbandoned
 from ..requests.vocabulary import Vocabulary, read_vocabulary
 
 #: CPU memory for the KV a GPU's cache pushes out, per GPU: a node with eight takes 32 GiB.
@@ -161,7 +161,7 @@ class Weights:
         _check(abandon, model_id)
         tokenizer = AutoTokenizer.from_pretrained(folder)
         dtype = default_dtype(self.device) if self.dtype == "auto" else getattr(torch, self.dtype)
-        from .attention import prefer_grouped
+        from ..runner.attention import prefer_grouped
 
         model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, use_kernels=self.hub_kernels,
                                                      **self._placement(model_id))
@@ -186,7 +186,7 @@ class Weights:
 
     def make_rows(self, loaded: Loaded) -> None:
         """The static KV rows of a model now active (its dtype final), sized from the memory
-        free now (``kv.rows.store_for``; None: its batches use padded rows)."""
+        free now (``runner.rows.store_for``; None: its batches use padded rows)."""
         loaded.rows = kv_rows.store_for(loaded.runner, self.device, loaded.vocabulary.context_length,
                                         loaded.prefix.budget_bytes)
 
@@ -230,7 +230,7 @@ class Weights:
     def _probe(self, loaded: Loaded, candidates: list[tuple[str, int]], abandon: Any = None) -> Probe:
         """Time every (dtype, threads) candidate, then the step profile at the fastest, watching
         what else ran on the cores meanwhile. A model that cannot be batched (a sliding-window
-        cache, ``kv.rows.batchable``) is profiled at one row only."""
+        cache, ``runner.rows.batchable``) is profiled at one row only."""
         watch = Watch(max(n for _, n in candidates))
         vocab_size = len(loaded.vocabulary.tokenizer)
         speeds = []
