@@ -21,7 +21,7 @@ from record import Record
 from uniun_ray.models.load import packing
 from uniun_ray.models.registry import DEFAULT_CHAT_MODEL, materialize, resolve
 from uniun_ray.models.runner.profile import measure_profile
-from uniun_ray.models.runner.rows import Runner
+from uniun_ray.models.runner.forward import Runner
 
 
 def load(folder, dtype: torch.dtype, packed: bool):

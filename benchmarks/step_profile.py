@@ -54,7 +54,7 @@ from record import Record  # noqa: E402
 
 from uniun_ray.models.registry import DEFAULT_CHAT_MODEL, materialize, resolve  # noqa: E402
 from uniun_ray.models.runner.profile import decode_times, device_clock, joined_rows  # noqa: E402
-from uniun_ray.models.runner.rows import Runner  # noqa: E402
+from uniun_ray.models.runner.forward import Runner  # noqa: E402
 from uniun_ray.models.tune.tuning import cpu_model  # noqa: E402
 
 

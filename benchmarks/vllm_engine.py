@@ -154,7 +154,7 @@ def token_cost(engine: VllmEngine, tokens: int = 64) -> dict:
 
 def resume(engine: VllmEngine, prompt: str) -> dict:
     cut = engine.start("cut", GenerateRequest(prompt=prompt, max_new_tokens=100))
-    while cut.take()[1] < 20 and not cut.done.is_set():
+    while cut.drain()[1] < 20 and not cut.done.is_set():
         time.sleep(0.01)
     engine.cancel("cut")
     cut.done.wait()

@@ -179,8 +179,8 @@ def test_stop_strings_and_the_stream_per_job(engine, rows):
     jobs = [batch.add(stopped, threading.Event()), batch.add(REQUESTS[2], threading.Event())]
     streamed = []
     while batch.step():
-        streamed += jobs[0].take()
-    streamed += jobs[0].take()
+        streamed += jobs[0].drain()
+    streamed += jobs[0].drain()
     assert jobs[0].result.finish_reason == "stop" and stop not in jobs[0].result.text
     assert "".join(streamed) == jobs[0].result.text == expected.text
     assert jobs[1].result.finish_reason == "length"
@@ -392,7 +392,7 @@ def test_bucket_padding_never_changes_a_rows_tokens(engine, monkeypatch, logits_
     batch = Batch(engine)
     jobs, widths = drive(batch, {0: [(request, threading.Event()) for request in requests]})
     assert [job.result.token_ids for job in jobs] == expected
-    assert {3, 5} <= set(widths.values()) and {4, 8} <= {rows for rows, _ in store.steps._buffers}
+    assert {3, 5} <= set(widths.values()) and {4, 8} <= {rows for rows, _ in store.graphs._buffers}
     described = engine.describe()["kv_rows"]                      # what `status` states
     assert (described["kind"], described["rows"], described["context"]) == ("static", store.rows, store.context)
     assert described["buckets"][-1] == store.rows and described["graphs"] == 0
@@ -439,8 +439,8 @@ def test_a_second_batch_beside_one_holding_the_store_gets_rows_of_its_own(engine
     beside = run(engine, REQUESTS[1])[1]
     batch.run()
     assert (job.result.token_ids, beside.token_ids) == tuple(expected)
-    assert store.take()                      # given back once the batch emptied
-    store.give()
+    assert store.claim()                      # given back once the batch emptied
+    store.release()
 
 
 def test_a_run_longer_than_a_static_row_is_refused_and_the_row_is_the_context(engine, monkeypatch):
@@ -483,31 +483,29 @@ def test_the_rows_kind_and_steps_are_settings(monkeypatch):
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="CUDA graphs: `make gpu-check` runs this on a GPU")
 def test_graphs_are_captured_at_load_and_replayed(engine, monkeypatch):
-    from uniun_ray.models.runner.static import CAPTURE_SPAN
-
     store = use_rows(engine, monkeypatch, "graphs")
     described = store.describe()
     assert "capture_error" not in described, described
-    captured = len(described["buckets"]) * sum(span <= CAPTURE_SPAN for span in described["spans"])
+    captured = len(described["buckets"]) * len(described["spans"])   # every shape a row may reach, none later
     assert described["graphs"] == captured and described["capture_s"] > 0
     expected = alone(engine, REQUESTS[:3])
     batch = Batch(engine)
     jobs, _ = drive(batch, {0: [(request, threading.Event()) for request in REQUESTS[:3]]})
     assert [job.result.token_ids for job in jobs] == expected
-    assert all(buffers.graph is not None for buffers in store.steps._buffers.values())
+    assert all(buffers.graph is not None for buffers in store.graphs._buffers.values())
 
 
 def test_a_step_that_cannot_be_captured_runs_in_buckets_without_graphs(engine, monkeypatch):
-    from uniun_ray.models.runner.static import Steps
+    from uniun_ray.models.runner.static import Graphs
 
     store = use_rows(engine, monkeypatch, "buckets")
     store.mode = "graphs"
 
-    def refused(self, shapes=None):
+    def refused(self):
         raise RuntimeError("operation not permitted when stream is capturing")
 
-    monkeypatch.setattr(Steps, "_capture", refused)
-    store.steps._capture_or_not()
+    monkeypatch.setattr(Graphs, "_capture", refused)
+    store.graphs._capture_or_not()
     assert store.mode == "buckets" and "not permitted" in store.describe()["capture_error"]
     expected = alone(engine, REQUESTS[:2])
     jobs, _ = drive(Batch(engine), {0: [(request, threading.Event()) for request in REQUESTS[:2]]})
@@ -522,14 +520,14 @@ def test_unloading_frees_the_static_rows_a_batch_still_holds(engine, monkeypatch
     batch.add(REQUESTS[0], threading.Event())
     batch.run()
     engine.unload()
-    assert batch._kv._shared is store and store.keys == [] and store.steps is None
+    assert batch._kv._shared is store and store.keys == [] and store.graphs is None
     engine.load("tiny")
 
 
 def test_a_graph_captured_beside_live_rows_warms_up_on_that_steps_inputs(engine, monkeypatch):
     """A span first met mid-run is captured then, its rows live: the warm-up before the capture
     runs that step's own inputs (it writes what the step writes), never column 0 of live rows."""
-    from uniun_ray.models.runner.static import Steps
+    from uniun_ray.models.runner.static import Graphs
 
     store = use_rows(engine, monkeypatch, "buckets")
     store.mode = "graphs"                          # nothing captured at load: every shape is met mid-run
@@ -541,7 +539,7 @@ def test_a_graph_captured_beside_live_rows_warms_up_on_that_steps_inputs(engine,
             warmed.append(buffers.positions.tolist())
             self._forward(buffers.ids, buffers.positions, buffers.columns)
 
-    monkeypatch.setattr(Steps, "_capture", warm_up_only)
+    monkeypatch.setattr(Graphs, "_capture", warm_up_only)
     expected = alone(engine, REQUESTS[:3])
     jobs, _ = drive(Batch(engine), {0: [(request, threading.Event()) for request in REQUESTS[:3]]})
     assert [job.result.token_ids for job in jobs] == expected

@@ -16,7 +16,7 @@ from dataclasses import replace
 
 import pytest
 
-from uniun_ray.models import Engine, GenerateRequest, materialize, resolve
+from uniun_ray.models import Engine, GenerateRequest, generate, materialize, resolve
 from uniun_ray.models.runner import profile as steps_module
 from uniun_ray.models.load import weights as weights_module
 from uniun_ray.models.tune.contention import BUSY_SHARE
@@ -150,7 +150,7 @@ def test_decode_steps_that_beat_a_stretched_probe_revise_it_and_a_quiet_load_mea
     stretched = {batch: seconds * 1000 for batch, seconds in engine.step_profile().items()}
     engine.resident.probe = replace(engine.resident.probe, steps=stretched,
                                    taken=replace(engine.resident.probe.taken, busy=False))
-    generation = engine.generate(GenerateRequest(prompt="def fibonacci(n):", max_new_tokens=BEATEN_AFTER + 8),
+    generation = generate(engine, GenerateRequest(prompt="def fibonacci(n):", max_new_tokens=BEATEN_AFTER + 8),
                                  threading.Event())
     assert len(list(generation)) > 0 and generation.result.tokens >= BEATEN_AFTER + 1
     revised = engine.step_profile()

@@ -27,7 +27,7 @@ def drain(run: JobRun, woken: threading.Semaphore) -> tuple[str, int]:
     text, tokens = "", 0
     while True:
         ended = run.done.is_set()
-        piece, tokens = run.take()
+        piece, tokens = run.drain()
         text += piece
         if ended:
             return text, tokens
@@ -61,7 +61,7 @@ def test_a_cancelled_job_resumes_from_its_token_ids_exactly(seam):
     whole = engine.start("whole", request)
     drain(whole, woken)
     cut = engine.start("cut", request)
-    while cut.take()[1] < 10 and not cut.done.is_set():
+    while cut.drain()[1] < 10 and not cut.done.is_set():
         woken.acquire(timeout=10)
     engine.cancel("cut")
     drain(cut, woken)

@@ -26,6 +26,7 @@ from uniun_ray.models import (
     Origin,
     PromptTooLong,
     UnknownModel,
+    generate,
     inspect_request,
     known_ids,
     materialize,
@@ -120,7 +121,7 @@ def forwards(engine, monkeypatch):
 
 
 def run(engine: Engine, request: GenerateRequest, cancel=None):
-    generation = engine.generate(request, cancel or threading.Event())
+    generation = generate(engine, request, cancel or threading.Event())
     pieces = list(generation)
     return pieces, generation.result
 
@@ -317,7 +318,7 @@ def test_load_unload_report_state(tiny_cache):
     assert engine.unload() >= 0
     assert engine.loaded is None
     with pytest.raises(RuntimeError, match="no model is loaded"):
-        engine.generate(GenerateRequest(prompt=PROMPT), threading.Event())
+        generate(engine, GenerateRequest(prompt=PROMPT), threading.Event())
 
 
 def test_no_conversion_or_load_asks_for_hub_kernels_unless_the_user_opts_in(tiny_cache, monkeypatch):
@@ -353,7 +354,7 @@ def test_the_embedder_loads_without_hub_kernels_unless_the_user_opts_in(monkeypa
 
 
 def test_load_and_unload_refused_while_generating(engine):
-    generation = engine.generate(GenerateRequest(prompt=PROMPT, max_new_tokens=50), threading.Event())
+    generation = generate(engine, GenerateRequest(prompt=PROMPT, max_new_tokens=50), threading.Event())
     next(generation)
     with pytest.raises(RuntimeError, match="while a generation is running"):
         engine.unload()
@@ -401,7 +402,7 @@ def test_cancel_from_another_thread_stops_within_a_forward_pass(engine, forwards
     """Counted in forward passes, not milliseconds: the pass running when the flag is set
     completes, and none starts after it (each step reads the flag first)."""
     cancel, first_piece = threading.Event(), threading.Event()
-    generation = engine.generate(GenerateRequest(prompt=PROMPT, max_new_tokens=1500), cancel)
+    generation = generate(engine, GenerateRequest(prompt=PROMPT, max_new_tokens=1500), cancel)
 
     def consume():
         for _ in generation:
@@ -436,11 +437,11 @@ def test_a_run_only_its_own_cancel_can_stop_reads_its_prompt_in_one_pass(engine,
     prompts = [" ".join(f"{word}{i}" for i in range(120)) for word in ("north", "south")]  # never cached
     request = lambda prompt: GenerateRequest(prompt=prompt, max_new_tokens=1)  # noqa: E731
     assert min(engine.check(request(p)) for p in prompts) > 10 * 16
-    engine.generate(request(prompts[0]), threading.Event(), revocable=False).close()  # never advanced
+    generate(engine, request(prompts[0]), threading.Event(), revocable=False).close()  # never advanced
     assert forwards.count == 0
-    list(engine.generate(request(prompts[0]), threading.Event(), revocable=False))
+    list(generate(engine, request(prompts[0]), threading.Event(), revocable=False))
     assert forwards.count == 1                                    # chat: the whole prompt at once
-    list(engine.generate(request(prompts[1]), threading.Event()))
+    list(generate(engine, request(prompts[1]), threading.Event()))
     assert forwards.count - 1 > 10                                # revocable: one chunk per pass
 
 
@@ -546,7 +547,7 @@ def test_sampling_is_seeded_by_torch(engine):
 def test_prompt_too_long_is_refused_before_touching_the_device(engine, forwards):
     long_request = GenerateRequest(prompt=LONG_PROMPT * 5, max_new_tokens=100)
     with pytest.raises(PromptTooLong) as raised:
-        engine.generate(long_request, threading.Event())
+        generate(engine, long_request, threading.Event())
     prompt_tokens = len(engine.resident.vocabulary.tokenizer(LONG_PROMPT * 5)["input_ids"])
     assert str(prompt_tokens) in str(raised.value) and "2048" in str(raised.value)
     assert isinstance(raised.value, ValueError)
@@ -728,7 +729,7 @@ def test_requests_the_model_cannot_serve_are_refused(engine, forwards):
     with pytest.raises(ValueError, match="vocabulary of 32000"):
         engine.check(GenerateRequest(prompt="a", resume_tokens=[32000]))
     with pytest.raises(ValueError, match="is_set"):
-        engine.generate(GenerateRequest(prompt="a"), cancel=None)
+        generate(engine, GenerateRequest(prompt="a"), cancel=None)
     with pytest.raises(ValueError, match="GenerateRequest"):
         engine.check({"prompt": "a"})
     assert forwards.count == 0
@@ -923,7 +924,7 @@ def test_a_long_revocable_prefill_is_read_in_long_chunks_when_layers_are_gated(e
     request = GenerateRequest(prompt="Read in long chunks. " + LONG_PROMPT, max_new_tokens=1)
     clock = engine.resident.clock
     assert engine.resident.gate is not None and clock.target_s == GATED_CHUNK_DECODE_STEPS * clock.decode_s
-    list(engine.generate(request, threading.Event()))
+    list(generate(engine, request, threading.Event()))
     assert forwards.count < engine.check(request) / 64    # not the short chunks of an ungated model
 
 
@@ -1120,8 +1121,8 @@ def test_a_sliding_window_layer_past_its_window_is_not_cropped_and_its_entry_is_
 
     store = PrefixCache(budget_bytes=2**20)
     store.put(list(range(12)), past, preempted=False)
-    assert store.take(list(range(6)) + [99, 100]).cache is None            # a shorter prefix: a miss
-    assert store.take(list(range(12)) + [99]).tokens == 12                 # the whole entry: a hit
+    assert store.lookup(list(range(6)) + [99, 100]).cache is None            # a shorter prefix: a miss
+    assert store.lookup(list(range(12)) + [99]).tokens == 12                 # the whole entry: a hit
 
 
 def test_a_swap_drops_the_cache_and_a_bad_budget_is_refused(engine):
@@ -1175,7 +1176,7 @@ def test_a_full_device_tier_moves_its_least_recent_entries_to_cpu_memory_and_a_h
     store.put(tokens[3], e[3].cache, preempted=False)           # e2 moves out; the CPU tier drops e1
     assert tiers() == ({e[0].tokens, e[3].tokens}, {e[2].tokens})
     assert (store.offloads, store.evictions, store.held_bytes, store.offloaded_bytes) == (2, 1, 2 * size, size)
-    hit = store.take(tokens[2] + [7, 8])                        # e2 comes back, e3 goes out
+    hit = store.lookup(tokens[2] + [7, 8])                        # e2 comes back, e3 goes out
     assert hit.tokens == len(tokens[2]) and store.restores == 1
     assert tiers() == ({e[0].tokens, e[2].tokens}, {e[3].tokens})
     assert (store.held_bytes, store.offloaded_bytes) == (2 * size, size)

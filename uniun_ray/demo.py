@@ -68,7 +68,7 @@ def bare_engine(turns: int, chat_tokens: int) -> dict:
     host's measured choice): its TTFTs for the demo's chat prompt, and its host choices."""
     import gc
 
-    from .models import Engine, GenerateRequest
+    from .models import Engine, GenerateRequest, generate
     from .settings import EngineSettings
 
     settings = EngineSettings.from_env()
@@ -77,8 +77,8 @@ def bare_engine(turns: int, chat_tokens: int) -> dict:
     engine.load(DEFAULT_CHAT_MODEL)
     ttfts, prefills = [], []
     for prompt in ["warm up"] + prompts(turns):
-        generation = engine.generate(GenerateRequest(prompt=prompt, max_new_tokens=chat_tokens),
-                                     cancel=threading.Event(), revocable=False)   # as a chat lease runs
+        generation = generate(engine, GenerateRequest(prompt=prompt, max_new_tokens=chat_tokens),
+                              cancel=threading.Event(), revocable=False)   # as a chat lease runs
         for _piece in generation:
             pass
         ttfts.append(generation.result.ttft_s)

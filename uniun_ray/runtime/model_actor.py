@@ -269,7 +269,7 @@ class ModelActor:
         while True:
             stepped.clear()               # a step that ends after this wakes the wait below
             ended = run.done.is_set()     # read before the pieces: every piece is out once it is set
-            text, tokens = run.take()
+            text, tokens = run.drain()
             if text:
                 yield {"piece": text, "tokens": tokens}
             if ended:

@@ -36,7 +36,7 @@ import torch
 from .sequence import Sequence
 from ..runner.gate import CancelFlag, Interrupted
 from ..tune.tuning import CHUNK_DECODE_STEPS, MAX_CHUNK, MIN_CHUNK
-from ..load.weights import Loaded, forward
+from ..load.weights import Loaded
 from ..runner import rows as kv_rows
 from ..kv.prefix import crop_layers
 from ..requests.request import GenerateRequest, GenerationResult
@@ -49,7 +49,7 @@ DEFAULT_SLOTS = 8
 
 
 class Job:
-    """One request in a ``Batch``. Its text arrives in ``pieces`` as the batch steps (``take``
+    """One request in a ``Batch``. Its text arrives in ``pieces`` as the batch steps (``drain``
     returns what is new); ``result`` is set, and ``done`` set, when it ends."""
 
     def __init__(self, sequence: Sequence, revocable: bool) -> None:
@@ -64,7 +64,7 @@ class Job:
     def pieces(self) -> list[str]:
         return self.sequence.pieces
 
-    def take(self) -> list[str]:
+    def drain(self) -> list[str]:
         """The pieces handed out since the last call."""
         pieces = self.sequence.pieces[self._taken :]
         self._taken += len(pieces)
@@ -100,20 +100,20 @@ class Batch:
         self._lock = threading.Lock()
         self._waiting: deque[Job] = deque()
         self._joining: Job | None = None
-        self._rows: list[Job] = []
+        self._decoding: list[Job] = []
         self.last_step_rows = 0                  # rows the last step decoded (0: it only prefilled)
 
     @property
     def rows(self) -> int:
         """Jobs decoding together now (a joining job's prefill not counted)."""
-        return len(self._rows)
+        return len(self._decoding)
 
     @property
     def busy(self) -> bool:
-        return bool(self._rows or self._joining or self._waiting)
+        return bool(self._decoding or self._joining or self._waiting)
 
     def add(self, request: GenerateRequest, cancel: CancelFlag, revocable: bool = True) -> Job:
-        """Queue a run; checked here, eagerly, as ``Engine.generate`` checks it. A run that is
+        """Queue a run; checked here, eagerly, as ``generation.generate`` checks it. A run that is
         not ``revocable`` (chat) reads its prompt in one pass (see ``_chunk``)."""
         sequence = self.engine.admit(request, cancel)
         if sequence.loaded is not self.loaded:
@@ -147,11 +147,11 @@ class Batch:
                 self._leave_cancelled()
             self._drop_cancelled_waiting()
             self._next_joining()
-            alone = not self._rows
+            alone = not self._decoding
             if self._joining is not None:
                 self._prefill(self._joining)
             self._leave_cancelled()
-            if self._rows and not (alone and len(self._rows) == 1):   # a lone joiner's first token ends its step
+            if self._decoding and not (alone and len(self._decoding) == 1):   # a lone joiner's first token ends its step
                 self._decode()
         except BaseException:
             self._fail()
@@ -160,7 +160,7 @@ class Batch:
 
     def close(self) -> None:
         """End every job now, as cancelled (their KV kept for their resume)."""
-        self._leave(list(self._rows), "cancel")
+        self._leave(list(self._decoding), "cancel")
         if self._joining is not None:
             self._end(self._joining, "cancel", self._joining.cache)
             self._joining = None
@@ -183,13 +183,13 @@ class Batch:
                 return
             self._waiting.remove(job)
         sequence = job.sequence
-        sequence.start_from(self.loaded.prefix.take(sequence.context))
+        sequence.start_from(self.loaded.prefix.lookup(sequence.context))
         job.cache = sequence.hit.cache
         self._joining = job
 
     def _row_free(self) -> bool:
         """Whether a waiting job may start its prefill now: none is prefilling and a row is free."""
-        return self._joining is None and len(self._rows) < self.slots
+        return self._joining is None and len(self._decoding) < self.slots
 
     def _waiting_chat(self) -> Job | None:
         """The first waiting job only its own cancel may stop (a chat); call with the lock held."""
@@ -257,7 +257,7 @@ class Batch:
             return self.engine.prefill_chunk
         if not job.revocable:
             return MAX_CHUNK
-        if self._rows:
+        if self._decoding:
             return max(MIN_CHUNK, int(clock.chunk * CHUNK_DECODE_STEPS / clock.decode_steps))
         return clock.chunk
 
@@ -265,7 +265,7 @@ class Batch:
         """Add the job's KV to the batch as a new row."""
         self._kv.join(job.cache, job.sequence.fed)
         job.cache = None
-        self._rows.append(job)
+        self._decoding.append(job)
 
     # -- decoding ----------------------------------------------------------------------------
 
@@ -273,7 +273,7 @@ class Batch:
         """One forward pass over every row's last token; then the greedy rows' tokens are chosen
         in one argmax on the device, and only the other rows' logits come to the host, where
         each chooses its own (its processors, its sampler)."""
-        rows = self._rows
+        rows = self._decoding
         started = time.perf_counter()
         logits = self._kv.decode([job.sequence.last_token for job in rows], [job.sequence.fed for job in rows])
         greedy = [job.sequence.greedy for job in rows]
@@ -286,7 +286,7 @@ class Batch:
             job.sequence.fed += 1
             job.sequence.stepped(len(rows))
             if greedy[row]:
-                job.sequence.take(choices[row])
+                job.sequence.append(choices[row])
             else:
                 job.sequence.accept(next(host))     # the sampled rows' logits, in row order
         self._leave([job for job in rows if job.sequence.ended], None)
@@ -294,14 +294,14 @@ class Batch:
     # -- leaving -----------------------------------------------------------------------------
 
     def _leave_cancelled(self) -> None:
-        self._leave([job for job in self._rows if job.sequence.cancelled], "cancel")
+        self._leave([job for job in self._decoding if job.sequence.cancelled], "cancel")
 
     def _leave(self, jobs: list[Job], reason: str | None) -> None:
         """Drop the jobs' rows in one cut of the rows' KV, each job's own KV kept."""
         if not jobs:
             return
-        caches = self._kv.leave([self._rows.index(job) for job in jobs])
-        self._rows = [job for job in self._rows if job not in jobs]
+        caches = self._kv.leave([self._decoding.index(job) for job in jobs])
+        self._decoding = [job for job in self._decoding if job not in jobs]
         for job, cache in zip(jobs, caches):
             self._end(job, reason, cache)
 
@@ -314,8 +314,8 @@ class Batch:
 
     def _fail(self) -> None:
         """The model raised: every job ends with "error" (no KV kept: it may be half written)."""
-        jobs = self._rows + ([self._joining] if self._joining is not None else []) + list(self._waiting)
-        self._rows, self._joining, self._waiting = [], None, deque()
+        jobs = self._decoding + ([self._joining] if self._joining is not None else []) + list(self._waiting)
+        self._decoding, self._joining, self._waiting = [], None, deque()
         self._kv.clear()
         for job in jobs:
             if job.result is None:
@@ -337,7 +337,7 @@ def prefill_chunk(
         with loaded.gate.armed(cancel) if loaded.gate is not None else nullcontext():
             started = time.perf_counter()
             ids = context[start : start + chunk]
-            logits, extended = forward(loaded, ids, cache, device)
+            logits, extended = loaded.runner.prefill(ids, cache, device)
             loaded.clock.observe(len(ids), time.perf_counter() - started)
     except Interrupted:
         if cache is None or not crop_layers(cache, start):

@@ -50,7 +50,7 @@ class DecodeLoop:
         return self._current().slots
 
     def add(self, request: GenerateRequest, cancel: CancelFlag, revocable: bool = True) -> Job:
-        """Queue a run (checked eagerly, as ``Engine.generate`` checks it) and make sure the
+        """Queue a run (checked eagerly, as ``generation.generate`` checks it) and make sure the
         loop steps. Blocking (it tokenizes): call it off the actor's event loop."""
         batch = self._current()
         job = batch.add(request, cancel, revocable)

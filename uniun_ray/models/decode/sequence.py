@@ -80,9 +80,9 @@ class Sequence:
     def accept(self, logits: torch.Tensor) -> str:
         """Choose the next token from the model's last ``logits`` ([vocabulary]); return the text
         it makes safe to hand out ("" if none). Sets ``ended`` (and ``reason``) when the run ends."""
-        return self.take(self.decoding.next_token(self.tokens[:, : self.length], logits))
+        return self.append(self.decoding.next_token(self.tokens[:, : self.length], logits))
 
-    def take(self, token: int) -> str:
+    def append(self, token: int) -> str:
         """Continue with ``token`` (chosen by ``accept``, or by a batch for a ``greedy`` run), as ``accept``."""
         if self.first_token_at is None:
             self.first_token_at = time.perf_counter()

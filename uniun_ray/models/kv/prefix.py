@@ -222,7 +222,7 @@ class PrefixCache:
         self.hits = self.misses = self.evictions = self.offloads = self.restores = 0
         self.reused_tokens = self.prefilled_tokens = 0
 
-    def take(self, context: list[int]) -> Hit:
+    def lookup(self, context: list[int]) -> Hit:
         """The longest cached prefix of ``context`` a run may start from (``_usable``)."""
         with self._lock:
             best, length = None, 0

@@ -26,6 +26,7 @@ from ..runner.profile import auto_slots, batch_sizes, measure_profile
 from ..tune.tuning import (CHUNK_DECODE_STEPS, GATED_CHUNK_DECODE_STEPS, Probe, ProbeCache, StepClock, fastest,
                      host_signature, measure, revised, thread_options)
 from ..runner import rows as kv_rows
+from ..runner.forward import Runner
 from ..kv.prefix import PrefixCache
 from ..registry import cache_dir
 from ..requests.request import _is_int
@@ -80,9 +81,9 @@ class Loaded:
     rows: kv_rows.RowStore | None = None   # the static KV rows its batches decode in (None: padded rows)
 
     @property
-    def runner(self) -> kv_rows.Runner:
+    def runner(self) -> Runner:
         """The model and how its forward pass is called, as the KV rows run it."""
-        return kv_rows.Runner(self.model, self.cache_arg, self.forward_kwargs)
+        return Runner(self.model, self.cache_arg, self.forward_kwargs)
 
     @property
     def context_length(self) -> int:
@@ -240,7 +241,7 @@ class Weights:
                 for n in (n for candidate, n in candidates if candidate == dtype):
                     _check(abandon, loaded.vocabulary.model_id)   # a probe takes seconds: a chat may not wait
                     torch.set_num_threads(n)
-                    speeds.append(measure(lambda ids, cache: _synced(forward(loaded, ids, cache, self.device)),
+                    speeds.append(measure(lambda ids, cache: _synced(loaded.runner.prefill(ids, cache, self.device)),
                                           vocab_size, dtype, n))
         best = fastest(speeds)
         _cast(loaded, best.dtype)
@@ -285,18 +286,6 @@ class Weights:
 def _check(abandon: Any, model_id: str) -> None:
     if abandon is not None and abandon.is_set():
         raise SwapAbandoned(f"the load of {model_id} was abandoned")
-
-
-def forward(loaded: Loaded, ids: list[int], cache: Any, device: torch.device) -> tuple[torch.Tensor, Any]:
-    """One forward pass over ``ids`` extending ``cache``: the last position's logits and the cache."""
-    with torch.inference_mode():
-        output = loaded.model(
-            input_ids=torch.tensor([ids], device=device),
-            use_cache=True,
-            **{loaded.cache_arg: cache},
-            **loaded.forward_kwargs,
-        )
-    return output.logits[0, -1], getattr(output, loaded.cache_arg)
 
 
 def _rates(steps: dict[int, float]) -> dict[int, float]:

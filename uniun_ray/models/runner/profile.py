@@ -19,7 +19,8 @@ from typing import Any, Callable
 import torch
 
 from ..kv.prefix import crop_layers
-from .rows import Rows, Runner, rows_for
+from .forward import Runner
+from .rows import Rows, rows_for
 
 #: Batch sizes measured at load: a CPU's tokens per second stop growing well before 16 rows of a
 #: small model; a GPU's grow to dozens.
