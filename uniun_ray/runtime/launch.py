@@ -203,7 +203,7 @@ def checking_model():
 
 
 def start(config: RuntimeConfig | None = None, *, models: Mapping[str, str] | None = None,
-          hub_models: bool | None = None, wait_ready: bool = True) -> Handles:
+          hub_models: bool | None = None, wait_ready: bool = True, warm: bool | None = None) -> Handles:
     """Get or create the scheduler, a model actor per device the cluster declares, and the
     embedder. `config` only applies when the scheduler is created here (a running one keeps
     its own, and its pool), but for its models: `models` (id -> folder of weights) and
@@ -212,7 +212,8 @@ def start(config: RuntimeConfig | None = None, *, models: Mapping[str, str] | No
     `hub_models` is what `--hub-models` sets. Placement follows what the cluster
     declares (`placement`); an actor whose seat is taken is refused at once, naming the
     resource, rather than left waiting for ever. The scheduler then loads the active chat
-    model on its device (the warm start, `warmstart`; `UNIUN_WARM_START=0` skips it), and
+    model on its device (the warm start, `warmstart`; `warm=False`, or `UNIUN_WARM_START=0`
+    where `warm` is not given, skips it), and
     `start` returns once it has, unless not `wait_ready` (`uniun-ray up` serves /health
     meanwhile: 503 "loading")."""
     settings = EngineSettings.from_env()   # bad UNIUN_* settings fail here, clearly, before any actor
@@ -233,7 +234,7 @@ def start(config: RuntimeConfig | None = None, *, models: Mapping[str, str] | No
         device=embedder_seat.torch_device, hub_kernels=settings.hub_kernels)
     scheduler = RemoteScheduler.options(**scheduler_options(SCHEDULER_NAME)).remote(devices, fleet, config)
     _served(ray.get(scheduler.serve.remote(dict(config.models))), config)
-    if warm_start():
+    if warm_start() if warm is None else warm:
         started = scheduler.ready.remote(wait_ready)
         if wait_ready:
             ray.get(started)
