@@ -652,6 +652,27 @@ def test_revoke_during_a_real_model_load(live_runtime, unprobed_model):
     assert [e.get("abandoned", False) for e in ends] == [True, False, False] and ends[1]["swap_kind"] == "switch"
 
 
+def test_a_call_that_meets_a_killed_scheduler_does_not_start_another(monkeypatch):
+    """A status call in flight when the scheduler is killed for good (the live page polls
+    every second) fails as unavailable: it looked the actors up again, and `handles` starts a
+    runtime where it finds none, which from an HTTP server brought a scheduler back behind
+    the operator's back and the page never said it was gone."""
+    from types import SimpleNamespace
+
+    from ray.exceptions import RayActorError
+
+    async def killed():
+        raise RayActorError()
+
+    cached = SimpleNamespace(scheduler=SimpleNamespace(status=SimpleNamespace(remote=killed)))
+    lookups = []
+    monkeypatch.setattr(client, "handles", lambda: lookups.append(cached) or cached)
+    monkeypatch.setattr(client, "_lookup_scheduler", lambda: None)   # its name is free: killed for good
+    with pytest.raises(SchedulerUnavailable, match="the scheduler is not running"):
+        asyncio.run(astatus())
+    assert len(lookups) == 1   # the first call's, and no lookup that would start a runtime
+
+
 # == 3. Overload (its tests are last: each needs a scheduler of its own) ========================
 def _overload_module():
     import importlib.util
