@@ -26,12 +26,11 @@ install: $(STAMP)
 # head, set up once): the suite spends half its time on one core (a process importing torch,
 # a cluster starting), so two take ~3/4 of the serial time on two cores. The real multi-node
 # cluster (marker `cluster`, minutes) runs in test-stress and test-cluster instead.
-# In the files' order (pytest-randomly, installed for test-shuffled, is off): a run that fails
-# on a fresh clone fails the same way when run again, and the suite's times compare run to run.
+# In the files' order (pyproject's addopts: pytest-randomly, installed for test-shuffled, is off).
 TEST_WORKERS ?= 2
 TEST_ARGS := -q -n $(TEST_WORKERS) --dist loadscope -m "not vllm and not cluster"
 test: $(STAMP)
-	$(PY) -m pytest $(TEST_ARGS) -p no:randomly
+	$(PY) -m pytest $(TEST_ARGS)
 
 # The same tests with the modules, and the tests within each, in a random order (pytest-randomly),
 # its seed printed first: no test may need another to run before it, or leave the ones after it
