@@ -564,17 +564,13 @@ async def arun(kind, model_id: str | None, work: Callable[[LeaseHandle], Awaitab
 async def _on_actors(call: Callable[[Any], Awaitable[Any]]) -> Any:
     """`call(handles())`, once more after looking the actors up again when the one it reached
     is gone: a scheduler or embedder killed and created again under its name leaves this
-    process's cached handle pointing at the dead one (the lease loop re-resolves by itself).
-    A scheduler gone for good is SchedulerUnavailable: looking it up again must not start a
-    runtime in its place (`handles` would, as on a first call), from an HTTP server least of all."""
+    process's cached handle pointing at the dead one (the lease loop re-resolves by itself)."""
     from ray.exceptions import RayActorError
 
     try:
         return await call(handles())
-    except RayActorError as lost:
-        if _lookup_scheduler() is None:
-            raise SchedulerUnavailable("the scheduler is not running (it was killed): start the runtime with "
-                                       "`uniun-ray up` (or uniun_ray.start()), then retry") from lost
+    except RayActorError:
+        forget_handles()
         return await call(handles())
 
 

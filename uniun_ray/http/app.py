@@ -207,8 +207,8 @@ TEXT = Shape("text_completion", "text_completion")
 async def generate(body: JobFields, prompts: list[dict], shape: Shape):
     """The answer to a generation route: one job per prompt (each scheduled by the policy),
     one choice each, whole or streamed."""
-    require_scheduler()   # first: readying a model asks the client API, which starts a missing runtime
     await require_ready(body.model_id())
+    require_scheduler()
     try:
         jobs = [open_job(body, **prompt) for prompt in prompts]
         readings = [await reading(body, lambda job=job: body.model_id() or _active_chat_model() or job.model)

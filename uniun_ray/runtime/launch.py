@@ -21,7 +21,8 @@ from . import placement
 from .. import engines
 from .actors import ModelFleet, RemoteEmbedder, RemoteScheduler, embedder_options, scheduler_options
 from .head import stand_in_resources, worker_niceness
-from .protocol import EMBEDDER_NAME, NAMESPACE, SCHEDULER_NAME, UniunError, model_actor_name
+from .protocol import (EMBEDDER_NAME, NAMESPACE, SCHEDULER_NAME, SchedulerUnavailable, UniunError,
+                       model_actor_name)
 from .releases import RELEASES
 from .service import RuntimeConfig
 from ..models.registry import DEFAULT_CHAT_MODEL, configure, known_ids, resolve
@@ -305,9 +306,22 @@ def forget_handles() -> None:
     _cached = None
 
 
+#: Whether `handles` may start the runtime it does not find: a script's first call does; a
+#: process that serves someone else's runtime (the HTTP server) never does (`never_start`).
+_may_start = True
+
+
+def never_start() -> None:
+    """In this process a lookup that finds no runtime fails (SchedulerUnavailable) instead of
+    starting one: an HTTP server must not start a runtime behind its operator's back, not even
+    from a request that meets the scheduler just killed (`uniun-ray down`, a crash)."""
+    global _may_start
+    _may_start = False
+
+
 def handles() -> Handles:
-    """The running actors, created on first use; cached per Ray session (a detached actor's
-    handle stays valid across its restarts)."""
+    """The running actors, created on first use (unless `never_start`); cached per Ray session
+    (a detached actor's handle stays valid across its restarts)."""
     cached = _cached
     if cached is not None and cached[0] is not None and cached[0] == _session_key():
         return cached[1]
@@ -318,4 +332,7 @@ def handles() -> Handles:
         return _remember(Handles(scheduler, checking_model(), get(EMBEDDER_NAME),
                                  ray.get(scheduler.chat_model.remote())))
     except ValueError:
+        if not _may_start:
+            raise SchedulerUnavailable("the runtime is not running: start it with `uniun-ray up` (or "
+                                       "uniun_ray.start()), then retry") from None
         return start()
