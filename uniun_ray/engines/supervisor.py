@@ -57,8 +57,10 @@ def group(pgid: int) -> list[psutil.Process]:
 
 def tree(process: psutil.Process) -> list[psutil.Process]:
     """`process`, every descendant it has now and, where it leads a process group, the group's
-    other members; empty when it is gone (psutil checks its start time: a reused pid is not it)."""
+    other members; empty when it is gone."""
     try:
+        if not process.is_running():   # its start time checked: a pid reused since is not it
+            return []
         below = process.children(recursive=True)
     except psutil.Error:
         return []
