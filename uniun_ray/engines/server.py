@@ -10,6 +10,7 @@ The vLLM engine runs vLLM's OpenAI server this way, and `benchmarks/peers.py` ru
 """
 from __future__ import annotations
 
+import ctypes
 import os
 import signal
 import socket
@@ -27,7 +28,7 @@ import psutil
 
 from ..models.swap import SwapAbandoned
 from . import supervisor
-from .supervisor import PR_SET_PDEATHSIG, end_processes, prctl, tree
+from .supervisor import PR_SET_PDEATHSIG, end_processes, tree
 
 #: How long a stopped server's processes get to end before SIGKILL.
 STOP_GRACE_S = 15.0
@@ -45,9 +46,11 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 def _with_parent() -> "Callable[[], None] | None":
     """For Popen's `preexec_fn` on Linux: the supervisor gets SIGTERM when its parent dies
-    (PR_SET_PDEATHSIG), and then ends the server's tree."""
+    (PR_SET_PDEATHSIG), and then ends the server's tree. libc is looked up here, before the
+    fork, so the child only makes one call."""
     if not sys.platform.startswith("linux"):
         return None
+    prctl = ctypes.CDLL(None, use_errno=True).prctl
     return lambda: prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 

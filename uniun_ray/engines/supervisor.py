@@ -68,7 +68,7 @@ def tree(process: psutil.Process) -> list[psutil.Process]:
 
 
 def prctl(option: int, value: int) -> None:
-    """Linux's prctl; nothing elsewhere (no subreaper, no parent-death signal there)."""
+    """Linux's prctl in this process; nothing elsewhere (no subreaper there)."""
     if sys.platform.startswith("linux"):
         ctypes.CDLL(None, use_errno=True).prctl(option, value)
 
