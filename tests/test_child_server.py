@@ -42,7 +42,8 @@ OWNER = textwrap.dedent("""
     import sys, time
     from uniun_ray.engines.server import ChildServer
     command, port, then = sys.argv[1:-2], int(sys.argv[-2]), sys.argv[-1]
-    ChildServer(command, port, health="/").start(60)
+    server = ChildServer(command, port, health="/")   # held: a server no one holds is ended
+    server.start(60)
     print("up", flush=True)
     if then == "wait":
         time.sleep(600)
