@@ -7,7 +7,7 @@ PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.installed
 export RAY_AUTH_MODE ?= disabled
 
-.PHONY: demo test test-repeat test-stress test-cluster test-vllm install-vllm peers gpu-check gpu-check-full bench bench-suite install clean
+.PHONY: demo test test-shuffled test-repeat test-stress test-cluster test-vllm install-vllm peers gpu-check gpu-check-full bench bench-suite install clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -26,9 +26,23 @@ install: $(STAMP)
 # head, set up once): the suite spends half its time on one core (a process importing torch,
 # a cluster starting), so two take ~3/4 of the serial time on two cores. The real multi-node
 # cluster (marker `cluster`, minutes) runs in test-stress and test-cluster instead.
+# In the files' order (pyproject's addopts: pytest-randomly, installed for test-shuffled, is off).
 TEST_WORKERS ?= 2
+TEST_ARGS := -q -n $(TEST_WORKERS) --dist loadscope -m "not vllm and not cluster"
 test: $(STAMP)
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadscope -m "not vllm and not cluster"
+	$(PY) -m pytest $(TEST_ARGS)
+
+# The same tests with the modules, and the tests within each, in a random order (pytest-randomly),
+# its seed printed first: no test may need another to run before it, or leave the ones after it
+# a configuration, a cache or an environment. The workers take the modules in that order (xdist
+# would sort them by size, and the same modules would meet on a worker whatever the seed).
+# SEED=N runs an order again.
+ifndef SEED
+SEED := $(shell python3 -c 'import random; print(random.randrange(1 << 31))')
+endif
+test-shuffled: $(STAMP)
+	@echo "test-shuffled: seed $(SEED) (make test-shuffled SEED=$(SEED) runs this order again)"
+	$(PY) -m pytest $(TEST_ARGS) --no-loadscope-reorder -p randomly --randomly-seed=$(SEED)
 
 # Real Ray nodes on this machine: a worker node killed under load, another joining (issue 29).
 test-cluster: $(STAMP)

@@ -10,7 +10,9 @@ import time
 #: How long a "long" run keeps the device busy: long enough that a test's next step (a chat, a
 #: kill, a flip) meets it running, with seconds to spare on a loaded host.
 LONG_RUN_S = 2.0
-#: tiny's context is 2048 tokens: room for the prompt.
+#: tiny's context is 2048 tokens: room for the prompt. Also the run of a test whose next step
+#: must find it running whatever the host's speed then (a long run measured while the host was
+#: busy is short once it is not): over 2 s at tiny's fastest; a test done with it withdraws it.
 MAX_LONG_TOKENS = 1800
 
 

@@ -22,7 +22,7 @@ import pytest
 
 import uniun_ray
 from uniun_ray import cli
-from uniun_ray.runtime.head import HeadState, stop_head
+from uniun_ray.runtime.head import HeadState, started_by, stop_head
 
 
 @pytest.fixture
@@ -142,6 +142,47 @@ def test_a_recorded_process_is_known_across_a_one_second_shift_of_the_boot_time(
     reused = HeadState(address="127.0.0.1:1", dashboard_url=None, auth_mode="disabled", pgid=os.getpgid(0),
                        processes=[[os.getpid(), created - 60.0]], started_at=0.0)
     assert reused.alive() == []
+
+
+#: A head as `up` records one, in a session of its own: it starts a worker, which starts a
+#: server in a session of its own (as a ModelActor starts an engine's server), then waits.
+HEAD = """
+import subprocess, sys, time
+SLEEP = [sys.executable, "-c", "import time; time.sleep(600)"]
+WORKER = f"import subprocess, time; s = subprocess.Popen({SLEEP!r}, start_new_session=True); print(s.pid, flush=True); time.sleep(600)"
+worker = subprocess.Popen([sys.executable, "-c", WORKER], stdout=subprocess.PIPE, text=True)
+print(worker.pid, worker.stdout.readline().strip(), flush=True)
+time.sleep(600)
+"""
+
+
+def test_down_ends_a_server_the_head_started_though_its_worker_was_killed_first():
+    """`down` kills the actors, then stops the head: a server whose worker is gone no longer
+    descends from the head, so what the head started is found before (`started_by`)."""
+    import signal
+
+    import psutil
+
+    from processes import left
+
+    head = subprocess.Popen([sys.executable, "-c", HEAD], stdout=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        worker, server = map(int, head.stdout.readline().split())
+        state = HeadState(address="127.0.0.1:1", dashboard_url=None, auth_mode="disabled", pgid=head.pid,
+                          processes=[[head.pid, psutil.Process(head.pid).create_time()]], started_at=0.0)
+        started = started_by(state)
+        assert {head.pid, worker, server} <= {p.pid for p in started}
+        os.kill(worker, signal.SIGKILL)                         # as `down` kills a ModelActor
+        assert not left([worker]) and psutil.Process(server).ppid() != worker   # the server is orphaned
+        assert stop_head(state, started) >= 2
+        assert not left([head.pid, server], within_s=0)
+    finally:
+        for pid in (head.pid, worker, server):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except (ProcessLookupError, NameError):
+                pass
+        head.stdout.close()
 
 
 # -- the client commands against a real local Ray ------------------------------------------

@@ -268,43 +268,6 @@ def test_the_kv_usage_status_shows_is_read_from_the_server_at_most_once_a_second
     assert engine._kv_usage() == 0.25 and len(reads) == 2
 
 
-PARENT = """
-import sys, time
-from uniun_ray.engines.server import ChildServer, free_port
-port = free_port()
-server = ChildServer([sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1"], port, health="/")
-server.start(30)
-print(server.process.pid, flush=True)
-time.sleep(60)
-"""
-
-
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
-def test_a_server_ends_when_the_process_that_started_it_is_killed():
-    """A ModelActor killed by Ray (or `uniun-ray down`) must not leave its model server behind."""
-    parent = subprocess.Popen([sys.executable, "-c", PARENT], stdout=subprocess.PIPE, text=True)
-    try:
-        child = int(parent.stdout.readline())
-        parent.kill()
-        parent.wait(10)
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline and _alive(child):
-            time.sleep(0.05)
-        assert not _alive(child)
-    finally:
-        parent.kill()
-        parent.stdout.close()
-
-
-def _alive(pid: int) -> bool:
-    """Running: neither gone nor a zombie waiting for its new parent to reap it."""
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
-
-
 def test_a_venv_stamped_before_a_recipe_field_existed_is_still_installed(tmp_path, monkeypatch):
     """A field added to `Recipe` with its default must not rebuild the venvs already made."""
     import json

@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
+
 from uniun_ray import replay
 from uniun_ray.sim.device import PROFILES, TINY
 from uniun_ray.policy import Job
+from uniun_ray.settings import WARM_START_ENV
 from uniun_ray.sim.workload import Arrival, Flow, FlowStep, ForegroundChange, SimJob, Workload
 
 WORKLOAD = Workload(
@@ -23,8 +26,20 @@ def test_prompt_for_hits_the_context_length_it_is_asked_for():
     assert 110 <= tokens <= 120 and text.startswith("Tell the rest")
 
 
-def test_a_played_workload_is_logged_scored_and_simulated_at_its_real_sizes(make_runtime, tmp_path):
-    make_runtime(event_log=str(tmp_path / "events.jsonl"))
+@pytest.fixture
+def benchmark_runtime(ray_cluster, tmp_path, monkeypatch):
+    """The runtime `play` gets from the benchmark (`replay.start_fresh`), where the warm start
+    is on, as it is by default outside the tests: the play's precondition met as there."""
+    from conftest import reset_uniun_actors
+
+    monkeypatch.setenv(WARM_START_ENV, "1")
+    reset_uniun_actors(ray_cluster)
+    replay.start_fresh(tmp_path / "events.jsonl")
+    yield
+    reset_uniun_actors(ray_cluster)
+
+
+def test_a_played_workload_is_logged_scored_and_simulated_at_its_real_sizes(benchmark_runtime):
     played = asyncio.run(replay.play(WORKLOAD, timeout_s=120))
     assert played.errors == []
     submitted = [e["job"] for e in played.events if e["ev"] == "submit"]

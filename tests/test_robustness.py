@@ -652,6 +652,30 @@ def test_revoke_during_a_real_model_load(live_runtime, unprobed_model):
     assert [e.get("abandoned", False) for e in ends] == [True, False, False] and ends[1]["swap_kind"] == "switch"
 
 
+def test_a_process_that_never_starts_a_runtime_finds_none_and_says_so(monkeypatch):
+    """The HTTP server's process (`never_start`): a request that finds no scheduler (killed,
+    or not started yet) fails as unavailable, where a script's first call would start one.
+    A replica whose first request came after the scheduler was killed used to start a
+    scheduler of its own; so did a live-page poll in flight at the kill."""
+    from uniun_ray.runtime import launch
+
+    def missing(name, namespace=None):
+        raise ValueError(f"no actor {name}")
+
+    started = []
+    monkeypatch.setattr(launch, "_may_start", True)   # restored after: the session's process starts runtimes
+    monkeypatch.setattr(launch, "_cached", None)
+    monkeypatch.setattr(launch, "connect", lambda: None)
+    monkeypatch.setattr(launch, "start", lambda: started.append(True))
+    monkeypatch.setattr(ray, "get_actor", missing)
+    launch.handles()
+    assert started == [True]                          # a script's first call starts it
+    launch.never_start()
+    with pytest.raises(SchedulerUnavailable, match="not running"):
+        launch.handles()
+    assert started == [True]
+
+
 # == 3. Overload (its tests are last: each needs a scheduler of its own) ========================
 def _overload_module():
     import importlib.util

@@ -15,7 +15,8 @@ from uniun_ray.models import PromptTooLong, UnknownModel
 from uniun_ray.policy import PolicyConfig
 from uniun_ray.events.log import read as read_events
 
-from waits import started
+from long_run import MAX_LONG_TOKENS
+from waits import started, until, withdraw
 
 pytestmark = pytest.mark.ray
 
@@ -71,31 +72,61 @@ def test_scenario_2_two_ganas_alternate(make_runtime, tmp_path):
     assert len(ganas) == 6
 
 
-def test_scenario_3_cron_gana_preempts_t4_nataraj_when_due(runtime, long_tokens):
+def test_scenario_3_cron_gana_preempts_t4_nataraj_when_due(make_runtime, tmp_path):
+    """R5: a Gana submitted before its deadline revokes the T4 Nataraj when the deadline
+    passes (R1's T3), then the Nataraj is queued again (R6). Read from the event log: which job
+    a poll shows, or which ends first, depends on the host's speed."""
+    make_runtime(event_log=str(tmp_path / "events.jsonl"))
+
     async def go():
-        nataraj = asyncio.ensure_future(agenerate("nataraj", "card", model_id="tiny", max_new_tokens=long_tokens))
+        nataraj = asyncio.ensure_future(agenerate("nataraj", "card", model_id="tiny", max_new_tokens=MAX_LONG_TOKENS))
         await started("nataraj")
-        cron = agenerate("gana", "tick", model_id="tiny", producer="gana:cron", deadline=time.time() + 0.5,
-                         max_new_tokens=32)
-        return await finish_order(nataraj, cron)
-    order = asyncio.run(go())
-    assert [c.job_id.split("-")[0] for c in order] == ["gana", "nataraj"]
-    assert order[1].revokes == 1
+        cron = await agenerate("gana", "tick", model_id="tiny", producer="gana:cron", deadline=time.time() + 0.5,
+                               max_new_tokens=32)
+        await started("nataraj")          # dispatched again (R6)
+        await withdraw(nataraj)           # its part is done: what it was revoked for and its return
+        return cron
+    cron = asyncio.run(go())
+    events = read_events(tmp_path / "events.jsonl")
+    submit = next(e for e in events if e["ev"] == "submit" and e["job"] == cron.job_id)
+    # due after it arrived (a host that took longer than the 0.5 s to submit it saw a T3 arrival)
+    cause = "deadline" if submit["t"] < submit["deadline"] else "arrival"
+    revokes = [(e["kind"], e["cause"]) for e in events if e["ev"] == "revoke" and e["cause"] != "cancel"]
+    assert revokes == [("nataraj", cause)], revokes
+    revoked = next(e["t"] for e in events if e["ev"] == "revoke")
+    assert revoked >= submit["deadline"]
+    assert [e["kind"] for e in events if e["ev"] == "dispatch"] == ["nataraj", "gana", "nataraj"]
+    assert cron.revokes == 0 and cron.tokens == 32
 
 
-def test_scenario_4_nataraj_page_preempts_gana_which_resumes_after(runtime, long_tokens):
+def test_scenario_4_nataraj_page_preempts_gana_which_resumes_after(make_runtime, tmp_path):
+    """R1/R4: a Nataraj arriving beside a running Gana (T4 vs T4) revokes nothing; made the
+    foreground kind it is T1 and revokes the Gana, which resumes after it (R6). The decisions
+    are read from the event log, not from a poll after a sleep."""
+    make_runtime(event_log=str(tmp_path / "events.jsonl"))
+
     async def go():
-        gana = asyncio.ensure_future(agenerate("gana", "plan", model_id="tiny", max_new_tokens=long_tokens))
+        gana = asyncio.ensure_future(agenerate("gana", "plan", model_id="tiny", max_new_tokens=MAX_LONG_TOKENS))
         await started("gana")
         nataraj = asyncio.ensure_future(agenerate("nataraj", "card", model_id="tiny", max_new_tokens=300))
-        await asyncio.sleep(0.3)
-        assert (await astatus())["running"]["kind"] == "gana"   # T4 vs T4: no preemption yet
+        await until(lambda: _queued(1), "the nataraj queued")
         await uniun_ray.aset_foreground("nataraj")
         card = await nataraj
         await uniun_ray.aset_foreground(None)
         return card, await gana
     card, gana = asyncio.run(go())
-    assert gana.revokes == 1 and gana.tokens == long_tokens and card.revokes == 0
+    assert gana.revokes == 1 and gana.tokens == MAX_LONG_TOKENS and card.revokes == 0
+    events = read_events(tmp_path / "events.jsonl")
+    arrived = next(i for i, e in enumerate(events) if e["ev"] == "submit" and e["kind"] == "nataraj")
+    flipped = next(i for i, e in enumerate(events) if e["ev"] == "foreground" and e["kind"] == "nataraj")
+    assert not [e for e in events[arrived:flipped] if e["ev"] == "revoke"]   # T4 vs T4: no preemption
+    revokes = [(e["kind"], e["cause"]) for e in events if e["ev"] == "revoke"]
+    assert revokes == [("gana", "foreground")]
+    assert [e["kind"] for e in events if e["ev"] == "dispatch"] == ["gana", "nataraj", "gana"]
+
+
+async def _queued(count: int) -> bool:
+    return (await astatus())["queued"] >= count
 
 
 def test_scenario_5_extract_backfill_is_held_to_its_share(make_runtime, tmp_path):
@@ -149,28 +180,45 @@ def run_lengths(events: list[dict], kind: str) -> list[float]:
     return lengths
 
 
-def test_scenario_6_affinity_prefers_the_loaded_model(runtime):
+def test_scenario_6_affinity_prefers_the_loaded_model(make_runtime, tmp_path):
+    """R12: with a Gana on another model queued first, the device, once free, serves the Gana
+    on its loaded model before it swaps. The chat holds the device until both are queued, then
+    goes away: the pick is made with both waiting, whatever the host's speed."""
+    make_runtime(event_log=str(tmp_path / "events.jsonl"))
+
     async def go():
-        chat = asyncio.ensure_future(agenerate("chat", "hi", model_id="tiny", max_new_tokens=600))
+        chat = asyncio.ensure_future(agenerate("chat", "hi", model_id="tiny", max_new_tokens=MAX_LONG_TOKENS))
         await started("chat")
-        other = agenerate("gana", "g", model_id=OTHER_MODEL, producer="gana:y", max_new_tokens=4)
-        same = agenerate("gana", "g", model_id="tiny", producer="gana:x", max_new_tokens=200)
-        return await finish_order(chat, other, same)
-    order = asyncio.run(go())
-    assert [c.model_id for c in order] == ["tiny", "tiny", OTHER_MODEL]
+        other = asyncio.ensure_future(agenerate("gana", "g", model_id=OTHER_MODEL, producer="gana:y", max_new_tokens=4))
+        await until(lambda: _queued(1), "the gana on the other model queued")
+        same = asyncio.ensure_future(agenerate("gana", "g", model_id="tiny", producer="gana:x", max_new_tokens=200))
+        await until(lambda: _queued(2), "both ganas queued")
+        await withdraw(chat)
+        return await other, await same
+    asyncio.run(go())
+    dispatched = [(e["kind"], e["model"]) for e in read_events(tmp_path / "events.jsonl") if e["ev"] == "dispatch"]
+    assert dispatched == [("chat", "tiny"), ("gana", "tiny"), ("gana", OTHER_MODEL)]
     assert uniun_ray.status()["swap_s"][OTHER_MODEL] > 0
 
 
-def test_scenario_7_opened_note_extract_preempts_nataraj(runtime, long_tokens):
+def test_scenario_7_opened_note_extract_preempts_nataraj(make_runtime, tmp_path):
+    """R1: an extract of the opened note is T1 and revokes the T4 Nataraj on arrival (R4)."""
+    make_runtime(event_log=str(tmp_path / "events.jsonl"))
+
     async def go():
-        nataraj = asyncio.ensure_future(agenerate("nataraj", "card", model_id="tiny", max_new_tokens=long_tokens))
+        nataraj = asyncio.ensure_future(agenerate("nataraj", "card", model_id="tiny", max_new_tokens=MAX_LONG_TOKENS))
         await started("nataraj")
         await uniun_ray.aset_foreground("extract", "note-42")
-        note = agenerate("extract", "note 42", model_id="tiny", foreground_hint=True, subject="note-42",
-                         max_new_tokens=64)
-        return await finish_order(nataraj, note)
-    order = asyncio.run(go())
-    assert [c.job_id.split("-")[0] for c in order] == ["extract", "nataraj"]
+        note = await agenerate("extract", "note 42", model_id="tiny", foreground_hint=True, subject="note-42",
+                               max_new_tokens=64)
+        await withdraw(nataraj)
+        return note
+    note = asyncio.run(go())
+    events = read_events(tmp_path / "events.jsonl")
+    revokes = [(e["kind"], e["cause"]) for e in events if e["ev"] == "revoke" and e["cause"] != "cancel"]
+    assert revokes == [("nataraj", "arrival")]
+    assert [e["kind"] for e in events if e["ev"] == "dispatch"][:2] == ["nataraj", "extract"]
+    assert note.revokes == 0 and note.tokens == 64
 
 
 def test_scenario_8_an_idle_scheduler_is_dormant(runtime):

@@ -57,6 +57,16 @@ def cold(other):
 
 
 @pytest.fixture
+def tiny_warm(cold, other):
+    """The module's engine with the other model active and `tiny` warm beside it, whatever the
+    tests before left (one leaves nothing warm)."""
+    engine, outputs = cold
+    engine.load("tiny")
+    engine.load(other)
+    return engine, outputs
+
+
+@pytest.fixture
 def no_files(monkeypatch):
     """Every way back to a model's files fails: resolving, converting, from_pretrained, probing."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -69,8 +79,8 @@ def no_files(monkeypatch):
         monkeypatch.setattr(target, name, refuse)
 
 
-def test_a_warm_swap_back_reads_no_file_and_answers_as_a_cold_load(cold, other, no_files):
-    engine, outputs = cold
+def test_a_warm_swap_back_reads_no_file_and_answers_as_a_cold_load(tiny_warm, other, no_files):
+    engine, outputs = tiny_warm
     back = engine.load("tiny")
     assert (back.kind, back.previous, back.kept) == (WARM, other, {other: HOST})
     assert tokens(engine) == outputs["tiny"]
@@ -89,9 +99,8 @@ def test_a_coresident_switch_keeps_both_models_outputs(cold, other):
         assert tokens(engine) == outputs[model_id]
 
 
-def test_a_warm_copy_that_does_not_come_back_loads_cold(cold, other, monkeypatch):
-    engine, outputs = cold
-    engine.load(other)
+def test_a_warm_copy_that_does_not_come_back_loads_cold(tiny_warm, other, monkeypatch):
+    engine, outputs = tiny_warm
 
     def lost(parked, device):
         raise RuntimeError("the copy was lost")

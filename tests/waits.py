@@ -40,3 +40,10 @@ async def pool_of(devices: int, located: bool = True) -> dict:
         found = status["devices"]
         return status if len(found) == devices and (not located or all(d["node"] for d in found)) else None
     return await until(look, f"a pool of {devices} devices")
+
+
+async def withdraw(job: asyncio.Future) -> None:
+    """Cancel a job's task (its caller goes away: the client withdraws it) and wait until its
+    cleanup has told the scheduler."""
+    job.cancel()
+    await asyncio.gather(job, return_exceptions=True)

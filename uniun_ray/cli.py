@@ -269,7 +269,7 @@ def _actor_names() -> list[str]:
 
 
 def _down(args) -> int:
-    from .runtime.head import HeadState, state_path, stop_head
+    from .runtime.head import HeadState, started_by, state_path, stop_head
     from .client import error_text
 
     state = HeadState.load()
@@ -280,12 +280,13 @@ def _down(args) -> int:
         HeadState.forget()
         print(f"the head `uniun-ray up` started at {state.address} is no longer running; forgot it")
         return 0
+    started = started_by(state)   # with the servers the model actors started, before they lose them
     try:
         killed = _kill_actors(state)
     except Exception as error:  # the head goes anyway, and its actors with it
         killed = 0
         print(f"could not kill the actors first ({error_text(error)}); stopping the head", file=sys.stderr)
-    stopped = stop_head(state)
+    stopped = stop_head(state, started)
     HeadState.forget()
     print(f"stopped the Ray head at {state.address}: {killed} uniun actors killed, {stopped} processes stopped")
     return 0

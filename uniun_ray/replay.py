@@ -314,11 +314,20 @@ def main(out: Path, seed: int, device: DeviceProfile, names: list[str]) -> int:
 
 def play_fresh(workload: Workload, event_log: Path) -> Played:
     """`play` on a private local Ray with fresh actors, whose scheduler logs to `event_log`."""
-    from uniun_ray.runtime.launch import local_cluster, start
-    from uniun_ray.runtime.service import RuntimeConfig
+    from uniun_ray.runtime.launch import local_cluster
 
     event_log.unlink(missing_ok=True)
     span = max([f.stop or f.start for f in workload.flows] + [a.t for a in workload.arrivals])
     with local_cluster():
-        start(RuntimeConfig(event_log=str(event_log)))
+        start_fresh(event_log)
         return asyncio.run(play(workload, timeout_s=3 * span + 120))
+
+
+def start_fresh(event_log: Path) -> None:
+    """Start the runtime `play` needs, on the Ray this process is connected to: its scheduler
+    logs to `event_log`, and no warm start loads the chat model before `start` returns (its
+    device starts empty, as the simulator's does; `play` loads each model it needs itself)."""
+    from uniun_ray.runtime.launch import start
+    from uniun_ray.runtime.service import RuntimeConfig
+
+    start(RuntimeConfig(event_log=str(event_log)), warm=False)

@@ -1,7 +1,9 @@
-"""A model server as a child process: started in its own process group, ready when its health
-route answers, stopped with its whole group (vLLM's server forks an engine core process). On
-Linux it is also told to end when the process that started it dies (a ModelActor killed by
-Ray, `uniun-ray down`): a server left behind would hold its memory and cores for ever.
+"""A model server as a child process, ready when its health route answers, and ended with
+every process it started: vLLM's server starts an engine core, which starts workers. The
+server runs below a supervisor (`supervisor`) that leads a session of its own and adopts
+what the server leaves behind, so stopping it, the process that started it ending (`atexit`),
+or dying (Linux tells the supervisor: a ModelActor killed by Ray, `uniun-ray down`) ends the
+whole tree, SIGTERM then SIGKILL: a server left behind would hold its memory and cores for ever.
 
 The vLLM engine runs vLLM's OpenAI server this way, and `benchmarks/peers.py` runs the peers
 (vLLM, llama.cpp's server) the same way.
@@ -17,11 +19,19 @@ import sys
 import time
 import urllib.error
 import urllib.request
+import weakref
 from collections import deque
 from pathlib import Path
 from typing import IO, Callable, Sequence
 
+import psutil
+
 from ..models.swap import SwapAbandoned
+from . import supervisor
+from .supervisor import PR_SET_PDEATHSIG, end_processes, tree
+
+#: How long a stopped server's processes get to end before SIGKILL.
+STOP_GRACE_S = 15.0
 
 
 class ServerFailed(RuntimeError):
@@ -35,13 +45,18 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 def _with_parent() -> "Callable[[], None] | None":
-    """For Popen's `preexec_fn` on Linux: the child gets SIGTERM when its parent dies
-    (PR_SET_PDEATHSIG; the server then stops its own children). libc is looked up here, before
-    the fork, so the child only makes one call."""
+    """For Popen's `preexec_fn` on Linux: the supervisor gets SIGTERM when its parent dies
+    (PR_SET_PDEATHSIG), and then ends the server's tree. libc is looked up here, before the
+    fork, so the child only makes one call."""
     if not sys.platform.startswith("linux"):
         return None
     prctl = ctypes.CDLL(None, use_errno=True).prctl
-    return lambda: prctl(1, signal.SIGTERM)   # 1: PR_SET_PDEATHSIG
+    return lambda: prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def _end(supervising: psutil.Process, grace_s: float) -> None:
+    """End the supervisor and every process below it or in its group."""
+    end_processes(tree(supervising), grace_s)
 
 
 class ChildServer:
@@ -56,6 +71,7 @@ class ChildServer:
         self.url = f"http://{host}:{port}"
         self.process: subprocess.Popen | None = None
         self._log_file: IO | None = None
+        self._end: weakref.finalize | None = None
 
     def start(self, timeout_s: float = 600, abandon=None) -> float:
         """Start the server and wait until it is healthy; seconds it took. ServerFailed when
@@ -63,9 +79,12 @@ class ChildServer:
         `abandon` (a threading.Event) is set."""
         started = time.perf_counter()
         self._log_file = open(self.log, "ab") if self.log else subprocess.DEVNULL
-        self.process = subprocess.Popen(self.command, env=self.env, stdout=self._log_file,
-                                        stderr=subprocess.STDOUT, start_new_session=True,
-                                        preexec_fn=_with_parent())
+        self.process = subprocess.Popen(
+            [sys.executable, "-I", supervisor.__file__, str(os.getpid()), str(STOP_GRACE_S), *self.command],
+            env=self.env, stdout=self._log_file, stderr=subprocess.STDOUT, start_new_session=True,
+            preexec_fn=_with_parent())
+        # at this process's exit too (a finalizer runs at exit), and once only
+        self._end = weakref.finalize(self, _end, psutil.Process(self.process.pid), STOP_GRACE_S)
         while not self._healthy():
             if self.process.poll() is not None:
                 raise ServerFailed(f"{self.command[:4]} exited with {self.process.returncode}{self._tail()}")
@@ -81,21 +100,16 @@ class ChildServer:
     def alive(self) -> bool:
         return self.process is not None and self.process.poll() is None
 
-    def stop(self, grace_s: float = 15) -> float:
-        """SIGTERM to the group, SIGKILL after `grace_s`; seconds until the leader was gone."""
+    def stop(self) -> float:
+        """End the server and every process it started (SIGTERM, SIGKILL what is left after
+        `STOP_GRACE_S`); seconds until they were gone."""
         started = time.perf_counter()
-        if self.process is not None and self.process.poll() is None:
-            self._signal(signal.SIGTERM)
-            try:
-                self.process.wait(grace_s)
-            except subprocess.TimeoutExpired:
-                self._signal(signal.SIGKILL)
-                self.process.wait()
-        if self.process is not None:
-            self._signal(signal.SIGKILL)   # what the leader left behind in its group
+        if self._end is not None:
+            self._end()
+            self.process.wait()
         if self._log_file not in (None, subprocess.DEVNULL):
             self._log_file.close()
-        self.process, self._log_file = None, None
+        self.process, self._log_file, self._end = None, None, None
         return time.perf_counter() - started
 
     def __enter__(self) -> "ChildServer":
@@ -104,12 +118,6 @@ class ChildServer:
 
     def __exit__(self, *exc) -> None:
         self.stop()
-
-    def _signal(self, sig: int) -> None:
-        try:
-            os.killpg(self.process.pid, sig)
-        except ProcessLookupError:
-            pass
 
     def _healthy(self) -> bool:
         try:

@@ -17,6 +17,7 @@ from ray import serve
 from ray.serve import Application
 
 from ..settings import read
+from ..runtime.launch import never_start
 from .app import create_app
 
 APP_NAME = "uniun-http"
@@ -33,6 +34,7 @@ class OpenAIServer:
     """A Serve replica holding the FastAPI app; every request is a client-API call."""
 
     def __init__(self, api_key: str | None = None) -> None:
+        never_start()   # a request that finds no runtime is answered 503, never starts one
         self._api_key = api_key or None
 
     def __serve_build_asgi_app__(self):

@@ -4,8 +4,9 @@
 people's clusters and test sessions. So `up` runs `ray start --head` in a new session (a
 process group of its own) and records the group and its processes in a state file; `down`
 signals only that group and the processes descending from it (the raylet forks its workers
-into groups of their own, but they stay its children). Recorded pids are checked against
-their start time, so a pid the system reused is never signalled.
+into groups of their own, but they stay its children), found before the actors are killed: an
+engine's server descends from its ModelActor's worker only while that lives. Recorded pids are
+checked against their start time, so a pid the system reused is never signalled.
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from pathlib import Path
 
 import psutil
 
+from ..engines.supervisor import end_processes, group, pgid_of
 from ..settings import state_dir
 from .placement import DEVICE_RESOURCE, EMBEDDER_RESOURCE
 
@@ -149,17 +151,6 @@ def _ray_executable() -> str:
     return found
 
 
-def _pgid(process: psutil.Process) -> int | None:
-    try:
-        return os.getpgid(process.pid)
-    except OSError:
-        return None
-
-
-def _group(pgid: int) -> list[psutil.Process]:
-    return [process for process in psutil.process_iter() if _pgid(process) == pgid]
-
-
 def start_head(*, port: int, dashboard_host: str, dashboard_port: int, auth_mode: str,
                temp_dir: str | None = None, devices: int = 1, extra: list[str] = ()) -> HeadState:
     """Run `ray start --head` in a new process group with RAY_AUTH_MODE set explicitly, its
@@ -178,9 +169,9 @@ def start_head(*, port: int, dashboard_host: str, dashboard_port: int, auth_mode
     process = subprocess.Popen(command, env=env, start_new_session=True, stdout=subprocess.PIPE,
                                stderr=subprocess.STDOUT, text=True)
     output, _ = process.communicate()
-    members = _group(process.pid)
+    members = group(process.pid)
     if process.returncode != 0:
-        _stop(members)
+        end_processes(members, STOP_GRACE_S)
         tail = "\n".join(output.strip().splitlines()[-8:])
         raise HeadError(f"`ray start --head` failed (exit {process.returncode}):\n{tail}")
     return HeadState(address=f"127.0.0.1:{port}", dashboard_url=f"http://{dashboard_host}:{dashboard_port}",
@@ -188,35 +179,27 @@ def start_head(*, port: int, dashboard_host: str, dashboard_port: int, auth_mode
                      processes=[[p.pid, p.create_time()] for p in members], started_at=time.time())
 
 
-def stop_head(state: HeadState) -> int:
-    """Stop the recorded head: its process group and every descendant. Returns how many
-    processes were signalled (0 when it was already gone)."""
+def started_by(state: HeadState) -> list[psutil.Process]:
+    """The recorded head's processes now: its process group and every descendant (the
+    raylet's workers, and what they started: an engine's server and its children)."""
     alive = state.alive()
-    owned = [p for p in alive if _pgid(p) == state.pgid]
-    tree = set(alive) | (set(_group(state.pgid)) if owned else set())
-    for process in list(tree):
+    found = alive + (group(state.pgid) if any(pgid_of(p) == state.pgid for p in alive) else [])
+    for process in list(found):
         try:
-            tree.update(process.children(recursive=True))
+            found += process.children(recursive=True)
         except psutil.Error:
             continue
-    _stop(list(tree))
-    return len(tree)
+    return list({p.pid: p for p in found}.values())
 
 
-def _stop(processes: list[psutil.Process]) -> None:
-    """SIGTERM, then SIGKILL what is left after the grace period (Ray's own order)."""
-    for process in processes:
-        try:
-            process.terminate()
-        except psutil.Error:
-            continue
-    _, left = psutil.wait_procs(processes, timeout=STOP_GRACE_S)
-    for process in left:
-        try:
-            process.kill()
-        except psutil.Error:
-            continue
-    psutil.wait_procs(left, timeout=STOP_GRACE_S)
+def stop_head(state: HeadState, started: list[psutil.Process] = ()) -> int:
+    """Stop the recorded head, its process group and every descendant, and the processes
+    `started` (what `started_by` found earlier: a process whose parent died since, such as a
+    server whose ModelActor was killed, descends from the head no more). Returns how many
+    processes were signalled (0 when all were gone)."""
+    found = {p.pid: p for p in [*started_by(state), *started] if p.is_running()}
+    end_processes(found.values(), STOP_GRACE_S)
+    return len(found)
 
 
 if __name__ == "__main__":  # cluster.yaml: `ray start --resources="$(python -m uniun_ray.runtime.head)"`

@@ -21,7 +21,8 @@ from . import placement
 from .. import engines
 from .actors import ModelFleet, RemoteEmbedder, RemoteScheduler, embedder_options, scheduler_options
 from .head import stand_in_resources, worker_niceness
-from .protocol import EMBEDDER_NAME, NAMESPACE, SCHEDULER_NAME, UniunError, model_actor_name
+from .protocol import (EMBEDDER_NAME, NAMESPACE, SCHEDULER_NAME, SchedulerUnavailable, UniunError,
+                       model_actor_name)
 from .releases import RELEASES
 from .service import RuntimeConfig
 from ..models.registry import configure, known_ids, resolve
@@ -201,7 +202,8 @@ def checking_model():
 
 
 def start(config: RuntimeConfig | None = None, *, models: Mapping[str, str] | None = None,
-          hub_models: bool | None = None, wait_ready: bool = True, settings: Settings | None = None) -> Handles:
+          hub_models: bool | None = None, wait_ready: bool = True, settings: Settings | None = None,
+          warm: bool | None = None) -> Handles:
     """Get or create the scheduler, a model actor per device the cluster declares, and the
     embedder. `config` only applies when the scheduler is created here (a running one keeps
     its own, and its pool), but for its models: `models` (id -> folder of weights) and
@@ -210,7 +212,8 @@ def start(config: RuntimeConfig | None = None, *, models: Mapping[str, str] | No
     `hub_models` is what `--hub-models` sets. Placement follows what the cluster
     declares (`placement`); an actor whose seat is taken is refused at once, naming the
     resource, rather than left waiting for ever. The scheduler then loads the active chat
-    model on its device (the warm start, `warmstart`; `UNIUN_WARM_START=0` skips it), and
+    model on its device (the warm start, `warmstart`; `warm=False`, or `UNIUN_WARM_START=0`
+    where `warm` is not given, skips it), and
     `start` returns once it has, unless not `wait_ready` (`uniun-ray up` serves /health
     meanwhile: 503 "loading"). `settings`: what `uniun-ray up` read with its flags; None: the
     environment's, read here, so that a bad one fails clearly before any actor exists."""
@@ -234,7 +237,7 @@ def start(config: RuntimeConfig | None = None, *, models: Mapping[str, str] | No
         device=embedder_seat.torch_device, hub_kernels=settings.hub_kernels)
     scheduler = RemoteScheduler.options(**scheduler_options(SCHEDULER_NAME)).remote(devices, fleet, config)
     _served(ray.get(scheduler.serve.remote(dict(config.models))), config)
-    if settings.warm_start:
+    if settings.warm_start if warm is None else warm:
         started = scheduler.ready.remote(wait_ready)
         if wait_ready:
             ray.get(started)
@@ -305,9 +308,22 @@ def forget_handles() -> None:
     _cached = None
 
 
+#: Whether `handles` may start the runtime it does not find: a script's first call does; a
+#: process that serves someone else's runtime (the HTTP server) never does (`never_start`).
+_may_start = True
+
+
+def never_start() -> None:
+    """In this process a lookup that finds no runtime fails (SchedulerUnavailable) instead of
+    starting one: an HTTP server must not start a runtime behind its operator's back, not even
+    from a request that meets the scheduler just killed (`uniun-ray down`, a crash)."""
+    global _may_start
+    _may_start = False
+
+
 def handles() -> Handles:
-    """The running actors, created on first use; cached per Ray session (a detached actor's
-    handle stays valid across its restarts)."""
+    """The running actors, created on first use (unless `never_start`); cached per Ray session
+    (a detached actor's handle stays valid across its restarts)."""
     cached = _cached
     if cached is not None and cached[0] is not None and cached[0] == _session_key():
         return cached[1]
@@ -318,4 +334,7 @@ def handles() -> Handles:
         return _remember(Handles(scheduler, checking_model(), get(EMBEDDER_NAME),
                                  ray.get(scheduler.chat_model.remote())))
     except ValueError:
+        if not _may_start:
+            raise SchedulerUnavailable("the runtime is not running: start it with `uniun-ray up` (or "
+                                       "uniun_ray.start()), then retry") from None
         return start()
