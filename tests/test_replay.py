@@ -10,7 +10,7 @@ import pytest
 from uniun_ray import replay
 from uniun_ray.sim.device import PROFILES, TINY
 from uniun_ray.policy import Job
-from uniun_ray.settings import WARM_START_ENV
+from uniun_ray.settings import SETTING
 from uniun_ray.sim.workload import Arrival, Flow, FlowStep, ForegroundChange, SimJob, Workload
 
 WORKLOAD = Workload(
@@ -32,7 +32,7 @@ def benchmark_runtime(ray_cluster, tmp_path, monkeypatch):
     is on, as it is by default outside the tests: the play's precondition met as there."""
     from conftest import reset_uniun_actors
 
-    monkeypatch.setenv(WARM_START_ENV, "1")
+    monkeypatch.setenv(SETTING["warm_start"].env, "1")
     reset_uniun_actors(ray_cluster)
     replay.start_fresh(tmp_path / "events.jsonl")
     yield
