@@ -324,6 +324,24 @@ def _parser() -> argparse.ArgumentParser:
     client.add_argument("--address", help="Ray GCS address (default: RAY_ADDRESS, the head `up` started, "
                                           "or the last `ray start`)")
 
+    _add_up(commands)
+
+    down = commands.add_parser("down", help="stop what `uniun-ray up` started, and only that")
+    down.set_defaults(run=_down)
+
+    config = commands.add_parser("config", help="every setting `up` would use here, and where it comes from")
+    config.add_argument("--json", action="store_true", help="the settings as JSON")
+    for flag in ("--chat-model", "--slots"):
+        config.add_argument(flag, help=f"as `up {flag}`")
+    config.add_argument("--engine", choices=ENGINES, help="as `up --engine`")
+    config.set_defaults(run=_config)
+
+    _add_client_commands(commands, client)
+    commands.add_parser("bench", add_help=False, help="the simulator benchmark (see `uniun-ray bench --help`)")
+    return parser
+
+
+def _add_up(commands) -> None:
     up = commands.add_parser("up", help="start a local Ray head and the scheduler, model and embedder actors")
     up.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"GCS port (default {DEFAULT_PORT})")
     up.add_argument("--dashboard-host", default="127.0.0.1", help="dashboard bind address (default 127.0.0.1)")
@@ -356,16 +374,9 @@ def _parser() -> argparse.ArgumentParser:
     up.add_argument("ray_args", nargs="*", metavar="-- RAY_START_ARG", help="more `ray start` arguments, after --")
     up.set_defaults(run=_up)
 
-    down = commands.add_parser("down", help="stop what `uniun-ray up` started, and only that")
-    down.set_defaults(run=_down)
 
-    config = commands.add_parser("config", help="every setting `up` would use here, and where it comes from")
-    config.add_argument("--json", action="store_true", help="the settings as JSON")
-    for flag in ("--chat-model", "--slots"):
-        config.add_argument(flag, help=f"as `up {flag}`")
-    config.add_argument("--engine", choices=ENGINES, help="as `up --engine`")
-    config.set_defaults(run=_config)
-
+def _add_client_commands(commands, client: argparse.ArgumentParser) -> None:
+    """The commands that talk to a running runtime (`client`: their --address)."""
     status = commands.add_parser("status", parents=[client], help="the scheduler's state, once or live")
     view = status.add_mutually_exclusive_group()
     view.add_argument("--json", action="store_true", help="the raw snapshot as JSON")
@@ -394,9 +405,6 @@ def _parser() -> argparse.ArgumentParser:
     embed.add_argument("texts", nargs="+", metavar="TEXT")
     embed.add_argument("--values", type=int, default=5, help="how many values to print (default 5)")
     embed.set_defaults(run=_embed)
-
-    commands.add_parser("bench", add_help=False, help="the simulator benchmark (see `uniun-ray bench --help`)")
-    return parser
 
 
 def main(argv: list[str] | None = None) -> int:
