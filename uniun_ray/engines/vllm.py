@@ -1,4 +1,4 @@
-"""The vLLM engine (SPEC §7, issue 26): vLLM's OpenAI server, a child process of the ModelActor.
+"""The vLLM engine (SPEC §7): vLLM's OpenAI server, a child process of the ModelActor.
 
 vLLM pins its own torch and `transformers<5.20`, so it runs in a venv of its own
 (`venvs.vllm_recipe`, `make install-vllm`) and the ModelActor talks to it over loopback HTTP

@@ -67,7 +67,7 @@ chat (step(2) = 1.181 step(1) <= 1.25).
 
 ``gpu``: an estimate from published figures, not a measurement. vLLM serving Qwen2.5-0.5B on
 one datacenter GPU decodes ~65 tok/s for one sequence and ~1,737 tok/s for 128 (the figures
-issue 24 quotes; the page they come from is not among this project's references), so a step
+the slot study quotes; the page they come from is not among this project's references), so a step
 of 128 sequences takes (128 / 1737) / (1 / 65) = 4.79 steps of one: the weights are read once
 per step whatever the batch, and each sequence adds its attention and its share of the
 matrix products. The curve is linear between the two points (and past 128, as the policy
@@ -146,7 +146,7 @@ class DeviceProfile:
     kv_cache_tokens: int = 20_000
     #: Where the models' batch curves come from, in a few words, for the figures that use them.
     batch_source: str = ""
-    #: How a model that was on a device comes back (issue 37): COLD (nothing is kept: every swap
+    #: How a model that was on a device comes back: COLD (nothing is kept: every swap
     #: loads), WARM (kept in host memory) or SWITCH (kept on the device). The warm budget is not
     #: modelled: the host keeps every model it has loaded.
     keeps: str = COLD
@@ -200,7 +200,7 @@ PROFILES: dict[str, DeviceProfile] = {
     }, batch_source="batch curve estimated from published vLLM figures, not measured"),
 }
 
-#: Issue 37: seconds of `ModelActor.load` switching back to a model kept co-resident on this
+#: Seconds of `ModelActor.load` switching back to a model kept co-resident on this
 #: CPU (the runtime's default since then), SmolLM2 <-> Gemma back and forth
 #: (``benchmarks/runtime_bench.py --swaps-only --quick``: p50 of 2, 1.3 and 1.4 ms). PROVISIONAL:
 #: measured beside other sessions' work; `tiny` is not measured and takes SmolLM2's.

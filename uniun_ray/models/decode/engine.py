@@ -71,7 +71,7 @@ class Engine:
     ``deterministic`` (``UNIUN_DETERMINISTIC=1``): on CPU a decode step computes each row as it
     would alone, and a prompt's KV is the same however the prefix cache left it to read, so a
     greedy answer depends on neither, in bfloat16 either; it costs decode throughput and prefill
-    time (README).
+    time (docs/tuning.md).
 
     Thread safety: a ``generation.generate`` run may be iterated in a worker thread. ``load`` and ``unload`` refuse
     (RuntimeError) while a run is in progress: revoke it and let its iterator finish first.

@@ -2,7 +2,7 @@
 
 ``PaddedRows`` re-pads and concatenates the whole batch's KV on every join and cuts it on every
 leave, and its shapes change every step: on a GPU the host then spends a step's time launching
-kernels and replanning attention for a GPU that waits (issue 36). Here:
+kernels and replanning attention for a GPU that waits. Here:
 
 * ``RowStore``: per layer, keys and values of [rows, K/V heads, context, head dim], allocated
   once at load from a budget of their own (``static_budget``). A row's context is the longest
