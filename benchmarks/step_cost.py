@@ -7,9 +7,10 @@
 The model is loaded as the engine loads it on a CPU (``prefer_grouped`` attention, linear
 weights packed for oneDNN). One prompt of ``--prompt`` tokens is prefilled from nothing (so its
 cache has transformers' plain layers, as a job's without a prefix hit); each round, for every
-row count, thread count and path in turn, that many copies of it cut to different lengths
-(``runner.profile.row_lengths``) join fresh rows and take ``--steps`` timed decode steps (one
-token per row, after two untimed), their contexts growing, as ``runner/profile.py`` steps them.
+thread count and row count, that many copies of it cut to different lengths
+(``runner.profile.row_lengths``) join fresh rows of each path, and the paths take ``--steps``
+timed decode steps (one token per row, after two untimed) in turn, step by step, their contexts
+growing, as ``runner/profile.py`` steps them.
 Paths:
 
 * ``concatenating``: the rows before their cache grew in place: the first row's cache as it came,
@@ -78,23 +79,35 @@ def prefilled(runner: Runner, prompt: int):
     return runner.prefill(ids, None, torch.device("cpu"))[1]
 
 
-def steps_of(rows_class, runner: Runner, cache, batch: int, prompt: int, steps: int):
-    """Wall and CPU seconds of each timed step, and the tokens every step chose."""
+def joined(rows_class, runner: Runner, cache, batch: int, prompt: int):
+    """Fresh rows of ``rows_class`` holding ``batch`` copies of ``cache`` cut to ``row_lengths``."""
     rows, lengths = rows_class(torch.device("cpu"), runner), row_lengths(batch, prompt)
     for length in lengths:
         row = copy.deepcopy(cache)
         crop_layers(row, length)
         rows.join(row, length)
-    tokens, wall, cpu, chosen = [1] * batch, [], [], []
+    return rows, lengths
+
+
+def steps_of(runner: Runner, cache, batch: int, prompt: int, steps: int) -> dict[str, tuple]:
+    """Per path: wall and CPU seconds of each timed step, and the tokens every step chose. The
+    paths take their steps in turn, step by step, so that a load that comes and goes beside
+    them stretches each alike."""
+    rows = {path: joined(rows_class, runner, cache, batch, prompt) for path, rows_class in PATHS.items()}
+    tokens = {path: [1] * batch for path in PATHS}
+    timed = {path: ([], [], []) for path in PATHS}
     for i in range(WARMUP + steps):
-        started, started_cpu = time.perf_counter(), time.process_time()
-        tokens = rows.decode(tokens, [length + i for length in lengths]).argmax(-1).tolist()
-        if i >= WARMUP:
-            wall.append(time.perf_counter() - started)
-            cpu.append(time.process_time() - started_cpu)
-        chosen.append(tokens)
-    rows.clear()
-    return wall, cpu, chosen
+        for path, (kept, lengths) in rows.items():
+            wall, cpu, chosen = timed[path]
+            started, started_cpu = time.perf_counter(), time.process_time()
+            tokens[path] = kept.decode(tokens[path], [length + i for length in lengths]).argmax(-1).tolist()
+            if i >= WARMUP:
+                wall.append(time.perf_counter() - started)
+                cpu.append(time.process_time() - started_cpu)
+            chosen.append(tokens[path])
+    for kept, _ in rows.values():
+        kept.clear()
+    return timed
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -116,12 +129,14 @@ def main(argv: list[str] | None = None) -> int:
     keys = [(path, n, batch) for batch in batches for n in threads for path in PATHS]
     wall, cpu, chosen = ({key: [] for key in keys} for _ in range(3))
     for _ in range(args.rounds):
-        for path, n, batch in keys:
+        for n in threads:
             torch.set_num_threads(n)
-            seconds, cpu_seconds, tokens = steps_of(PATHS[path], runner, cache, batch, args.prompt, args.steps)
-            wall[path, n, batch] += seconds
-            cpu[path, n, batch] += cpu_seconds
-            chosen[path, n, batch].append(tokens)
+            for batch in batches:
+                for path, (seconds, cpu_seconds, tokens) in steps_of(runner, cache, batch, args.prompt,
+                                                                     args.steps).items():
+                    wall[path, n, batch] += seconds
+                    cpu[path, n, batch] += cpu_seconds
+                    chosen[path, n, batch].append(tokens)
     print(f"{args.model}, {args.dtype}, {args.prompt}-token prompts, {args.steps} steps x {args.rounds} rounds, "
           f"{torch.backends.cpu.get_cpu_capability()}")
     print(f"{'rows':>4} {'threads':>7} {'path':>14} {'wall ms':>8} {'cpu ms':>7} {'tok/s':>7} {'ratio':>6}  same tokens")
