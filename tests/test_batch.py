@@ -537,26 +537,21 @@ def test_unloading_frees_the_static_rows_a_batch_still_holds(engine, monkeypatch
     engine.load("tiny")
 
 
-def test_a_graph_captured_beside_live_rows_warms_up_on_that_steps_inputs(engine, monkeypatch):
-    """A span first met mid-run is captured then, its rows live: the warm-up before the capture
-    runs that step's own inputs (it writes what the step writes), never column 0 of live rows."""
-    from uniun_ray.models.runner.static import Graphs
+def test_graphs_are_captured_at_load_for_every_shape_a_row_may_reach_and_never_while_serving(engine, monkeypatch):
+    """One capture site: at load, a graph for every (bucket, span) up to a row's whole context; a
+    first capture mid-run would stall every row, so a run captures nothing."""
+    from uniun_ray.models.runner.static import Graphs, buckets, spans
 
     store = use_rows(engine, monkeypatch, "buckets")
-    store.mode = "graphs"                          # nothing captured at load: every shape is met mid-run
-    warmed = []
-
-    def warm_up_only(self, shapes=None):           # a CPU cannot capture: run what precedes a capture
-        for shape in shapes:
-            buffers = self._buffers[shape]
-            warmed.append(buffers.positions.tolist())
-            self._forward(buffers.ids, buffers.positions, buffers.columns)
-
-    monkeypatch.setattr(Graphs, "_capture", warm_up_only)
+    assert set(store.graphs.shapes()) == {(rows, span) for rows in buckets(store.rows) for span in spans(store.context)}
+    assert max(span for _, span in store.graphs.shapes()) == store.context
+    store.mode = "graphs"                          # as if captured at load: a CPU cannot capture
+    captured = []
+    monkeypatch.setattr(Graphs, "_capture", lambda self: captured.append(self))
     expected = alone(engine, REQUESTS[:3])
     jobs, _ = drive(Batch(engine), {0: [(request, threading.Event()) for request in REQUESTS[:3]]})
     assert [job.result.token_ids for job in jobs] == expected
-    assert len(warmed) >= 3 and all(any(warm) for warm in warmed)
+    assert captured == []
 
 
 

@@ -53,6 +53,9 @@ def test_jobs_stream_through_their_handles_and_a_cancel_stops_one_while_the_othe
     assert doomed.done.wait(10) and doomed.result.finish_reason == "cancel" and doomed.result.tokens < 2000
     assert keep.result.finish_reason == "length" and text == keep.result.text and tokens == 40
     assert keep.failure is None and doomed.failure is None
+    status = engine.status()   # the decode loop's counters: steps and their seconds per batch size
+    assert sum(status["steps_by_batch"].values()) >= 39
+    assert all(status["step_s_by_batch"][rows] > 0 for rows in status["steps_by_batch"])
 
 
 def test_a_cancelled_job_resumes_from_its_token_ids_exactly(seam):

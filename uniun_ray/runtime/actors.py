@@ -105,6 +105,9 @@ class RayDevice:
     async def slots(self, setting: int | None = None) -> dict:
         return await self._call("slots", setting)
 
+    async def steps(self) -> dict:
+        return await self._call("steps")
+
     async def revoke(self, epoch: int) -> None:
         await self._call("revoke", epoch)
 

@@ -190,6 +190,16 @@ class ModelActor:
         chosen = setting or auto_slots(profile, limit=MAX_SLOTS)
         return {"slots": min(chosen, self._engine.capacity), "step_profile": profile, "auto": setting is None}
 
+    async def steps(self) -> dict:
+        """The step times this device serves now (R23: the policy reads those, not only the
+        probe's at load), which the scheduler asks for now and then while the device is busy:
+        the resident model and its step profile (`Engine.step_profile`). Off the event loop,
+        and off the decode loop's thread: the engine keeps the figures as it steps."""
+        return await asyncio.to_thread(self._served_steps)
+
+    def _served_steps(self) -> dict:
+        return {"model": self._engine.loaded, "step_profile": self._engine.step_profile()}
+
     async def serve(self, models: dict[str, str]) -> None:
         """The scheduler's table of the operator's ids (id -> folder), replacing this process's:
         a model added to a running runtime reaches every device that exists already."""
@@ -324,7 +334,9 @@ class ModelActor:
                 "slots": {"rows": engine["running"], "steps_by_batch": engine.get("steps_by_batch", {})},
                 "context_length": engine.get("context_length"),
                 "engine": engine | {"niceness": os.nice(0),   # its threads run at it
-                                    "tool_call_format": calls},
+                                    "tool_call_format": calls,
+                                    # over a window: the cores this process used, against its threads
+                                    "process_cpu_s": time.process_time()},
                 "models": _models(self._engine.loaded, self._swaps),
                 "swaps": [swap.describe() for swap in self._swaps],
                 "ray_resources": assigned_resources(), "node": node_id(),

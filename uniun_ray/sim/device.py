@@ -62,8 +62,9 @@ a run an hour earlier under heavier load gave 1.0, 1.7, 2.0, 3.1, 3.9, 6.4x: the
 a fifth). PROVISIONAL: one thread, not both cores, and not a quiet machine; rerun the probe
 alone (both cores, wall clock) and replace the curve. Only its shape is used: the batch-1 step
 stays the profile's 22.33 tok/s above, so that one slot's tables do not move, and every cpu
-model takes SmolLM2's curve (Gemma and tiny are not measured). R23 then keeps one job beside a
-chat (step(2) = 1.181 step(1) <= 1.25).
+model takes SmolLM2's curve (Gemma and tiny are not measured). R23 then keeps two jobs beside a
+SmolLM2 chat: its bound is the floor, 75 ms (1.25 x 44.8 ms is less), which step(3) = 67 ms meets
+and step(4) = 82 ms does not; one beside a Gemma chat (51 ms alone: step(2) = 61 ms, step(3) = 77 ms).
 
 ``gpu``: an estimate from published figures, not a measurement. vLLM serving Qwen2.5-0.5B on
 one datacenter GPU decodes ~65 tok/s for one sequence and ~1,737 tok/s for 128 (the figures
@@ -72,7 +73,8 @@ of 128 sequences takes (128 / 1737) / (1 / 65) = 4.79 steps of one: the weights 
 per step whatever the batch, and each sequence adds its attention and its share of the
 matrix products. The curve is linear between the two points (and past 128, as the policy
 extrapolates): 1 + 0.0298 (b - 1), i.e. 11x the tokens per second of one sequence at 16, 17x
-at 32; R23 then keeps 8 jobs beside one chat (step(9) = 1.24 step(1) <= 1.25). Other public
+at 32; R23 then keeps every other slot beside one chat: a 15 ms step alone is bound by the 75 ms
+floor, which steps meet up to about 135 rows (1.25 x its step alone, up to 9 rows). Other public
 reports have the same shape: vLLM issue #5567 (55 tok/s at batch 1, 1,275 at 256: 23x) and
 GPULlama3.java PR #129 (41x aggregate for Llama-3.2-1B in fp16 on an RTX 4090, large B). The
 batch-1 step stays the estimate above (15 ms SmolLM2, 10 ms Gemma): a transformers engine in

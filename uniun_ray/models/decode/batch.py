@@ -280,7 +280,9 @@ class Batch:
         choices = logits.argmax(-1).tolist() if any(greedy) else []
         others = [row for row, plain in enumerate(greedy) if not plain]
         host = iter(logits[others].to(dtype=torch.float32, device="cpu") if others else ())   # one copy, not one per row
-        self.loaded.clock.observe(1, time.perf_counter() - started)
+        seconds = time.perf_counter() - started
+        self.loaded.clock.observe(1, seconds)
+        self.loaded.served.observe(len(rows), seconds)
         self.last_step_rows = len(rows)
         for row, job in enumerate(rows):
             job.sequence.fed += 1

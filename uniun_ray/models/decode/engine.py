@@ -156,12 +156,14 @@ class Engine:
         """Seconds per batched decode step of the loaded model on this host, per batch size
         ({1: s} only for a model that cannot be batched); {} when nothing is loaded. Measured at
         load and cached per host, model, dtype and threads; scaled down where the decode steps
-        seen since beat it (R23, R25: ``runner.profile.auto_slots`` turns it into a slot count)."""
+        seen since beat it; and per batch size the device has served a few steps at, what it
+        served (``runner.profile.ServedSteps``: R23 bounds a chat's step with what it gets, R25's
+        ``runner.profile.auto_slots`` turns it into a slot count)."""
         loaded = self._loaded
         if loaded is None:
             return {}
         self._weights.revise(loaded)
-        return dict(loaded.probe.steps)
+        return loaded.served.profile(loaded.probe.steps)
 
     @property
     def threads_fixed(self) -> bool:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import Counter
 from typing import Callable
 
@@ -34,6 +35,9 @@ class DecodeLoop:
         self._stepping = False
         self.failure: BaseException | None = None
         self.batch_sizes: Counter = Counter()   # rows decoded together -> steps taken so
+        #: rows decoded together -> the seconds those steps took (0: steps that only prefilled): with
+        #: the time jobs held the device, what says where its time went (benchmarks/device_time.py)
+        self.step_seconds: Counter = Counter()
 
     @property
     def rows(self) -> int:
@@ -77,7 +81,9 @@ class DecodeLoop:
                     if not batch.busy:
                         self._stepping = False
                         return
+                started = time.perf_counter()
                 batch.step()
+                self.step_seconds[batch.last_step_rows] += time.perf_counter() - started
                 self._cores.after_step()
                 if batch.last_step_rows:
                     self.batch_sizes[batch.last_step_rows] += 1

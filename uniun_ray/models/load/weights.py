@@ -22,7 +22,7 @@ import torch
 from . import packing
 from ..tune.contention import Watch, quiet
 from ..runner.gate import LayerGate, layer_gate
-from ..runner.profile import auto_slots, batch_sizes, measure_profile
+from ..runner.profile import ServedSteps, auto_slots, batch_sizes, measure_profile
 from ..tune.tuning import (CHUNK_DECODE_STEPS, GATED_CHUNK_DECODE_STEPS, Probe, ProbeCache, StepClock, fastest,
                      host_signature, measure, revised, thread_options)
 from ..runner import rows as kv_rows
@@ -75,6 +75,7 @@ class Loaded:
     probe: Probe | None = None          # what the choice of dtype was made on, and the step profile
     clock: StepClock | None = None
     probe_key: str = ""                 # where the probe is cached
+    served: ServedSteps = field(default_factory=ServedSteps)   # the decode steps served since
     prefix: PrefixCache = field(default_factory=lambda: PrefixCache(0))
     gate: LayerGate | None = None
     packed: int = 0                     # linear layers packed for oneDNN (``packing``)

@@ -268,6 +268,11 @@ class Graphs:
                                         use_cache=True, **{self._runner.cache_arg: cache}, **self._runner.kwargs)
         return output.logits[:, -1]
 
+    def shapes(self) -> list[tuple[int, int]]:
+        """Every (bucket of rows, span) a step of the store may run at, largest first."""
+        return [(rows, span) for rows in reversed(buckets(self._store.rows))
+                for span in reversed(spans(self._store.context))]
+
     def _capture(self) -> None:
         """A graph for every (bucket, span) a row may reach, at load, largest first, all in one
         pool: a smaller graph's memory fits in what a larger one left (nano-vllm and
@@ -275,7 +280,7 @@ class Graphs:
         row. Each is run once before its capture (kernels chosen, workspaces allocated outside
         the graph), writing column 0 of rows no job holds yet."""
         store, started = self._store, time.perf_counter()
-        shapes = [(rows, span) for rows in reversed(buckets(store.rows)) for span in reversed(spans(store.context))]
+        shapes = self.shapes()
         torch.cuda.synchronize(store.device)
         before = torch.cuda.memory_reserved(store.device)
         self._pool = self._pool or torch.cuda.graph_pool_handle()
