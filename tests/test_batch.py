@@ -214,6 +214,19 @@ def test_only_plain_full_attention_caches_are_batched(engine):
     assert not batchable(SlidingModel())
 
 
+def test_a_padded_step_writes_each_rows_token_in_place_without_copying_the_batchs_kv(engine):
+    runner, device = engine.resident.runner, torch.device(engine.device)
+    rows = kv_rows.PaddedRows(device, runner)
+    for ids in ([5, 6, 7, 8, 9], [11, 12, 13]):                  # prefills from nothing: plain layers
+        rows.join(runner.prefill(ids, None, device)[1], len(ids))
+    tokens, positions, storages = [1, 2], [5, 3], []
+    for _ in range(6):
+        tokens = rows.decode(tokens, positions).argmax(-1).tolist()
+        positions = [position + 1 for position in positions]
+        storages.append({layer.keys.untyped_storage().data_ptr() for layer in rows._cache.layers})
+    assert storages[1:] == storages[:1] * 5       # after the first step's room, no step copies
+
+
 def test_a_long_prompt_joins_one_chunk_per_step_while_the_others_decode(engine, monkeypatch, forwards):
     monkeypatch.setattr(engine, "prefill_chunk", 16)
     batch = Batch(engine)

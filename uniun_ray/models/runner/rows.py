@@ -112,7 +112,13 @@ class Rows(ABC):
 class PaddedRows(Rows):
     """Rows left-padded to the longest in one ``DynamicCache``; a mask [rows, cached tokens]
     hides the padding (0), so a padded position gets exactly zero attention weight. A join pads
-    and concatenates, a leave cuts the batch once (and the padding no row needs any more)."""
+    and concatenates, a leave cuts the batch once (and the padding no row needs any more).
+
+    The batch's cache is a fork of the first row's (``prefix.fork``): its layers grow in place,
+    so a step writes each row's new token into room after the batch's keys and values instead of
+    copying all of them, in every layer, as transformers' ``DynamicLayer`` does (a cache a
+    prefill started from nothing has plain layers). The copy grew with rows and context and was
+    the step's largest cost after the weights (``benchmarks/step_cost.py``)."""
 
     def __init__(self, device: torch.device, runner: Runner) -> None:
         self._device, self._runner = device, runner
@@ -124,7 +130,7 @@ class PaddedRows(Rows):
 
     def join(self, cache: Any, tokens: int) -> None:
         if self._mask is None:
-            self._cache, self._mask = cache, torch.ones((1, tokens), dtype=torch.long, device=self._device)
+            self._cache, self._mask = fork(cache), torch.ones((1, tokens), dtype=torch.long, device=self._device)
             return
         length = max(self._mask.shape[1], tokens)
         for layer, joining in zip(self._cache.layers, cache.layers):
