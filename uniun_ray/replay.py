@@ -91,87 +91,104 @@ async def play(workload: Workload, timeout_s: float | None = None) -> Played:
     """Play `workload` on the running runtime, which must be fresh (nothing loaded, queued
     or run), as the simulator's device is. Every model is loaded once first (a first load
     converts the embedded GGUF), then unloaded, so the play starts on an empty device."""
-    from uniun_ray.client import GenerationStream, aset_foreground, astatus
-    from uniun_ray.models import GenerateRequest
-    from uniun_ray.runtime.launch import handles
-    from uniun_ray.runtime.protocol import new_job
+    from uniun_ray.client import astatus
     from uniun_ray.runtime.releases import RELEASES
 
     status = await astatus()
     if status["loaded_model"] is not None or status["running"] is not None or status["queued"]:
         raise ValueError("play needs a fresh runtime: one that has loaded, run and queued nothing")
+    await _prepare(workload)
+    load_start = os.getloadavg()[0]
+    player = _Player(time.time())
+    tasks = ([player.arrival(a) for a in workload.arrivals] + [player.flow(f) for f in workload.flows]
+             + [player.foreground(c) for c in workload.foreground])
+    try:
+        await asyncio.wait_for(asyncio.gather(*tasks), timeout_s)
+    except asyncio.TimeoutError:
+        player.errors.append(f"timed out after {timeout_s:.0f} s: the jobs still out were cancelled")
+    wall = player.now()
+    await RELEASES.settled()   # the last jobs' releases are one-way: their finishes logged first
+    events = [{**e, "t": e["t"] - player.t0} for e in log.read(status["event_log"]) if e["t"] >= player.t0]
+    validate(events)
+    return Played(events, realized(workload, player.sizes), player.errors, wall, (load_start, os.getloadavg()[0]))
+
+
+async def _prepare(workload: Workload) -> None:
+    """Every model loaded once (a first load converts the embedded GGUF), then unloaded, and
+    every prompt built, before the clock starts."""
+    from uniun_ray.runtime.launch import handles
+
     model = handles().model
     for model_id in sorted({a.job.job.model_id for a in workload.arrivals} | {f.model for f in workload.flows}):
         await model.load.remote(model_id)
     await model.unload.remote()
-    for a in workload.arrivals:  # prompts are built before the clock starts
+    for a in workload.arrivals:
         prompt_for(a.job.job.model_id, a.job.prompt_tokens, a.job.output_tokens)
     for f in workload.flows:
         for step in f.steps:
             prompt_for(f.model, step.prompt_tokens, step.output_tokens)
 
-    sizes: dict[str, SimJob] = {}
-    errors: list[str] = []
-    load_start = os.getloadavg()[0]
-    t0 = time.time()
 
-    def now() -> float:
-        return time.time() - t0
+class _Player:
+    """The workload's producers on the wall clock from ``t0``: each job a real generation, the
+    sizes of those that ran kept (``sizes``), the errors a producer would see recorded."""
 
-    async def until(t: float) -> None:
-        await asyncio.sleep(max(0.0, t - now()))
+    def __init__(self, t0: float) -> None:
+        self.t0 = t0
+        self.sizes: dict[str, SimJob] = {}
+        self.errors: list[str] = []
 
-    async def run_job(spec: SimJob) -> None:
+    def now(self) -> float:
+        return time.time() - self.t0
+
+    async def until(self, t: float) -> None:
+        await asyncio.sleep(max(0.0, t - self.now()))
+
+    async def run_job(self, spec: SimJob) -> None:
+        from uniun_ray.client import GenerationStream
+        from uniun_ray.models import GenerateRequest
+        from uniun_ray.runtime.protocol import new_job
+
         job = spec.job
         text, context = prompt_for(job.model_id, spec.prompt_tokens, spec.output_tokens)
         real = new_job(job.kind, job.model_id, producer=job.producer, job_id=job.id,
-                       deadline=None if job.deadline is None else t0 + job.deadline,
+                       deadline=None if job.deadline is None else self.t0 + job.deadline,
                        foreground_hint=job.foreground_hint, subject=job.subject)
         stream = GenerationStream(real, GenerateRequest(prompt=text, max_new_tokens=spec.output_tokens))
         try:
             async for _ in stream:
                 pass
         except Exception as error:  # recorded, and the play goes on as the producer's would
-            errors.append(f"{job.id}: {type(error).__name__}: {error}")
+            self.errors.append(f"{job.id}: {type(error).__name__}: {error}")
             return
-        sizes[job.id] = replace(spec, prompt_tokens=context, output_tokens=max(1, stream.completion.tokens))
+        self.sizes[job.id] = replace(spec, prompt_tokens=context, output_tokens=max(1, stream.completion.tokens))
 
-    async def arrival(a: Arrival) -> None:
-        await until(a.t)
-        await run_job(a.job)
+    async def arrival(self, a: Arrival) -> None:
+        await self.until(a.t)
+        await self.run_job(a.job)
 
-    async def flow(f: Flow) -> None:
+    async def flow(self, f: Flow) -> None:
         next_step = 0
 
         async def slot() -> None:
             nonlocal next_step
             while f.has_step(next_step):
                 n = next_step
-                at = now() + f.steps[n % len(f.steps)].think_s
+                at = self.now() + f.steps[n % len(f.steps)].think_s
                 if f.stop is not None and at > f.stop:
                     return
                 next_step += 1
-                await until(at)
-                await run_job(f.job(n, now()))
+                await self.until(at)
+                await self.run_job(f.job(n, self.now()))
 
-        await until(f.start)
+        await self.until(f.start)
         await asyncio.gather(*(slot() for _ in range(f.depth)))
 
-    async def foreground(change) -> None:
-        await until(change.t)
-        await aset_foreground(change.kind, change.subject)
+    async def foreground(self, change) -> None:
+        from uniun_ray.client import aset_foreground
 
-    tasks = ([arrival(a) for a in workload.arrivals] + [flow(f) for f in workload.flows]
-             + [foreground(c) for c in workload.foreground])
-    try:
-        await asyncio.wait_for(asyncio.gather(*tasks), timeout_s)
-    except asyncio.TimeoutError:
-        errors.append(f"timed out after {timeout_s:.0f} s: the jobs still out were cancelled")
-    wall = now()
-    await RELEASES.settled()   # the last jobs' releases are one-way: their finishes logged first
-    events = [{**e, "t": e["t"] - t0} for e in log.read(status["event_log"]) if e["t"] >= t0]
-    validate(events)
-    return Played(events, realized(workload, sizes), errors, wall, (load_start, os.getloadavg()[0]))
+        await self.until(change.t)
+        await aset_foreground(change.kind, change.subject)
 
 
 def realized(workload: Workload, sizes: dict[str, SimJob]) -> Workload:
