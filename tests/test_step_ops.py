@@ -1,0 +1,124 @@
+"""A decode step is one tensor program: its host work does not grow with the rows.
+
+Counts, with a ``TorchDispatchMode``, the torch ops one ``Batch`` step dispatches outside the
+model's forward pass, and the reads of a tensor's values into Python (``_local_scalar_dense``:
+``.item()``, ``int()``, ``bool()``; ``.tolist()``; a copy to the CPU from another device), at
+1, 8 and 64 rows of the embedded `tiny` model in float32: the same op count at every row count
+for a given set of distinct settings, and one read per step (the chosen token ids, with what
+ends each row). Sampled rows' draws are checked against transformers' own processors.
+"""
+from __future__ import annotations
+
+import threading
+from collections import Counter
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from test_models import DEVICE, PROMPT, engine, loaded_engine, tiny_cache  # noqa: F401 (fixtures)
+from uniun_ray.models import GenerateRequest
+from uniun_ray.models.decode.batch import Batch
+
+GREEDY = GenerateRequest(prompt=PROMPT, max_new_tokens=200)
+SAMPLED = GenerateRequest(prompt=PROMPT, max_new_tokens=200, top_p=0.9, temperature=0.7, repetition_penalty=1.1)
+SEEDED = GenerateRequest(prompt=PROMPT, max_new_tokens=200, top_p=0.9, temperature=0.7, repetition_penalty=1.1,
+                         seed=3)
+#: Each kind of row, and the requests its rows cycle through.
+KINDS = {"greedy": [GREEDY], "sampled": [SAMPLED], "seeded": [SEEDED], "mix": [GREEDY, SAMPLED, SEEDED]}
+ROWS = (1, 8, 64)
+
+
+class StepCount(TorchDispatchMode):
+    """The ops dispatched outside the model's forward pass, and the reads of tensor values into
+    Python (counted wherever they happen)."""
+
+    _READS = {torch.ops.aten._local_scalar_dense.default}
+
+    def __init__(self, model) -> None:
+        super().__init__()
+        self.ops: Counter = Counter()
+        self.reads = 0
+        self._forward = 0
+        self._hooks = [model.register_forward_pre_hook(lambda *args: self._enter()),
+                       model.register_forward_hook(lambda *args: self._leave())]
+
+    def _enter(self) -> None:
+        self._forward += 1
+
+    def _leave(self) -> None:
+        self._forward -= 1
+
+    def remove(self) -> None:
+        for hook in self._hooks:
+            hook.remove()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in self._READS or _to_host(func, args, kwargs):
+            self.reads += 1
+        if not self._forward:
+            self.ops[func] += 1
+        return func(*args, **kwargs)
+
+
+def _to_host(func, args, kwargs) -> bool:
+    """A copy to the CPU of a tensor on another device."""
+    if func not in (torch.ops.aten._to_copy.default, torch.ops.aten.copy_.default):
+        return False
+    source = args[1] if func is torch.ops.aten.copy_.default else args[0]
+    target = args[0].device if func is torch.ops.aten.copy_.default else kwargs.get("device")
+    return source.device.type != "cpu" and target is not None and torch.device(target).type == "cpu"
+
+
+def full_batch(engine, kind: str, rows: int) -> Batch:
+    """A batch of ``rows`` rows of ``kind``, every one joined and decoding."""
+    batch = Batch(engine, slots=rows)
+    requests = KINDS[kind]
+    for row in range(rows):
+        batch.add(requests[row % len(requests)], threading.Event())
+    while batch.rows < rows:
+        batch.step()
+    batch.step()            # a step of them all before the one counted
+    return batch
+
+
+def count_step(engine, batch: Batch, monkeypatch) -> StepCount:
+    """The ops and reads of one step of ``batch`` (every row still decoding after it)."""
+    counter = StepCount(engine.resident.model)
+    tolist = torch.Tensor.tolist
+
+    def read(tensor):
+        counter.reads += 1
+        return tolist(tensor)
+
+    rows = batch.rows
+    with monkeypatch.context() as patch:
+        patch.setattr(torch.Tensor, "tolist", read)
+        try:
+            with counter:
+                batch.step()
+        finally:
+            counter.remove()
+    assert batch.rows == rows, "a row ended in the counted step"
+    return counter
+
+
+@pytest.fixture
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_a_steps_ops_do_not_grow_with_its_rows_and_it_reads_the_host_once(engine, kind, one_thread, monkeypatch):
+    counts = {}
+    for rows in ROWS if kind != "mix" else (3,) + ROWS[1:]:
+        batch = full_batch(engine, kind, rows)
+        counted = count_step(engine, batch, monkeypatch)
+        batch.close()
+        counts[rows] = sum(counted.ops.values())
+        assert counted.reads == 1, f"{kind}, {rows} rows: {counted.reads} reads into Python"
+    assert len(set(counts.values())) == 1, f"{kind}: ops per step by rows {counts}"
