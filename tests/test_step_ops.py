@@ -11,14 +11,19 @@ from __future__ import annotations
 
 import threading
 from collections import Counter
+from types import SimpleNamespace
 
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+from transformers import (GenerationConfig, LogitsProcessorList, RepetitionPenaltyLogitsProcessor,
+                          TemperatureLogitsWarper, TopPLogitsWarper)
 
 from test_models import DEVICE, PROMPT, engine, loaded_engine, tiny_cache  # noqa: F401 (fixtures)
 from uniun_ray.models import GenerateRequest
 from uniun_ray.models.decode.batch import Batch
+from uniun_ray.models.decode.choice import Choice
+from uniun_ray.models.decode.decoding import CancelCriteria, Decoding, processors
 
 GREEDY = GenerateRequest(prompt=PROMPT, max_new_tokens=200)
 SAMPLED = GenerateRequest(prompt=PROMPT, max_new_tokens=200, top_p=0.9, temperature=0.7, repetition_penalty=1.1)
@@ -122,3 +127,54 @@ def test_a_steps_ops_do_not_grow_with_its_rows_and_it_reads_the_host_once(engine
         counts[rows] = sum(counted.ops.values())
         assert counted.reads == 1, f"{kind}, {rows} rows: {counted.reads} reads into Python"
     assert len(set(counts.values())) == 1, f"{kind}: ops per step by rows {counts}"
+
+
+def _rows(count: int, seed_of, ids: list[int], config) -> list[SimpleNamespace]:
+    """``count`` rows of ``ids`` decoding as ``config`` says, row i seeded ``seed_of(i)``."""
+    chain = processors(config)
+    return [SimpleNamespace(ids=ids, length=len(ids), decoding=Decoding(
+        chain, bool(config.do_sample), seed_of(row), CancelCriteria(threading.Event()), frozenset({0}), len(ids) + 20))
+        for row in range(count)]
+
+
+def test_sampled_rows_draw_from_the_distribution_of_transformers_processors():
+    """The same logits in every one of DRAWS rows (seeds 0..DRAWS-1, one step): the tokens drawn
+    against the probabilities of transformers' own processors, as ``generate`` builds them for
+    top_p 0.9, temperature 0.7, repetition_penalty 1.1. Tolerance: Pearson's chi-square over the
+    tokens expected at least 5 times below df + 6 * sqrt(2 df) (about 6 standard deviations:
+    the draws are fixed by their seeds, so the test is deterministic; a wrong distribution,
+    e.g. the temperature left out, scores hundreds of df); no token outside top-p drawn."""
+    draws, vocabulary = 20000, 512
+    logits = torch.randn(vocabulary, generator=torch.Generator().manual_seed(0))
+    ids = [5, 17, 17, 300]
+    config = GenerationConfig(do_sample=True, top_p=0.9, temperature=0.7, repetition_penalty=1.1)
+    reference = LogitsProcessorList([RepetitionPenaltyLogitsProcessor(1.1), TemperatureLogitsWarper(0.7),
+                                     TopPLogitsWarper(0.9)])
+    expected = torch.softmax(reference(torch.tensor([ids]), logits[None].clone()), -1)[0].double()
+    tokens, ends = Choice(_rows(draws, lambda row: row, ids, config), torch.device("cpu")).step(
+        logits.expand(draws, vocabulary))
+    counts = torch.bincount(torch.tensor(tokens), minlength=vocabulary).double()
+    assert counts[expected == 0].sum() == 0 and ends == [None] * draws
+    kept = expected * draws >= 5
+    chi2 = float((((counts - expected * draws) ** 2) / (expected * draws))[kept].sum())
+    df = int(kept.sum()) - 1
+    assert df >= 10 and chi2 < df + 6 * (2 * df) ** 0.5, (chi2, df)
+
+
+def test_a_seeded_rows_draw_depends_on_its_seed_and_position_only():
+    """Alone or among 63 others (seeded otherwise, or not at all), seed 9 at one position draws
+    the same token; at the next position, or with another seed, not always the same."""
+    logits = torch.randn(64, 512, generator=torch.Generator().manual_seed(1))
+    config = GenerationConfig(do_sample=True, temperature=1.5)
+    alone = Choice(_rows(1, lambda row: 9, [1, 2, 3], config), torch.device("cpu"))
+    among = Choice(_rows(64, lambda row: 9 if row == 40 else (row if row % 2 else None), [1, 2, 3], config),
+                   torch.device("cpu"))
+    firsts = [alone.step(logits[40:41])[0][0] for alone in (alone,)] + [among.step(logits)[0][40]]
+    assert firsts[0] == firsts[1]
+    seconds = [alone.step(logits[40:41])[0][0], among.step(logits)[0][40]]
+    assert seconds[0] == seconds[1]
+    ten = [Choice(_rows(1, lambda row: 9, [1, 2, 3] + [4] * step, config), torch.device("cpu")).step(
+        logits[40:41])[0][0] for step in range(10)]
+    others = [Choice(_rows(1, lambda row: seed, [1, 2, 3], config), torch.device("cpu")).step(
+        logits[40:41])[0][0] for seed in range(10)]
+    assert len(set(ten)) > 1 and len(set(others)) > 1

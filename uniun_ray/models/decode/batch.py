@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
+from .choice import Choice
 from .sequence import Sequence
 from ..host.gate import CancelFlag, Interrupted
 from ..host.tuning import CHUNK_DECODE_STEPS, MAX_CHUNK, MIN_CHUNK
@@ -101,6 +102,7 @@ class Batch:
         self._waiting: deque[Job] = deque()
         self._joining: Job | None = None
         self._rows: list[Job] = []
+        self._choice: Choice | None = None         # how the rows choose their tokens (made again as they change)
         self.last_step_rows = 0                  # rows the last step decoded (0: it only prefilled)
 
     @property
@@ -225,7 +227,8 @@ class Batch:
             return
         self._joining = None
         sequence.prefilled_at = time.perf_counter()
-        sequence.accept(logits)
+        tokens, ends = Choice([sequence], self.engine.device).step(logits[None])
+        sequence.take(tokens[0], ends[0])
         if self._first_token is not None and sequence.pieces:
             self._first_token()
         if sequence.ended:
@@ -266,29 +269,26 @@ class Batch:
         self._kv.join(job.cache, job.sequence.fed)
         job.cache = None
         self._rows.append(job)
+        self._choice = None
 
     # -- decoding ----------------------------------------------------------------------------
 
     def _decode(self) -> None:
-        """One forward pass over every row's last token; then the greedy rows' tokens are chosen
-        in one argmax on the device, and only the other rows' logits come to the host, where
-        each chooses its own (its processors, its sampler)."""
+        """One forward pass over every row's last token; then every row's token is chosen, and
+        what ends it decided, on the device for the whole batch (``choice``): only the chosen
+        ids and the rows' ends come to the host, in one copy."""
         rows = self._rows
         started = time.perf_counter()
         logits = self._kv.decode([job.sequence.last_token for job in rows], [job.sequence.fed for job in rows])
-        greedy = [job.sequence.greedy for job in rows]
-        choices = logits.argmax(-1).tolist() if any(greedy) else []
-        others = [row for row, plain in enumerate(greedy) if not plain]
-        host = iter(logits[others].to(dtype=torch.float32, device="cpu") if others else ())   # one copy, not one per row
+        if self._choice is None:
+            self._choice = Choice([job.sequence for job in rows], self.engine.device)
+        tokens, ends = self._choice.step(logits)
         self.loaded.clock.observe(1, time.perf_counter() - started)
         self.last_step_rows = len(rows)
-        for row, job in enumerate(rows):
+        for job, token, end in zip(rows, tokens, ends):
             job.sequence.fed += 1
             job.sequence.stepped(len(rows))
-            if greedy[row]:
-                job.sequence.take(choices[row])
-            else:
-                job.sequence.accept(next(host))     # the sampled rows' logits, in row order
+            job.sequence.take(token, end)
         self._leave([job for job in rows if job.sequence.ended], None)
 
     # -- leaving -----------------------------------------------------------------------------
@@ -302,6 +302,7 @@ class Batch:
             return
         caches = self._kv.leave([self._rows.index(job) for job in jobs])
         self._rows = [job for job in self._rows if job not in jobs]
+        self._choice = None
         for job, cache in zip(jobs, caches):
             self._end(job, reason, cache)
 
@@ -316,6 +317,7 @@ class Batch:
         """The model raised: every job ends with "error" (no KV kept: it may be half written)."""
         jobs = self._rows + ([self._joining] if self._joining is not None else []) + list(self._waiting)
         self._rows, self._joining, self._waiting = [], None, deque()
+        self._choice = None
         self._kv.clear()
         for job in jobs:
             if job.result is None:

@@ -9,8 +9,6 @@ from __future__ import annotations
 import time
 from typing import Any
 
-import torch
-
 from .decoding import StopText, decoding
 from .detokenizer import Detokenizer
 from ..host.weights import Loaded
@@ -23,19 +21,16 @@ class Sequence:
     how many of the first of them it holds as any prefill reads them (``kv.prefix``); ``reason``:
     why it ended ("error" until a loop says otherwise); ``pieces``: the text handed out."""
 
-    def __init__(self, loaded: Loaded, context: list[int], request: GenerateRequest, cancel: Any,
-                 device: torch.device) -> None:
+    def __init__(self, loaded: Loaded, context: list[int], request: GenerateRequest, cancel: Any) -> None:
         self.started = time.perf_counter()
         self.loaded = loaded
         self.context = context
         self.eos_ids = loaded.eos_ids
         self.decoding = decoding(loaded.model, loaded.vocabulary.tokenizer, request, len(context),
-                                 loaded.eos_ids, cancel, device)
+                                 loaded.eos_ids, cancel)
         self.detokenizer = Detokenizer(loaded.vocabulary.tokenizer, context)
         self.stop_text = StopText(request.stop)
-        self.tokens = torch.empty((1, len(context) + request.max_new_tokens), dtype=torch.long)
-        self.tokens[0, : len(context)] = torch.tensor(context)
-        self.length = len(context)
+        self.ids = list(context)      # the context, then the tokens chosen
         self.pieces: list[str] = []
         self.hit, self.fed, self.read = Hit(None, 0), 0, 0
         self.first_token_at = self.prefilled_at = None
@@ -48,8 +43,12 @@ class Sequence:
         return self.decoding.cancel.is_set()
 
     @property
+    def length(self) -> int:
+        return len(self.ids)
+
+    @property
     def last_token(self) -> int:
-        return int(self.tokens[0, self.length - 1])
+        return self.ids[-1]
 
     @property
     def emitted_tokens(self) -> int:
@@ -71,24 +70,15 @@ class Sequence:
         self.steps += 1
         self.step_rows += rows
 
-    @property
-    def greedy(self) -> bool:
-        """Whether its next token is the argmax of the model's logits as they are (no processor
-        changes them, nothing is drawn): a batch then chooses it with the others' in one op."""
-        return not self.decoding.do_sample and not self.decoding.processors
-
-    def accept(self, logits: torch.Tensor) -> str:
-        """Choose the next token from the model's last ``logits`` ([vocabulary]); return the text
-        it makes safe to hand out ("" if none). Sets ``ended`` (and ``reason``) when the run ends."""
-        return self.take(self.decoding.next_token(self.tokens[:, : self.length], logits))
-
-    def take(self, token: int) -> str:
-        """Continue with ``token`` (chosen by ``accept``, or by a batch for a ``greedy`` run), as ``accept``."""
+    def take(self, token: int, ended: str | None) -> str:
+        """Continue with ``token`` (a batch chose it: ``choice``), which ends the run if ``ended``
+        says why; return the text it makes safe to hand out ("" if none). Sets ``ended`` (and
+        ``reason``) when the run ends, a stop string included."""
         if self.first_token_at is None:
             self.first_token_at = time.perf_counter()
-        self.tokens[0, self.length] = token
-        self.length += 1
-        ended = self.decoding.finish_reason(self.tokens[:, : self.length])
+        self.ids.append(token)
+        if ended is None and self.decoding.stopped(self.ids):
+            ended = "stop"
         piece = ""
         if token not in self.eos_ids:
             piece = self.stop_text.push(self.detokenizer.push(token))
@@ -116,7 +106,7 @@ class Sequence:
     def keep(self, prefix: PrefixCache, cache: Any) -> None:
         """Store the KV of the tokens fed, for the next turn or for the resume of a revoked run."""
         if self.reason != "error" and self.fed:
-            prefix.put(self.tokens[0, : self.fed].tolist(), cache, preempted=self.reason == "cancel",
+            prefix.put(self.ids[: self.fed], cache, preempted=self.reason == "cancel",
                        prompt=len(self.context), read=self.read)
 
     def result(self) -> GenerationResult:

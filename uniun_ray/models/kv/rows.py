@@ -145,9 +145,9 @@ class PaddedRows(Rows):
     def decode(self, tokens: list[int], positions: list[int]) -> torch.Tensor:
         rows, runner = len(self), self._runner
         self._mask = torch.cat([self._mask, torch.ones((rows, 1), dtype=torch.long, device=self._device)], dim=1)
+        position_ids = torch.tensor(positions, device=self._device)[:, None]   # built alike at any rows
         shaping = {} if rows == 1 else {   # one row is never padded: it runs exactly as a lone run does
-            "attention_mask": self._mask,
-            "position_ids": torch.tensor([[position] for position in positions], device=self._device)}
+            "attention_mask": self._mask, "position_ids": position_ids}
         with torch.inference_mode():
             output = runner.model(input_ids=torch.tensor([[token] for token in tokens], device=self._device),
                                   use_cache=True, **{runner.cache_arg: self._cache}, **shaping, **runner.kwargs)
