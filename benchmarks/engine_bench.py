@@ -15,7 +15,7 @@ and the user's cache is left alone):
   random moment, and the time until the iterator ends is taken; during decode and during a
   long prompt's chunked prefill, median and max over the trials;
 * the dtype the engine chose on this host (``--dtype auto``: bf16 and float32 measured) and
-  its prefill chunk, sized by time (``models/host/tuning.py``).
+  its prefill chunk, sized by time (``models/tune/tuning.py``).
 
 The prefix KV cache is off here (every prefill is a cold one); ``kv_cache_bench.py`` measures it.
 
@@ -38,8 +38,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from record import Record  # noqa: E402
 
-from uniun_ray.models import Engine, GenerateRequest, known_ids  # noqa: E402
-from uniun_ray.models.requests.registry import CACHE_ENV  # noqa: E402
+from uniun_ray.models import Engine, GenerateRequest, generate, known_ids  # noqa: E402
+from uniun_ray.models.registry import CACHE_ENV  # noqa: E402
 
 LONG_PROMPT = " ".join(f"Item {i} costs {i * 7 % 50} coins." for i in range(110))
 
@@ -50,7 +50,7 @@ def cancel_latency(
     """Seconds from setting the cancel flag to the end of the stream; None if the cancel did
     not land in the phase asked for (the run ended first, or prefill was already over)."""
     cancel, started, ended = threading.Event(), threading.Event(), {}
-    generation = engine.generate(request, cancel)
+    generation = generate(engine, request, cancel)
 
     def consume() -> None:
         started.set()
@@ -86,13 +86,13 @@ def bench_model(engine: Engine, model_id: str, trials: int) -> dict:
         cached.append(engine.load(model_id).seconds)
     prompt = "Write a short story about a lighthouse keeper."
     warm = GenerateRequest(prompt=prompt, max_new_tokens=8)
-    list(engine.generate(warm, threading.Event()))
-    generation = engine.generate(GenerateRequest(prompt=prompt, max_new_tokens=128), threading.Event())
+    list(generate(engine, warm, threading.Event()))
+    generation = generate(engine, GenerateRequest(prompt=prompt, max_new_tokens=128), threading.Event())
     list(generation)
     decoded = generation.result
     decode_tok_s = (decoded.tokens - 1) / (decoded.total_s - decoded.ttft_s)
     long = GenerateRequest(prompt=LONG_PROMPT, max_new_tokens=1)
-    prefill = engine.generate(long, threading.Event())
+    prefill = generate(engine, long, threading.Event())
     list(prefill)
     prefill_s = prefill.result.ttft_s
     per_token = 1 / decode_tok_s

@@ -62,7 +62,7 @@ from gpu_anchor import prompt_ids, sync  # noqa: E402
 from record import RESULTS, ROOT, Record  # noqa: E402
 
 from uniun_ray.models import Batch, Engine, GenerateRequest, materialize, resolve  # noqa: E402
-from uniun_ray.models.requests.registry import DEFAULT_CHAT_MODEL  # noqa: E402
+from uniun_ray.models.registry import DEFAULT_CHAT_MODEL  # noqa: E402
 
 ANCHOR = Path(__file__).resolve().parent / "gpu_anchor.py"
 LABELS = {"llama-1b": "1B Llama shape", "llama-8b": "8B Llama shape", "smollm2-135m": "SmolLM2-135M",

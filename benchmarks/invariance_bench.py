@@ -28,8 +28,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from batch_bench import MODEL, batch_tokens_per_s  # noqa: E402
 from record import Record  # noqa: E402
 
-from uniun_ray.models import Engine, GenerateRequest  # noqa: E402
-from uniun_ray.models.host import attention, packing  # noqa: E402
+from uniun_ray.models import Engine, GenerateRequest, generate  # noqa: E402
+from uniun_ray.models.runner import attention  # noqa: E402
+from uniun_ray.models.load import packing  # noqa: E402
 
 
 @contextmanager
@@ -63,7 +64,7 @@ def ttfts(engine: Engine) -> tuple[float, float]:
 def _run(engine: Engine, request: GenerateRequest):
     import threading
 
-    generation = engine.generate(request, threading.Event(), revocable=False)
+    generation = generate(engine, request, threading.Event(), revocable=False)
     for _ in generation:
         pass
     return generation.result

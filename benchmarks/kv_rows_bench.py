@@ -5,7 +5,7 @@
     .venv/bin/python benchmarks/kv_rows_bench.py --threads 1 --clock cpu   # on a busy machine: CPU seconds
     .venv/bin/python benchmarks/kv_rows_bench.py --device cuda --dtype bfloat16 --rows 1,8,64
 
-What ``kv.rows.rows_kind`` chooses per device (issue 36). For each model, kind ("padded"; "static",
+What ``runner.rows.rows_kind`` chooses per device (issue 36). For each model, kind ("padded"; "static",
 exact shapes; "buckets", the fixed-shape steps CUDA graphs replay, here run without a capture;
 "graphs" on a GPU) and row count B: B jobs of ``--prompt``-token prompts (each its own, so no
 prefix-cache hit; each read in one pass) join a ``Batch`` on the engine's loaded model, then the steps where all B rows
@@ -34,7 +34,7 @@ from record import Record  # noqa: E402
 from uniun_ray.models import GenerateRequest  # noqa: E402
 from uniun_ray.models.decode.batch import Batch  # noqa: E402
 from uniun_ray.models.decode.engine import Engine  # noqa: E402
-from uniun_ray.models.kv import rows as kv_rows  # noqa: E402
+from uniun_ray.models.runner import rows as kv_rows  # noqa: E402
 
 KINDS = {"padded": ("padded", "exact"), "static": ("static", "exact"), "buckets": ("static", "buckets"),
          "graphs": ("static", "graphs")}

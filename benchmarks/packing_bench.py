@@ -1,4 +1,4 @@
-"""Packed linear weights (`uniun_ray/models/host/packing.py`) against plain `nn.Linear`, in one run.
+"""Packed linear weights (`uniun_ray/models/load/packing.py`) against plain `nn.Linear`, in one run.
 
     .venv/bin/python benchmarks/packing_bench.py [--batches 1,4,8,16] [--rounds 3] [--threads 2] [--quick]
 
@@ -18,10 +18,10 @@ import statistics
 import torch
 
 from record import Record
-from uniun_ray.models.host import packing
-from uniun_ray.models.requests.registry import DEFAULT_CHAT_MODEL, materialize, resolve
-from uniun_ray.models.host.steps import measure_profile
-from uniun_ray.models.kv.rows import Runner
+from uniun_ray.models.load import packing
+from uniun_ray.models.registry import DEFAULT_CHAT_MODEL, materialize, resolve
+from uniun_ray.models.runner.profile import measure_profile
+from uniun_ray.models.runner.forward import Runner
 
 
 def load(folder, dtype: torch.dtype, packed: bool):

@@ -9,7 +9,9 @@ completion of `--background-tokens`, sent again as soon as it ends) and, every `
 seconds, a chat (streamed, `--chat-tokens`), for `--duration` seconds. Measured: chat TTFT p50
 and p99 (client side: request sent to first content), and background tokens/s (the background
 text received within the window, re-tokenized with the model's tokenizer, so every engine is
-counted alike, over the window).
+counted alike, over the window). For uniun-ray, where the device's time went in the window
+(`device_time.py`: by state from the event log, the decode loop's steps from the engine's counters,
+the revokes and what they cost).
 
 Engines, all on SmolLM2-135M-Instruct:
 - uniun: `uniun-ray up` on free ports (slots "auto"); chat is `kind: chat`, background `kind: nataraj`.
@@ -44,13 +46,15 @@ from typing import Callable, ContextManager, Iterator
 
 import requests
 
+import device_time
 from http_bench import pct
 from record import Record
 from uniun_ray.engines import venvs
 from uniun_ray.engines.server import ChildServer, free_port
 from uniun_ray.engines.vllm import server_command, server_env
+from uniun_ray.events.log import read
 from uniun_ray.http.measure import stream_ttft
-from uniun_ray.models.requests.registry import DEFAULT_CHAT_MODEL, cache_dir, materialize, resolve
+from uniun_ray.models.registry import DEFAULT_CHAT_MODEL, cache_dir, materialize, resolve
 
 ROOT = Path(__file__).resolve().parents[1]
 CHAT = DEFAULT_CHAT_MODEL
@@ -154,9 +158,25 @@ def background(url: str, fields: dict, tokens: int, stop: threading.Event, texts
                     texts[-1] += delta.get("content") or ""
 
 
+def uniun_status(url: str) -> dict | None:
+    """uniun-ray's status (its event log, its first device's engine); None from a peer."""
+    response = requests.get(url + "/v1/status", timeout=30)
+    return response.json() if response.ok else None
+
+
+def account(url: str, before: dict | None, start: float, end: float) -> dict:
+    """Where uniun-ray's device spent the window (wall-clock times, as the event log's); {} for a peer."""
+    after = uniun_status(url) if before is not None else None
+    if after is None:
+        return {}
+    return {"account": device_time.account(read(after["event_log"]), start, end, before.get("engine"),
+                                           after.get("engine"))}
+
+
 def measure(url: str, peer: Peer, args, count: Callable[[str], int]) -> dict:
     chat = {"model": CHAT, "messages": CHAT_MESSAGES, "max_tokens": args.chat_tokens} | peer.chat
     stream_ttft(url, chat | {"max_tokens": 2})   # load and warm the model: not what this measures
+    before, wall = uniun_status(url), time.time()
     stop, texts = threading.Event(), [[] for _ in range(args.streams)]
     workers = [threading.Thread(target=background, args=(url, peer.background, args.background_tokens, stop, t),
                                 daemon=True) for t in texts]
@@ -170,12 +190,13 @@ def measure(url: str, peer: Peer, args, count: Callable[[str], int]) -> dict:
     time.sleep(max(0.0, started + args.duration - time.perf_counter()))
     stop.set()
     window = time.perf_counter() - started
+    accounted = account(url, before, wall, wall + window)
     tokens = sum(count(text) for t in texts for text in t)
     for worker in workers:
         worker.join(30)
     return {"engine": peer.name, "chat_ttft_p50_s": statistics.median(ttfts), "chat_ttft_p99_s": pct(ttfts, .99),
             "chats": len(ttfts), "background_tok_s": tokens / window, "background_tokens": tokens,
-            "window_s": window, "settings": peer.settings}
+            "window_s": window, "settings": peer.settings} | accounted
 
 
 def record_rows(rows: list[dict], args) -> Record:
@@ -192,6 +213,9 @@ def record_rows(rows: list[dict], args) -> Record:
         record.row(f"{row['engine']}: chat TTFT p50 / p99", f"{row['chat_ttft_p50_s']:.2f} / "
                    f"{row['chat_ttft_p99_s']:.2f} s (n={row['chats']})")
         record.row(f"{row['engine']}: background tokens/s", f"{row['background_tok_s']:.1f}")
+        if "account" in row:
+            for figure, measured in device_time.rows(row["account"]):
+                record.row(f"{row['engine']}: {figure}", measured)
     ours, one = by_engine.get(PEERS["uniun"].name), by_engine.get(PEERS["uniun-1"].name)
     vllm_row = by_engine.get(PEERS["vllm"].name)
     llama = by_engine.get(PEERS["llama-cpp"].name)

@@ -98,7 +98,7 @@ def command() -> str:
 
 def host() -> dict:
     """The machine, as the figures depend on it. torch is read only if the run imported it."""
-    from uniun_ray.models.host.tuning import cpu_model
+    from uniun_ray.models.tune.tuning import cpu_model
 
     described = {"cpu": cpu_model(), "arch": platform.machine(), "cores": len(os.sched_getaffinity(0)),
                  "memory_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30),

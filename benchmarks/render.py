@@ -2,12 +2,12 @@
 
     .venv/bin/python benchmarks/render.py        # `make bench` runs it after the benchmarks
 
-Each block `<!-- bench:SECTION RECORD ... -->` ... `<!-- /bench:SECTION -->` gets one table of
-that section's rows: the records the marker names first, in that order, then any other record
-of the section by name. A section no block holds is added at the end under its own heading,
-so a new script's figures show up without editing the file; an empty one says so. The block
-`<!-- bench:hosts -->` gets every host the rows ran on. Everything outside the blocks is
-left as written.
+Each block `<!-- bench:SECTION RECORD ... -->` ... `<!-- /bench:SECTION -->` gets a table per
+record of that section, its command, host and run named once above it: the records the marker
+names first, in that order, then any other record of the section by name. A section no block
+holds is added at the end under its own heading, so a new script's figures show up without
+editing the file; an empty one says so. The block `<!-- bench:hosts -->` gets every host the
+rows ran on. Everything outside the blocks is left as written.
 """
 from __future__ import annotations
 
@@ -51,16 +51,33 @@ def render(text: str, records: list[dict]) -> str:
 def section_table(records: list[dict]) -> str:
     if not records:
         return "_No figures yet: no record names this section (see the top of this file)._"
-    lines = ["| figure | goal | measured | host | date | command |", "|---|---|---|---|---|---|"]
-    for record in records:
-        when = record["date"] + (", quick" if record["quick"] else "") + f", load {record['load']}" \
-            + (f", {record['note']}" if record["note"] else "")
-        for row in record["rows"]:
-            ran_on = [slug(record["host"])] + [f"{row['threads']} thr" if key == "threads" else str(row[key])
-                                               for key in ("threads", "dtype", "engine") if row.get(key)]
-            cells = [row["figure"], goal(row), row["measured"], ", ".join(ran_on), when, f"`{record['command']}`"]
-            lines.append("| " + " | ".join(cell.replace("|", "\\|") for cell in cells) + " |")
+    return "\n\n".join(record_table(record) for record in records)
+
+
+def record_table(record: dict) -> str:
+    """One record's rows under one line naming its command, host and run: said once, above the
+    table, not in every row. What the rows ran on (threads, dtype, engine) joins that line when
+    every row shares it, else it is a column; the goal column shows only where a row has one."""
+    rows = record["rows"]
+    ran = [ran_on(row) for row in rows]
+    shared = ran[0] if rows and all(r == ran[0] for r in ran) else []
+    host = ", ".join([slug(record["host"]), *shared])
+    when = ", ".join(filter(None, [record["date"], "quick" if record["quick"] else "",
+                                   f"load {record['load']}", record["note"]]))
+    caption = f"`{record['command']}` · {host} · {when}"
+    goals, per_row = any(row["goal"] for row in rows), bool(rows) and not shared and any(ran)
+    header = ["figure", *(["goal"] if goals else []), "measured", *(["ran on"] if per_row else [])]
+    lines = [caption, "", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for row, on in zip(rows, ran):
+        cells = [row["figure"], *([goal(row)] if goals else []), row["measured"], *([", ".join(on)] if per_row else [])]
+        lines.append("| " + " | ".join(cell.replace("|", "\\|") for cell in cells) + " |")
     return "\n".join(lines)
+
+
+def ran_on(row: dict) -> list[str]:
+    """What a row ran on beyond its host: torch's threads, the dtype, the engine, where named."""
+    return [f"{row['threads']} thr" if key == "threads" else str(row[key])
+            for key in ("threads", "dtype", "engine") if row.get(key)]
 
 
 def goal(row: dict) -> str:

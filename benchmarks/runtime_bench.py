@@ -118,13 +118,14 @@ def bare_stream(tokens: int = 1800, repeat: int = 3) -> dict:
     import threading
 
     from uniun_ray.models.decode.engine import Engine
+    from uniun_ray.models.decode.generation import generate
     from uniun_ray.models.requests.request import GenerateRequest
 
     engine = Engine()
     engine.load("tiny")
     runs = []
     for trial in range(repeat + 1):
-        generation, first = engine.generate(GenerateRequest(prompt="a card", max_new_tokens=tokens), threading.Event()), None
+        generation, first = generate(engine, GenerateRequest(prompt="a card", max_new_tokens=tokens), threading.Event()), None
         for _ in generation:
             first = first or time.perf_counter()
         if trial:  # the first is the warm-up run
@@ -240,6 +241,7 @@ def warm_copies(models: tuple[str, ...], repeat: int) -> dict[tuple[str, str], l
     """The same cycle on an engine in this process with co-residency off (`UNIUN_CORESIDENT=0`):
     every swap back is a warm copy from host memory (on a CPU an empty one)."""
     from uniun_ray.models.decode.engine import Engine
+    from uniun_ray.models.decode.generation import generate
 
     engine, swaps = Engine(coresident=False), {}
     for _ in range(repeat):

@@ -9,8 +9,8 @@ local Ray with the chat model, measured through the client, in one run:
   scheduler is made anew between, the ModelActor and its loaded model kept), the ratio taken in
   the same run;
 - a chat while every slot is busy against the chat on an idle device: time to first token
-  (submit to first piece, client side) and time per token after it (R23's bound: ≤ 1.25x
-  alone), each the median of `--chats` chats; the device's step at the batch it ran, from the
+  (submit to first piece, client side) and time per token after it (R23's bound: ≤ the larger
+  of 1.25x alone and 75 ms), each the median of `--chats` chats; the device's step at the batch it ran, from the
   step profile, says what "one step" is.
 
 Records a row per figure (`record.py`, section "slots").
@@ -29,6 +29,7 @@ import ray  # noqa: E402
 from record import Record  # noqa: E402
 
 from uniun_ray.client import agenerate, astatus, await_generating  # noqa: E402
+from uniun_ray.policy import PolicyConfig  # noqa: E402
 from uniun_ray.runtime.launch import forget_handles, local_cluster, start  # noqa: E402
 from uniun_ray.runtime.protocol import NAMESPACE, SCHEDULER_NAME  # noqa: E402
 from uniun_ray.runtime.service import RuntimeConfig  # noqa: E402
@@ -124,8 +125,12 @@ def main() -> None:
     budget = idle[0] + max(step.values(), default=0.0) + 0.05
     record.row(f"chat TTFT, idle / every slot busy (median of {args.chats})", f"{idle[0] * 1e3:.0f} / "
                f"{busy[0] * 1e3:.0f} ms", goal="busy ≤ idle + one step + 50 ms (issue 25)", met=busy[0] <= budget)
+    r23 = PolicyConfig()
+    bound = max(r23.chat_step_slack * idle[1], r23.chat_step_floor_s)
     record.row("chat time per token after the first, alone / every slot busy", f"{idle[1] * 1e3:.1f} / "
-               f"{busy[1] * 1e3:.1f} ms ({busy[1] / idle[1]:.2f}×)", goal="≤ 1.25× (R23)", met=busy[1] <= 1.25 * idle[1])
+               f"{busy[1] * 1e3:.1f} ms ({busy[1] / idle[1]:.2f}×)",
+               goal=f"≤ max({r23.chat_step_slack}× alone, {r23.chat_step_floor_s * 1e3:.0f} ms) (R23)",
+               met=busy[1] <= bound)
     record.save()
 
 

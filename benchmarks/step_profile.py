@@ -9,12 +9,12 @@ What SPEC §6 (R23, R25) and the simulator's step-time profiles (`uniun_ray/sim/
 need: one decode step of B sequences at once, as a continuous-batching engine runs it with
 transformers. For each batch size B: one prompt of ``--prompt`` tokens is prefilled into a
 ``DynamicCache``, B copies of it cut to different lengths (the shortest 3/4 of it) join the rows
-the engine's ``Batch`` keeps on the device (``kv.rows.rows_for``), then ``--steps`` decode
+the engine's ``Batch`` keeps on the device (``runner.rows.rows_for``), then ``--steps`` decode
 forwards of one token per row, each given what those rows give a batch's step (mask and position
 ids for several rows, none for one, as ``Batch`` runs it),
 timed one by one after ``--warmup`` untimed ones; the step time is the median over ``--repeats``
 such rounds. The decode steps are those of the engine's own probe at load
-(`uniun_ray/models/host/steps.py`, ``Engine.step_profile()``); this one takes more steps and rounds,
+(`uniun_ray/models/runner/profile.py`, ``Engine.step_profile()``); this one takes more steps and rounds,
 and any prompt length. The rounds go round-robin over the batch sizes, so a load that comes and
 goes beside the probe stretches every size alike.
 ``torch.inference_mode``; float32 by default (the dtype the engine chose on the 2-core AVX2
@@ -52,10 +52,10 @@ import torch  # noqa: E402
 
 from record import Record  # noqa: E402
 
-from uniun_ray.models.requests.registry import DEFAULT_CHAT_MODEL, materialize, resolve  # noqa: E402
-from uniun_ray.models.host.steps import decode_times, device_clock, joined_rows  # noqa: E402
-from uniun_ray.models.kv.rows import Runner  # noqa: E402
-from uniun_ray.models.host.tuning import cpu_model  # noqa: E402
+from uniun_ray.models.registry import DEFAULT_CHAT_MODEL, materialize, resolve  # noqa: E402
+from uniun_ray.models.runner.profile import decode_times, device_clock, joined_rows  # noqa: E402
+from uniun_ray.models.runner.forward import Runner  # noqa: E402
+from uniun_ray.models.tune.tuning import cpu_model  # noqa: E402
 
 
 def load(model_id: str, dtype: str, device: str):
@@ -75,7 +75,7 @@ def clock_of(kind: str, device: str):
 def round_of_steps(model, batch: int, prompt: int, steps: int, warmup: int, clock) -> list[float]:
     """Prefill one row, join `batch` copies of it cut to different lengths to the rows a batch
     keeps, then time `steps` decode forwards (after `warmup` untimed ones), as the engine's probe
-    at load times them (`uniun_ray.models.host.steps`)."""
+    at load times them (`uniun_ray.models.runner.profile`)."""
     # the forward's keyword for the KV cache: transformers 5 renamed past_key_values (as the engine reads it)
     cache_arg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
     vocab = model.config.vocab_size - 1

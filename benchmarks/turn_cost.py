@@ -6,7 +6,7 @@ one-message chat), in the bare engine, in CPU time of one thread:
 
 SmolLM2 as the chat model. A one-message chat reads ~16 new tokens over the ~28 of the chat
 template's cached start; the 5th one-line turn reads ~18 over ~1,177 cached. Each is timed as
-the engine runs it (its attention, `models/host/attention.py`; a history grown in place,
+the engine runs it (its attention, `models/runner/attention.py`; a history grown in place,
 `models/kv/prefix.py`) and as transformers alone would (SDPA copying the grouped K/V heads, a
 cache that concatenates), interleaved in rounds; the figure is the least of the rounds (what the
 pass costs when nothing else takes the core; a median under other work is noise). One thread,
@@ -22,9 +22,8 @@ import torch
 from record import Record
 
 from uniun_ray.models import DEFAULT_CHAT_MODEL, Engine
-from uniun_ray.models.host.attention import NAME
+from uniun_ray.models.runner.attention import NAME
 from uniun_ray.models.kv.prefix import crop_layers, fork
-from uniun_ray.models.host.weights import forward
 
 #: (new tokens, cached tokens) of the passes compared.
 PASSES = {"one-message chat: 16 new tokens over 28 cached": (16, 28),
@@ -49,13 +48,13 @@ def main() -> None:
     engine.load(DEFAULT_CHAT_MODEL)
     loaded, device = engine._loaded, engine.device
     ids = torch.randint(100, len(loaded.vocabulary.tokenizer) - 1, (1300,), generator=torch.Generator().manual_seed(0)).tolist()
-    history = {n: forward(loaded, ids[:n], None, device)[1] for _, n in PASSES.values()}
+    history = {n: loaded.runner.prefill(ids[:n], None, device)[1] for _, n in PASSES.values()}
 
     def grown(n: int):
         """The history as a turn leaves it in the engine: grown in place, writable at its end."""
         cache = fork(history[n])
         crop_layers(cache, n - 1)
-        return fork(forward(loaded, ids[n - 1:n], cache, device)[1])
+        return fork(loaded.runner.prefill(ids[n - 1:n], cache, device)[1])
 
     ways = {"the engine": (NAME, grown), "transformers alone": ("sdpa", lambda n: plain_fork(history[n]))}
     best: dict[tuple[str, str], float] = {}
@@ -65,7 +64,7 @@ def main() -> None:
             for name, (new, cached) in PASSES.items():
                 cache = cache_of(cached)
                 started = time.thread_time()
-                forward(loaded, ids[cached:cached + new], cache, device)
+                loaded.runner.prefill(ids[cached:cached + new], cache, device)
                 spent = time.thread_time() - started
                 best[way, name] = min(best.get((way, name), spent), spent)
     record = Record("kv-cache", quick=args.quick)

@@ -29,8 +29,8 @@ import time
 from record import Record
 from uniun_ray.engines.vllm import VllmEngine, _metric, _Stream, completion_body
 from uniun_ray.models.requests.vocabulary import prompt_ids
-from uniun_ray.models.requests.registry import resolve
-from uniun_ray.models.requests.registry import DEFAULT_CHAT_MODEL
+from uniun_ray.models.registry import resolve
+from uniun_ray.models.registry import DEFAULT_CHAT_MODEL
 from uniun_ray.models.requests.request import GenerateRequest
 
 CHAT = DEFAULT_CHAT_MODEL
@@ -154,7 +154,7 @@ def token_cost(engine: VllmEngine, tokens: int = 64) -> dict:
 
 def resume(engine: VllmEngine, prompt: str) -> dict:
     cut = engine.start("cut", GenerateRequest(prompt=prompt, max_new_tokens=100))
-    while cut.take()[1] < 20 and not cut.done.is_set():
+    while cut.drain()[1] < 20 and not cut.done.is_set():
         time.sleep(0.01)
     engine.cancel("cut")
     cut.done.wait()

@@ -12,11 +12,14 @@ jobs wait in the fair pool.
 
 The model: any whose chat template takes tools (Qwen2.5-Instruct, Llama-3.1-Instruct,
 Mistral-7B-Instruct-v0.3), by the id the endpoint serves it under (`uniun-ray up --model
-ID=PATH`, UNIUN_MODELS, or a cached Hugging Face id with `--hub-models`). No embedded model takes
-tools, so by default it runs on `tiny` with a hermes template (`tool_templates`), served as
-`tiny-hermes` (where the script starts the runtime; a running one must have it configured),
-which calls no tool by itself: its first step is forced (`tool_choice: required`), the rest are
-its own.
+ID=PATH`, UNIUN_MODELS, or a cached Hugging Face id with `--hub-models`). No embedded model's
+template takes tools, so by default it runs on SmolLM2-135M-Instruct's weights with a hermes
+template (`tool_templates`; SmolLM2 speaks ChatML, the hermes template's own tokens), served as
+`smollm2-hermes` (where the script starts the runtime; a running one must have it configured):
+a trained chat model, so the answers after a tool's result read as answers. So small a model
+seldom calls a tool unasked: its first step is forced (`tool_choice: required`), the rest are
+its own. The tests run the same loop on the untrained `tiny` (`--model tiny-hermes
+--force-first`), which is fast and writes valid calls only when forced.
 Without `--url` the script serves the endpoint itself on a free port (and stops it at the end).
 
 See jobs/README.md for running it under `ray job submit`.
@@ -106,15 +109,17 @@ def chats(client, model: str, turns: int, ttfts: list[float]) -> None:
 
 
 #: The id the endpoint serves the default model under (HTTP names models by id, never by path).
-DEFAULT_MODEL = "tiny-hermes"
+DEFAULT_MODEL = "smollm2-hermes"
 
 
 def default_models() -> dict[str, str]:
-    """`tiny` with a hermes tools template, in a folder of its own, as the operator would serve it."""
+    """SmolLM2-135M-Instruct with a hermes tools template, in a folder of its own, as the operator
+    would serve it (its GGUF converted once, as any embedded model's first use does)."""
     from uniun_ray.models import materialize, resolve
     from uniun_ray.models.requests.tool_templates import with_tools
 
-    folder = with_tools(materialize(resolve("tiny")), Path(tempfile.gettempdir()) / "uniun-tiny-hermes")
+    weights = materialize(resolve("smollm2-135m-instruct"))
+    folder = with_tools(weights, Path(tempfile.gettempdir()) / "uniun-smollm2-hermes")
     return {DEFAULT_MODEL: str(folder)}
 
 
@@ -130,8 +135,8 @@ def serve_endpoint() -> str:
 def main(argv: list[str] | None = None) -> None:
     parser = job_parser(__doc__)
     parser.add_argument("--tasks", type=int, default=3, help="agent tasks, one after another (default 3)")
-    parser.add_argument("--model", help="a model whose template takes tools (default: tiny with a hermes template, "
-                                         "its first step forced)")
+    parser.add_argument("--model", help="a model whose template takes tools (default: SmolLM2-135M-Instruct with "
+                                         "a hermes template, its first step forced)")
     parser.add_argument("--force-first", action="store_true", help="force a call in each task's first step "
                                                                    "(always on the default model)")
     parser.add_argument("--chats", type=int, default=2, help="chat turns beside the agent (default 2)")

@@ -290,7 +290,7 @@ class FakeDevice:
             raise DeviceGone("the fake device is gone")
 
     async def load(self, model_id: str):
-        from uniun_ray.models.requests.swap import COLD, Swap, SwapAbandoned
+        from uniun_ray.models.swap import COLD, Swap, SwapAbandoned
         from uniun_ray.runtime.clock import Clock
 
         self._loading = (model_id, asyncio.Event())

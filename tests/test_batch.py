@@ -17,8 +17,8 @@ from transformers import MistralConfig
 from test_models import DEVICE, LONG_PROMPT, PROMPT, engine, forwards, loaded_engine, run, tiny_cache  # noqa: F401 (fixtures)
 from uniun_ray.models import GenerateRequest
 from uniun_ray.models.decode.batch import Batch
-from uniun_ray.models.kv import rows as kv_rows
-from uniun_ray.models.kv.rows import batchable
+from uniun_ray.models.runner import rows as kv_rows
+from uniun_ray.models.runner.rows import batchable
 from uniun_ray.models.decode.choice import Choice
 
 #: Prompts of different lengths (so rows are padded differently), different lengths of output.
@@ -182,8 +182,8 @@ def test_stop_strings_and_the_stream_per_job(engine, rows):
     jobs = [batch.add(stopped, threading.Event()), batch.add(REQUESTS[2], threading.Event())]
     streamed = []
     while batch.step():
-        streamed += jobs[0].take()
-    streamed += jobs[0].take()
+        streamed += jobs[0].drain()
+    streamed += jobs[0].drain()
     assert jobs[0].result.finish_reason == "stop" and stop not in jobs[0].result.text
     assert "".join(streamed) == jobs[0].result.text == expected.text
     assert jobs[1].result.finish_reason == "length"
@@ -292,7 +292,7 @@ def test_a_chat_reads_its_prompt_in_one_pass_and_a_background_prompt_in_short_ch
 
 
 def test_a_model_that_cannot_be_batched_runs_its_jobs_one_at_a_time(engine, monkeypatch):
-    from uniun_ray.models.kv import rows
+    from uniun_ray.models.runner import rows
 
     expected = alone(engine, REQUESTS[:3])
     monkeypatch.setattr(rows, "batchable", lambda model: False)     # as a sliding-window model
@@ -391,7 +391,7 @@ def test_bucket_padding_never_changes_a_rows_tokens(engine, monkeypatch, logits_
     batch = Batch(engine)
     jobs, widths = drive(batch, {0: [(request, threading.Event()) for request in requests]})
     assert [job.result.token_ids for job in jobs] == expected
-    assert {3, 5} <= set(widths.values()) and {4, 8} <= {rows for rows, _ in store.steps._buffers}
+    assert {3, 5} <= set(widths.values()) and {4, 8} <= {rows for rows, _ in store.graphs._buffers}
     described = engine.describe()["kv_rows"]                      # what `status` states
     assert (described["kind"], described["rows"], described["context"]) == ("static", store.rows, store.context)
     assert described["buckets"][-1] == store.rows and described["graphs"] == 0
@@ -414,7 +414,7 @@ def test_a_chat_joining_full_static_rows_takes_a_revoked_rows_place(engine, monk
     chat = batch.add(chat_request, threading.Event(), revocable=False)
     batch.step()
     assert batch.rows == 4 and jobs[1].result.finish_reason == "cancel"
-    assert sorted(batch._kv._slots) == [0, 1, 2, 3] and batch._kv._slots != [0, 1, 2, 3]   # the last moved up
+    assert sorted(batch._kv._store_rows) == [0, 1, 2, 3] and batch._kv._store_rows != [0, 1, 2, 3]   # the last moved up
     batch.run()
     assert chat.result.token_ids == expected[4]
     assert [jobs[i].result.token_ids for i in (0, 2, 3)] == [expected[i] for i in (0, 2, 3)]
@@ -438,12 +438,12 @@ def test_a_second_batch_beside_one_holding_the_store_gets_rows_of_its_own(engine
     beside = run(engine, REQUESTS[1])[1]
     batch.run()
     assert (job.result.token_ids, beside.token_ids) == tuple(expected)
-    assert store.take()                      # given back once the batch emptied
-    store.give()
+    assert store.claim()                      # given back once the batch emptied
+    store.release()
 
 
 def test_a_run_longer_than_a_static_row_is_refused_and_the_row_is_the_context(engine, monkeypatch):
-    from uniun_ray.models.kv.static import RowStore
+    from uniun_ray.models.runner.static import RowStore
     from uniun_ray.models.requests.vocabulary import PromptTooLong
 
     loaded = engine.resident
@@ -455,7 +455,7 @@ def test_a_run_longer_than_a_static_row_is_refused_and_the_row_is_the_context(en
 
 
 def test_the_store_is_sized_from_its_budget():
-    from uniun_ray.models.kv.static import buckets, spans, store_shape
+    from uniun_ray.models.runner.static import buckets, spans, store_shape
 
     class Model:   # 2 layers of 4 K/V heads of 4: 256 bytes a token in float32
         config = MistralConfig(num_hidden_layers=2, hidden_size=16, num_attention_heads=4, num_key_value_heads=4)
@@ -482,31 +482,29 @@ def test_the_rows_kind_and_steps_are_settings(monkeypatch):
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="CUDA graphs: `make gpu-check` runs this on a GPU")
 def test_graphs_are_captured_at_load_and_replayed(engine, monkeypatch):
-    from uniun_ray.models.kv.static import CAPTURE_SPAN
-
     store = use_rows(engine, monkeypatch, "graphs")
     described = store.describe()
     assert "capture_error" not in described, described
-    captured = len(described["buckets"]) * sum(span <= CAPTURE_SPAN for span in described["spans"])
+    captured = len(described["buckets"]) * len(described["spans"])   # every shape a row may reach, none later
     assert described["graphs"] == captured and described["capture_s"] > 0
     expected = alone(engine, REQUESTS[:3])
     batch = Batch(engine)
     jobs, _ = drive(batch, {0: [(request, threading.Event()) for request in REQUESTS[:3]]})
     assert [job.result.token_ids for job in jobs] == expected
-    assert all(buffers.graph is not None for buffers in store.steps._buffers.values())
+    assert all(buffers.graph is not None for buffers in store.graphs._buffers.values())
 
 
 def test_a_step_that_cannot_be_captured_runs_in_buckets_without_graphs(engine, monkeypatch):
-    from uniun_ray.models.kv.static import Steps
+    from uniun_ray.models.runner.static import Graphs
 
     store = use_rows(engine, monkeypatch, "buckets")
     store.mode = "graphs"
 
-    def refused(self, shapes=None):
+    def refused(self):
         raise RuntimeError("operation not permitted when stream is capturing")
 
-    monkeypatch.setattr(Steps, "_capture", refused)
-    store.steps._capture_or_not()
+    monkeypatch.setattr(Graphs, "_capture", refused)
+    store.graphs._capture_or_not()
     assert store.mode == "buckets" and "not permitted" in store.describe()["capture_error"]
     expected = alone(engine, REQUESTS[:2])
     jobs, _ = drive(Batch(engine), {0: [(request, threading.Event()) for request in REQUESTS[:2]]})
@@ -521,30 +519,25 @@ def test_unloading_frees_the_static_rows_a_batch_still_holds(engine, monkeypatch
     batch.add(REQUESTS[0], threading.Event())
     batch.run()
     engine.unload()
-    assert batch._kv._shared is store and store.keys == [] and store.steps is None
+    assert batch._kv._shared is store and store.keys == [] and store.graphs is None
     engine.load("tiny")
 
 
-def test_a_graph_captured_beside_live_rows_warms_up_on_that_steps_inputs(engine, monkeypatch):
-    """A span first met mid-run is captured then, its rows live: the warm-up before the capture
-    runs that step's own inputs (it writes what the step writes), never column 0 of live rows."""
-    from uniun_ray.models.kv.static import Steps
+def test_graphs_are_captured_at_load_for_every_shape_a_row_may_reach_and_never_while_serving(engine, monkeypatch):
+    """One capture site: at load, a graph for every (bucket, span) up to a row's whole context; a
+    first capture mid-run would stall every row, so a run captures nothing."""
+    from uniun_ray.models.runner.static import Graphs, buckets, spans
 
     store = use_rows(engine, monkeypatch, "buckets")
-    store.mode = "graphs"                          # nothing captured at load: every shape is met mid-run
-    warmed = []
-
-    def warm_up_only(self, shapes=None):           # a CPU cannot capture: run what precedes a capture
-        for shape in shapes:
-            buffers = self._buffers[shape]
-            warmed.append(buffers.positions.tolist())
-            self._forward(buffers.ids, buffers.positions, buffers.columns)
-
-    monkeypatch.setattr(Steps, "_capture", warm_up_only)
+    assert set(store.graphs.shapes()) == {(rows, span) for rows in buckets(store.rows) for span in spans(store.context)}
+    assert max(span for _, span in store.graphs.shapes()) == store.context
+    store.mode = "graphs"                          # as if captured at load: a CPU cannot capture
+    captured = []
+    monkeypatch.setattr(Graphs, "_capture", lambda self: captured.append(self))
     expected = alone(engine, REQUESTS[:3])
     jobs, _ = drive(Batch(engine), {0: [(request, threading.Event()) for request in REQUESTS[:3]]})
     assert [job.result.token_ids for job in jobs] == expected
-    assert len(warmed) >= 3 and all(any(warm) for warm in warmed)
+    assert captured == []
 
 
 
@@ -570,7 +563,7 @@ def test_one_greedy_question_gets_one_answer_whatever_the_cache_holds_and_the_ro
 
     from test_models import DEVICE, USER_CACHE
     from uniun_ray.models import DEFAULT_CHAT_MODEL, Engine
-    from uniun_ray.models.requests.registry import CACHE_ENV
+    from uniun_ray.models.registry import CACHE_ENV
 
     from uniun_ray.models import materialize, resolve
 
@@ -605,7 +598,7 @@ def test_one_greedy_question_gets_one_answer_whatever_the_cache_holds_and_the_ro
 def test_a_run_that_evicts_prefix_kv_or_leaves_the_engine_idle_hands_the_heaps_free_pages_back(engine, monkeypatch):
     """Issue 35: with the prefix cache at its budget, the KV each eviction freed stayed resident
     as holes in malloc's heaps, and the process grew while the cache held its budget."""
-    from uniun_ray.models.host import heap
+    from uniun_ray.models.kv import heap
 
     prefix, trims = engine.resident.prefix, []
     monkeypatch.setattr(heap, "trim", lambda: trims.append(prefix.evictions))

@@ -229,7 +229,7 @@ def test_up_then_down_stops_exactly_that_head(tmp_path):
 
 
 def test_slots_setting_is_auto_or_a_count_and_a_bad_one_is_refused_before_anything_starts(monkeypatch):
-    from uniun_ray.models.requests.settings import parse_slots
+    from uniun_ray.settings import parse_slots
     from uniun_ray.runtime.launch import config_from_env
 
     assert parse_slots("auto") is None and parse_slots("") is None and parse_slots(" 8 ") == 8

@@ -2,11 +2,13 @@
 at load and keeps it with the dtype probe; a probe taken while other programs took the CPU
 (real burners here) is used but kept only as provisional and measured again at the next load
 that finds the host quiet;
-decode steps that beat the probe revise it. The quiet case is not asserted on a real host:
+decode steps that beat the probe revise it, and per batch size the steps the device served replace
+the probe's figure (robust to one noisy step). The quiet case is not asserted on a real host:
 this one is shared, and whether it is quiet is not the test's to decide."""
 from __future__ import annotations
 
 import os
+import statistics
 import subprocess
 import sys
 import threading
@@ -16,13 +18,13 @@ from dataclasses import replace
 
 import pytest
 
-from uniun_ray.models import Engine, GenerateRequest, materialize, resolve
-from uniun_ray.models.host import steps as steps_module
-from uniun_ray.models.host import weights as weights_module
-from uniun_ray.models.host.contention import BUSY_SHARE
-from uniun_ray.models.requests.registry import CACHE_ENV
-from uniun_ray.models.host.steps import CPU_BATCHES, auto_slots
-from uniun_ray.models.host.tuning import BEATEN_AFTER, ProbeCache
+from uniun_ray.models import Engine, GenerateRequest, generate, materialize, resolve
+from uniun_ray.models.runner import profile as steps_module
+from uniun_ray.models.load import weights as weights_module
+from uniun_ray.models.tune.contention import BUSY_SHARE
+from uniun_ray.models.registry import CACHE_ENV
+from uniun_ray.models.runner.profile import CPU_BATCHES, SERVED_MIN, SERVED_WINDOW, ServedSteps, auto_slots
+from uniun_ray.models.tune.tuning import BEATEN_AFTER, ProbeCache
 
 
 @pytest.fixture(scope="module")
@@ -100,9 +102,9 @@ def test_the_step_profile_is_measured_at_load_and_a_quiet_one_is_not_measured_ag
 
 def test_the_probe_steps_the_rows_a_batch_keeps_with_what_they_give_a_step(probes, monkeypatch):
     """Issue 35: the probe timed its steps on rows of its own making (one row unmasked, several
-    masked); it now joins its rows to the kind a batch keeps (``kv.rows.rows_for``: static rows
+    masked); it now joins its rows to the kind a batch keeps (``runner.rows.rows_for``: static rows
     on a GPU) and steps them as ``Batch`` does (``Rows.decode``: their own mask and positions)."""
-    from uniun_ray.models.kv import rows as kv_rows
+    from uniun_ray.models.runner import rows as kv_rows
 
     joined, decoded = [], []
 
@@ -135,7 +137,7 @@ def test_a_probe_taken_beside_cpu_burners_is_busy_kept_provisional_and_measured_
 
 
 def test_a_model_that_cannot_be_batched_is_profiled_at_one_row(probes, profiles, monkeypatch):
-    from uniun_ray.models.kv import rows
+    from uniun_ray.models.runner import rows
 
     monkeypatch.setattr(rows, "batchable", lambda model: False)
     engine = loaded()
@@ -150,7 +152,7 @@ def test_decode_steps_that_beat_a_stretched_probe_revise_it_and_a_quiet_load_mea
     stretched = {batch: seconds * 1000 for batch, seconds in engine.step_profile().items()}
     engine.resident.probe = replace(engine.resident.probe, steps=stretched,
                                    taken=replace(engine.resident.probe.taken, busy=False))
-    generation = engine.generate(GenerateRequest(prompt="def fibonacci(n):", max_new_tokens=BEATEN_AFTER + 8),
+    generation = generate(engine, GenerateRequest(prompt="def fibonacci(n):", max_new_tokens=BEATEN_AFTER + 8),
                                  threading.Event())
     assert len(list(generation)) > 0 and generation.result.tokens >= BEATEN_AFTER + 1
     revised = engine.step_profile()
@@ -161,3 +163,56 @@ def test_decode_steps_that_beat_a_stretched_probe_revise_it_and_a_quiet_load_mea
     monkeypatch.setattr(weights_module, "quiet", lambda threads: True)
     loaded()
     assert len(profiles) == 2
+
+
+PROBED = {1: 0.050, 2: 0.070, 4: 0.080}
+
+
+def test_served_steps_replace_the_probes_figure_once_a_few_were_served_and_one_noisy_step_moves_nothing():
+    served = ServedSteps()
+    assert served.profile(PROBED) == PROBED                   # nothing served: the probe's
+    for seconds in (0.060, 0.062):
+        served.observe(1, seconds)
+    assert served.profile(PROBED) == PROBED                   # fewer than SERVED_MIN: still the probe's
+    served.observe(1, 0.061)
+    assert served.profile(PROBED) == PROBED | {1: 0.061}      # what it serves, not what it probed
+    served.observe(1, 0.900)                                  # one step beside a noisy neighbour
+    assert served.profile(PROBED)[1] == pytest.approx(0.0615)   # the median of four: moved 0.5 ms, not 210
+    served.observe(1, 0.061)
+    assert served.profile(PROBED)[1] == 0.061                 # ... and with five, not at all
+
+
+def test_served_steps_keep_the_latest_and_add_the_batch_sizes_the_probe_did_not_measure():
+    served = ServedSteps()
+    for _ in range(SERVED_MIN):
+        served.observe(5, 0.090)
+    for _ in range(SERVED_WINDOW):
+        served.observe(2, 0.200)                              # a slow spell ...
+    for _ in range(SERVED_WINDOW // 2 + 1):
+        served.observe(2, 0.075)                              # ... that the latest outvote
+    assert served.profile(PROBED) == {1: 0.050, 2: 0.075, 4: 0.080, 5: 0.090}
+
+
+def test_a_batch_size_not_served_yet_is_no_faster_than_a_smaller_one_served():
+    """Contexts grew and the host got busy: 2 rows step in 200 ms, not the probe's 70; the probe's
+    80 ms for 4 rows would let the policy keep 4 rows beside a chat until 4 had been served."""
+    served = ServedSteps()
+    for _ in range(SERVED_MIN):
+        served.observe(2, 0.200)
+    assert served.profile(PROBED) == {1: 0.050, 2: 0.200, 4: 0.200}
+
+
+def test_the_engine_reports_the_decode_steps_it_served_at_each_batch_size(probes):
+    engine = loaded()
+    seen = []
+
+    class Recording(ServedSteps):
+        def observe(self, batch, seconds):
+            seen.append((batch, seconds))
+            super().observe(batch, seconds)
+    engine.resident.served = Recording()
+    generation = generate(engine, GenerateRequest(prompt="def fibonacci(n):", max_new_tokens=12), threading.Event())
+    assert len(list(generation)) > 0
+    ones = [seconds for batch, seconds in seen if batch == 1]
+    assert len(ones) >= SERVED_MIN and {batch for batch, _ in seen} == {1}
+    assert engine.step_profile()[1] == statistics.median(ones[-SERVED_WINDOW:])

@@ -120,7 +120,7 @@ def test_the_servers_mask_continues_a_resumed_json_where_it_was_cut():
     A forced tool call opens with its marker, in the tokenizer's own first token of it."""
     from llguidance import LLMatcher
 
-    from uniun_ray.models.requests.registry import materialize, resolve
+    from uniun_ray.models.registry import materialize, resolve
     from uniun_ray.models.requests.tools import HERMES, call_grammar
 
     tool = {"type": "function", "function": {"name": "clock", "parameters": {"type": "object"}}}
@@ -197,7 +197,7 @@ def test_ids_whose_text_is_held_back_join_the_next_piece_and_the_eos_id_is_no_ou
                        Delta(usage={"prompt_tokens_details": {"cached_tokens": 2}})])
     run, ended = run_of(stream)
     run.read()
-    assert run.done.is_set() and run.take() == ("ABC", 3) and run.take() == ("", 3)
+    assert run.done.is_set() and run.drain() == ("ABC", 3) and run.drain() == ("", 3)
     result = run.result
     assert (result.text, result.token_ids, result.finish_reason, result.cached_tokens) == ("ABC", (1, 2, 3), "eos", 2)
     assert ended == [run] and stream.shut_calls == 1 and run.failure is None
@@ -217,11 +217,11 @@ def test_cancel_from_another_thread_keeps_what_was_taken_in_and_drops_what_was_h
     stream.queue.put(Delta("A", (1,)))
     stream.queue.put(Delta("", (2,)))   # an id whose text is held back ...
     stream.queue.join()
-    assert run.take() == ("A", 1) and not run.done.is_set() and woken
+    assert run.drain() == ("A", 1) and not run.done.is_set() and woken
     run.cancel()                         # ... when the job is revoked
     stream.queue.put(Delta("B", (3,)))
     reader.join(5)
-    assert run.done.is_set() and run.take() == ("", 1)
+    assert run.done.is_set() and run.drain() == ("", 1)
     assert (run.result.text, run.result.token_ids, run.result.finish_reason) == ("A", (1,), "cancel")
     assert run.failure is None
 

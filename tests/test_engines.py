@@ -9,7 +9,7 @@ import pytest
 
 from uniun_ray.engines import Engine, JobRun, create
 from uniun_ray.models.requests.request import GenerateRequest
-from uniun_ray.models.requests.settings import EngineSettings
+from uniun_ray.settings import EngineSettings
 
 from test_models import tiny_cache  # noqa: F401 (fixture)
 
@@ -27,7 +27,7 @@ def drain(run: JobRun, woken: threading.Semaphore) -> tuple[str, int]:
     text, tokens = "", 0
     while True:
         ended = run.done.is_set()
-        piece, tokens = run.take()
+        piece, tokens = run.drain()
         text += piece
         if ended:
             return text, tokens
@@ -53,6 +53,9 @@ def test_jobs_stream_through_their_handles_and_a_cancel_stops_one_while_the_othe
     assert doomed.done.wait(10) and doomed.result.finish_reason == "cancel" and doomed.result.tokens < 2000
     assert keep.result.finish_reason == "length" and text == keep.result.text and tokens == 40
     assert keep.failure is None and doomed.failure is None
+    status = engine.status()   # the decode loop's counters: steps and their seconds per batch size
+    assert sum(status["steps_by_batch"].values()) >= 39
+    assert all(status["step_s_by_batch"][rows] > 0 for rows in status["steps_by_batch"])
 
 
 def test_a_cancelled_job_resumes_from_its_token_ids_exactly(seam):
@@ -61,7 +64,7 @@ def test_a_cancelled_job_resumes_from_its_token_ids_exactly(seam):
     whole = engine.start("whole", request)
     drain(whole, woken)
     cut = engine.start("cut", request)
-    while cut.take()[1] < 10 and not cut.done.is_set():
+    while cut.drain()[1] < 10 and not cut.done.is_set():
         woken.acquire(timeout=10)
     engine.cancel("cut")
     drain(cut, woken)

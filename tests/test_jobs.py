@@ -34,7 +34,8 @@ JOBS = [
      r"opened a note with \d+ jobs queued: its extraction \(T1\)"),
     ("gana_cron.py", ["--runs", "2", "--every", "1", "--model", "tiny", "--max-new-tokens", "8"],
      r"cron run due at \+[\d.]+s on tiny"),
-    ("gana_agent.py", ["--tasks", "1", "--chats", "1", "--max-tokens", "48"],
+    ("gana_agent.py", ["--model", "tiny-hermes", "--force-first", "--tasks", "1", "--chats", "1",
+                       "--max-tokens", "48"],
      r"gana agent: 1 tasks, [1-9]\d* tool calls on tiny-hermes; chat TTFT beside it: [\d.]+s"),
     ("embed_flood.py", ["--texts", "32", "--batch", "8", "--concurrency", "4"], r"embedded 32 texts in 4 calls"),
     ("issue_118.py", ["--turns", "2", "--deck", "2", "--card-tokens", "400", "--chat-tokens", "4"],
@@ -92,7 +93,8 @@ def head(tmp_path_factory):
 
 
 def tool_model(tmp_path_factory) -> Path:
-    """`tiny` with a hermes tools template: the model gana_agent.py runs on by default."""
+    """`tiny` with a hermes tools template: the fast model gana_agent.py runs on here (its default
+    is SmolLM2's weights under the same template)."""
     from uniun_ray.models import materialize, resolve
     from uniun_ray.models.requests.tool_templates import with_tools
     return with_tools(materialize(resolve("tiny")), tmp_path_factory.mktemp("tools") / "tiny-hermes")

@@ -27,15 +27,16 @@ from uniun_ray.models import (
     Origin,
     PromptTooLong,
     UnknownModel,
+    generate,
     inspect_request,
     known_ids,
     materialize,
     resolve,
 )
 from hub_kernels import HubKernelRequest, hub_kernel_requests
-from uniun_ray.models.requests import registry
-from uniun_ray.models.requests.registry import CACHE_ENV
-from uniun_ray.models.host.tuning import GATED_CHUNK_DECODE_STEPS, Speed, fastest, thread_options
+from uniun_ray.models import registry
+from uniun_ray.models.registry import CACHE_ENV
+from uniun_ray.models.tune.tuning import GATED_CHUNK_DECODE_STEPS, Speed, fastest, thread_options
 
 #: `make gpu-check` runs this module on a GPU (UNIUN_TEST_DEVICE=cuda); CPU otherwise.
 DEVICE = os.environ.get("UNIUN_TEST_DEVICE", "cpu")
@@ -121,7 +122,7 @@ def forwards(engine, monkeypatch):
 
 
 def run(engine: Engine, request: GenerateRequest, cancel=None):
-    generation = engine.generate(request, cancel or threading.Event())
+    generation = generate(engine, request, cancel or threading.Event())
     pieces = list(generation)
     return pieces, generation.result
 
@@ -272,7 +273,7 @@ def test_failed_conversion_leaves_nothing_behind(fake_conversion, monkeypatch):
 def test_prepared_converts_in_the_background_once_and_reports_a_failure(fake_conversion, monkeypatch):
     """What a server asks before holding a request for a model (issue 27): not ready while one
     background conversion runs, however often it is asked; ready after; a failure raised once."""
-    from uniun_ray.models.requests.registry import prepared
+    from uniun_ray.models.registry import prepared
 
     root, calls = fake_conversion
     spec = resolve("tiny")
@@ -318,7 +319,7 @@ def test_load_unload_report_state(tiny_cache):
     assert engine.unload() >= 0
     assert engine.loaded is None
     with pytest.raises(RuntimeError, match="no model is loaded"):
-        engine.generate(GenerateRequest(prompt=PROMPT), threading.Event())
+        generate(engine, GenerateRequest(prompt=PROMPT), threading.Event())
 
 
 def test_no_conversion_or_load_asks_for_hub_kernels_unless_the_user_opts_in(tiny_cache, monkeypatch):
@@ -354,7 +355,7 @@ def test_the_embedder_loads_without_hub_kernels_unless_the_user_opts_in(monkeypa
 
 
 def test_load_and_unload_refused_while_generating(engine):
-    generation = engine.generate(GenerateRequest(prompt=PROMPT, max_new_tokens=50), threading.Event())
+    generation = generate(engine, GenerateRequest(prompt=PROMPT, max_new_tokens=50), threading.Event())
     next(generation)
     with pytest.raises(RuntimeError, match="while a generation is running"):
         engine.unload()
@@ -402,7 +403,7 @@ def test_cancel_from_another_thread_stops_within_a_forward_pass(engine, forwards
     """Counted in forward passes, not milliseconds: the pass running when the flag is set
     completes, and none starts after it (each step reads the flag first)."""
     cancel, first_piece = threading.Event(), threading.Event()
-    generation = engine.generate(GenerateRequest(prompt=PROMPT, max_new_tokens=1500), cancel)
+    generation = generate(engine, GenerateRequest(prompt=PROMPT, max_new_tokens=1500), cancel)
 
     def consume():
         for _ in generation:
@@ -437,11 +438,11 @@ def test_a_run_only_its_own_cancel_can_stop_reads_its_prompt_in_one_pass(engine,
     prompts = [" ".join(f"{word}{i}" for i in range(120)) for word in ("north", "south")]  # never cached
     request = lambda prompt: GenerateRequest(prompt=prompt, max_new_tokens=1)  # noqa: E731
     assert min(engine.check(request(p)) for p in prompts) > 10 * 16
-    engine.generate(request(prompts[0]), threading.Event(), revocable=False).close()  # never advanced
+    generate(engine, request(prompts[0]), threading.Event(), revocable=False).close()  # never advanced
     assert forwards.count == 0
-    list(engine.generate(request(prompts[0]), threading.Event(), revocable=False))
+    list(generate(engine, request(prompts[0]), threading.Event(), revocable=False))
     assert forwards.count == 1                                    # chat: the whole prompt at once
-    list(engine.generate(request(prompts[1]), threading.Event()))
+    list(generate(engine, request(prompts[1]), threading.Event()))
     assert forwards.count - 1 > 10                                # revocable: one chunk per pass
 
 
@@ -547,7 +548,7 @@ def test_sampling_is_seeded_by_torch(engine):
 def test_prompt_too_long_is_refused_before_touching_the_device(engine, forwards):
     long_request = GenerateRequest(prompt=LONG_PROMPT * 5, max_new_tokens=100)
     with pytest.raises(PromptTooLong) as raised:
-        engine.generate(long_request, threading.Event())
+        generate(engine, long_request, threading.Event())
     prompt_tokens = len(engine.resident.vocabulary.tokenizer(LONG_PROMPT * 5)["input_ids"])
     assert str(prompt_tokens) in str(raised.value) and "2048" in str(raised.value)
     assert isinstance(raised.value, ValueError)
@@ -729,7 +730,7 @@ def test_requests_the_model_cannot_serve_are_refused(engine, forwards):
     with pytest.raises(ValueError, match="vocabulary of 32000"):
         engine.check(GenerateRequest(prompt="a", resume_tokens=[32000]))
     with pytest.raises(ValueError, match="is_set"):
-        engine.generate(GenerateRequest(prompt="a"), cancel=None)
+        generate(engine, GenerateRequest(prompt="a"), cancel=None)
     with pytest.raises(ValueError, match="GenerateRequest"):
         engine.check({"prompt": "a"})
     assert forwards.count == 0
@@ -752,7 +753,7 @@ def test_engine_arguments_are_checked():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_packed_linear_layer_computes_what_the_plain_one_does(dtype):
     from torch import nn
-    from uniun_ray.models.host import packing
+    from uniun_ray.models.load import packing
 
     if not packing.available(torch.device("cpu")):
         pytest.skip("this torch build has no oneDNN")
@@ -777,7 +778,7 @@ def test_a_packed_linear_gives_each_row_the_same_bits_whatever_rows_beside_it(dt
     inner size over 1,024 in bf16, any in float32); with UNIUN_DETERMINISTIC a packed layer
     runs one row as two."""
     from torch import nn
-    from uniun_ray.models.host import packing
+    from uniun_ray.models.load import packing
 
     if not packing.available(torch.device("cpu")):
         pytest.skip("this torch build has no oneDNN")
@@ -792,7 +793,7 @@ def test_a_packed_linear_gives_each_row_the_same_bits_whatever_rows_beside_it(dt
 
 
 def test_the_engine_packs_its_linear_layers_on_cpu_and_says_so(engine):
-    from uniun_ray.models.host import packing
+    from uniun_ray.models.load import packing
 
     described = engine.describe()
     if DEVICE != "cpu" or not packing.available(torch.device("cpu")):
@@ -924,7 +925,7 @@ def test_a_long_revocable_prefill_is_read_in_long_chunks_when_layers_are_gated(e
     request = GenerateRequest(prompt="Read in long chunks. " + LONG_PROMPT, max_new_tokens=1)
     clock = engine.resident.clock
     assert engine.resident.gate is not None and clock.target_s == GATED_CHUNK_DECODE_STEPS * clock.decode_s
-    list(engine.generate(request, threading.Event()))
+    list(generate(engine, request, threading.Event()))
     assert forwards.count < engine.check(request) / 64    # not the short chunks of an ungated model
 
 
@@ -1061,7 +1062,7 @@ def test_grouped_attention_over_a_cache_equals_transformers_sdpa_to_the_bit(new_
 
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    from uniun_ray.models.host.attention import grouped_sdpa
+    from uniun_ray.models.runner.attention import grouped_sdpa
 
     generator = torch.Generator().manual_seed(0)
     cached, heads, groups, dim = 40, 6, 3, 16
@@ -1084,7 +1085,7 @@ def test_exact_attention_gives_a_token_the_same_bits_whatever_pass_reads_it(dtyp
     rounds a short last query block, or a key block cut where the pass ends, otherwise)."""
     from types import SimpleNamespace
 
-    from uniun_ray.models.host.attention import row_invariant_sdpa
+    from uniun_ray.models.runner.attention import row_invariant_sdpa
 
     generator = torch.Generator().manual_seed(0)
     tokens, heads, groups, dim = 700, 6, 3, 64
@@ -1101,7 +1102,7 @@ def test_exact_attention_gives_a_token_the_same_bits_whatever_pass_reads_it(dtyp
 
 
 def test_models_load_with_the_grouped_attention(engine):
-    from uniun_ray.models.host.attention import NAME
+    from uniun_ray.models.runner.attention import NAME
 
     assert engine.resident.model.config._attn_implementation == NAME
 
@@ -1121,8 +1122,8 @@ def test_a_sliding_window_layer_past_its_window_is_not_cropped_and_its_entry_is_
 
     store = PrefixCache(budget_bytes=2**20)
     store.put(list(range(12)), past, preempted=False)
-    assert store.take(list(range(6)) + [99, 100]).cache is None            # a shorter prefix: a miss
-    assert store.take(list(range(12)) + [99]).tokens == 12                 # the whole entry: a hit
+    assert store.lookup(list(range(6)) + [99, 100]).cache is None            # a shorter prefix: a miss
+    assert store.lookup(list(range(12)) + [99]).tokens == 12                 # the whole entry: a hit
 
 
 def test_a_swap_drops_the_cache_and_a_bad_budget_is_refused(engine):
@@ -1176,7 +1177,7 @@ def test_a_full_device_tier_moves_its_least_recent_entries_to_cpu_memory_and_a_h
     store.put(tokens[3], e[3].cache, preempted=False)           # e2 moves out; the CPU tier drops e1
     assert tiers() == ({e[0].tokens, e[3].tokens}, {e[2].tokens})
     assert (store.offloads, store.evictions, store.held_bytes, store.offloaded_bytes) == (2, 1, 2 * size, size)
-    hit = store.take(tokens[2] + [7, 8])                        # e2 comes back, e3 goes out
+    hit = store.lookup(tokens[2] + [7, 8])                        # e2 comes back, e3 goes out
     assert hit.tokens == len(tokens[2]) and store.restores == 1
     assert tiers() == ({e[0].tokens, e[2].tokens}, {e[3].tokens})
     assert (store.held_bytes, store.offloaded_bytes) == (2 * size, size)

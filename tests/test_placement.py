@@ -123,7 +123,7 @@ def test_the_scheduler_applies_reconcile_gone_idle_devices_leave_free_seats_get_
     import asyncio
 
     from conftest import FakeDevice, lease_of, spec
-    from uniun_ray.models.requests.settings import EngineSettings
+    from uniun_ray.settings import EngineSettings
     from uniun_ray.runtime import actors
     from uniun_ray.runtime.service import RuntimeConfig
 
@@ -177,7 +177,7 @@ def test_a_node_that_dies_takes_its_devices_out_of_the_pool_and_one_that_joins_a
     import asyncio
 
     from conftest import FakeDevice, lease_of, spec
-    from uniun_ray.models.requests.settings import EngineSettings
+    from uniun_ray.settings import EngineSettings
     from uniun_ray.runtime import actors
     from uniun_ray.events.log import read
     from uniun_ray.runtime.nodes import Node

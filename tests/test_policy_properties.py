@@ -56,7 +56,8 @@ def configs():
                      t2_share=st.sampled_from([0.0, 0.6, 1.0]),
                      max_affinity_wait_s=st.sampled_from([0.0, 5.0, 20.0, 60.0]),
                      decay_period_s=st.sampled_from([100.0, 300.0]),
-                     absence_s=st.sampled_from([30.0, 300.0]))
+                     absence_s=st.sampled_from([30.0, 300.0]),
+                     chat_step_floor_s=st.sampled_from([0.0, 0.015, 0.075]))
 
 
 @PROPS

@@ -174,6 +174,42 @@ def test_r23_without_a_profile_a_chat_runs_alone_and_the_others_come_back_after(
     assert {a.job_id for a in acts if isinstance(a, Dispatch)} == {"n1", "n2"}
 
 
+#: A 2-core CPU's measured step (SmolLM2, float32): 1.25 x its step alone fits no companion.
+CPU = {1: 0.053, 2: 0.074, 4: 0.070, 8: 0.087, 16: 0.112}
+
+
+def test_r23_beside_a_chat_whose_step_alone_is_fast_the_floor_bounds_the_step_not_the_slack():
+    """1.25 x 53 ms is 66 ms, which no two rows meet; the floor (75 ms, faster than one reads)
+    keeps the three best background rows beside the chat: step(4) = 70 ms."""
+    p = slotted(4)
+    p.set_step_profile("m", "d0", CPU)
+    for i in range(4):
+        p.submit(job(f"n{i}", "nataraj", producer=f"n:{i}"), 0)
+    assert p.submit(job("c", "chat"), 1) == [Revoke("n3", RevokeCause.ARRIVAL), D("c", Tier.CHAT, slot=3)]
+    assert p.finish("n3", 1.1, "revoked") == [Requeued("n3")]
+    assert [j["id"] for j in p.snapshot()["devices"][0]["jobs"]] == ["n0", "n1", "n2", "c"]
+
+
+def test_r23_the_floor_keeps_the_highest_ranked_within_it_and_revokes_the_lowest_ranked():
+    """With six slots a chat joins a free one; step(6) (78.5 ms, between the measured 4 and 8)
+    is past the floor, step(5) (74.25 ms) within it: the lowest-ranked of five goes."""
+    p = slotted(6)
+    p.set_step_profile("m", "d0", CPU)
+    for i in range(5):
+        p.submit(job(f"n{i}", "nataraj", producer=f"n:{i}"), i)
+    assert p.submit(job("c", "chat"), 6) == [D("c", Tier.CHAT, slot=5), Revoke("n4", RevokeCause.STEP)]
+
+
+def test_r23_without_the_floor_the_slack_alone_bounds_the_step():
+    p = slotted(4, chat_step_floor_s=0.0)
+    p.set_step_profile("m", "d0", CPU)
+    for i in range(4):
+        p.submit(job(f"n{i}", "nataraj", producer=f"n:{i}"), 0)
+    acts = p.submit(job("c", "chat"), 1)
+    assert acts[:2] == [Revoke("n3", RevokeCause.ARRIVAL), D("c", Tier.CHAT, slot=3)]
+    assert set(acts[2:]) == {Revoke(f"n{i}", RevokeCause.STEP) for i in range(3)}
+
+
 def test_r23_a_step_profile_is_checked():
     p = slotted(2)
     with pytest.raises(ValueError, match="batch size"):
@@ -182,6 +218,9 @@ def test_r23_a_step_profile_is_checked():
         p.set_step_profile("m", "dx", {1: 0.1})
     with pytest.raises(ValueError, match="chat_step_slack"):
         PolicyConfig(chat_step_slack=0.9)
+    for floor in (-0.01, float("nan"), "0.075", True):
+        with pytest.raises(ValueError, match="chat_step_floor_s"):
+            PolicyConfig(chat_step_floor_s=floor)
 
 
 def test_r21_an_over_budget_t2_job_takes_a_slot_no_lower_tier_job_may_take_while_a_chat_waits():
@@ -281,15 +320,14 @@ def test_prop_t2_holds_its_share_of_slot_seconds_plus_one_job_per_slot(arrivals,
 
 
 def fair_bound(slots: int) -> float:
-    """How far apart, in largest jobs, two equal backlogged flows may be on one device of `slots`
-    slots (R24). A flow ranks first by its running jobs, so each holds half the slots; with an odd
-    count the odd slot is one flow's until one of its own jobs ends (at most one largest job L), and
-    then goes by the flows' service as the policy estimates it: a running job counts for at least
-    its flow's last run, so each of the (S - 1) / 2 jobs a flow runs then may read up to L more than
-    it held. A wrong pick gives the odd slot to the flow ahead for another L: the flows stay
-    within L + (S - 1) / 2 * L = (S + 1) / 2 * L. That is R24's 2 L up to 4 slots; from 5 on it is
-    the weaker bound (3 L at 5 and 6 slots, 4 L at 7 and 8): what can be shown, not what random
-    runs meet (they stay near 2 L), so no example can fail it at random."""
+    """R24's bound, in largest jobs, on how far apart two equal backlogged flows may be on one
+    device of `slots` slots: max(2, (S + 1) // 2). Why it grows with S: a flow ranks first by
+    its running jobs, so each holds half the slots; with an odd count the odd slot is one flow's
+    until one of its own jobs ends (at most one largest job L), and then goes by the flows'
+    service as the policy estimates it: a running job counts for at least its flow's last run,
+    so each of the (S - 1) / 2 jobs a flow runs then may read up to L more than it held. A wrong
+    pick gives the odd slot to the flow ahead for another L: L + (S - 1) / 2 * L = (S + 1) / 2 * L
+    (2 L up to 4 slots, 3 L at 5 and 6, 4 L at 7 and 8); random runs stay near 2 L."""
     return max(2.0, float((slots + 1) // 2))
 
 

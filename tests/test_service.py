@@ -517,15 +517,62 @@ def test_a_device_removed_while_loading_leaves_its_job_to_the_next_dispatch():
 
 class SlottedDevice(FakeDevice):
     """A device that chooses its slots after each load, as the ModelActor does (R25), with a
-    CPU-like step profile: a second row doubles the step, so nothing may decode beside a chat."""
+    slow CPU's step profile: a second row doubles a step of 100 ms, so nothing may decode beside
+    a chat (R23: past both 1.25x its step alone and the floor)."""
 
-    def __init__(self, slots: int = 3) -> None:
+    def __init__(self, slots: int = 3, profile: dict[int, float] | None = None) -> None:
         super().__init__()
         self.count, self.asked = slots, []
+        self.profile = profile or {1: 0.1, 2: 0.2, 4: 0.4}
 
     async def slots(self, setting: int | None) -> dict:
         self.asked.append(setting)
-        return {"slots": setting or self.count, "step_profile": {1: 0.01, 2: 0.02, 4: 0.04}, "auto": setting is None}
+        return {"slots": setting or self.count, "step_profile": dict(self.profile), "auto": setting is None}
+
+
+class ServingDevice(SlottedDevice):
+    """A slotted device that also says the step times it serves (`steps`, as the ModelActor):
+    the profile measured at load until the test sets `served`."""
+
+    def __init__(self, slots: int, profile: dict[int, float]) -> None:
+        super().__init__(slots, profile)
+        self.served: dict[int, float] | None = None
+        self.steps_asked = 0
+
+    async def steps(self) -> dict:
+        self.steps_asked += 1
+        return {"model": self.loads[-1] if self.loads else None, "step_profile": dict(self.served or self.profile)}
+
+
+def test_the_step_times_a_busy_device_serves_reach_the_policy_and_bound_a_chats_companions():
+    """R23: the profile measured at load lets both background jobs decode beside a chat (3 rows:
+    70 ms, within the 75 ms floor); then the device serves slower steps (longer contexts, a busy
+    host: 90 ms at 3 rows). The reaper's next round asks the busy device, the policy reacts: the
+    lower-ranked background job is revoked, and status shows the served profile. An idle device
+    is not asked."""
+    async def go():
+        clock = ManualClock()
+        dev = ServingDevice(slots=3, profile={1: 0.050, 2: 0.060, 3: 0.070})
+        s = SchedulerService(dev, RuntimeConfig(reap_period_s=1.0), clock=clock)
+        for i in range(2):
+            await s.submit(spec(f"n{i}", "nataraj", producer=f"nataraj:{i}"))
+        leases = [await lease_of(s, f"n{i}") for i in range(2)]
+        await s.submit(spec("c", "chat"))
+        chat = await lease_of(s, "c")
+        await clock.advance(1.0)
+        assert dev.steps_asked == 1 and dev.revoked == []          # asked; nothing new served
+        dev.served = {1: 0.050, 2: 0.060, 3: 0.090}
+        await clock.advance(1.0)
+        assert dev.steps_asked == 2 and dev.revoked == [leases[1].epoch]
+        assert (await s.status())["devices"][0]["step_profile"] == dev.served
+        assert await s.release("n1", leases[1].epoch, "revoked") is True
+        await s.release("c", chat.epoch, "done")
+        await s.release("n0", leases[0].epoch, "done")
+        again = await lease_of(s, "n1")
+        await s.release("n1", again.epoch, "done")
+        await clock.advance(5.0)
+        assert dev.steps_asked == 2                                # idle: not asked
+    run(go())
 
 
 def test_slots_fill_after_the_load_and_a_chat_keeps_its_step_by_revoking_its_companions(tmp_path):

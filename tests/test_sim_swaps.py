@@ -92,7 +92,7 @@ def test_with_auto_slots_a_device_takes_the_slots_of_each_model_it_loads():
 
 
 def test_the_profiles_auto_slots_are_what_the_runtime_chooses_on_their_curves():
-    from uniun_ray.models.host.steps import CPU_BATCHES, CUDA_BATCHES, auto_slots
+    from uniun_ray.models.runner.profile import CPU_BATCHES, CUDA_BATCHES, auto_slots
 
     for profile, sizes in ((PROFILES["cpu"], CPU_BATCHES), (PROFILES["gpu"], CUDA_BATCHES)):
         for model, speed in profile.models.items():

@@ -10,7 +10,7 @@ import pytest
 
 from conftest import FakeDevice, ManualClock, lease_of, spec
 from uniun_ray.events.log import read
-from uniun_ray.models.requests.swap import COLD, HOST, RESIDENT, SWITCH, WARM, Swap
+from uniun_ray.models.swap import COLD, HOST, RESIDENT, SWITCH, WARM, Swap
 from uniun_ray.runtime.driver import COPY_BYTES_PER_S, FIRST_SWITCH_S, DeviceDriver
 from uniun_ray.runtime.service import RuntimeConfig, SchedulerService
 from uniun_ray.runtime.warmstart import WarmStart

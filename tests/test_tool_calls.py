@@ -14,7 +14,7 @@ import jsonschema
 import pytest
 
 from tool_models import CLOCK, SCHEMAS, TOOLS, WEATHER, tool_model
-from uniun_ray.models import Engine, GenerateRequest, inspect_request, materialize, resolve
+from uniun_ray.models import Engine, GenerateRequest, generate, inspect_request, materialize, resolve
 from uniun_ray.models.requests.tools import FORMATS, read_calls, tool_names
 
 DEVICE = os.environ.get("UNIUN_TEST_DEVICE", "cpu")
@@ -34,7 +34,7 @@ def engine():
 
 
 def run(engine, request, cancel=None):
-    generation = engine.generate(request, cancel or threading.Event())
+    generation = generate(engine, request, cancel or threading.Event())
     for _ in generation:
         pass
     return generation.result
@@ -67,7 +67,7 @@ def test_a_forced_call_revoked_midway_resumes_inside_its_call(engine, folders):
                               max_new_tokens=60)
     whole = run(engine, request)
     cancel, produced = threading.Event(), []
-    generation = engine.generate(request, cancel)
+    generation = generate(engine, request, cancel)
     for piece in generation:
         produced.append(piece)
         if "arguments" in "".join(produced):   # inside the call: its name written, its arguments to come

@@ -9,10 +9,10 @@ import threading
 
 import pytest
 
-from uniun_ray.models.host.contention import Taken, others_share
-from uniun_ray.models.requests.settings import EngineSettings
-from uniun_ray.models.host.steps import CPU_BATCHES, auto_slots
-from uniun_ray.models.host.tuning import (BEATEN_AFTER, MAX_CHUNK, MIN_CHUNK, Probe, ProbeCache, Speed, StepClock,
+from uniun_ray.models.tune.contention import Taken, others_share
+from uniun_ray.settings import EngineSettings
+from uniun_ray.models.runner.profile import CPU_BATCHES, auto_slots
+from uniun_ray.models.tune.tuning import (BEATEN_AFTER, MAX_CHUNK, MIN_CHUNK, Probe, ProbeCache, Speed, StepClock,
                                      fastest, measure, revised, thread_options)
 
 QUIET = Taken("2026-12-03T10:00:00+00:00", 1.5, 0.02, (0.1, 0.2), False)
@@ -216,7 +216,7 @@ def test_max_memory_comes_from_the_environment_as_device_size_pairs():
 
 
 def test_the_loop_leaves_a_core_for_each_core_the_others_keep_busy():
-    from uniun_ray.models.host.cores import threads_for
+    from uniun_ray.models.tune.cores import threads_for
 
     assert threads_for(2, 0.0) == threads_for(2, 0.1) == 2     # Ray's daemons alone: every thread
     assert threads_for(2, 0.3) == threads_for(2, 1.5) == 1     # never fewer than one
@@ -224,7 +224,7 @@ def test_the_loop_leaves_a_core_for_each_core_the_others_keep_busy():
 
 
 def test_the_loop_changes_its_threads_only_when_two_windows_agree(monkeypatch):
-    from uniun_ray.models.host import cores
+    from uniun_ray.models.tune import cores
 
     clock = {"wall": 0.0, "busy": 0.0, "own": 0.0}
     monkeypatch.setattr(cores.time, "perf_counter", lambda: clock["wall"])
@@ -266,7 +266,7 @@ def test_the_loops_own_thread_runs_openmp_kernels_with_the_loops_threads():
         pytest.skip("this torch build does not run on GNU OpenMP")
     code = f"""
 import ctypes, threading, torch
-from uniun_ray.models.host.cores import CoreShare
+from uniun_ray.models.tune.cores import CoreShare
 gomp = ctypes.CDLL({str(gomp)!r})
 torch.set_num_threads(2)
 seen = []

@@ -1,4 +1,4 @@
-"""Issue 37 on real models, no Ray: a model swapped out stays warm (``models.host.warm``), so the
+"""Issue 37 on real models, no Ray: a model swapped out stays warm (``models.load.parked``), so the
 swap back is a switch (co-resident) or a copy from host memory, never a file read; the warm
 budget holds and evicts the least recently used; a warm swap that fails loads cold.
 
@@ -11,11 +11,11 @@ import threading
 import pytest
 import torch
 
-from uniun_ray.models import Engine, GenerateRequest
+from uniun_ray.models import Engine, GenerateRequest, generate
 from uniun_ray.models.decode import engine as engine_module
-from uniun_ray.models.host import weights as weights_module
-from uniun_ray.models.host.warm import Parked, WarmStore
-from uniun_ray.models.requests.swap import COLD, HOST, NONE, RESIDENT, SWITCH, WARM, SwapAbandoned
+from uniun_ray.models.load import weights as weights_module
+from uniun_ray.models.load.parked import Parked, ParkedStore
+from uniun_ray.models.swap import COLD, HOST, NONE, RESIDENT, SWITCH, WARM, SwapAbandoned
 
 from test_models import tiny_cache  # noqa: F401 (fixture)
 
@@ -38,7 +38,7 @@ def other(tiny_cache, tmp_path_factory):  # noqa: F811
 
 
 def tokens(engine: Engine) -> list[int]:
-    generation = engine.generate(REQUEST, threading.Event())
+    generation = generate(engine, REQUEST, threading.Event())
     list(generation)
     return generation.result.token_ids
 
@@ -125,7 +125,7 @@ def test_no_warm_budget_means_every_swap_is_cold(cold, other):
 
 
 def test_the_warm_budget_is_never_exceeded_and_evicts_the_least_recently_used():
-    store = WarmStore(budget_bytes=100)
+    store = ParkedStore(budget_bytes=100)
     kept = []
     for model_id, nbytes in (("a", 40), ("b", 40), ("c", 40), ("b", 40), ("d", 70), ("huge", 101)):
         evicted = store.keep(model_id, Parked(None, HOST, nbytes))
@@ -133,7 +133,7 @@ def test_the_warm_budget_is_never_exceeded_and_evicts_the_least_recently_used():
         kept.append((list(store.kept()), evicted))
     assert kept == [(["a"], []), (["a", "b"], []), (["b", "c"], ["a"]), (["c", "b"], []),
                     (["d"], ["c", "b"]), (["d"], ["huge"])]
-    assert store.take("d").nbytes == 70 and store.take("d") is None and len(store) == 0
+    assert store.pop("d").nbytes == 70 and store.pop("d") is None and len(store) == 0
 
 
 def test_an_abandoned_load_leaves_nothing_active_and_the_old_model_warm(cold, other):

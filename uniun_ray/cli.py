@@ -27,7 +27,7 @@ import sys
 
 from . import engines
 from .policy import Kind
-from .models.requests.settings import ENGINE_ENV, ENGINES, SLOTS_ENV, EngineSettings, parse_models, warm_start
+from .settings import ENGINE_ENV, ENGINES, SLOTS_ENV, EngineSettings, parse_models, warm_start
 
 DEFAULT_PORT = 6379
 DEFAULT_DASHBOARD_PORT = 8265

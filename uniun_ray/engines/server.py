@@ -21,7 +21,7 @@ from collections import deque
 from pathlib import Path
 from typing import IO, Callable, Sequence
 
-from ..models.requests.swap import SwapAbandoned
+from ..models.swap import SwapAbandoned
 
 
 class ServerFailed(RuntimeError):

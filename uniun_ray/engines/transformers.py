@@ -15,10 +15,10 @@ from . import Wake
 from ..models.decode.batch import Job
 from ..models.decode.engine import Engine
 from ..models.decode.loop import DecodeLoop
-from ..models.requests.registry import resolve
+from ..models.registry import resolve
 from ..models.requests.request import GenerateRequest, GenerationResult
-from ..models.requests.settings import MAX_SLOTS, EngineSettings
-from ..models.requests.swap import Swap
+from ..settings import MAX_SLOTS, EngineSettings
+from ..models.swap import Swap
 from ..models.requests.vocabulary import inspect_request
 
 
@@ -38,8 +38,8 @@ class TransformersRun:
         result = self._job.result
         return self._loop.failure if result is not None and result.finish_reason == "error" else None
 
-    def take(self) -> tuple[str, int]:
-        return "".join(self._job.take()), self._job.sequence.emitted_tokens
+    def drain(self) -> tuple[str, int]:
+        return "".join(self._job.drain()), self._job.sequence.emitted_tokens
 
 
 class TransformersEngine:
@@ -98,4 +98,6 @@ class TransformersEngine:
         return self.model.describe() | {
             "engine": self.name, "model": self.model.loaded, "running": self._loop.rows,
             "context_length": self.model.context_length, "warm": self.model.warm,
-            "steps_by_batch": dict(sorted(self._loop.batch_sizes.items()))} | self._loop.describe()
+            "steps_by_batch": dict(sorted(self._loop.batch_sizes.items())),
+            "step_s_by_batch": {rows: round(s, 6) for rows, s in sorted(self._loop.step_seconds.items())}} \
+            | self._loop.describe()

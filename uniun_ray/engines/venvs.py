@@ -18,7 +18,7 @@ import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from ..models.requests.registry import cache_dir
+from ..models.registry import cache_dir
 
 #: A Python that already has vLLM (a workstation's own install) instead of the managed venv.
 VLLM_PYTHON_ENV = "UNIUN_VLLM_PYTHON"

@@ -1,4 +1,4 @@
-"""The vLLM engine (SPEC §7, issue 26): vLLM's OpenAI server, a child process of the ModelActor.
+"""The vLLM engine (SPEC §7): vLLM's OpenAI server, a child process of the ModelActor.
 
 vLLM pins its own torch and `transformers<5.20`, so it runs in a venv of its own
 (`venvs.vllm_recipe`, `make install-vllm`) and the ModelActor talks to it over loopback HTTP
@@ -50,8 +50,8 @@ from .venvs import has_cuda_gpu, vllm_python
 from ..models.requests.request import GenerateRequest, GenerationResult
 from ..models.requests.tools import request_grammar
 from ..models.requests.vocabulary import chat_template, inspect_request, prompt_ids
-from ..models.requests.registry import cache_dir, materialize, resolve
-from ..models.requests.swap import COLD, HOST, NONE, WARM, Swap
+from ..models.registry import cache_dir, materialize, resolve
+from ..models.swap import COLD, HOST, NONE, WARM, Swap
 
 #: The name vLLM serves every model under; the engine holds one model at a time.
 SERVED = "uniun"
@@ -228,7 +228,7 @@ class VllmRun:
         self._lock = threading.Lock()
         self._started = time.perf_counter()
 
-    def take(self) -> tuple[str, int]:
+    def drain(self) -> tuple[str, int]:
         with self._lock:
             text, self._taken = "".join(self._text[self._taken:]), len(self._text)
             return text, len(self._ids)

@@ -102,7 +102,7 @@ async def reading(body: JobFields, model: Callable[[], str]) -> Reading:
 
 
 def _template(model_id: str) -> str | None:
-    from ..models.requests.registry import resolve
+    from ..models.registry import resolve
     from ..models.requests.vocabulary import chat_template
 
     return chat_template(resolve(model_id))

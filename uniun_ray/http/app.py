@@ -24,7 +24,7 @@ import json
 import secrets
 from dataclasses import dataclass
 
-from fastapi import FastAPI
+from fastapi import APIRouter, FastAPI
 from fastapi.encoders import jsonable_encoder
 from fastapi.responses import JSONResponse
 from fastapi.sse import EventSourceResponse, format_sse_event
@@ -130,7 +130,7 @@ async def served_models() -> dict:
     model's chat template here)."""
     import ray
 
-    from ..models.requests.registry import configure
+    from ..models.registry import configure
     from ..runtime.protocol import NAMESPACE, SCHEDULER_NAME
     require_scheduler()
     try:
@@ -144,7 +144,7 @@ async def served_models() -> dict:
 async def require_served(model_id: str) -> None:
     """404 for a model the operator does not serve, before anything reads a path or a cache
     for it: a request names an id, never a folder of the server's disk."""
-    from ..models.requests.registry import check_served, known_ids
+    from ..models.registry import check_served, known_ids
 
     if model_id in known_ids():
         return
@@ -330,6 +330,82 @@ async def _chained(first, rest):
 
 
 # -- the app --------------------------------------------------------------------------------
+#: The routes of SPEC §4 (the live page's are `page`'s).
+router = APIRouter()
+
+
+@router.post("/v1/chat/completions", responses=openapi.GENERATION)
+async def chat_completions(body: ChatCompletionRequest):
+    return await generate(body, [{"messages": body.template_messages()}], CHAT)
+
+
+@router.post("/v1/completions", responses=openapi.GENERATION)
+async def completions(body: CompletionRequest):
+    return await generate(body, [{"prompt": prompt} for prompt in body.prompts()], TEXT)
+
+
+@router.post("/v1/embeddings", responses=openapi.ERRORS)
+async def embeddings(body: EmbeddingRequest):
+    if body.model not in (None, "", "default") and _embedding_id(body.model) != EMBEDDING_MODEL.lower():
+        raise APIError(404, f"unknown embedding model {body.model!r}: this server embeds with "
+                            f"{EMBEDDING_MODEL!r}", code="model_not_found", param="model")
+    require_embedder()
+    texts = [text if isinstance(text, str) else _cl100k_text(text) for text in body.inputs()]
+    try:
+        vectors = await uniun_ray.aembed(texts)
+    except Exception as error:
+        raise from_client(error) from error
+    tokens = await _count_embedding_tokens(texts)
+    return {"object": "list", "model": EMBEDDING_MODEL,
+            "data": [{"object": "embedding", "index": i, "embedding": _encode(v, body.encoding_format)}
+                     for i, v in enumerate(vectors)],
+            "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
+
+
+@router.get("/v1/models", responses=openapi.ERRORS)
+async def models():
+    return {"object": "list", "data": [_model(i) for i in await _model_ids()]}
+
+
+@router.get("/v1/models/{model_id:path}", responses=openapi.ERRORS)
+async def model(model_id: str):
+    if model_id != EMBEDDING_MODEL:
+        await require_served(model_id)
+    return _model(model_id)
+
+
+@router.get("/health", responses=openapi.HEALTH)
+async def health():
+    if not await scheduler_answers():
+        raise unavailable("the scheduler does not answer: start the runtime with `uniun-ray up`")
+    loading = await warm_start_loading()
+    if loading:
+        raise unavailable(f"loading {loading}: the runtime is ready once the active chat model is")
+    return {"status": "ok"}
+
+
+@router.post("/v1/foreground", responses=openapi.ERRORS)
+async def foreground(body: ForegroundRequest):
+    if body.kind is None and body.subject is not None:
+        raise bad_request("a subject needs a kind (kind null clears both)", param="subject")
+    require_scheduler()
+    try:
+        await uniun_ray.aset_foreground(body.kind, body.subject)
+    except Exception as error:
+        raise from_client(error) from error
+    return {"kind": body.kind, "subject": body.subject}
+
+
+@router.get("/v1/status", responses=openapi.ERRORS)
+async def status():
+    require_scheduler()
+    try:
+        snapshot = await uniun_ray.astatus()
+    except Exception as error:
+        raise from_client(error) from error
+    return JSONResponse(jsonable_encoder(snapshot, custom_encoder={float: _finite}))
+
+
 def create_app(api_key: str | None = None) -> FastAPI:
     """The FastAPI app of SPEC §4. `api_key`: require `Authorization: Bearer <api_key>` on
     every route but the public ones (then the interactive docs are off too; the schema is
@@ -339,71 +415,7 @@ def create_app(api_key: str | None = None) -> FastAPI:
     if api_key is not None:
         app.add_middleware(BearerAuth, api_key=api_key)
     errors.install(app)
-
-    @app.post("/v1/chat/completions", responses=openapi.GENERATION)
-    async def chat_completions(body: ChatCompletionRequest):
-        return await generate(body, [{"messages": body.template_messages()}], CHAT)
-
-    @app.post("/v1/completions", responses=openapi.GENERATION)
-    async def completions(body: CompletionRequest):
-        return await generate(body, [{"prompt": prompt} for prompt in body.prompts()], TEXT)
-
-    @app.post("/v1/embeddings", responses=openapi.ERRORS)
-    async def embeddings(body: EmbeddingRequest):
-        if body.model not in (None, "", "default") and _embedding_id(body.model) != EMBEDDING_MODEL.lower():
-            raise APIError(404, f"unknown embedding model {body.model!r}: this server embeds with "
-                                f"{EMBEDDING_MODEL!r}", code="model_not_found", param="model")
-        require_embedder()
-        texts = [text if isinstance(text, str) else _cl100k_text(text) for text in body.inputs()]
-        try:
-            vectors = await uniun_ray.aembed(texts)
-        except Exception as error:
-            raise from_client(error) from error
-        tokens = await _count_embedding_tokens(texts)
-        return {"object": "list", "model": EMBEDDING_MODEL,
-                "data": [{"object": "embedding", "index": i, "embedding": _encode(v, body.encoding_format)}
-                         for i, v in enumerate(vectors)],
-                "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
-
-    @app.get("/v1/models", responses=openapi.ERRORS)
-    async def models():
-        return {"object": "list", "data": [_model(i) for i in await _model_ids()]}
-
-    @app.get("/v1/models/{model_id:path}", responses=openapi.ERRORS)
-    async def model(model_id: str):
-        if model_id != EMBEDDING_MODEL:
-            await require_served(model_id)
-        return _model(model_id)
-
-    @app.get("/health", responses=openapi.HEALTH)
-    async def health():
-        if not await scheduler_answers():
-            raise unavailable("the scheduler does not answer: start the runtime with `uniun-ray up`")
-        loading = await warm_start_loading()
-        if loading:
-            raise unavailable(f"loading {loading}: the runtime is ready once the active chat model is")
-        return {"status": "ok"}
-
-    @app.post("/v1/foreground", responses=openapi.ERRORS)
-    async def foreground(body: ForegroundRequest):
-        if body.kind is None and body.subject is not None:
-            raise bad_request("a subject needs a kind (kind null clears both)", param="subject")
-        require_scheduler()
-        try:
-            await uniun_ray.aset_foreground(body.kind, body.subject)
-        except Exception as error:
-            raise from_client(error) from error
-        return {"kind": body.kind, "subject": body.subject}
-
-    @app.get("/v1/status", responses=openapi.ERRORS)
-    async def status():
-        require_scheduler()
-        try:
-            snapshot = await uniun_ray.astatus()
-        except Exception as error:
-            raise from_client(error) from error
-        return JSONResponse(jsonable_encoder(snapshot, custom_encoder={float: _finite}))
-
+    app.include_router(router)
     from . import page
     page.install(app, require_scheduler)
     openapi.install(app)
@@ -434,7 +446,7 @@ def _model(model_id: str) -> dict:
 async def _model_ids() -> list[str]:
     """The ids served (the active chat model and the operator's first, where a scheduler runs),
     the embedded ones and the embedding model: ids only, never a folder."""
-    from ..models.requests.registry import known_ids
+    from ..models.registry import known_ids
 
     try:
         served = (await served_models())["ids"]

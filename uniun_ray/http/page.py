@@ -1,4 +1,4 @@
-"""The live page (issue 15): `GET /`, a view of the device, the queues and every decision,
+"""The live page: `GET /`, a view of the device, the queues and every decision,
 served by the same app as the API (same host, port and key).
 
 The page is static: `static/index.html`, `page.js` and `page.css`, plain HTML, SVG and

@@ -7,13 +7,13 @@ builds requests should not pay for that.
 from importlib import import_module
 
 _WHERE = {
-    "Engine": "decode.engine", "Generation": "decode.generation", "Batch": "decode.batch", "Job": "decode.batch",
-    "default_dtype": "host.weights",
+    "Engine": "decode.engine", "Generation": "decode.generation", "generate": "decode.generation", "Batch": "decode.batch", "Job": "decode.batch",
+    "default_dtype": "load.weights",
     "PromptTooLong": "requests.vocabulary", "inspect_request": "requests.vocabulary",
     "GenerateRequest": "requests.request", "GenerationResult": "requests.request",
-    "DEFAULT_CHAT_MODEL": "requests.registry", "ModelSpec": "requests.registry", "Origin": "requests.registry",
-    "UnknownModel": "requests.registry", "cache_dir": "requests.registry", "known_ids": "requests.registry",
-    "materialize": "requests.registry", "resolve": "requests.registry",
+    "DEFAULT_CHAT_MODEL": "registry", "ModelSpec": "registry", "Origin": "registry",
+    "UnknownModel": "registry", "cache_dir": "registry", "known_ids": "registry",
+    "materialize": "registry", "resolve": "registry",
 }
 
 __all__ = sorted(_WHERE)

@@ -6,7 +6,7 @@ top (each named, with its engine, once there are two or more, and with its node'
 once the cluster has two or more nodes, which the summary lists with their devices), then
 every tier's queue with its waits, the fair pool's vruntimes, the T2 budget, the foreground,
 and the latest revokes, swaps and changes of the pool with their reasons. `render` is pure (a dict and a list in, a
-renderable out), so `--watch` simply re-renders it, and tests and the README screenshot
+renderable out), so `--watch` simply re-renders it, and tests and the screenshot in docs/observability.md
 render it without a cluster.
 """
 from __future__ import annotations

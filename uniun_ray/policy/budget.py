@@ -7,7 +7,7 @@ scan of the window. Over a pool, T2 counts its device-seconds against `t2_share`
 the device-seconds held in the window; with one device that is R11's held time.
 
 The sums are kept exactly, in integer nanoseconds: float sums that are added to and
-subtracted from drift (issue 10: a share of 1.0000000000000007 with `t2_share` 1.0, and
+subtracted from drift (a share of 1.0000000000000007 with `t2_share` 1.0, and
 3.6e-15 s of T2 time in a window that held none), and a budget decision must never turn
 on that noise. With integers a share of 1.0 is never exceeded and a window without T2
 time is never over budget, whatever the history.

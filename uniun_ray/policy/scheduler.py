@@ -44,7 +44,7 @@ class SchedulerPolicy:
             counts = [(d, slots) for d in devices]
         self.config = config or PolicyConfig()
         self._pool = Pool(counts)
-        self._steps = StepProfiles(self.config.chat_step_slack)
+        self._steps = StepProfiles(self.config.chat_step_slack, self.config.chat_step_floor_s)
         self._swap_costs: dict[tuple[str, str], float] = {}   # (device, model) -> seconds (R12)
         self._ledger = VruntimeLedger(self.config)
         self._queues = Queues(self._ledger, self._inflight)
@@ -501,7 +501,7 @@ class SchedulerPolicy:
 
     def _hold_chat_steps(self) -> list[Action]:
         """R23: beside a device's running chats keep only the k highest-ranked other jobs for
-        which step(k + chats) <= slack x step(chats); revoke the rest, lowest-ranked first
+        which step(k + chats) <= max(slack x step(chats), floor); revoke the rest, lowest-ranked first
         (they are re-queued, keep their KV and take slots again when the chats end)."""
         actions: list[Action] = []
         for device in self._pool.busy():

@@ -2,11 +2,13 @@
 
 The runtime measures, per model and device, the time of one decode step at several batch
 sizes (as it measures swap cost) and gives it to the policy. A chat's tokens must come no
-slower than `slack` x its step alone, so beside c chats the policy keeps the largest k with
-step(c + k) <= slack x step(c). Between measured sizes the step time is interpolated
-linearly; past the largest it is extrapolated from the last two (a step grows at least as
-fast as it did). Without a profile nothing runs beside a chat (k = 0): chat's latency is the
-product, and an unmeasured device cannot promise it.
+slower than the larger of `slack` x its step alone and `floor` seconds (a step faster than the
+floor is faster than anyone reads, so it need not be kept fast at the background's cost), so
+beside c chats the policy keeps the largest k with step(c + k) <= max(slack x step(c), floor).
+Between measured sizes the step time is interpolated linearly; past the largest it is
+extrapolated from the last two (a step grows at least as fast as it did). Without a profile
+nothing runs beside a chat (k = 0): chat's latency is the product, and an unmeasured device
+cannot promise it.
 """
 from __future__ import annotations
 
@@ -43,8 +45,9 @@ def step_time(profile: dict[int, float], batch: int) -> float:
 
 
 class StepProfiles:
-    def __init__(self, slack: float) -> None:
+    def __init__(self, slack: float, floor: float) -> None:
         self._slack = slack
+        self._floor = floor
         self._profiles: dict[tuple[str, str], dict[int, float]] = {}
 
     def set(self, model_id: str, device: str, profile: Mapping[int, float]) -> None:
@@ -60,7 +63,7 @@ class StepProfiles:
         profile = self.get(model_id, device)
         if profile is None:
             return 0
-        bound = self._slack * step_time(profile, chats)
+        bound = max(self._slack * step_time(profile, chats), self._floor)
         k = 0
         while chats + k < slots and step_time(profile, chats + k + 1) <= bound * (1 + 1e-12):
             k += 1

@@ -125,7 +125,8 @@ class PolicyConfig:
     absence_s: float = 300.0
     max_affinity_wait_s: float = 60.0
     weights: Mapping[str, float] = field(default_factory=dict)
-    chat_step_slack: float = 1.25  # R23: a chat's step beside others <= this x its step alone
+    chat_step_slack: float = 1.25  # R23: a chat's step beside others <= this x its step alone ...
+    chat_step_floor_s: float = 0.075  # ... or <= this, whichever is larger (faster than one reads)
     #: R12: the swap cost that earns the whole `max_affinity_wait_s` (the costliest swap, a cold
     #: load); a cheaper measured swap's bound shrinks in proportion (`picker.affinity_bound`).
     affinity_full_swap_s: float = 10.0
@@ -134,7 +135,7 @@ class PolicyConfig:
         for name in ("window_s", "decay_period_s", "affinity_full_swap_s"):
             if check_time(getattr(self, name), name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
-        for name in ("absence_s", "max_affinity_wait_s"):
+        for name in ("absence_s", "max_affinity_wait_s", "chat_step_floor_s"):
             if check_time(getattr(self, name), name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")
         if check_time(self.chat_step_slack, "chat_step_slack") < 1.0:

@@ -19,10 +19,11 @@ from . import nodes, placement
 from .embedding_actor import EmbeddingActor
 from .metrics import SchedulerMetrics
 from .model_actor import ModelActor
-from .protocol import NAMESPACE, DeviceGone, DeviceLost, UniunError, model_actor_name
+from .protocol import NAMESPACE, SCHEDULER_NAME, DeviceGone, DeviceLost, UniunError, model_actor_name
 from .service import RuntimeConfig, SchedulerService
 from .warmstart import WarmStart
-from ..models.requests.settings import EngineSettings
+from ..models.registry import configure
+from ..settings import EngineSettings
 
 from .placement import Seat
 
@@ -96,10 +97,16 @@ class RayDevice:
         await self._call("abandon", model_id)
 
     async def grant(self, epoch: int, live: tuple[int, ...] = (), model: str | None = None) -> None:
-        await self._call("grant", epoch, live, model)   # a restarted actor reloads `model` itself
+        await self._call("grant", epoch, live, model)
+
+    async def serve(self, models: Mapping[str, str]) -> None:
+        await self._call("serve", dict(models))   # a restarted actor reloads `model` itself
 
     async def slots(self, setting: int | None = None) -> dict:
         return await self._call("slots", setting)
+
+    async def steps(self) -> dict:
+        return await self._call("steps")
 
     async def revoke(self, epoch: int) -> None:
         await self._call("revoke", epoch)
@@ -151,6 +158,16 @@ class RayDevice:
         return await asyncio.to_thread(named)
 
 
+async def served_folders() -> dict[str, str] | None:
+    """The scheduler's table of the operator's ids (its `served_models`), which a ModelActor asks
+    for an id it does not know; None while there is no scheduler to ask."""
+    try:
+        scheduler = await asyncio.to_thread(ray.get_actor, SCHEDULER_NAME, namespace=NAMESPACE)
+        return (await scheduler.served_models.remote())["folders"]
+    except (ValueError, ray.exceptions.RayActorError):
+        return None
+
+
 @dataclass(frozen=True)
 class ModelFleet:
     """How ModelActors are made, by `start()` for the first pool and by the scheduler for a
@@ -169,7 +186,7 @@ class ModelFleet:
         """Get or create the ModelActor of `device` (named `model:<device>`)."""
         seat = self.seat(resources)
         return RemoteModel.options(**model_actor_options(model_actor_name(device), seat)).remote(
-            device=seat.torch_device, settings=self.settings, models=dict(self.models))
+            device=seat.torch_device, settings=self.settings, models=dict(self.models), served=served_folders)
 
 
 class SchedulerActor(SchedulerService):
@@ -229,6 +246,32 @@ class SchedulerActor(SchedulerService):
         server's own processes (the HTTP replicas read a served model's template), never shown."""
         return {"ids": [self.config.chat_model, *self.config.models], "hub": self.config.hub_models,
                 "folders": dict(self.config.models)}
+
+    async def serve(self, models: Mapping[str, str]) -> dict:
+        """Add the operator's `models` (id -> folder) to what this runtime serves, and give the
+        whole table to every device (one made later gets it with the fleet). An id served
+        already keeps its folder: naming another for it is a ValueError, and nothing changes.
+        Returns which ids were added and which were served already."""
+        table = dict(self.config.models)
+        clashes = {m: (table[m], f) for m, f in models.items() if m in table and table[m] != str(f)}
+        if clashes:
+            raise ValueError("; ".join(f"model {m!r} is served from {old!r} already, not {new!r}: serve the "
+                                       f"other folder under another id" for m, (old, new) in clashes.items()))
+        added = sorted(set(models) - set(table))
+        if added:
+            table.update({m: str(models[m]) for m in added})
+            configure(table)   # checks the ids (an embedded one cannot be taken) before anything changes
+            self.config = replace(self.config, models=table)
+            self._fleet = replace(self._fleet, models=tuple(table.items()))
+        await asyncio.gather(*(self._serve_on(driver.device, table) for driver in list(self.drivers.values())))
+        return {"added": added, "kept": sorted(set(table) - set(added)), "chat_model": self.config.chat_model}
+
+    @staticmethod
+    async def _serve_on(device: RayDevice, table: dict[str, str]) -> None:
+        try:
+            await device.serve(table)
+        except (DeviceLost, DeviceGone):   # a restarted one asks for the table itself
+            pass
 
     # -- the pool follows the cluster ---------------------------------------------------------
     def _keep_running(self) -> None:

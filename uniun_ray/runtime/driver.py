@@ -28,7 +28,7 @@ import asyncio
 import logging
 from typing import Protocol
 
-from ..models.requests.swap import COLD, SWITCH, WARM, Swap
+from ..models.swap import COLD, SWITCH, WARM, Swap
 from .protocol import DeviceLost
 
 log = logging.getLogger(__name__)
@@ -47,7 +47,8 @@ class Device(Protocol):
     (DeviceGone when it will not come back). Optional: `async slots(setting) -> {"slots": S,
     "step_profile": {batch: seconds}}`, what the device chose for the model it just loaded
     (R23, R25; without it a device keeps the slots it was added with, and no profile);
-    `async current_epoch() -> int`, the
+    `async steps() -> {"model": model_id, "step_profile": {batch: seconds}}`, the step times it
+    serves now (R23); `async current_epoch() -> int`, the
     newest epoch the device was granted, which a (restarted) scheduler reads once so that
     its epochs fence every older lease; `async alive() -> bool`, False once the device is
     gone for good (answered at once: a restarting device is alive); `async abandon(model_id)`,
@@ -86,6 +87,8 @@ class DeviceDriver:
         self.last_swap: Swap | None = None      # what the device kept warm after it (`Swap.kept`)
         self.copy_bytes_per_s: float | None = None   # measured by a warm copy of known size
         self.plan: dict | None = None           # what the device chose for its model: slots, step profile
+        self._steps_asked: float | None = None  # when the device was last asked for its steps ...
+        self._steps_asking = False              # ... and whether that answer is still on its way
         self.live: set[int] = set()           # epochs granted and not yet ended or revoked
         self._epochs = epochs or EpochClock()
         self._synced = False
@@ -119,6 +122,27 @@ class DeviceDriver:
         self.swap_s[model_id], self.last_swap = swap.seconds, swap
         self.measured[(model_id, swap.kind)] = swap.seconds
         return swap
+
+    async def served_steps(self, now: float, period_s: float) -> dict[int, float] | None:
+        """The step profile the device serves now for the model it holds (R23), asked at most
+        once per `period_s` (on the `now` of a monotonic clock) and one answer at a time; None
+        when not asked (a device without `steps`, or with no plan), or when the answer is no
+        news: the same profile, or one of another model (a load came between)."""
+        steps, model = getattr(self.device, "steps", None), self.model
+        if steps is None or self.plan is None or model is None or self._steps_asking \
+                or (self._steps_asked is not None and now - self._steps_asked < period_s):
+            return None
+        self._steps_asked, self._steps_asking = now, True
+        try:
+            answer = await steps()
+        finally:
+            self._steps_asking = False
+        profile = {int(batch): seconds for batch, seconds in (answer.get("step_profile") or {}).items()}
+        if not profile or answer.get("model") != model or self.model != model or self.plan is None \
+                or profile == self.plan.get("step_profile"):
+            return None
+        self.plan = self.plan | {"step_profile": profile}
+        return profile
 
     def swap_costs(self) -> dict[str, float]:
         """What a swap to each model measured here would cost now (R12: given to the policy):

@@ -56,7 +56,7 @@ class EmbeddingActor:
         started = time.perf_counter()
         try:
             # Each of Ray's threads that calls this sets its own OpenMP threads: MKL and oneDNN read
-            # them per thread, and a new one starts from Ray's OMP_NUM_THREADS=1 (models/host/cores.py).
+            # them per thread, and a new one starts from Ray's OMP_NUM_THREADS=1 (models/tune/cores.py).
             import torch
 
             torch.set_num_threads(self._threads)

@@ -24,8 +24,8 @@ from .head import stand_in_resources, worker_niceness
 from .protocol import EMBEDDER_NAME, NAMESPACE, SCHEDULER_NAME, UniunError, model_actor_name
 from .releases import RELEASES
 from .service import RuntimeConfig
-from ..models.requests.registry import DEFAULT_CHAT_MODEL, configure, known_ids, resolve
-from ..models.requests.settings import MODELS_ENV, SLOTS_ENV, EngineSettings, parse_models, parse_slots, warm_start
+from ..models.registry import DEFAULT_CHAT_MODEL, configure, known_ids, resolve
+from ..settings import MODELS_ENV, SLOTS_ENV, EngineSettings, parse_models, parse_slots, warm_start
 
 #: Resources a local cluster declares for one stand-in device of a CPU-only machine.
 LOCAL_RESOURCES = stand_in_resources(0)
@@ -206,8 +206,10 @@ def start(config: RuntimeConfig | None = None, *, models: Mapping[str, str] | No
           hub_models: bool | None = None, wait_ready: bool = True) -> Handles:
     """Get or create the scheduler, a model actor per device the cluster declares, and the
     embedder. `config` only applies when the scheduler is created here (a running one keeps
-    its own, and its pool); `models` (id -> folder of weights) and `hub_models` add to it what
-    `uniun-ray up --model ID=PATH` and `--hub-models` set. Placement follows what the cluster
+    its own, and its pool), but for its models: `models` (id -> folder of weights) and
+    `config.models` are added to what a running scheduler serves, and reach every device, as
+    `uniun-ray up --model ID=PATH` does (what was added, and a chat model not taken, is logged);
+    `hub_models` is what `--hub-models` sets. Placement follows what the cluster
     declares (`placement`); an actor whose seat is taken is refused at once, naming the
     resource, rather than left waiting for ever. The scheduler then loads the active chat
     model on its device (the warm start, `warmstart`; `UNIUN_WARM_START=0` skips it), and
@@ -230,12 +232,24 @@ def start(config: RuntimeConfig | None = None, *, models: Mapping[str, str] | No
     embedder = RemoteEmbedder.options(**embedder_options(EMBEDDER_NAME, embedder_seat, concurrency)).remote(
         device=embedder_seat.torch_device, hub_kernels=settings.hub_kernels)
     scheduler = RemoteScheduler.options(**scheduler_options(SCHEDULER_NAME)).remote(devices, fleet, config)
+    _served(ray.get(scheduler.serve.remote(dict(config.models))), config)
     if warm_start():
         started = scheduler.ready.remote(wait_ready)
         if wait_ready:
             ray.get(started)
     return _remember(Handles(scheduler, models[devices[0]], embedder, ray.get(scheduler.chat_model.remote()),
                              models))
+
+
+def _served(answer: dict, config: RuntimeConfig) -> None:
+    """Say what a running scheduler kept of `config`: the models it serves now, the ones this
+    call added, and a chat model it did not take (it keeps its own)."""
+    if answer["added"]:
+        log.info("uniun-ray: now serving %s (added %s)", ", ".join(answer["added"] + answer["kept"]),
+                 ", ".join(answer["added"]))
+    if answer["chat_model"] != config.chat_model:
+        log.warning("uniun-ray: the running scheduler keeps its chat model %r, not %r (uniun-ray down, then "
+                    "start, to change it)", answer["chat_model"], config.chat_model)
 
 
 def _check_seats(seats: list[tuple[str, "placement.Seat"]], grace_s: float = 3.0) -> None:

@@ -24,10 +24,10 @@ from collections import deque
 from dataclasses import asdict, replace
 
 from .. import engines
-from ..models.requests.registry import configure, prepared, resolve
+from ..models.registry import UnknownModel, configure, configured, prepared, resolve
 from ..models.requests.request import GenerateRequest
-from ..models.requests.settings import MAX_SLOTS, EngineSettings, default_warm_mb
-from ..models.requests.swap import HOST, NONE, RESIDENT, Swap
+from ..settings import MAX_SLOTS, EngineSettings, default_warm_mb
+from ..models.swap import HOST, NONE, RESIDENT, Swap
 from ..models.requests.vocabulary import tool_call_format
 from .metrics import ModelMetrics
 from .placement import DEVICE_RESOURCE, assigned_resources, devices_here, node_id, stand_ins_here
@@ -56,9 +56,10 @@ class ModelActor:
     two devices running at once do not fight over every core."""
 
     def __init__(self, device: str = "cpu", settings: EngineSettings | None = None,
-                 models: dict[str, str] | None = None) -> None:
+                 models: dict[str, str] | None = None, served=None) -> None:
         settings = settings or EngineSettings()
         configure(models or {})   # the operator's ids (`uniun-ray up --model ID=PATH`) resolve here too
+        self._served = served     # async () -> the scheduler's table of them, asked for an id not known here
         budget = None
         if device == "cpu" and DEVICE_RESOURCE in assigned_resources():
             budget = max(1, settings.resolved_threads() // stand_ins_here())
@@ -98,7 +99,7 @@ class ModelActor:
             await self._drain()
             self._loading = (model_id, threading.Event())
             try:
-                swap = await asyncio.to_thread(self._engine.load, model_id, self._loading[1])
+                swap = await self._resolving(self._engine.load, model_id, self._loading[1])
             finally:
                 self._loading = None
             if swap.kind != NONE:
@@ -127,6 +128,7 @@ class ModelActor:
         async with self._swap_lock:
             await self._drain()
             await asyncio.to_thread(self._engine.unload)   # the warm models too
+            configure({})   # the next scheduler gives its own table of served models
             self._last_revoke.clear()
             self.stop_latencies.clear()
             self._swaps.clear()
@@ -182,23 +184,51 @@ class ModelActor:
         return await asyncio.to_thread(self._slot_plan, setting)
 
     def _slot_plan(self, setting: int | None) -> dict:
-        from ..models.host.steps import auto_slots
+        from ..models.runner.profile import auto_slots
 
         profile = self._engine.step_profile()
         chosen = setting or auto_slots(profile, limit=MAX_SLOTS)
         return {"slots": min(chosen, self._engine.capacity), "step_profile": profile, "auto": setting is None}
+
+    async def steps(self) -> dict:
+        """The step times this device serves now (R23: the policy reads those, not only the
+        probe's at load), which the scheduler asks for now and then while the device is busy:
+        the resident model and its step profile (`Engine.step_profile`). Off the event loop,
+        and off the decode loop's thread: the engine keeps the figures as it steps."""
+        return await asyncio.to_thread(self._served_steps)
+
+    def _served_steps(self) -> dict:
+        return {"model": self._engine.loaded, "step_profile": self._engine.step_profile()}
+
+    async def serve(self, models: dict[str, str]) -> None:
+        """The scheduler's table of the operator's ids (id -> folder), replacing this process's:
+        a model added to a running runtime reaches every device that exists already."""
+        configure(models)
+
+    async def _resolving(self, call, model_id: str, *args):
+        """`call(model_id, *args)` in a thread; an id this process does not know is asked of the
+        scheduler, which holds the one table of served models (a device made by an earlier
+        scheduler, or restarted by Ray with its first arguments, may lag behind it), then tried once more."""
+        try:
+            return await asyncio.to_thread(call, model_id, *args)
+        except UnknownModel:
+            table = await self._served() if self._served is not None else None
+            if table is None or table == configured():
+                raise
+            configure(table)
+        return await asyncio.to_thread(call, model_id, *args)
 
     # -- work ------------------------------------------------------------------------------
     async def check(self, model_id: str, request: GenerateRequest) -> int:
         """Validate a request against a model without loading its weights (tokenizer and
         config only): prompt too long, messages to a model without a chat template, what the
         engine cannot follow... Returns the prompt's token count. Clients call this before queueing."""
-        return await asyncio.to_thread(self._engine.check, model_id, request)
+        return await self._resolving(self._engine.check, model_id, request)
 
     async def prepare(self, model_id: str) -> bool:
         """Whether the model's weights are ready here; if not, their one-time conversion starts
         in the background (`registry.prepared`). UnknownModel for an id nothing resolves."""
-        return await asyncio.to_thread(prepared, resolve(model_id))
+        return await self._resolving(lambda model_id: prepared(resolve(model_id)), model_id)
 
     async def generate(self, epoch: int, request: GenerateRequest, revocable: bool = True):
         """Stream {"piece": text, "tokens": n} items (n: the run's tokens streamed so far, text
@@ -249,7 +279,7 @@ class ModelActor:
         while True:
             stepped.clear()               # a step that ends after this wakes the wait below
             ended = run.done.is_set()     # read before the pieces: every piece is out once it is set
-            text, tokens = run.take()
+            text, tokens = run.drain()
             if text:
                 yield {"piece": text, "tokens": tokens}
             if ended:
@@ -304,7 +334,9 @@ class ModelActor:
                 "slots": {"rows": engine["running"], "steps_by_batch": engine.get("steps_by_batch", {})},
                 "context_length": engine.get("context_length"),
                 "engine": engine | {"niceness": os.nice(0),   # its threads run at it
-                                    "tool_call_format": calls},
+                                    "tool_call_format": calls,
+                                    # over a window: the cores this process used, against its threads
+                                    "process_cpu_s": time.process_time()},
                 "models": _models(self._engine.loaded, self._swaps),
                 "swaps": [swap.describe() for swap in self._swaps],
                 "ray_resources": assigned_resources(), "node": node_id(),

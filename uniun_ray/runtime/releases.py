@@ -1,4 +1,4 @@
-"""A process's releases on their way: a client ends a lease one-way (issue 25, control plane).
+"""A process's releases on their way: a client ends a lease one-way (control plane).
 
 A finished or failed job's `release` is sent without waiting for the scheduler's answer, so a
 job's control path is one round trip (`acquire`: submit and grant) plus a one-way message.

@@ -26,9 +26,9 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Mapping
 
-from ..models.requests.registry import DEFAULT_CHAT_MODEL
-from ..models.requests.settings import check_slot_count
-from ..models.requests.swap import SwapAbandoned
+from ..models.registry import DEFAULT_CHAT_MODEL
+from ..settings import check_slot_count
+from ..models.swap import SwapAbandoned
 from ..policy import Dispatch, Job, Outcome, PolicyConfig, Requeued, Revoke, RevokeCause, SchedulerPolicy
 from .clock import Clock
 from .driver import Device, DeviceDriver, EpochClock
@@ -55,6 +55,8 @@ _REASONS = {RevokeCause.ARRIVAL: "arrival of an outranking job", RevokeCause.FOR
 LONE_DEVICE = "dev0"
 #: The longest a `grant` long-poll waits when its caller's session heartbeats (see `heartbeat`).
 SESSION_POLL_S = 60.0
+#: How often a busy device is asked for the step times it serves (R23; `DeviceDriver.served_steps`).
+STEPS_ASK_S = 1.0
 #: The longest an `acquire` waits for the releases it names that have not arrived yet (their
 #: holder sent them first; only a release lost with its sender's process takes this long).
 RELEASE_WAIT_S = 1.0
@@ -131,7 +133,7 @@ class SchedulerService:
         self.reaper = Reaper(self.config.reap_period_s, self.policy.next_wakeup, self._tick,
                              lambda mono: self.leases.idle(mono, self.config.waiter_timeout_s,
                                                            self.config.lease_timeout_s),
-                             self._withdraw, self._refresh_metrics, self.clock)
+                             self._withdraw, self._each_round, self.clock)
         self._last_now = 0.0
         self.events = EventLog(self.config.event_log, self.config.event_log_max_bytes)
         # optional sink beside the log (runtime.metrics.SchedulerMetrics): write(event) for
@@ -520,6 +522,24 @@ class SchedulerService:
 
     def _tick(self) -> None:
         self._apply(self.policy.tick(self._now()))
+
+    def _each_round(self) -> None:
+        """After each of the reaper's rounds: the metrics' gauges, and each busy device asked
+        for the step times it serves."""
+        self._refresh_metrics()
+        for name, driver in self.drivers.items():
+            if self.policy.slot_jobs.get(name):
+                self._spawn(self._take_steps(name, driver))
+
+    async def _take_steps(self, device: str, driver: DeviceDriver) -> None:
+        """R23: the step times `device` serves, given to the policy, which reacts at once (a
+        running chat's bound may have moved: its companions are revoked, or more may join)."""
+        try:
+            profile = await driver.served_steps(self.clock.monotonic(), STEPS_ASK_S)
+            if profile is not None and self.drivers.get(device) is driver and driver.model is not None:
+                self._apply(self.policy.set_step_profile(driver.model, device, profile, self._now()))
+        except Exception as error:   # a device that died is its holders' to report; the next round asks again
+            log.info("asking %s for its step times failed: %s", device, error)
 
     def _refresh_metrics(self) -> None:
         if self.metrics is not None:

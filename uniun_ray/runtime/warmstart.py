@@ -1,4 +1,4 @@
-"""The warm start (issue 37): the active chat model loaded on its device before the runtime says
+"""The warm start: the active chat model loaded on its device before the runtime says
 it is ready, so that the first chat waits for no cold load.
 
 `uniun-ray up` and `start()` wait for it (`UNIUN_WARM_START=0` skips it); `/health` answers 503

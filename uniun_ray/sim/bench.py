@@ -133,7 +133,7 @@ def draw(workload: Workload, results: dict[str, Outcome], out: Path) -> None:
 
 
 def goals(all_results: dict[str, dict[str, Outcome]], workloads: dict[str, Workload], device: DeviceProfile) -> list[Goal]:
-    """The goals of issue 4 for the real policy, checked, not tuned for."""
+    """The workloads' goals for the real policy, checked, not tuned for."""
     checked: list[Goal] = []
 
     def check(name: str, ok: bool | None, detail: str) -> None:
@@ -151,10 +151,10 @@ def goals(all_results: dict[str, dict[str, Outcome]], workloads: dict[str, Workl
         check("issue118: chat p99 TTFT within one decode step + 50 ms of idle TTFT",
               real.chat_delay_p99 <= bound,
               f"p99 TTFT - idle TTFT (= chat delay) {real.chat_delay_p99:.3f} s vs {bound:.3f} s")
-    if "mixed_day" in all_results:   # issue 4's goal (swaps <= 1.2x forced) counted cold loads: now a figure
+    if "mixed_day" in all_results:   # a swap count against the forced minimum said nothing of what swaps cost: a figure
         m = all_results["mixed_day"][REAL].metrics
         by_tier = Counter(run.tier for run in all_results["mixed_day"][REAL].trace.runs if run.swap_s > 0)
-        check("mixed_day: swaps against the T0/T1-forced minimum (no goal since issue 37: `swap_goals`)", None,
+        check("mixed_day: swaps against the T0/T1-forced minimum (a figure: `swap_goals` has the goals)", None,
               f"{m.swaps} swaps vs {m.forced_swaps} forced ({m.swaps / m.forced_swaps:.1f}x), {m.swap_s:.0f} s; by "
               f"the tier of the run that swapped: " + ", ".join(f"T{t} {n}" for t, n in sorted(by_tier.items())))
     for name, workload in workloads.items():
@@ -181,7 +181,7 @@ def goals(all_results: dict[str, dict[str, Outcome]], workloads: dict[str, Workl
 
 
 def swap_goals(workload: Workload, device: DeviceProfile) -> list[Goal]:
-    """Issue 37's goals, which replace issue 4's swap count (a count said what swaps cost while
+    """The swap goals, which replace a swap count (a count said what swaps cost while
     every swap was a cold load; a switch costs milliseconds): the real policy on `workload`
     with `device` (whose models come back as it `keeps` them) against the same device where
     every swap is a cold load: swap seconds per device-hour >= 10x lower, with background

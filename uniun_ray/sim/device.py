@@ -62,17 +62,19 @@ a run an hour earlier under heavier load gave 1.0, 1.7, 2.0, 3.1, 3.9, 6.4x: the
 a fifth). PROVISIONAL: one thread, not both cores, and not a quiet machine; rerun the probe
 alone (both cores, wall clock) and replace the curve. Only its shape is used: the batch-1 step
 stays the profile's 22.33 tok/s above, so that one slot's tables do not move, and every cpu
-model takes SmolLM2's curve (Gemma and tiny are not measured). R23 then keeps one job beside a
-chat (step(2) = 1.181 step(1) <= 1.25).
+model takes SmolLM2's curve (Gemma and tiny are not measured). R23 then keeps two jobs beside a
+SmolLM2 chat: its bound is the floor, 75 ms (1.25 x 44.8 ms is less), which step(3) = 67 ms meets
+and step(4) = 82 ms does not; one beside a Gemma chat (51 ms alone: step(2) = 61 ms, step(3) = 77 ms).
 
 ``gpu``: an estimate from published figures, not a measurement. vLLM serving Qwen2.5-0.5B on
 one datacenter GPU decodes ~65 tok/s for one sequence and ~1,737 tok/s for 128 (the figures
-issue 24 quotes; the page they come from is not among this project's references), so a step
+the slot study quotes; the page they come from is not among this project's references), so a step
 of 128 sequences takes (128 / 1737) / (1 / 65) = 4.79 steps of one: the weights are read once
 per step whatever the batch, and each sequence adds its attention and its share of the
 matrix products. The curve is linear between the two points (and past 128, as the policy
 extrapolates): 1 + 0.0298 (b - 1), i.e. 11x the tokens per second of one sequence at 16, 17x
-at 32; R23 then keeps 8 jobs beside one chat (step(9) = 1.24 step(1) <= 1.25). Other public
+at 32; R23 then keeps every other slot beside one chat: a 15 ms step alone is bound by the 75 ms
+floor, which steps meet up to about 135 rows (1.25 x its step alone, up to 9 rows). Other public
 reports have the same shape: vLLM issue #5567 (55 tok/s at batch 1, 1,275 at 256: 23x) and
 GPULlama3.java PR #129 (41x aggregate for Llama-3.2-1B in fp16 on an RTX 4090, large B). The
 batch-1 step stays the estimate above (15 ms SmolLM2, 10 ms Gemma): a transformers engine in
@@ -89,7 +91,7 @@ from ..events.schema import COLD, SWITCH, WARM
 from ..policy.steps import step_time
 
 #: A prefill chunk takes this many decode steps, as the engine sizes them
-#: (`uniun_ray.models.host.tuning.CHUNK_DECODE_STEPS`; the simulator does not import the models).
+#: (`uniun_ray.models.tune.tuning.CHUNK_DECODE_STEPS`; the simulator does not import the models).
 CHUNK_DECODE_STEPS = 2.0
 
 
@@ -105,7 +107,7 @@ class ModelSpeed:
     batch_cost: tuple[tuple[int, float], ...] = ((1, 1.0),)
     warm_s: float | None = None     # a swap back from host memory (None: as cold)
     switch_s: float | None = None   # a switch to it, resident beside the last model (None: as warm)
-    #: The slots the runtime's "auto" (R25, `models.host.steps.auto_slots` over `steps` at the
+    #: The slots the runtime's "auto" (R25, `models.runner.profile.auto_slots` over `steps` at the
     #: batch sizes it measures) gives the model once loaded: 1 for a model its engine cannot
     #: batch (Gemma's sliding window). Played where the simulator is given ``slots="auto"``.
     auto_slots: int = 1
@@ -146,7 +148,7 @@ class DeviceProfile:
     kv_cache_tokens: int = 20_000
     #: Where the models' batch curves come from, in a few words, for the figures that use them.
     batch_source: str = ""
-    #: How a model that was on a device comes back (issue 37): COLD (nothing is kept: every swap
+    #: How a model that was on a device comes back: COLD (nothing is kept: every swap
     #: loads), WARM (kept in host memory) or SWITCH (kept on the device). The warm budget is not
     #: modelled: the host keeps every model it has loaded.
     keeps: str = COLD
@@ -200,7 +202,7 @@ PROFILES: dict[str, DeviceProfile] = {
     }, batch_source="batch curve estimated from published vLLM figures, not measured"),
 }
 
-#: Issue 37: seconds of `ModelActor.load` switching back to a model kept co-resident on this
+#: Seconds of `ModelActor.load` switching back to a model kept co-resident on this
 #: CPU (the runtime's default since then), SmolLM2 <-> Gemma back and forth
 #: (``benchmarks/runtime_bench.py --swaps-only --quick``: p50 of 2, 1.3 and 1.4 ms). PROVISIONAL:
 #: measured beside other sessions' work; `tiny` is not measured and takes SmolLM2's.

@@ -191,7 +191,7 @@ class ChatWait:
 
 
 def chat_waits(log: Iterable[Event] | Trace) -> list[ChatWait]:
-    """Every chat that got a first token, slowest first: what it waited for (issue 37)."""
+    """Every chat that got a first token, slowest first: what it waited for."""
     trace = log if isinstance(log, Trace) else Trace(log)
     waits = []
     for rec in trace.jobs.values():

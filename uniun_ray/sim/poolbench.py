@@ -1,9 +1,9 @@
-"""The pool benchmark (issue 16): one saturating workload on 1, 2, 4, ... devices of the
+"""The pool benchmark: one saturating workload on 1, 2, 4, ... devices of the
 same profile, under the real policy, scored from the event logs.
 
 Background throughput is the output tokens of the non-chat jobs that completed before the
 producers stopped, per hour: with every producer backlogged it measures how much work the
-pool does, not how much was asked. The goals of issue 16 are checked against the first
+pool does, not how much was asked. Its goals are checked against the first
 device count given (1 by default), not tuned for.
 """
 from __future__ import annotations
@@ -18,7 +18,7 @@ from .simulator import AUTO, Slots, simulate
 from ..events.trace import Trace
 from .workload import Workload
 
-#: Goals of issue 16, as (device count, minimum background throughput against the base).
+#: Goals, as (device count, minimum background throughput against the base).
 SPEEDUP_GOALS = {2: 1.8, 4: 3.5}
 
 
@@ -66,7 +66,7 @@ def report(workload: Workload, profile: DeviceProfile, counts: list[int]) -> str
 
 
 def goals(outcomes: list[PoolOutcome]) -> list[Goal]:
-    """The goals of issue 16, each pool against the first."""
+    """The goals, each pool against the first."""
     base, checked = outcomes[0], []
     for o in outcomes[1:]:
         ratio = o.background_tok_h / base.background_tok_h

@@ -1,5 +1,5 @@
-"""The slots benchmark (issue 24): each workload on one device with 1, 4, 8, 16 slots (SPEC §6),
-under the real policy, scored from the event logs; issue 24's goals checked against the first
+"""The slots benchmark: each workload on one device with 1, 4, 8, 16 slots (SPEC §6),
+under the real policy, scored from the event logs; its goals checked against the first
 slot count given, not tuned for.
 
 Figures per run: background throughput (`poolbench`: output tokens of the non-chat jobs done
@@ -8,7 +8,7 @@ of ``extract:backfill``, first submit to last end), swaps per device-hour (over 
 span, the same for every slot count: the log of a faster run ends sooner), revokes (those of
 R23, cause "step", in brackets), the mean batch a dispatch joined, idle time while work waited.
 
-Goals (issue 24), per profile: background throughput at the best slot count >= 1.8x one slot's
+Goals, per profile: background throughput at the best slot count >= 1.8x one slot's
 on ``cpu``, >= 10x on ``gpu``, on the saturating workload (elsewhere the producers' own depth
 caps the batch); chat TTFT p99 no worse than one slot's plus one step (the chat model's step at
 that slot count: a chat joins at the end of the step under way); the backfill drained in <= 1/2
@@ -81,7 +81,7 @@ def summary(workload: Workload, runs: list[PoolOutcome]) -> list[tuple[str, str]
 
 
 def goals(workloads: list[Workload], results: dict[str, list[PoolOutcome]], profile: DeviceProfile) -> list[Goal]:
-    """Issue 24's goals, the slot counts against the first."""
+    """The study's goals, the slot counts against the first."""
     checked: list[Goal] = []
     throughput, drain = THROUGHPUT_GOALS.get(profile.name), DRAIN_GOALS.get(profile.name)
     if SATURATING in results:
@@ -122,7 +122,7 @@ def report(workloads: list[Workload], profile: DeviceProfile, counts: list[int])
     return "\n\n".join([f"## Slots on one device (profile `{profile.name}`)", *tables,
                         f"### Goals (profile `{profile.name}`)\n\n"
                         + goals_table(goals(workloads, results, profile),
-                                      "goal (issue 24, against the first slot count)")])
+                                      "goal (against the first slot count)")])
 
 
 def _ratio(value: float | None, base: float | None) -> str:

@@ -16,7 +16,7 @@
 ``POOL_WORKLOADS`` saturate a pool of devices (`uniun-ray bench --devices 1,2,4`):
 ``pool``: three Nataraj producers on the chat model and three Gana loops on the other,
 each keeping two jobs queued for 30 min, while five chat conversations come and go.
-``pool_chats`` (issue 37, for a chat p99 over 100+ chats): the same producers for 2 h while 34
+``pool_chats`` (for a chat p99 over 100+ chats): the same producers for 2 h while 34
 conversations come and go (~110 chat turns), one every ~4 min.
 
 ``SLOT_WORKLOADS`` are for devices with slots (`uniun-ray bench --slots 1,4,8,16`, beside
@@ -310,7 +310,7 @@ WORKLOADS: dict[str, Callable[[int], Workload]] = {
 SHORT_WORKLOADS: dict[str, Callable[[int], Workload]] = {"issue118_short": issue118_short, "swaps_short": swaps_short}
 #: For a pool of devices (`uniun-ray bench --devices`); not in the one-device bench.
 POOL_WORKLOADS: dict[str, Callable[[int], Workload]] = {"pool": pool}
-#: For the chat p99 of issue 37 on one device (`benchmarks/sim_bench.py`, "swaps"): many chats.
+#: For a chat p99 on one device (`benchmarks/sim_bench.py`, "swaps"): many chats.
 SWAP_WORKLOADS: dict[str, Callable[[int], Workload]] = {"pool_chats": pool_chats}
 #: For devices with slots (`uniun-ray bench --slots`), with issue118; not in the one-slot bench.
 SLOT_WORKLOADS: dict[str, Callable[[int], Workload]] = {"issue118": issue118, "backfill_bulk": backfill_bulk,

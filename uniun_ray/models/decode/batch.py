@@ -8,7 +8,7 @@ pieces and result (``token_ids`` for an exact resume), and its own prefix-cache 
 
 * A joining job's prefill runs on its own (batch 1, its own cache, starting from its prefix-cache
   hit), one chunk per step between the others' decode steps, so nobody waits for a long prompt
-  for more than about one step. Its KV then joins the batch's rows (``kv.rows``: how rows are
+  for more than about one step. Its KV then joins the batch's rows (``runner.rows``: how rows are
   kept, padded or static, is the device's mechanism; when they join and leave is decided here).
 * A leaving job's row is dropped; its KV, cut out of the rows, goes into the prefix cache as the
   engine stores it (a revoked job's for its resume).
@@ -21,7 +21,7 @@ pieces and result (``token_ids`` for an exact resume), and its own prefix-cache 
 Greedy output per job is token-identical to the job running alone in float32: padded positions
 get exactly zero attention weight (tested with the tiny model; in lower precision a batched
 kernel may round differently and flip a near-tie, unless ``UNIUN_DETERMINISTIC`` has a CPU
-compute each row as alone: ``host.attention``, ``host.packing``).
+compute each row as alone: ``runner.attention``, ``load.packing``).
 """
 from __future__ import annotations
 
@@ -35,10 +35,10 @@ import torch
 
 from .choice import Choice
 from .sequence import Sequence
-from ..host.gate import CancelFlag, Interrupted
-from ..host.tuning import CHUNK_DECODE_STEPS, MAX_CHUNK, MIN_CHUNK
-from ..host.weights import Loaded, forward
-from ..kv import rows as kv_rows
+from ..runner.gate import CancelFlag, Interrupted
+from ..tune.tuning import CHUNK_DECODE_STEPS, MAX_CHUNK, MIN_CHUNK
+from ..load.weights import Loaded
+from ..runner import rows as kv_rows
 from ..kv.prefix import crop_layers
 from ..requests.request import GenerateRequest, GenerationResult
 
@@ -50,7 +50,7 @@ DEFAULT_SLOTS = 8
 
 
 class Job:
-    """One request in a ``Batch``. Its text arrives in ``pieces`` as the batch steps (``take``
+    """One request in a ``Batch``. Its text arrives in ``pieces`` as the batch steps (``drain``
     returns what is new); ``result`` is set, and ``done`` set, when it ends."""
 
     def __init__(self, sequence: Sequence, revocable: bool) -> None:
@@ -65,7 +65,7 @@ class Job:
     def pieces(self) -> list[str]:
         return self.sequence.pieces
 
-    def take(self) -> list[str]:
+    def drain(self) -> list[str]:
         """The pieces handed out since the last call."""
         pieces = self.sequence.pieces[self._taken :]
         self._taken += len(pieces)
@@ -76,7 +76,7 @@ class Batch:
     """The runs on ``engine``'s loaded model, stepped together by one thread (``step`` / ``run``).
 
     ``add`` may be called from any thread; a job beyond ``slots`` rows (None: DEFAULT_SLOTS; 1
-    for a model that cannot be batched, see ``kv.rows.batchable``) waits for a row. Jobs join one at a
+    for a model that cannot be batched, see ``runner.rows.batchable``) waits for a row. Jobs join one at a
     time, in the order they were added. The engine refuses ``load``/``unload`` while any job
     added here has not ended.
     """
@@ -101,21 +101,21 @@ class Batch:
         self._lock = threading.Lock()
         self._waiting: deque[Job] = deque()
         self._joining: Job | None = None
-        self._rows: list[Job] = []
+        self._decoding: list[Job] = []
         self._choice: Choice | None = None         # how the rows choose their tokens (made again as they change)
         self.last_step_rows = 0                  # rows the last step decoded (0: it only prefilled)
 
     @property
     def rows(self) -> int:
         """Jobs decoding together now (a joining job's prefill not counted)."""
-        return len(self._rows)
+        return len(self._decoding)
 
     @property
     def busy(self) -> bool:
-        return bool(self._rows or self._joining or self._waiting)
+        return bool(self._decoding or self._joining or self._waiting)
 
     def add(self, request: GenerateRequest, cancel: CancelFlag, revocable: bool = True) -> Job:
-        """Queue a run; checked here, eagerly, as ``Engine.generate`` checks it. A run that is
+        """Queue a run; checked here, eagerly, as ``generation.generate`` checks it. A run that is
         not ``revocable`` (chat) reads its prompt in one pass (see ``_chunk``)."""
         sequence = self.engine.admit(request, cancel)
         if sequence.loaded is not self.loaded:
@@ -149,11 +149,11 @@ class Batch:
                 self._leave_cancelled()
             self._drop_cancelled_waiting()
             self._next_joining()
-            alone = not self._rows
+            alone = not self._decoding
             if self._joining is not None:
                 self._prefill(self._joining)
             self._leave_cancelled()
-            if self._rows and not (alone and len(self._rows) == 1):   # a lone joiner's first token ends its step
+            if self._decoding and not (alone and len(self._decoding) == 1):   # a lone joiner's first token ends its step
                 self._decode()
         except BaseException:
             self._fail()
@@ -162,7 +162,7 @@ class Batch:
 
     def close(self) -> None:
         """End every job now, as cancelled (their KV kept for their resume)."""
-        self._leave(list(self._rows), "cancel")
+        self._leave(list(self._decoding), "cancel")
         if self._joining is not None:
             self._end(self._joining, "cancel", self._joining.cache)
             self._joining = None
@@ -185,13 +185,13 @@ class Batch:
                 return
             self._waiting.remove(job)
         sequence = job.sequence
-        sequence.start_from(self.loaded.prefix.take(sequence.context))
+        sequence.start_from(self.loaded.prefix.lookup(sequence.context))
         job.cache = sequence.hit.cache
         self._joining = job
 
     def _row_free(self) -> bool:
         """Whether a waiting job may start its prefill now: none is prefilling and a row is free."""
-        return self._joining is None and len(self._rows) < self.slots
+        return self._joining is None and len(self._decoding) < self.slots
 
     def _waiting_chat(self) -> Job | None:
         """The first waiting job only its own cancel may stop (a chat); call with the lock held."""
@@ -228,7 +228,7 @@ class Batch:
         self._joining = None
         sequence.prefilled_at = time.perf_counter()
         tokens, ends = Choice([sequence], self.engine.device).step(logits[None])
-        sequence.take(tokens[0], ends[0])
+        sequence.append(tokens[0], ends[0])
         if self._first_token is not None and sequence.pieces:
             self._first_token()
         if sequence.ended:
@@ -260,7 +260,7 @@ class Batch:
             return self.engine.prefill_chunk
         if not job.revocable:
             return MAX_CHUNK
-        if self._rows:
+        if self._decoding:
             return max(MIN_CHUNK, int(clock.chunk * CHUNK_DECODE_STEPS / clock.decode_steps))
         return clock.chunk
 
@@ -268,7 +268,7 @@ class Batch:
         """Add the job's KV to the batch as a new row."""
         self._kv.join(job.cache, job.sequence.fed)
         job.cache = None
-        self._rows.append(job)
+        self._decoding.append(job)
         self._choice = None
 
     # -- decoding ----------------------------------------------------------------------------
@@ -277,31 +277,33 @@ class Batch:
         """One forward pass over every row's last token; then every row's token is chosen, and
         what ends it decided, on the device for the whole batch (``choice``): only the chosen
         ids and the rows' ends come to the host, in one copy."""
-        rows = self._rows
+        rows = self._decoding
         started = time.perf_counter()
         logits = self._kv.decode([job.sequence.last_token for job in rows], [job.sequence.fed for job in rows])
         if self._choice is None:
             self._choice = Choice([job.sequence for job in rows], self.engine.device)
         tokens, ends = self._choice.step(logits)
-        self.loaded.clock.observe(1, time.perf_counter() - started)
+        seconds = time.perf_counter() - started
+        self.loaded.clock.observe(1, seconds)
+        self.loaded.served.observe(len(rows), seconds)
         self.last_step_rows = len(rows)
         for job, token, end in zip(rows, tokens, ends):
             job.sequence.fed += 1
             job.sequence.stepped(len(rows))
-            job.sequence.take(token, end)
+            job.sequence.append(token, end)
         self._leave([job for job in rows if job.sequence.ended], None)
 
     # -- leaving -----------------------------------------------------------------------------
 
     def _leave_cancelled(self) -> None:
-        self._leave([job for job in self._rows if job.sequence.cancelled], "cancel")
+        self._leave([job for job in self._decoding if job.sequence.cancelled], "cancel")
 
     def _leave(self, jobs: list[Job], reason: str | None) -> None:
         """Drop the jobs' rows in one cut of the rows' KV, each job's own KV kept."""
         if not jobs:
             return
-        caches = self._kv.leave([self._rows.index(job) for job in jobs])
-        self._rows = [job for job in self._rows if job not in jobs]
+        caches = self._kv.leave([self._decoding.index(job) for job in jobs])
+        self._decoding = [job for job in self._decoding if job not in jobs]
         self._choice = None
         for job, cache in zip(jobs, caches):
             self._end(job, reason, cache)
@@ -315,8 +317,8 @@ class Batch:
 
     def _fail(self) -> None:
         """The model raised: every job ends with "error" (no KV kept: it may be half written)."""
-        jobs = self._rows + ([self._joining] if self._joining is not None else []) + list(self._waiting)
-        self._rows, self._joining, self._waiting = [], None, deque()
+        jobs = self._decoding + ([self._joining] if self._joining is not None else []) + list(self._waiting)
+        self._decoding, self._joining, self._waiting = [], None, deque()
         self._choice = None
         self._kv.clear()
         for job in jobs:
@@ -339,7 +341,7 @@ def prefill_chunk(
         with loaded.gate.armed(cancel) if loaded.gate is not None else nullcontext():
             started = time.perf_counter()
             ids = context[start : start + chunk]
-            logits, extended = forward(loaded, ids, cache, device)
+            logits, extended = loaded.runner.prefill(ids, cache, device)
             loaded.clock.observe(len(ids), time.perf_counter() - started)
     except Interrupted:
         if cache is None or not crop_layers(cache, start):

@@ -5,8 +5,8 @@ lives here, so it can be tested (and benchmarked) without a cluster:
 
 * ``load`` / ``unload`` swap the single resident model and report how (a ``Swap``: cold load,
   warm copy or switch) and how long that took, because the scheduler weighs swaps by their
-  measured cost (SPEC R12); the model a swap replaces stays warm (``host.warm``).
-* ``generate`` streams text and stops at the next token once its ``cancel`` event is set: this
+  measured cost (SPEC R12); the model a swap replaces stays warm (``load.parked``).
+* ``generation.generate`` streams text and stops at the next token once its ``cancel`` event is set: this
   is how a revoke (SPEC R4) takes effect. The decode loop is our own rather than
   ``model.generate``: it checks the flag before every forward pass, including between the chunks
   of a long prompt's prefill, which ``generate`` cannot interrupt; and it yields pieces in the
@@ -32,18 +32,17 @@ from typing import Any
 
 import torch
 
-from .generation import Generation
 from .sequence import Sequence
-from ..host import heap
-from ..host.gate import CancelFlag
-from ..host.warm import WarmStore, park, unpark
-from ..host.weights import DEFAULT_KV_OFFLOAD_MB, Loaded, Weights, default_kv_cache_mb
-from ..kv import rows as kv_rows
+from ..kv import heap
+from ..runner.gate import CancelFlag
+from ..load.parked import ParkedStore, park, unpark
+from ..load.weights import DEFAULT_KV_OFFLOAD_MB, Loaded, Weights, default_kv_cache_mb
+from ..runner import rows as kv_rows
 from ..kv.prefix import PrefixCache
-from ..requests.registry import materialize, resolve
+from ..registry import materialize, resolve
 from ..requests.request import GenerateRequest, _is_int
-from ..requests.settings import check_megabytes, default_warm_mb
-from ..requests.swap import COLD, NONE, Swap
+from ...settings import check_megabytes, default_warm_mb
+from ..swap import COLD, NONE, Swap
 from ..requests.vocabulary import PromptTooLong, context_of
 
 
@@ -65,16 +64,16 @@ class Engine:
     ({"cpu": "2GiB"} or {"0": "6GiB", "cpu": "20GiB"}) lets accelerate place the weights
     (``device_map="auto"``) and offload what does not fit, to CPU memory or to disk under the
     cache folder: a model larger than the device runs, slower. ``warm_mb`` bounds the idle
-    models kept warm after a swap (``host.warm``; 0: none; None: ``settings.default_warm_mb``);
+    models kept warm after a swap (``load.parked``; 0: none; None: ``settings.default_warm_mb``);
     ``coresident`` lets them stay on the device beside the active one where it has room.
     ``hub_kernels`` lets transformers fetch and run kernels from the Hugging Face Hub at load
     (``UNIUN_HUB_KERNELS=1``); off by default, a load reads nothing but the model's folder.
     ``deterministic`` (``UNIUN_DETERMINISTIC=1``): on CPU a decode step computes each row as it
     would alone, and a prompt's KV is the same however the prefix cache left it to read, so a
     greedy answer depends on neither, in bfloat16 either; it costs decode throughput and prefill
-    time (README).
+    time (docs/tuning.md).
 
-    Thread safety: ``generate`` may be iterated in a worker thread. ``load`` and ``unload`` refuse
+    Thread safety: a ``generation.generate`` run may be iterated in a worker thread. ``load`` and ``unload`` refuse
     (RuntimeError) while a run is in progress: revoke it and let its iterator finish first.
     """
 
@@ -104,7 +103,7 @@ class Engine:
         self.kv_offload_mb = (0 if self.device.type == "cpu" else
                               DEFAULT_KV_OFFLOAD_MB if kv_offload_mb is None else kv_offload_mb)
         check_megabytes("warm_mb", warm_mb)
-        self._warm = WarmStore((default_warm_mb() if warm_mb is None else warm_mb) * 2**20)
+        self._parked = ParkedStore((default_warm_mb() if warm_mb is None else warm_mb) * 2**20)
         self.coresident = coresident
         self._lock = threading.Lock()
         self._loaded: Loaded | None = None
@@ -157,12 +156,14 @@ class Engine:
         """Seconds per batched decode step of the loaded model on this host, per batch size
         ({1: s} only for a model that cannot be batched); {} when nothing is loaded. Measured at
         load and cached per host, model, dtype and threads; scaled down where the decode steps
-        seen since beat it (R23, R25: ``steps.auto_slots`` turns it into a slot count)."""
+        seen since beat it; and per batch size the device has served a few steps at, what it
+        served (``runner.profile.ServedSteps``: R23 bounds a chat's step with what it gets, R25's
+        ``runner.profile.auto_slots`` turns it into a slot count)."""
         loaded = self._loaded
         if loaded is None:
             return {}
         self._weights.revise(loaded)
-        return dict(loaded.probe.steps)
+        return loaded.served.profile(loaded.probe.steps)
 
     @property
     def threads_fixed(self) -> bool:
@@ -196,7 +197,7 @@ class Engine:
         seconds; kind NONE and 0.0 s if it already was).
 
         The resident model is set aside first, and that time is included: the caller wants
-        the cost of the swap. It is kept warm (``host.warm``) within the budget, and a warm
+        the cost of the swap. It is kept warm (``load.parked``) within the budget, and a warm
         model comes back as it left (a switch, or a copy from host memory) without its files
         being read; any other is read cold. A warm model that fails to come back, or a cold
         load short of memory while models are kept warm, falls back to a cold load (with the
@@ -209,13 +210,13 @@ class Engine:
             self._refuse_while_running("load")
             previous = self.loaded
             if previous == model_id:
-                return Swap(model_id, NONE, 0.0, previous, self._warm.kept(), kept_bytes=self._warm.sizes())
+                return Swap(model_id, NONE, 0.0, previous, self._parked.kept(), kept_bytes=self._parked.sizes())
             started = time.perf_counter()
-            folder = None if model_id in self._warm else materialize(resolve(model_id))
+            folder = None if model_id in self._parked else materialize(resolve(model_id))
             self._release(keep=True)
             kind, note = self._bring(model_id, folder, abandon)
-            return Swap(model_id, kind, time.perf_counter() - started, previous, self._warm.kept(), note,
-                        self._warm.sizes())
+            return Swap(model_id, kind, time.perf_counter() - started, previous, self._parked.kept(), note,
+                        self._parked.sizes())
 
     def unload(self) -> float:
         """Drop the resident model and every warm one, and free their memory; return the
@@ -229,7 +230,7 @@ class Engine:
     @property
     def warm(self) -> dict:
         """The idle models kept warm and their budget, for ``status``."""
-        return self._warm.describe() | {"coresident": self.coresident}
+        return self._parked.describe() | {"coresident": self.coresident}
 
     def check(self, request: GenerateRequest) -> int:
         """Raise what ``generate`` would raise for ``request``, without running the model.
@@ -238,18 +239,6 @@ class Engine:
         output). RuntimeError: no model is loaded. Otherwise as ``inspect_request``.
         """
         return len(self._prepare(request)[1])
-
-    def generate(self, request: GenerateRequest, cancel: CancelFlag, revocable: bool = True) -> Generation:
-        """Start a run: iterate the result for text pieces, then read its ``.result``.
-
-        The request is checked here, eagerly (see ``check``); the model runs only as the
-        iterator is advanced, in the thread that advances it. Setting ``cancel`` stops the run
-        before its next forward pass: within one token while decoding, within one prefill chunk
-        while reading the prompt. A run that is not ``revocable`` (nothing but its own cancel
-        stops it: chat) reads its prompt in chunks of up to MAX_CHUNK tokens instead of chunks
-        sized to one decode step.
-        """
-        return Generation(self, self.admit(request, cancel), revocable)
 
     def admit(self, request: GenerateRequest, cancel: CancelFlag) -> Sequence:
         """Check ``request`` against the resident model (as ``check``) and make its run's
@@ -270,7 +259,7 @@ class Engine:
     def retire(self, sequence: Sequence, cache: Any) -> None:
         """The run ended: keep the KV of its tokens (``cache``) for the next turn or its resume.
         Where that evicted KV from the prefix cache, or no run is left, the heap's free pages go
-        back to the system (``host.heap``): freed KV would otherwise stay resident."""
+        back to the system (``kv.heap``): freed KV would otherwise stay resident."""
         prefix = sequence.loaded.prefix
         evictions = prefix.evictions
         sequence.keep(prefix, cache)
@@ -297,11 +286,11 @@ class Engine:
             loaded.rows.free()
             loaded.rows = None
         if not keep:
-            self._warm.clear()
+            self._parked.clear()
             dropped = True
         else:   # nothing to free when it is kept and evicts nothing (a switch costs no collection)
             dropped = loaded is not None and bool(
-                self._warm.keep(loaded.vocabulary.model_id, park(loaded, self.device, self.coresident)))
+                self._parked.keep(loaded.vocabulary.model_id, park(loaded, self.device, self.coresident)))
         del loaded
         if dropped:
             self._free()
@@ -314,7 +303,7 @@ class Engine:
     def _bring(self, model_id: str, folder: Any, abandon: CancelFlag | None = None) -> tuple[str, str]:
         """Make ``model_id`` active: back from the warm store, else cold (``folder``: its files,
         None when it was warm). Returns the swap's kind and why it fell back to a cold load."""
-        parked, note = self._warm.take(model_id), ""
+        parked, note = self._parked.pop(model_id), ""
         if parked is not None:
             try:
                 self._loaded = unpark(parked, self.device)
@@ -329,9 +318,9 @@ class Engine:
         try:
             self._loaded = self._weights.load(model_id, folder, prefix, abandon)
         except (torch.OutOfMemoryError, MemoryError) as error:
-            if not self._warm:
+            if not self._parked:
                 raise
-            self._warm.clear()   # the memory they hold is what the load lacked
+            self._parked.clear()   # the memory they hold is what the load lacked
             self._free()
             note = f"memory short ({error}); the warm models were dropped and it loaded cold"
             self._loaded = self._weights.load(model_id, folder, prefix, abandon)

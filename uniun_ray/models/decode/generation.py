@@ -1,7 +1,8 @@
 """One run of the engine as an iterator of text pieces: a batch of one row, stepped by its consumer.
 
-``Engine.generate`` hands this out for callers that run one request at a time (the demo, the
-benchmarks, tests): the prefill chunks, the decode step and the KV kept at the end are the
+``generate`` hands this out for callers that run one request at a time (the demo, the
+benchmarks, tests); it is a function of this room, not an engine method, so that the engine
+below it knows nothing of batches or generations: the prefill chunks, the decode step and the KV kept at the end are the
 batch's own, so a lone run decodes exactly as a row of ``Batch`` does.
 """
 from __future__ import annotations
@@ -14,6 +15,8 @@ from ..requests.request import GenerationResult
 
 if TYPE_CHECKING:
     from .engine import Engine
+    from ..requests.request import GenerateRequest
+    from ..runner.gate import CancelFlag
 
 
 class Generation(Iterator[str]):
@@ -45,9 +48,22 @@ class Generation(Iterator[str]):
             busy = True
             while busy:
                 busy = batch.step()
-                for piece in job.take():
+                for piece in job.drain():
                     self.emitted_tokens = sequence.emitted_tokens
                     yield piece
         finally:
             batch.close()     # the consumer closed the iterator: the run ends as a cancel
             self.result = job.result
+
+
+def generate(engine: Engine, request: GenerateRequest, cancel: CancelFlag, revocable: bool = True) -> Generation:
+    """Start a run on ``engine``: iterate the result for text pieces, then read its ``.result``.
+
+    The request is checked here, eagerly (see ``Engine.check``); the model runs only as the
+    iterator is advanced, in the thread that advances it. Setting ``cancel`` stops the run
+    before its next forward pass: within one token while decoding, within one prefill chunk
+    while reading the prompt. A run that is not ``revocable`` (nothing but its own cancel
+    stops it: chat) reads its prompt in chunks of up to MAX_CHUNK tokens instead of chunks
+    sized to one decode step.
+    """
+    return Generation(engine, engine.admit(request, cancel), revocable)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import Counter
 from typing import Callable
 
@@ -18,8 +19,8 @@ import torch
 
 from .batch import Batch, Job
 from .engine import Engine
-from ..host.cores import CoreShare
-from ..host.gate import CancelFlag
+from ..tune.cores import CoreShare
+from ..runner.gate import CancelFlag
 from ..requests.request import GenerateRequest
 
 log = logging.getLogger(__name__)
@@ -34,6 +35,9 @@ class DecodeLoop:
         self._stepping = False
         self.failure: BaseException | None = None
         self.batch_sizes: Counter = Counter()   # rows decoded together -> steps taken so
+        #: rows decoded together -> the seconds those steps took (0: steps that only prefilled): with
+        #: the time jobs held the device, what says where its time went (benchmarks/device_time.py)
+        self.step_seconds: Counter = Counter()
 
     @property
     def rows(self) -> int:
@@ -50,7 +54,7 @@ class DecodeLoop:
         return self._current().slots
 
     def add(self, request: GenerateRequest, cancel: CancelFlag, revocable: bool = True) -> Job:
-        """Queue a run (checked eagerly, as ``Engine.generate`` checks it) and make sure the
+        """Queue a run (checked eagerly, as ``generation.generate`` checks it) and make sure the
         loop steps. Blocking (it tokenizes): call it off the actor's event loop."""
         batch = self._current()
         job = batch.add(request, cancel, revocable)
@@ -77,7 +81,9 @@ class DecodeLoop:
                     if not batch.busy:
                         self._stepping = False
                         return
+                started = time.perf_counter()
                 batch.step()
+                self.step_seconds[batch.last_step_rows] += time.perf_counter() - started
                 self._cores.after_step()
                 if batch.last_step_rows:
                     self.batch_sizes[batch.last_step_rows] += 1

@@ -11,7 +11,7 @@ from typing import Any
 
 from .decoding import StopText, decoding
 from .detokenizer import Detokenizer
-from ..host.weights import Loaded
+from ..load.weights import Loaded
 from ..kv.prefix import Hit, PrefixCache
 from ..requests.request import GenerateRequest, GenerationResult
 
@@ -70,7 +70,7 @@ class Sequence:
         self.steps += 1
         self.step_rows += rows
 
-    def take(self, token: int, ended: str | None) -> str:
+    def append(self, token: int, ended: str | None) -> str:
         """Continue with ``token`` (a batch chose it: ``choice``), which ends the run if ``ended``
         says why; return the text it makes safe to hand out ("" if none). Sets ``ended`` (and
         ``reason``) when the run ends, a stop string included."""

@@ -1,1 +1,1 @@
-"""KV: the prefix cache of recent runs (``prefix``) and the rows of a batch (``rows``)."""
+"""KV kept between runs: the prefix cache of recent runs (``prefix``) and the heap trim once it lets KV go."""

@@ -27,15 +27,15 @@ this per block; one engine here runs one sequence, so whole sequences are the un
   On a CPU device there is one tier: offloading would copy host memory to host memory.
 * A cache that cannot be cropped back to a prefix (sliding-window layers that already dropped
   their oldest tokens) is reused only whole.
-* An ``exact`` cache (``UNIUN_DETERMINISTIC``) changes no greedy answer by a hit (issue 35): a
+* An ``exact`` cache (``UNIUN_DETERMINISTIC``) changes no greedy answer by a hit: a
   run takes only tokens whose KV its own prefill would have computed to the bit, those the
-  entry's run read in passes of several tokens (``read``; ``host.attention`` makes a token's KV
+  entry's run read in passes of several tokens (``read``; ``runner.attention`` makes a token's KV
   the same whatever such pass it is in), not the last prompt token read alone nor the decoded
   ones, computed one row at a time, which rounds otherwise. And it leaves what a fresh read leaves: the last token to read alone, never a lone
   token before it. A revoked run's resume alone takes all it shares: it goes on from its own KV.
   By default a hit takes all it shares but the last token (a whole conversation, its replies
   included): the same request asked again still gets its answer (``Batch._chunk``), another
-  prompt over a shared prefix may round otherwise below float32 (README).
+  prompt over a shared prefix may round otherwise below float32 (docs/tuning.md).
 * The cache belongs to the loaded model: a swap drops it (``Engine`` makes a new one), rather
   than holding another model's KV in memory it needs for the new model's weights.
 """
@@ -222,7 +222,7 @@ class PrefixCache:
         self.hits = self.misses = self.evictions = self.offloads = self.restores = 0
         self.reused_tokens = self.prefilled_tokens = 0
 
-    def take(self, context: list[int]) -> Hit:
+    def lookup(self, context: list[int]) -> Hit:
         """The longest cached prefix of ``context`` a run may start from (``_usable``)."""
         with self._lock:
             best, length = None, 0

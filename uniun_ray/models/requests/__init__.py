@@ -1,1 +1,1 @@
-"""Requests and the registry: what a run asks for, which model it names, how it is checked. No torch."""
+"""Requests: what a run asks for, its prompt and tools, and how it is checked against a vocabulary. No torch."""

@@ -3,9 +3,11 @@ ones (Qwen2.5-Instruct's hermes, Llama-3.1-Instruct's JSON, Mistral-7B-Instruct-
 [TOOL_CALLS]), and `with_tools`, which gives a model folder one of them.
 
 No embedded model takes tools (SmolLM2's template has none), so this is how a fresh clone runs
-tool calls offline: the `tiny` weights with a tools template. An untrained model writes no call
-of its own, but a forced one (`tool_choice` "required" or a name) is a valid call: what the
-tests and the agent workload (`jobs/gana_agent.py`) run on.
+tool calls offline: an embedded model's weights with a tools template. The agent workload
+(`jobs/gana_agent.py`) runs SmolLM2-135M-Instruct's under the hermes template (SmolLM2 speaks
+ChatML, the template's own tokens), so what it answers after a tool's result reads as an answer.
+The tests run the untrained `tiny` under each template: it writes no call of its own, but a
+forced one (`tool_choice` "required" or a name) is a valid call.
 """
 from __future__ import annotations
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .prompt import encode, takes_tools
-from .registry import ModelSpec, materialize
+from ..registry import ModelSpec, materialize
 from .request import GenerateRequest, _is_int
 from .tools import UNKNOWN, call_format
 

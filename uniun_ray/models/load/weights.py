@@ -20,17 +20,18 @@ from typing import Any, Iterator
 import torch
 
 from . import packing
-from .contention import Watch, quiet
-from .gate import LayerGate, layer_gate
-from .steps import auto_slots, batch_sizes, measure_profile
-from .tuning import (CHUNK_DECODE_STEPS, GATED_CHUNK_DECODE_STEPS, Probe, ProbeCache, StepClock, fastest,
+from ..tune.contention import Watch, quiet
+from ..runner.gate import LayerGate, layer_gate
+from ..runner.profile import ServedSteps, auto_slots, batch_sizes, measure_profile
+from ..tune.tuning import (CHUNK_DECODE_STEPS, GATED_CHUNK_DECODE_STEPS, Probe, ProbeCache, StepClock, fastest,
                      host_signature, measure, revised, thread_options)
-from ..kv import rows as kv_rows
+from ..runner import rows as kv_rows
+from ..runner.forward import Runner
 from ..kv.prefix import PrefixCache
-from ..requests.registry import cache_dir
+from ..registry import cache_dir
 from ..requests.request import _is_int
-from ..requests.settings import DTYPES, EngineSettings, check_max_memory
-from ..requests.swap import SwapAbandoned
+from ...settings import DTYPES, EngineSettings, check_max_memory
+from ..swap import SwapAbandoned
 from ..requests.vocabulary import Vocabulary, read_vocabulary
 
 #: CPU memory for the KV a GPU's cache pushes out, per GPU: a node with eight takes 32 GiB.
@@ -74,15 +75,16 @@ class Loaded:
     probe: Probe | None = None          # what the choice of dtype was made on, and the step profile
     clock: StepClock | None = None
     probe_key: str = ""                 # where the probe is cached
+    served: ServedSteps = field(default_factory=ServedSteps)   # the decode steps served since
     prefix: PrefixCache = field(default_factory=lambda: PrefixCache(0))
     gate: LayerGate | None = None
     packed: int = 0                     # linear layers packed for oneDNN (``packing``)
     rows: kv_rows.RowStore | None = None   # the static KV rows its batches decode in (None: padded rows)
 
     @property
-    def runner(self) -> kv_rows.Runner:
+    def runner(self) -> Runner:
         """The model and how its forward pass is called, as the KV rows run it."""
-        return kv_rows.Runner(self.model, self.cache_arg, self.forward_kwargs)
+        return Runner(self.model, self.cache_arg, self.forward_kwargs)
 
     @property
     def context_length(self) -> int:
@@ -161,7 +163,7 @@ class Weights:
         _check(abandon, model_id)
         tokenizer = AutoTokenizer.from_pretrained(folder)
         dtype = default_dtype(self.device) if self.dtype == "auto" else getattr(torch, self.dtype)
-        from .attention import prefer_grouped
+        from ..runner.attention import prefer_grouped
 
         model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, use_kernels=self.hub_kernels,
                                                      **self._placement(model_id))
@@ -186,7 +188,7 @@ class Weights:
 
     def make_rows(self, loaded: Loaded) -> None:
         """The static KV rows of a model now active (its dtype final), sized from the memory
-        free now (``kv.rows.store_for``; None: its batches use padded rows)."""
+        free now (``runner.rows.store_for``; None: its batches use padded rows)."""
         loaded.rows = kv_rows.store_for(loaded.runner, self.device, loaded.vocabulary.context_length,
                                         loaded.prefix.budget_bytes)
 
@@ -230,7 +232,7 @@ class Weights:
     def _probe(self, loaded: Loaded, candidates: list[tuple[str, int]], abandon: Any = None) -> Probe:
         """Time every (dtype, threads) candidate, then the step profile at the fastest, watching
         what else ran on the cores meanwhile. A model that cannot be batched (a sliding-window
-        cache, ``kv.rows.batchable``) is profiled at one row only."""
+        cache, ``runner.rows.batchable``) is profiled at one row only."""
         watch = Watch(max(n for _, n in candidates))
         vocab_size = len(loaded.vocabulary.tokenizer)
         speeds = []
@@ -240,7 +242,7 @@ class Weights:
                 for n in (n for candidate, n in candidates if candidate == dtype):
                     _check(abandon, loaded.vocabulary.model_id)   # a probe takes seconds: a chat may not wait
                     torch.set_num_threads(n)
-                    speeds.append(measure(lambda ids, cache: _synced(forward(loaded, ids, cache, self.device)),
+                    speeds.append(measure(lambda ids, cache: _synced(loaded.runner.prefill(ids, cache, self.device)),
                                           vocab_size, dtype, n))
         best = fastest(speeds)
         _cast(loaded, best.dtype)
@@ -285,18 +287,6 @@ class Weights:
 def _check(abandon: Any, model_id: str) -> None:
     if abandon is not None and abandon.is_set():
         raise SwapAbandoned(f"the load of {model_id} was abandoned")
-
-
-def forward(loaded: Loaded, ids: list[int], cache: Any, device: torch.device) -> tuple[torch.Tensor, Any]:
-    """One forward pass over ``ids`` extending ``cache``: the last position's logits and the cache."""
-    with torch.inference_mode():
-        output = loaded.model(
-            input_ids=torch.tensor([ids], device=device),
-            use_cache=True,
-            **{loaded.cache_arg: cache},
-            **loaded.forward_kwargs,
-        )
-    return output.logits[0, -1], getattr(output, loaded.cache_arg)
 
 
 def _rates(steps: dict[int, float]) -> dict[int, float]:

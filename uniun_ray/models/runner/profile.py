@@ -4,22 +4,30 @@ One decode step of B sequences reads the weights once, so B rows cost far less t
 one; how much less depends on the model and the host (SPEC §6). The policy needs the figures for
 R23 (which jobs may decode beside a chat) and the device for its slot count (R25, "auto"). They
 are measured at load on the loaded model, on the path ``batch.Batch`` decodes: B rows of a short
-context (``PROFILE_CONTEXT``) of different lengths join the ``kv.rows`` a batch on this device
+context (``PROFILE_CONTEXT``) of different lengths join the ``runner.rows`` a batch on this device
 keeps (``rows_for``), and each step passes what those rows give it (mask and position ids or
 none, as the batch does), one token per row. ``benchmarks/step_profile.py`` times the same steps,
 longer, for BENCHMARKS.md.
+
+The probe is one moment, on short contexts; the steps a device then serves are longer as contexts
+grow, and slower while other programs share its cores. So the figures it reports are those it
+serves (``ServedSteps``), the probe's standing in for a batch size until it has served a few.
 """
 from __future__ import annotations
 
 import copy
 import statistics
+import threading
 import time
+from collections import deque
+from collections.abc import Mapping
 from typing import Any, Callable
 
 import torch
 
 from ..kv.prefix import crop_layers
-from ..kv.rows import Rows, Runner, rows_for
+from .forward import Runner
+from .rows import Rows, rows_for
 
 #: Batch sizes measured at load: a CPU's tokens per second stop growing well before 16 rows of a
 #: small model; a GPU's grow to dozens.
@@ -43,8 +51,43 @@ PROFILE_ROUNDS = 5
 #: curve reaches (read off a line fitted to all of it): each slot beyond the knee costs every job
 #: its share of the step and its KV memory for a few percent more throughput.
 SLOT_MARGIN = 0.2
+#: A batch size's served figure is the median of its latest SERVED_WINDOW decode steps, once it
+#: has SERVED_MIN of them (until then the probe's): a median of three or more is no one step's,
+#: so one step stretched by a noisy neighbour moves nothing.
+SERVED_WINDOW = 15
+SERVED_MIN = 3
 
 Clock = Callable[[], float]
+
+
+class ServedSteps:
+    """The decode steps a device serves, per batch size: the median of the latest of each size,
+    over the probe's figures (the policy reads what the device serves, R23). The decode loop's
+    thread observes every step; any thread reads."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._seen: dict[int, deque[float]] = {}
+
+    def observe(self, batch: int, seconds: float) -> None:
+        with self._lock:
+            self._seen.setdefault(batch, deque(maxlen=SERVED_WINDOW)).append(seconds)
+
+    def profile(self, probed: Mapping[int, float]) -> dict[int, float]:
+        """Seconds per step by batch size: each size served SERVED_MIN times or more at the
+        median of its latest steps (sizes the probe did not measure too), the others as probed
+        but never faster than a smaller size served (the probe's short contexts on a quiet host
+        would otherwise promise a chat more rows than the device, serving fewer, shows it has)."""
+        with self._lock:
+            seen = {batch: list(steps) for batch, steps in self._seen.items() if len(steps) >= SERVED_MIN}
+        served = {batch: statistics.median(steps) for batch, steps in seen.items()}
+        figures, slowest = dict(sorted((dict(probed) | served).items())), 0.0
+        for batch, seconds in figures.items():
+            if batch in served:
+                slowest = max(slowest, seconds)
+            else:
+                figures[batch] = max(seconds, slowest)
+        return figures
 
 
 def batch_sizes(device: torch.device) -> tuple[int, ...]:

@@ -5,7 +5,7 @@ which glibc's malloc serves from its heaps (arenas) rather than from a mapping o
 its mmap threshold has risen past them. Freed, they leave holes between tensors still held, and
 a heap gives memory back only from its top: with the cache at its budget, every eviction
 freeing KV and the next runs allocating KV of other sizes, the process's resident memory kept
-growing while the bytes it held stayed flat (issue 35). ``malloc_trim(0)`` releases the free
+growing while the bytes it held stayed flat. ``malloc_trim(0)`` releases the free
 pages inside every arena too.
 Elsewhere (musl, macOS) there is no such call and ``trim`` does nothing.
 """

@@ -31,9 +31,9 @@ from dataclasses import dataclass
 import torch
 
 from .packing import PackedLinear
-from .tuning import fastest
+from ..tune.tuning import fastest
 from .weights import Loaded
-from ..requests.swap import HOST, RESIDENT, SWITCH, WARM
+from ..swap import HOST, RESIDENT, SWITCH, WARM
 
 
 @dataclass
@@ -50,7 +50,7 @@ class Parked:
         return SWITCH if self.where == RESIDENT else WARM
 
 
-class WarmStore:
+class ParkedStore:
     """Idle models by id, least recently used first, within ``budget_bytes`` (0: none kept)."""
 
     def __init__(self, budget_bytes: int) -> None:
@@ -79,7 +79,7 @@ class WarmStore:
         self._parked[model_id] = parked
         return evicted
 
-    def take(self, model_id: str) -> Parked | None:
+    def pop(self, model_id: str) -> Parked | None:
         """The idle model, out of the store (it becomes the active one), or None."""
         return self._parked.pop(model_id, None)
 

@@ -12,14 +12,14 @@ from __future__ import annotations
 
 import os
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from .prefix import fork
+from ..kv.prefix import fork
+from .forward import Runner
 from .static import BUDGET_ENV, STEP_MODES, STORE_ROWS, RowStore, static_budget, store_shape  # noqa: F401
 
 ROWS_ENV, STEPS_ENV = "UNIUN_KV_ROWS", "UNIUN_KV_STEPS"
@@ -30,16 +30,6 @@ def batchable(model: Any) -> bool:
     """Whether every layer of the cache the model builds is a plain full-attention DynamicLayer,
     which can be left-padded, stacked and cut out again."""
     return all(type(layer) is DynamicLayer for layer in DynamicCache(config=model.config).layers)
-
-
-@dataclass(frozen=True)
-class Runner:
-    """A loaded model and how its forward pass is called: the cache keyword transformers
-    expects of it, and keywords every pass takes (``logits_to_keep``)."""
-
-    model: Any
-    cache_arg: str
-    kwargs: dict = field(default_factory=dict)
 
 
 def rows_kind(device: torch.device) -> str:
@@ -61,11 +51,17 @@ def _choice(setting: str, choices: tuple[str, ...], default: str) -> str:
     return configured or default
 
 
+def static_rows(runner: Runner, device: torch.device) -> bool:
+    """The one choice of padded against static rows: static where ``rows_kind`` says so and
+    the model's cache can be batched at all."""
+    return rows_kind(device) == "static" and batchable(runner.model)
+
+
 def store_for(runner: Runner, device: torch.device, context_length: int, reserved_bytes: int) -> RowStore | None:
     """The static rows of a model just loaded (its dtype final), sized from their own budget
     (``static.static_budget``; ``reserved_bytes``: the prefix cache's); None where its batches
-    use padded rows (``rows_kind``, a model that cannot be batched, a budget too small)."""
-    if rows_kind(device) != "static" or not batchable(runner.model):
+    use padded rows (``static_rows``, a budget too small)."""
+    if not static_rows(runner, device):
         return None
     dtype = next(runner.model.parameters()).dtype
     rows, context = store_shape(runner.model, dtype, static_budget(device, reserved_bytes),
@@ -80,7 +76,7 @@ def rows_for(runner: Runner, device: torch.device, slots: int, store: RowStore |
     """The rows a batch of up to ``slots`` rows keeps its KV in: static rows in ``store`` (the
     loaded model's, ``store_for``), or, static rows being chosen and no store given, a store of
     their own of ``slots`` rows of ``context`` tokens (a probe's); else padded rows."""
-    if not batchable(runner.model) or rows_kind(device) != "static" or (store is None and context is None):
+    if not static_rows(runner, device) or (store is None and context is None):
         return PaddedRows(device, runner)
     mode = steps_mode(device)
     mode = "exact" if mode == "graphs" else mode      # a store of its own captures no graphs
@@ -189,60 +185,60 @@ class StaticRows(Rows):
     """The rows of one batch in a ``RowStore``: the store handed in while no other batch holds
     it, else one of its own for ``rows`` rows (a second batch on the same model at once, as a
     lone run beside the device's loop: correct, without graphs). Row i in join order lives in
-    store row ``_slots[i]``; the live rows are always the store's first ones."""
+    store row ``_store_rows[i]``; the live rows are always the store's first ones."""
 
     def __init__(self, store: RowStore, rows: int, private: Callable[[int], RowStore]) -> None:
         self._shared, self._private = store, private
         self.capacity = min(rows, store.rows)
         self._store: RowStore | None = None
-        self._slots: list[int] = []
+        self._store_rows: list[int] = []
         self._lengths: list[int] = []        # per slot: tokens its row holds
 
     def __len__(self) -> int:
-        return len(self._slots)
+        return len(self._store_rows)
 
     def join(self, cache: Any, tokens: int) -> None:
         if self._store is None:
-            self._store = self._shared if self._shared.take() else self._private(self.capacity)
+            self._store = self._shared if self._shared.claim() else self._private(self.capacity)
             self._lengths = [0] * self._store.rows
-        slot = len(self._slots)
+        slot = len(self._store_rows)
         for keys, values, layer in zip(self._store.keys, self._store.values, cache.layers):
             keys[slot, :, :tokens] = layer.keys[0, :, :tokens]
             values[slot, :, :tokens] = layer.values[0, :, :tokens]
-        self._slots.append(slot)
+        self._store_rows.append(slot)
         self._lengths[slot] = tokens
 
     def decode(self, tokens: list[int], positions: list[int]) -> torch.Tensor:
         """Logits [rows, vocabulary] in join order of one step, row i feeding ``tokens[i]``."""
-        rows = len(self._slots)
+        rows = len(self._store_rows)
         by_slot, at = [0] * rows, [0] * rows
-        for row, slot in enumerate(self._slots):
+        for row, slot in enumerate(self._store_rows):
             by_slot[slot], at[slot] = tokens[row], positions[row]
             self._lengths[slot] = positions[row] + 1
-        logits = self._store.steps.run(by_slot, at)
-        if self._slots != sorted(self._slots):
-            logits = logits[torch.tensor(self._slots, device=logits.device)]
+        logits = self._store.graphs.run(by_slot, at)
+        if self._store_rows != sorted(self._store_rows):
+            logits = logits[torch.tensor(self._store_rows, device=logits.device)]
         return logits
 
     def leave(self, rows: list[int]) -> list[Any]:
         """Each leaving row copied out; then the last live rows move into the holes they left."""
-        caches = [self._row_cache(self._slots[row]) for row in rows]
-        freed = sorted(self._slots[row] for row in rows)
-        self._slots = [slot for row, slot in enumerate(self._slots) if row not in rows]
-        live = len(self._slots)
+        caches = [self._row_cache(self._store_rows[row]) for row in rows]
+        freed = sorted(self._store_rows[row] for row in rows)
+        self._store_rows = [slot for row, slot in enumerate(self._store_rows) if row not in rows]
+        live = len(self._store_rows)
         holes = [slot for slot in freed if slot < live]
-        movers = sorted((slot for slot in self._slots if slot >= live), reverse=True)
+        movers = sorted((slot for slot in self._store_rows if slot >= live), reverse=True)
         for hole, mover in zip(holes, movers):
             self._move(mover, hole)
-            self._slots[self._slots.index(mover)] = hole
-        if not self._slots:
+            self._store_rows[self._store_rows.index(mover)] = hole
+        if not self._store_rows:
             self.clear()
         return caches
 
     def clear(self) -> None:
         if self._store is self._shared:
-            self._shared.give()
-        self._store, self._slots = None, []
+            self._shared.release()
+        self._store, self._store_rows = None, []
 
     def _row_cache(self, slot: int) -> Any:
         """A batch-1 ``DynamicCache`` of the row's tokens, in storage of its own."""

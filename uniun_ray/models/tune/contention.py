@@ -1,4 +1,4 @@
-"""Whether other programs took this host's CPU while a probe ran (issue 25).
+"""Whether other programs took this host's CPU while a probe ran.
 
 A probe's figures (the dtype, the thread count, the step profile) are the host's only if
 nothing else ran on its cores meanwhile: a ``make demo`` beside a pip install once chose 1 thread

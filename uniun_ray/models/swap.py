@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ...events.schema import COLD, SWAP_KINDS, SWITCH, WARM   # the event log's words for them
+from ..events.schema import COLD, SWAP_KINDS, SWITCH, WARM  # the event log's words for them
 
 #: The model was resident already: nothing happened. Else COLD (read from its files,
 #: ``from_pretrained``, tuned and packed), WARM (copied back from host memory: pinned on a GPU;

@@ -54,7 +54,7 @@ class EngineSettings:
     ``engine``: one of ``ENGINES``. ``slots``: ``UNIUN_SLOTS`` as a count, or None for "auto". The
     scheduler decides how many jobs a device runs (``RuntimeConfig.slots``); an engine that must
     fix its batch when it starts (vLLM's ``max_num_seqs``) starts with this many.
-    ``warm_mb``: host memory for the idle models this engine keeps warm (``models.host.warm``;
+    ``warm_mb``: host memory for the idle models this engine keeps warm (``models.load.parked``;
     0: none, every swap is a cold load; None: ``default_warm_mb``). ``coresident``: whether an
     idle model may stay on the device beside the active one where it has room (a swap back is
     then a switch, no copy); False keeps idle models in host memory (a swap back is a copy).
@@ -62,8 +62,8 @@ class EngineSettings:
     Hub at load (its ``use_kernels``): off unless the user opts in, since that downloads and runs
     code nobody asked for, and fails offline on a GPU. ``deterministic``: a CPU decode step
     computes each row as it would alone and a prompt is read the same whatever the prefix cache
-    held, so a greedy answer depends on neither, in bfloat16 either (``host.attention``,
-    ``host.packing``, ``kv.prefix``; it costs decode throughput and prefill time)."""
+    held, so a greedy answer depends on neither, in bfloat16 either (``runner.attention``,
+    ``load.packing``, ``kv.prefix``; it costs decode throughput and prefill time)."""
 
     dtype: str = "auto"
     threads: int | None = None

@@ -20,7 +20,7 @@ result depends on the tokens before it and nothing else. torch's CPU flash atten
 query's keys per block of 512 and runs queries per block of 32, 64 or 256 (by how many there
 are), and a short last block, or a key block cut short where the pass ends, rounds otherwise: in
 bfloat16 a prompt got other KV, and another greedy answer, when the prefix cache left another
-suffix to read (issue 35). So keys and values are padded with masked zeros to whole key blocks,
+suffix to read. So keys and values are padded with masked zeros to whole key blocks,
 the queries with spare rows to whole query blocks, and the first pass gets an explicit causal mask
 (which gives up the kernel's skipping of the masked half: the cost is in BENCHMARKS.md).
 """
@@ -110,7 +110,7 @@ def _left_padding(query: torch.Tensor, attention_mask: torch.Tensor | None) -> l
     """Where each row's real keys start, for a CPU decode step of several left-padded rows (one
     query token each, a mask that hides each row's leading keys and nothing else); None for any
     other pass. SDPA sums a padded row's keys in other groups than the same keys unpadded, and
-    in bf16 that flipped near-tie tokens with the rows beside (issue 35)."""
+    in bf16 that flipped near-tie tokens with the rows beside."""
     if query.shape[2] != 1 or query.shape[0] == 1 or attention_mask is None or query.device.type != "cpu":
         return None
     keep = attention_mask[:, 0, -1]

@@ -2,7 +2,7 @@
 
 ``PaddedRows`` re-pads and concatenates the whole batch's KV on every join and cuts it on every
 leave, and its shapes change every step: on a GPU the host then spends a step's time launching
-kernels and replanning attention for a GPU that waits (issue 36). Here:
+kernels and replanning attention for a GPU that waits. Here:
 
 * ``RowStore``: per layer, keys and values of [rows, K/V heads, context, head dim], allocated
   once at load from a budget of their own (``static_budget``). A row's context is the longest
@@ -13,7 +13,7 @@ kernels and replanning attention for a GPU that waits (issue 36). Here:
   to a batch-1 ``DynamicCache`` for the prefix cache (a revoked job resumes from it). The live
   rows are kept in the first rows of the store (a leave moves the last rows into the holes: a
   copy of those rows, never of the batch), so a step of n rows runs on the store's first rows.
-* ``Steps``: one decode step of the first rows. "exact" runs n rows over the longest row's
+* ``Graphs``: one decode step of the first rows. "exact" runs n rows over the longest row's
   length; "buckets" runs the bucket of rows (1, 2, 4 ... up to the store's rows; the rows past n
   are free rows whose output is dropped) over a bucketed span, with inputs in buffers of fixed
   address, which is what a CUDA graph replays; "graphs" captures that function once per
@@ -36,7 +36,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 #: Rows a store holds unless its budget is too small for CONTEXT_FLOOR tokens a row: a GPU's
-#: tokens per second grow to dozens of rows, a CPU's stop growing before 16 (``host.steps``).
+#: tokens per second grow to dozens of rows, a CPU's stop growing before 16 (``runner.profile``).
 STORE_ROWS = {"cuda": 64, "cpu": 16}
 #: Halve the rows (down to 1) while a row would hold fewer tokens than this (or the model's context).
 CONTEXT_FLOOR = 2048
@@ -52,9 +52,6 @@ HEADROOM_SHARE, HEADROOM_MB = 0.15, 2048
 log = logging.getLogger(__name__)
 
 STEP_MODES = ("exact", "buckets", "graphs")
-#: Spans captured at load (every bucket of rows over each); a longer one is captured when a row
-#: first grows past this, so that a load does not capture graphs for contexts no run reaches.
-CAPTURE_SPAN = 4096
 #: A row holds at most this many tokens (or the model's context), whatever the budget: memory
 #: for contexts beyond it is left to the prefix cache and to other models.
 MAX_ROW_CONTEXT = 32768
@@ -134,10 +131,10 @@ def at_least(sizes: list[int], needed: int) -> int:
 class RowStore:
     """The KV rows of one loaded model: per layer keys and values [rows, heads, context, dim],
     zeroed once (a masked column must hold a finite value: zero weight times NaN is NaN), and
-    the decode steps over them. One ``StaticRows`` holds it at a time (``take``/``give``)."""
+    the decode steps over them. One ``StaticRows`` holds it at a time (``claim``/``release``)."""
 
     def __init__(self, runner: Any, device: torch.device, rows: int, context: int, mode: str = "exact") -> None:
-        """``runner``: a ``rows.Runner`` (the model and how its forward pass is called)."""
+        """``runner``: a ``forward.Runner`` (the model and how its forward pass is called)."""
         if mode not in STEP_MODES:
             raise ValueError(f"step mode {mode!r}; use one of {', '.join(STEP_MODES)}")
         if mode == "graphs" and device.type != "cuda":
@@ -152,9 +149,9 @@ class RowStore:
         self.bytes = 2 * sum(tensor.numel() * tensor.element_size() for tensor in self.keys)
         self._held = False
         self._lock = threading.Lock()
-        self.steps = Steps(runner, self)
+        self.graphs = Graphs(runner, self)
 
-    def take(self) -> bool:
+    def claim(self) -> bool:
         """Hold the store for one ``StaticRows``; False if another holds it."""
         with self._lock:
             if self._held:
@@ -162,18 +159,18 @@ class RowStore:
             self._held = True
             return True
 
-    def give(self) -> None:
+    def release(self) -> None:
         with self._lock:
             self._held = False
 
     def free(self) -> None:
         """Let the rows' memory and the graphs go now (the model is unloaded; a batch that still
         holds the store cannot step again: the engine admits no run of an unloaded model)."""
-        self.keys, self.values, self.steps = [], [], None
+        self.keys, self.values, self.graphs = [], [], None
 
     def describe(self) -> dict:
         return {"kind": "static", "rows": self.rows, "context": self.context, "mb": round(self.bytes / 2**20, 1),
-                "steps": self.mode} | self.steps.describe()
+                "steps": self.mode} | self.graphs.describe()
 
 
 class _RowLayer(CacheLayerMixin):
@@ -206,7 +203,7 @@ class _RowLayer(CacheLayerMixin):
         return self.keys.shape[-2]
 
 
-class Steps:
+class Graphs:
     """The decode steps over a store's first rows (see the module's doc for the modes)."""
 
     def __init__(self, runner: Any, store: RowStore) -> None:
@@ -227,12 +224,12 @@ class Steps:
                 "capture_s": round(self.capture_s, 3), "capture_mb": round(self.capture_bytes / 2**20, 1)} \
             | ({"capture_error": self.capture_error} if self.capture_error else {})
 
-    def _capture_or_not(self, shapes: list[tuple[int, int]] | None = None) -> None:
+    def _capture_or_not(self) -> None:
         """Capture, or, where this model's step cannot be captured (an op that syncs with the
         host, a kernel that refuses capture), run the same fixed-shape steps without graphs
         from now on, saying why in ``describe``: slower, never wrong."""
         try:
-            self._capture(shapes)
+            self._capture()
         except Exception as error:  # noqa: BLE001 (any refusal: the steps run uncaptured)
             log.warning("decode steps run without CUDA graphs: capture failed: %r", error)
             self.capture_error = repr(error)
@@ -250,12 +247,9 @@ class Steps:
                                  torch.arange(longest, device=device))
         key = (at_least(buckets(self._store.rows), rows), at_least(spans(self._store.context), longest))
         buffers = self._buffers.get(key)
-        first = buffers is None
-        if first:
+        if buffers is None:   # "buckets": made at first use; "graphs": every one captured at load
             buffers = self._buffers[key] = _Buffers(*key, self._store.device)
         buffers.fill(tokens, positions)
-        if first and self._store.mode == "graphs":   # a span past CAPTURE_SPAN, met for the first time:
-            self._capture_or_not([key])    # its warm-up runs this step's inputs, writing what the replay writes
         if buffers.graph is not None:
             buffers.graph.replay()
         else:
@@ -274,16 +268,19 @@ class Steps:
                                         use_cache=True, **{self._runner.cache_arg: cache}, **self._runner.kwargs)
         return output.logits[:, -1]
 
-    def _capture(self, shapes: list[tuple[int, int]] | None = None) -> None:
-        """A graph for each (bucket, span) of ``shapes`` (None: every bucket over the spans up
-        to CAPTURE_SPAN, at load), largest first, all in one pool: a smaller graph's memory fits
-        in what a larger one left (nano-vllm and transformers capture so too). Each is run once
-        before its capture (kernels chosen, workspaces allocated outside the graph): at load
-        that writes column 0 of rows no job holds; later, the inputs of the step that needs it."""
+    def shapes(self) -> list[tuple[int, int]]:
+        """Every (bucket of rows, span) a step of the store may run at, largest first."""
+        return [(rows, span) for rows in reversed(buckets(self._store.rows))
+                for span in reversed(spans(self._store.context))]
+
+    def _capture(self) -> None:
+        """A graph for every (bucket, span) a row may reach, at load, largest first, all in one
+        pool: a smaller graph's memory fits in what a larger one left (nano-vllm and
+        transformers capture so too); none is captured while serving, which would stall every
+        row. Each is run once before its capture (kernels chosen, workspaces allocated outside
+        the graph), writing column 0 of rows no job holds yet."""
         store, started = self._store, time.perf_counter()
-        if shapes is None:
-            shapes = [(rows, span) for rows in reversed(buckets(store.rows))
-                      for span in reversed(spans(min(store.context, CAPTURE_SPAN)))]
+        shapes = self.shapes()
         torch.cuda.synchronize(store.device)
         before = torch.cuda.memory_reserved(store.device)
         self._pool = self._pool or torch.cuda.graph_pool_handle()

@@ -148,6 +148,11 @@ def configure(models: Mapping[str, str]) -> None:
     _CONFIGURED.update({model_id: str(folder) for model_id, folder in models.items()})
 
 
+def configured() -> dict[str, str]:
+    """The operator's ids and their folders this process resolves (``configure``)."""
+    return dict(_CONFIGURED)
+
+
 def check_served(model_id: str, served: Collection[str], hub: bool = False) -> None:
     """Whether a request from outside may name ``model_id``: an embedded id, one of ``served``
     (the operator's ids and the active chat model), or, where the operator allows it (``hub``),

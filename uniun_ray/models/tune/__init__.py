@@ -1,0 +1,1 @@
+"""Host tuning: which dtype and thread count run fastest here, measured on a quiet host."""
