@@ -9,13 +9,13 @@ ends each row). Sampled rows' draws are checked against transformers' own proces
 """
 from __future__ import annotations
 
+import sys
 import threading
-from collections import Counter
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import (GenerationConfig, LogitsProcessorList, RepetitionPenaltyLogitsProcessor,
                           TemperatureLogitsWarper, TopPLogitsWarper)
 
@@ -25,6 +25,9 @@ from uniun_ray.models.decode.batch import Batch
 from uniun_ray.models.decode.choice import Choice
 from uniun_ray.models.decode.decoding import CancelCriteria, Decoding, processors
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+from host_overhead import ops_of_step  # noqa: E402 (benchmarks/ is not a package)
+
 GREEDY = GenerateRequest(prompt=PROMPT, max_new_tokens=200)
 SAMPLED = GenerateRequest(prompt=PROMPT, max_new_tokens=200, top_p=0.9, temperature=0.7, repetition_penalty=1.1)
 SEEDED = GenerateRequest(prompt=PROMPT, max_new_tokens=200, top_p=0.9, temperature=0.7, repetition_penalty=1.1,
@@ -32,48 +35,6 @@ SEEDED = GenerateRequest(prompt=PROMPT, max_new_tokens=200, top_p=0.9, temperatu
 #: Each kind of row, and the requests its rows cycle through.
 KINDS = {"greedy": [GREEDY], "sampled": [SAMPLED], "seeded": [SEEDED], "mix": [GREEDY, SAMPLED, SEEDED]}
 ROWS = (1, 8, 64)
-
-
-class StepCount(TorchDispatchMode):
-    """The ops dispatched outside the model's forward pass, and the reads of tensor values into
-    Python (counted wherever they happen)."""
-
-    _READS = {torch.ops.aten._local_scalar_dense.default}
-
-    def __init__(self, model) -> None:
-        super().__init__()
-        self.ops: Counter = Counter()
-        self.reads = 0
-        self._forward = 0
-        self._hooks = [model.register_forward_pre_hook(lambda *args: self._enter()),
-                       model.register_forward_hook(lambda *args: self._leave())]
-
-    def _enter(self) -> None:
-        self._forward += 1
-
-    def _leave(self) -> None:
-        self._forward -= 1
-
-    def remove(self) -> None:
-        for hook in self._hooks:
-            hook.remove()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func in self._READS or _to_host(func, args, kwargs):
-            self.reads += 1
-        if not self._forward:
-            self.ops[func] += 1
-        return func(*args, **kwargs)
-
-
-def _to_host(func, args, kwargs) -> bool:
-    """A copy to the CPU of a tensor on another device."""
-    if func not in (torch.ops.aten._to_copy.default, torch.ops.aten.copy_.default):
-        return False
-    source = args[1] if func is torch.ops.aten.copy_.default else args[0]
-    target = args[0].device if func is torch.ops.aten.copy_.default else kwargs.get("device")
-    return source.device.type != "cpu" and target is not None and torch.device(target).type == "cpu"
 
 
 def full_batch(engine, kind: str, rows: int) -> Batch:
@@ -88,27 +49,6 @@ def full_batch(engine, kind: str, rows: int) -> Batch:
     return batch
 
 
-def count_step(engine, batch: Batch, monkeypatch) -> StepCount:
-    """The ops and reads of one step of ``batch`` (every row still decoding after it)."""
-    counter = StepCount(engine.resident.model)
-    tolist = torch.Tensor.tolist
-
-    def read(tensor):
-        counter.reads += 1
-        return tolist(tensor)
-
-    rows = batch.rows
-    with monkeypatch.context() as patch:
-        patch.setattr(torch.Tensor, "tolist", read)
-        try:
-            with counter:
-                batch.step()
-        finally:
-            counter.remove()
-    assert batch.rows == rows, "a row ended in the counted step"
-    return counter
-
-
 @pytest.fixture
 def one_thread():
     threads = torch.get_num_threads()
@@ -118,14 +58,15 @@ def one_thread():
 
 
 @pytest.mark.parametrize("kind", list(KINDS))
-def test_a_steps_ops_do_not_grow_with_its_rows_and_it_reads_the_host_once(engine, kind, one_thread, monkeypatch):
+def test_a_steps_ops_do_not_grow_with_its_rows_and_it_reads_the_host_once(engine, kind, one_thread):
+    """The ops and reads counted in one step (``host_overhead.StepCount``) of rows all decoding."""
     counts = {}
     for rows in ROWS if kind != "mix" else (3,) + ROWS[1:]:
         batch = full_batch(engine, kind, rows)
-        counted = count_step(engine, batch, monkeypatch)
+        counts[rows], reads = ops_of_step(engine, batch)
+        assert batch.rows == rows, "a row ended in the counted step"
         batch.close()
-        counts[rows] = sum(counted.ops.values())
-        assert counted.reads == 1, f"{kind}, {rows} rows: {counted.reads} reads into Python"
+        assert reads == 1, f"{kind}, {rows} rows: {reads} reads into Python"
     assert len(set(counts.values())) == 1, f"{kind}: ops per step by rows {counts}"
 
 
