@@ -63,11 +63,11 @@ class Job:
 
     @property
     def pieces(self) -> list[str]:
-        return self.sequence.pieces
+        return self.sequence.text()
 
     def drain(self) -> list[str]:
-        """The pieces handed out since the last call."""
-        pieces = self.sequence.pieces[self._taken :]
+        """The pieces handed out since the last call (their text made now, in the caller's thread)."""
+        pieces = self.sequence.text()[self._taken :]
         self._taken += len(pieces)
         return pieces
 
@@ -95,7 +95,7 @@ class Batch:
         # Below float32 a token's logits depend on how many tokens its pass read (``_chunk``).
         self._last_alone = loaded.dtype != "float32"
         slots = (slots or DEFAULT_SLOTS) if self.batched else 1
-        # the rows' KV, in the order of _rows: a static store holds at most its rows
+        # the rows' KV, in the order of _decoding: a static store holds at most its rows
         self._kv = kv_rows.rows_for(loaded.runner, engine.device, slots, loaded.rows)
         self.slots = min(slots, self._kv.capacity or slots)
         self._lock = threading.Lock()
@@ -229,7 +229,7 @@ class Batch:
         sequence.prefilled_at = time.perf_counter()
         tokens, ends = Choice([sequence], self.engine.device).step(logits[None])
         sequence.append(tokens[0], ends[0])
-        if self._first_token is not None and sequence.pieces:
+        if self._first_token is not None and sequence.text():
             self._first_token()
         if sequence.ended:
             self._end(job, None, job.cache)
@@ -302,8 +302,9 @@ class Batch:
         """Drop the jobs' rows in one cut of the rows' KV, each job's own KV kept."""
         if not jobs:
             return
-        caches = self._kv.leave([self._decoding.index(job) for job in jobs])
-        self._decoding = [job for job in self._decoding if job not in jobs]
+        caches, order = self._kv.leave([self._decoding.index(job) for job in jobs])
+        kept = [job for job in self._decoding if job not in jobs]
+        self._decoding = [kept[index] for index in order]      # as the rows step from now on
         self._choice = None
         for job, cache in zip(jobs, caches):
             self._end(job, reason, cache)

@@ -36,6 +36,9 @@ if TYPE_CHECKING:
     from .sequence import Sequence
 
 _MASK = 0xFFFFFFFF
+_PAD = 2**31 - 1        # an id past any vocabulary
+#: Columns the rows' tokens grow by when the longest reaches the end of them.
+_ROOM = 64
 _MIX = 0x45D9F3B        # below 2**31: a 32-bit value times it stays within int64
 
 
@@ -63,9 +66,7 @@ class Choice:
         self._width = max(lengths)
         self._ids = None
         if any(group.decoding.processors for group in self._groups):
-            longest = max(decoding.max_length for decoding in decodings)
-            pad = 2**31 - 1                     # past any vocabulary
-            self._ids = torch.tensor([sequence.ids + [pad] * (longest - length)
+            self._ids = torch.tensor([sequence.ids + [_PAD] * (self._width + _ROOM - length)
                                       for sequence, length in zip(sequences, lengths)], device=device)
         self._stopping = batch_stopping(decodings, self._lengths, device)
 
@@ -76,6 +77,8 @@ class Choice:
         ends = [criterion(chosen[:, None], None) for criterion in self._stopping]
         host = torch.stack([chosen, *ends]).tolist()
         if self._ids is not None:
+            if self._width == self._ids.shape[1]:
+                self._ids = torch.cat([self._ids, torch.full((len(self._ids), _ROOM), _PAD, device=self._device)], 1)
             self._ids.scatter_(1, self._lengths[:, None], chosen[:, None])
         self._lengths += 1
         self._width += 1

@@ -158,20 +158,20 @@ class StopText:
     the text before the first one (OpenAI's ``stop``: the returned text does not contain it)."""
 
     def __init__(self, stops: tuple[str, ...]) -> None:
-        self._stops = stops
+        self.stops = stops
         self._held = ""
         self.stopped = False
 
     def push(self, piece: str) -> str:
         """The part of ``piece`` (with what was held) that is safe to emit now."""
-        if not self._stops or self.stopped:
+        if not self.stops or self.stopped:
             return "" if self.stopped else piece
         text = self._held + piece
-        found = [index for index in (text.find(stop) for stop in self._stops) if index >= 0]
+        found = [index for index in (text.find(stop) for stop in self.stops) if index >= 0]
         if found:
             self._held, self.stopped = "", True
             return text[: min(found)]
-        keep = max((n for stop in self._stops for n in range(1, min(len(stop), len(text)) + 1)
+        keep = max((n for stop in self.stops for n in range(1, min(len(stop), len(text)) + 1)
                     if text.endswith(stop[:n])), default=0)
         self._held = text[len(text) - keep:]
         return text[: len(text) - keep]

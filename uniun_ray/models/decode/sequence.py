@@ -3,9 +3,15 @@
 Apart from the loop that drives it (``batch.Batch``, several in one forward pass per step; a
 lone run is a one-row batch), so that the tokens it chooses, the stop strings it cuts, the KV it
 keeps of a finished or revoked run and its report are one run's, whatever ran beside it.
+
+Its text is made when it is read (``text``: by whoever streams it, or at the end), not in the
+step that chose the tokens: detokenizing is a step's largest host work per row, and the step
+need not wait for it. A run with stop strings is the exception: its text decides its end, so
+each token's text is made in its step.
 """
 from __future__ import annotations
 
+import threading
 import time
 from typing import Any
 
@@ -32,6 +38,8 @@ class Sequence:
         self.stop_text = StopText(request.stop)
         self.ids = list(context)      # the context, then the tokens chosen
         self.pieces: list[str] = []
+        self._detokenized = len(context)      # ids made into text so far
+        self._text_lock = threading.Lock()    # the stepping thread and a reader both make text
         self.hit, self.fed, self.read = Hit(None, 0), 0, 0
         self.first_token_at = self.prefilled_at = None
         self.reason = "error"       # what an exception from the model leaves
@@ -70,23 +78,29 @@ class Sequence:
         self.steps += 1
         self.step_rows += rows
 
-    def append(self, token: int, ended: str | None) -> str:
+    def append(self, token: int, ended: str | None) -> None:
         """Continue with ``token`` (a batch chose it: ``choice``), which ends the run if ``ended``
-        says why; return the text it makes safe to hand out ("" if none). Sets ``ended`` (and
-        ``reason``) when the run ends, a stop string included."""
+        says why. Sets ``ended`` (and ``reason``) when the run ends, a stop string included."""
         if self.first_token_at is None:
             self.first_token_at = time.perf_counter()
         self.ids.append(token)
         if ended is None and self.decoding.stopped(self.ids):
             ended = "stop"
-        piece = ""
-        if token not in self.eos_ids:
-            piece = self.stop_text.push(self.detokenizer.push(token))
-        if self.stop_text.stopped:
-            ended = "stop"  # seen in the text at a token boundary the criterion had not
+        if self.stop_text.stops:
+            self.text()
+            if self.stop_text.stopped:
+                ended = "stop"  # seen in the text at a token boundary the criterion had not
         if ended is not None:
             self.reason, self.ended = ended, True
-        return self._hand_out(piece)
+
+    def text(self) -> list[str]:
+        """Make the text of the tokens chosen since the last call; return every piece so far."""
+        with self._text_lock:
+            for token in self.ids[self._detokenized :]:
+                self._detokenized += 1
+                if token not in self.eos_ids:
+                    self._hand_out(self.stop_text.push(self.detokenizer.push(token)))
+            return self.pieces
 
     def finish(self, reason: str | None = None) -> str:
         """End the run (``reason``: why, if ``accept`` did not end it); return the text still held.
@@ -97,11 +111,13 @@ class Sequence:
         if reason is not None:
             self.reason = reason
         self.ended = True
-        stop_text = self.stop_text
-        tail = stop_text.flush() if self.reason == "cancel" else stop_text.push(self.detokenizer.flush())
-        if not stop_text.stopped:
-            tail += stop_text.flush()
-        return self._hand_out(tail)
+        self.text()
+        with self._text_lock:
+            stop_text = self.stop_text
+            tail = stop_text.flush() if self.reason == "cancel" else stop_text.push(self.detokenizer.flush())
+            if not stop_text.stopped:
+                tail += stop_text.flush()
+            return self._hand_out(tail)
 
     def keep(self, prefix: PrefixCache, cache: Any) -> None:
         """Store the KV of the tokens fed, for the next turn or for the resume of a revoked run."""
