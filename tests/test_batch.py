@@ -414,7 +414,7 @@ def test_a_chat_joining_full_static_rows_takes_a_revoked_rows_place(engine, monk
     chat = batch.add(chat_request, threading.Event(), revocable=False)
     batch.step()
     assert batch.rows == 4 and jobs[1].result.finish_reason == "cancel"
-    assert sorted(batch._kv._store_rows) == [0, 1, 2, 3] and batch._kv._store_rows != [0, 1, 2, 3]   # the last moved up
+    assert batch._decoding[1] is jobs[3]          # the last moved up: it steps in store row 1, no gather
     batch.run()
     assert chat.result.token_ids == expected[4]
     assert [jobs[i].result.token_ids for i in (0, 2, 3)] == [expected[i] for i in (0, 2, 3)]
