@@ -19,7 +19,7 @@ import torch
 from transformers import (GenerationConfig, LogitsProcessorList, RepetitionPenaltyLogitsProcessor,
                           TemperatureLogitsWarper, TopPLogitsWarper)
 
-from test_models import DEVICE, PROMPT, engine, loaded_engine, tiny_cache  # noqa: F401 (fixtures)
+from test_models import PROMPT, engine, loaded_engine, tiny_cache  # noqa: F401 (fixtures)
 from uniun_ray.models import GenerateRequest
 from uniun_ray.models.decode.batch import Batch
 from uniun_ray.models.decode.choice import Choice
