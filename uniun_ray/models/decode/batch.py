@@ -3,8 +3,9 @@
 A CPU or GPU reads a model's weights once per forward pass whatever the batch size, so decoding
 B sequences together costs far less than B passes of one. ``Batch`` keeps the engine's rules
 per job: its own cancel flag (a revoked job leaves before the next step, the others go on), its
-own logits processors and stopping criteria (``decoding``), detokenizer, stop text, stream of
-pieces and result (``token_ids`` for an exact resume), and its own prefix-cache entry.
+own logits processors and stopping criteria (``decoding``; applied to every row at once on the
+device, ``choice``), detokenizer, stop text, stream of pieces and result (``token_ids`` for an
+exact resume), and its own prefix-cache entry.
 
 * A joining job's prefill runs on its own (batch 1, its own cache, starting from its prefix-cache
   hit), one chunk per step between the others' decode steps, so nobody waits for a long prompt
