@@ -24,6 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from record import Record  # noqa: E402
 
 from uniun_ray.models import Engine, GenerateRequest  # noqa: E402
+from uniun_ray.settings import EngineSettings  # noqa: E402
 from uniun_ray.models.decode.batch import Batch  # noqa: E402
 from uniun_ray.models.requests.vocabulary import context_of  # noqa: E402
 
@@ -80,7 +81,7 @@ def main() -> None:
     ap.add_argument("--library", action="store_true", help="also transformers' ContinuousBatchingManager")
     args = ap.parse_args()
     steps = 8 if args.quick else args.steps
-    engine = Engine(device=args.device, dtype=args.dtype, kv_cache_mb=0)
+    engine = Engine(args.device, EngineSettings(dtype=args.dtype, kv_cache_mb=0))
     engine.load(MODEL)
     described = engine.describe()
     record = Record("slots", quick=args.quick)

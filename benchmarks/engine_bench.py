@@ -39,6 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from record import Record  # noqa: E402
 
 from uniun_ray.models import Engine, GenerateRequest, generate, known_ids  # noqa: E402
+from uniun_ray.settings import EngineSettings  # noqa: E402
 from uniun_ray.models.registry import CACHE_ENV  # noqa: E402
 
 LONG_PROMPT = " ".join(f"Item {i} costs {i * 7 % 50} coins." for i in range(110))
@@ -131,7 +132,7 @@ def main() -> None:
     args = parser.parse_args()
     models, trials = (["tiny", "smollm2-135m-instruct"], 2) if args.quick else (args.models, args.trials)
     os.environ[CACHE_ENV] = tempfile.mkdtemp(prefix="uniun-bench-cache-")
-    engine = Engine(device=args.device, dtype=args.dtype, num_threads=args.threads, kv_cache_mb=0)
+    engine = Engine(args.device, EngineSettings(dtype=args.dtype, threads=args.threads, kv_cache_mb=0))
     record = Record("engine", quick=args.quick)
     for model_id in models:
         figures = bench_model(engine, model_id, trials)

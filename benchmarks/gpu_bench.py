@@ -62,6 +62,7 @@ from gpu_anchor import prompt_ids, sync  # noqa: E402
 from record import RESULTS, ROOT, Record  # noqa: E402
 
 from uniun_ray.models import Batch, Engine, GenerateRequest, materialize, resolve  # noqa: E402
+from uniun_ray.settings import EngineSettings  # noqa: E402
 from uniun_ray.models.registry import DEFAULT_CHAT_MODEL  # noqa: E402
 
 ANCHOR = Path(__file__).resolve().parent / "gpu_anchor.py"
@@ -296,8 +297,8 @@ class Run:
     def project(self, folder: Path, points: list[Point], vocabulary: int, out: dict) -> None:
         """Load ``folder`` through the project's Engine, measure its points, unload it."""
         args = self.args
-        engine = Engine(device=args.device, dtype="bfloat16" if args.device == "cuda" else "float32",
-                        kv_cache_mb=args.kv_cache_mb, prefill_chunk=args.prompt_tokens)
+        settings = EngineSettings(dtype="bfloat16" if args.device == "cuda" else "float32", kv_cache_mb=args.kv_cache_mb)
+        engine = Engine(args.device, settings, prefill_chunk=args.prompt_tokens)
         out["load_s"] = engine.load(str(folder)).seconds
         try:
             out["describe"] = engine.describe()

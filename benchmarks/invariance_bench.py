@@ -29,6 +29,7 @@ from batch_bench import MODEL, batch_tokens_per_s  # noqa: E402
 from record import Record  # noqa: E402
 
 from uniun_ray.models import Engine, GenerateRequest, generate  # noqa: E402
+from uniun_ray.settings import EngineSettings  # noqa: E402
 from uniun_ray.models.runner import attention  # noqa: E402
 from uniun_ray.models.load import packing  # noqa: E402
 
@@ -71,7 +72,7 @@ def _run(engine: Engine, request: GenerateRequest):
 
 
 def prefill_main(args) -> None:
-    exact, default = (Engine(dtype=args.dtype, deterministic=flag) for flag in (True, False))
+    exact, default = (Engine(settings=EngineSettings(dtype=args.dtype, deterministic=flag)) for flag in (True, False))
     for engine in (exact, default):
         engine.load(MODEL)
         ttfts(engine)                    # warm-up, not recorded
@@ -100,7 +101,7 @@ def main() -> None:
     if args.prefill:
         return prefill_main(args)
     rounds, steps = (1, 8) if args.quick else (5, 32)
-    engine = Engine(dtype=args.dtype, kv_cache_mb=0, deterministic=True)
+    engine = Engine(settings=EngineSettings(dtype=args.dtype, kv_cache_mb=0, deterministic=True))
     engine.load(MODEL)
     described = engine.describe()
     record = Record("slots", quick=args.quick)

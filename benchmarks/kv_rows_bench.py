@@ -18,7 +18,6 @@ other work on the cores stretches every figure. The rows go to BENCHMARKS.md, se
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 import threading
@@ -34,7 +33,12 @@ from record import Record  # noqa: E402
 from uniun_ray.models import GenerateRequest  # noqa: E402
 from uniun_ray.models.decode.batch import Batch  # noqa: E402
 from uniun_ray.models.decode.engine import Engine  # noqa: E402
+from uniun_ray.settings import EngineSettings  # noqa: E402
 from uniun_ray.models.runner import rows as kv_rows  # noqa: E402
+from uniun_ray.memory import plan  # noqa: E402
+from uniun_ray.models.decode.engine import device_memory  # noqa: E402
+from uniun_ray.models.load.parked import weight_bytes  # noqa: E402
+from uniun_ray.models.runner.static import gpu_spare  # noqa: E402
 
 KINDS = {"padded": ("padded", "exact"), "static": ("static", "exact"), "buckets": ("static", "buckets"),
          "graphs": ("static", "graphs")}
@@ -42,11 +46,13 @@ KINDS = {"padded": ("padded", "exact"), "static": ("static", "exact"), "buckets"
 
 def use(engine: Engine, kind: str) -> None:
     """The engine's batches keep their KV in rows of ``kind`` from now on."""
-    os.environ[kv_rows.ROWS_ENV], os.environ[kv_rows.STEPS_ENV] = KINDS[kind]
     loaded = engine.resident
     loaded.rows = None          # the last kind's store freed before the next is allocated
+    budget = plan(device_memory(engine.device), EngineSettings(), weight_bytes(loaded), static_rows=True).kv_rows
+    if engine.device.type == "cuda":   # as the engine sizes them: at most what is free
+        budget = min(budget, gpu_spare(engine.device, loaded.prefix.budget_bytes))
     loaded.rows = kv_rows.store_for(loaded.runner, engine.device, loaded.vocabulary.context_length,
-                                    loaded.prefix.budget_bytes)
+                                    kv_rows.RowChoice(*KINDS[kind]), budget)
 
 
 def prompt_of(engine: Engine, tokens: int, seed: int) -> tuple[int, ...]:
@@ -97,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = [int(n) for n in args.rows.split(",")]
     record = Record("kv-rows", quick=args.quick,
                     note=f"{args.prompt}-token prompts, {args.new} new tokens, {args.clock} clock")
-    engine = Engine(device=args.device, dtype=args.dtype, num_threads=args.threads)
+    engine = Engine(args.device, EngineSettings(dtype=args.dtype, threads=args.threads))
     clock = time.process_time if args.clock == "cpu" else time.perf_counter
     record.runs_on(threads=torch.get_num_threads(), dtype=args.dtype, engine="transformers")
     for model in args.models.split(","):

@@ -81,7 +81,7 @@ def uniun_up(logs: Path, slots: str, engine: str) -> Iterator[str]:
     temp dir; `down` after."""
     temp = Path(tempfile.mkdtemp(prefix="uniun-peers-", dir="/tmp"))   # short: Ray's socket paths
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"} | {
-        "UNIUN_UP_STATE": str(temp / "up.json"), "UNIUN_STATE_DIR": str(temp), "RAY_AUTH_MODE": "disabled"}
+        "UNIUN_STATE_DIR": str(temp), "RAY_AUTH_MODE": "disabled"}   # up.json and the event log
     http = free_port()
     cli = [sys.executable, "-m", "uniun_ray.cli"]
     up = [*cli, "up", "--port", str(free_port()), "--dashboard-port", str(free_port()), "--temp-dir", str(temp),

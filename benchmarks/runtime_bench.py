@@ -242,8 +242,9 @@ def warm_copies(models: tuple[str, ...], repeat: int) -> dict[tuple[str, str], l
     every swap back is a warm copy from host memory (on a CPU an empty one)."""
     from uniun_ray.models.decode.engine import Engine
     from uniun_ray.models.decode.generation import generate
+    from uniun_ray.settings import EngineSettings
 
-    engine, swaps = Engine(coresident=False), {}
+    engine, swaps = Engine(settings=EngineSettings(coresident=False)), {}
     for _ in range(repeat):
         for model in models:
             swap = engine.load(model)

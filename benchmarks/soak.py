@@ -11,7 +11,9 @@ resident memory (RSS) of each process of the runtime (the scheduler, each ModelA
 embedder, the Serve replica and proxy) and each device's prefix KV cache (held bytes against
 its budget). The rows: per process its RSS after the first minute, at the end, the most, and its
 growth over the last third of the soak (MB/min; a plateau is about 0); the cache's bytes against
-the budget, and how much of each ModelActor's growth the cache does not explain. Every sample
+the budget, how much of each ModelActor's growth the cache does not explain, and its RSS beyond
+what its memory plan's parts use (``status``: weights, rows, cache, warm models), whose growth
+over the last third says whether the rest is flat. Every sample
 goes to `results/soak-samples.jsonl` (a sample a line) beside the record. `--quick` gives the cache a small budget
 (`--kv-cache-mb`), so that it fills, and the plateau shows, within its 90 s.
 """
@@ -32,6 +34,7 @@ import psutil  # noqa: E402
 from record import RESULTS, Record  # noqa: E402
 
 from uniun_ray.runtime.launch import local_cluster, start  # noqa: E402
+from uniun_ray.settings import Settings  # noqa: E402
 
 CHAT_EVERY_S, EXTRACT_EVERY_S, EMBED_EVERY_S = 2.0, 5.0, 3.0
 NATARAJ_STREAMS, CONVERSATIONS, TURNS_PER_CONVERSATION = 3, 4, 8
@@ -135,7 +138,10 @@ async def sample(url: str, dashboard: str, started: float) -> dict:
     kv = {d["device"]: {k: (d.get("engine") or {}).get("kv_cache", {}).get(k) for k in ("held_mb", "budget_mb",
                                                                                        "entries", "evictions")}
           for d in status["devices"]}
-    return {"t": round(time.time() - started, 1), "rss_mb": rss, "kv": kv}
+    accounted = {d["device"]: round(sum(part["used_mb"] or 0 for part in
+                                        ((d.get("engine") or {}).get("memory") or {}).get("parts", {}).values()), 1)
+                 for d in status["devices"]}   # what the device's memory plan says its parts use
+    return {"t": round(time.time() - started, 1), "rss_mb": rss, "kv": kv, "plan_used_mb": accounted}
 
 
 async def soak(url: str, dashboard: str, seconds: float, every_s: float) -> tuple[list[dict], dict]:
@@ -152,9 +158,11 @@ async def soak(url: str, dashboard: str, seconds: float, every_s: float) -> tupl
     return samples, load.answers
 
 
-def growth(samples: list[dict], name: str) -> float | None:
-    """MB per minute over the last third of the samples (a least-squares slope)."""
-    points = [(s["t"], s["rss_mb"].get(name)) for s in samples[len(samples) * 2 // 3:]]
+def growth(samples: list[dict], name: str, value=None) -> float | None:
+    """MB per minute over the last third of the samples (a least-squares slope) of process
+    ``name``'s RSS, or of ``value(sample)``."""
+    value = value or (lambda s: s["rss_mb"].get(name))
+    points = [(s["t"], value(s)) for s in samples[len(samples) * 2 // 3:]]
     points = [(t, v) for t, v in points if v is not None]
     if len(points) < 2:
         return None
@@ -185,6 +193,11 @@ def record(samples: list[dict], answers: dict, minutes: float, quick: bool) -> N
             cached = (kv["held_mb"] or 0) - (warm["kv"][device]["held_mb"] or 0)
             rec.row(f"{actor}: RSS growth from {warm['t']:.0f} s to the end / of it the cache's / the rest",
                     f"{rss:+.0f} / {cached:+.0f} / {rss - cached:+.0f} MB")
+            beyond = lambda s: None if s["rss_mb"].get(actor) is None else s["rss_mb"][actor] - s["plan_used_mb"][device]  # noqa: E731
+            slope = growth(samples, actor, beyond)
+            rec.row(f"{actor}: RSS beyond what its memory plan's parts use, at {warm['t']:.0f} s / at the end; "
+                    "growth over the last third", f"{beyond(warm):.0f} / {beyond(samples[-1]):.0f} MB; "
+                    + ("-" if slope is None else f"{slope:+.1f} MB/min"))
     rec.save()
     # one sample a line, as .jsonl: results/*.json are the records render.py reads
     (RESULTS / "soak-samples.jsonl").write_text("".join(json.dumps(sample) + "\n" for sample in samples))
@@ -199,15 +212,13 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="90 s, a sample every 5 s, a 48 MB cache: proves it runs")
     args = ap.parse_args()
     minutes, every = (1.5, 5.0) if args.quick else (args.minutes, args.every)
-    budget = args.kv_cache_mb or ("48" if args.quick else None)
-    if budget is not None:
-        os.environ["UNIUN_KV_CACHE_MB"] = budget
+    settings = Settings.load(flags={"kv_cache_mb": args.kv_cache_mb or ("48" if args.quick else None)})
     with local_cluster(dashboard=True) as context:   # the dashboard's state API lists the actors' pids
         from ray import serve
 
         from uniun_ray.http import deploy
 
-        start()
+        start(settings=settings)
         url = deploy(port=free_port())
         try:
             samples, answers = asyncio.run(soak(url, f"http://{context.dashboard_url}", 60 * minutes, every))

@@ -54,6 +54,7 @@ from record import Record  # noqa: E402
 
 from uniun_ray.models.registry import DEFAULT_CHAT_MODEL, materialize, resolve  # noqa: E402
 from uniun_ray.models.runner.profile import decode_times, device_clock, joined_rows  # noqa: E402
+from uniun_ray.models.runner.rows import RowChoice  # noqa: E402
 from uniun_ray.models.runner.forward import Runner  # noqa: E402
 from uniun_ray.models.tune.tuning import cpu_model  # noqa: E402
 
@@ -83,7 +84,7 @@ def round_of_steps(model, batch: int, prompt: int, steps: int, warmup: int, cloc
     with torch.inference_mode():
         out = model(input_ids=ids, use_cache=True, logits_to_keep=1, **{cache_arg: None})
     rows, lengths = joined_rows(Runner(model, cache_arg, {"logits_to_keep": 1}), getattr(out, cache_arg), batch,
-                                prompt, model.device, warmup + steps)
+                                prompt, model.device, warmup + steps, RowChoice.of(model.device))
     return decode_times(rows, lengths, steps, warmup, clock)
 
 

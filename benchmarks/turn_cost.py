@@ -22,6 +22,7 @@ import torch
 from record import Record
 
 from uniun_ray.models import DEFAULT_CHAT_MODEL, Engine
+from uniun_ray.settings import EngineSettings
 from uniun_ray.models.runner.attention import NAME
 from uniun_ray.models.kv.prefix import crop_layers, fork
 
@@ -44,7 +45,7 @@ def main() -> None:
     ap.add_argument("--dtype", default="auto", help="auto (the engine's choice on this host), bfloat16 or float32")
     ap.add_argument("--quick", action="store_true", help="three rounds")
     args = ap.parse_args()
-    engine = Engine(dtype=args.dtype, num_threads=1, kv_cache_mb=0)
+    engine = Engine(settings=EngineSettings(dtype=args.dtype, threads=1, kv_cache_mb=0))
     engine.load(DEFAULT_CHAT_MODEL)
     loaded, device = engine._loaded, engine.device
     ids = torch.randint(100, len(loaded.vocabulary.tokenizer) - 1, (1300,), generator=torch.Generator().manual_seed(0)).tolist()

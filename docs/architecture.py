@@ -21,6 +21,7 @@ ROLES = {
     "client": "the client API\n(generate, stream, run)", "engines": "the engine seam\n(transformers, vLLM)",
     "http": "OpenAI HTTP (Serve)\nand the live page", "producers": "producer actors", "observe": "status, explain",
     "cli": "uniun-ray", "demo": "make demo", "replay": "real against simulated", "settings": "every setting",
+    "memory": "one memory plan\nper device",
     "models": "the engine: one model,\nmany runs", "models.registry": "model ids -> weights",
     "models.swap": "what a swap was", "models.requests": "a request, its prompt,\ntools, checks",
     "models.kv": "KV kept between runs\n(prefix cache)", "models.tune": "dtype and threads\nmeasured here",

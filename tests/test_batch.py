@@ -20,6 +20,11 @@ from uniun_ray.models.decode.batch import Batch
 from uniun_ray.models.runner import rows as kv_rows
 from uniun_ray.models.runner.rows import batchable
 from uniun_ray.models.decode.choice import Choice
+from uniun_ray.memory import plan
+from uniun_ray.models.decode.engine import device_memory
+from uniun_ray.models.load.parked import weight_bytes
+from uniun_ray.models.runner.static import gpu_spare
+from uniun_ray.settings import EngineSettings, Settings
 
 #: Prompts of different lengths (so rows are padded differently), different lengths of output.
 REQUESTS = [
@@ -63,13 +68,17 @@ ROW_KINDS = {"padded": ("padded", "exact"), "static": ("static", "exact"), "buck
 def use_rows(engine, monkeypatch, kind: str):
     """Make the engine's batches keep their KV in rows of ``kind`` (``ROW_KINDS``); returns the
     static store (None for padded rows)."""
-    rows, steps = ROW_KINDS[kind]
-    monkeypatch.setenv(kv_rows.ROWS_ENV, rows)
-    monkeypatch.setenv(kv_rows.STEPS_ENV, steps)
     loaded = engine.resident
-    store = kv_rows.store_for(loaded.runner, engine.device, loaded.vocabulary.context_length, 0)
+    store = kv_rows.store_for(loaded.runner, engine.device, loaded.vocabulary.context_length,
+                              kv_rows.RowChoice(*ROW_KINDS[kind]), rows_budget(engine))
     monkeypatch.setattr(loaded, "rows", store)
     return store
+
+
+def rows_budget(engine) -> int:
+    """The static rows' bytes the engine's memory plan gives its model (on a GPU, at most what is free)."""
+    planned = plan(device_memory(engine.device), EngineSettings(), weight_bytes(engine.resident), static_rows=True).kv_rows
+    return min(planned, gpu_spare(engine.device, 0)) if engine.device.type == "cuda" else planned
 
 
 @pytest.fixture(params=list(ROW_KINDS))
@@ -468,16 +477,15 @@ def test_the_store_is_sized_from_its_budget():
     assert spans(2048) == [256, 512, 1024, 2048] and spans(700) == [256, 512, 700]
 
 
-def test_the_rows_kind_and_steps_are_settings(monkeypatch):
+def test_the_rows_kind_and_steps_are_settings():
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
-    assert (kv_rows.rows_kind(cpu), kv_rows.rows_kind(cuda)) == ("padded", "static")
-    assert (kv_rows.steps_mode(cpu), kv_rows.steps_mode(cuda)) == ("exact", "graphs")
-    monkeypatch.setenv(kv_rows.ROWS_ENV, "static")
-    monkeypatch.setenv(kv_rows.STEPS_ENV, "buckets")
-    assert (kv_rows.rows_kind(cpu), kv_rows.steps_mode(cuda)) == ("static", "buckets")
-    monkeypatch.setenv(kv_rows.ROWS_ENV, "paged")
-    with pytest.raises(ValueError, match="UNIUN_KV_ROWS='paged'"):
-        kv_rows.rows_kind(cpu)
+    choice = kv_rows.RowChoice
+    assert (choice.of(cpu), choice.of(cuda)) == (choice("padded", "exact"), choice("static", "graphs"))
+    assert choice.of(cpu, "static", "buckets") == choice("static", "buckets")
+    settings = Settings.load({"UNIUN_KV_ROWS": "static", "UNIUN_KV_STEPS": "buckets"}).engine_settings
+    assert (settings.kv_rows, settings.kv_steps) == ("static", "buckets")
+    with pytest.raises(ValueError, match="UNIUN_KV_ROWS='paged' is not allowed: use one of padded, static"):
+        Settings.load({"UNIUN_KV_ROWS": "paged"})
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="CUDA graphs: `make gpu-check` runs this on a GPU")
@@ -575,7 +583,7 @@ def test_one_greedy_question_gets_one_answer_whatever_the_cache_holds_and_the_ro
         materialize(resolve(DEFAULT_CHAT_MODEL))
     except Exception as error:   # the lent GPU machine carries no embedded GGUF (../shared/gpu/README.md)
         pytest.skip(f"{DEFAULT_CHAT_MODEL} cannot be had here: {error}")
-    engine = Engine(device=DEVICE, dtype=dtype, deterministic=True)
+    engine = Engine(DEVICE, EngineSettings(dtype=dtype, deterministic=True))
     engine.load(DEFAULT_CHAT_MODEL)
     rng, asked, questions = random.Random(1), 0, []
     batch = Batch(engine, slots=9)

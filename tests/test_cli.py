@@ -27,9 +27,8 @@ from uniun_ray.runtime.head import HeadState, stop_head
 
 @pytest.fixture
 def state_file(tmp_path, monkeypatch) -> Path:
-    path = tmp_path / "up.json"
-    monkeypatch.setenv("UNIUN_UP_STATE", str(path))
-    return path
+    monkeypatch.setenv("UNIUN_STATE_DIR", str(tmp_path))
+    return tmp_path / "up.json"
 
 
 @pytest.fixture
@@ -191,17 +190,18 @@ def test_up_then_down_stops_exactly_that_head(tmp_path):
     temp_dir = tempfile.mkdtemp(prefix="uniun-up-", dir="/tmp")  # short: Ray's socket paths
     state = tmp_path / "up.json"
     env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_AUTH_MODE")}
-    env["UNIUN_UP_STATE"] = str(state)
+    env["UNIUN_STATE_DIR"] = str(tmp_path)   # up.json and the event log
+    env["UNIUN_EMBED_CONCURRENCY"] = "3"
     port, dashboard, http = free_port(), free_port(), free_port()
     try:
         up = run_cli("up", "--port", str(port), "--dashboard-port", str(dashboard), "--temp-dir", temp_dir,
-                     "--http-port", str(http),
+                     "--http-port", str(http), "--slots", "1",
                      "--", f"--ray-client-server-port={free_port()}",
                      f"--dashboard-agent-listen-port={free_port()}", env=env)
         assert up.returncode == 0, up.stdout + up.stderr
         assert f"dashboard: http://127.0.0.1:{dashboard}" in up.stdout
         assert re.search(r"actors: scheduler, model:(cpu|gpu)0, embedder", up.stdout), up.stdout  # any host
-        assert f"event log: {os.environ['UNIUN_STATE_DIR']}/events.jsonl" in up.stdout  # the scheduler's own
+        assert f"event log: {tmp_path}/events.jsonl" in up.stdout  # the scheduler's own
         assert f"http: http://127.0.0.1:{http}/v1 (OpenAI-compatible; no API key)" in up.stdout
         assert f"live page: http://127.0.0.1:{http}/" in up.stdout
         models = json.loads(urllib.request.urlopen(f"http://127.0.0.1:{http}/v1/models", timeout=30).read())
@@ -217,6 +217,9 @@ def test_up_then_down_stops_exactly_that_head(tmp_path):
         assert status.returncode == 0, status.stderr
         snapshot = json.loads(status.stdout)
         assert snapshot["queued"] == 0 and snapshot["engine"]["niceness"] == 0   # not Ray's 15
+        settings = {row["setting"]: (row["value"], row["source"]) for row in snapshot["settings"]}
+        assert settings["UNIUN_SLOTS"] == ("1", "flag") and settings["UNIUN_EMBED_CONCURRENCY"] == ("3", "environment")
+        assert snapshot["engine"]["memory"]["parts"]["prefix_cache"]["planned_mb"] > 0   # the device's plan
 
         down = run_cli("down", env=env)
         assert down.returncode == 0 and "stopped the Ray head" in down.stdout, down.stdout + down.stderr
@@ -229,13 +232,13 @@ def test_up_then_down_stops_exactly_that_head(tmp_path):
 
 
 def test_slots_setting_is_auto_or_a_count_and_a_bad_one_is_refused_before_anything_starts(monkeypatch):
-    from uniun_ray.settings import parse_slots
-    from uniun_ray.runtime.launch import config_from_env
+    from uniun_ray.settings import Settings, parse_slots
+    from uniun_ray.runtime.launch import config_from
 
     assert parse_slots("auto") is None and parse_slots("") is None and parse_slots(" 8 ") == 8
     for bad in ("0", "-1", "many", "257"):
-        with pytest.raises(ValueError, match="UNIUN_SLOTS"):
+        with pytest.raises(ValueError, match=f"UNIUN_SLOTS='{bad}' is not allowed: use 'auto' or a count from 1 to 256"):
             parse_slots(bad)
     monkeypatch.setenv("UNIUN_SLOTS", "4")
-    assert config_from_env().slots == 4 and config_from_env(slots="auto").slots is None
-    assert config_from_env(slots="2").slots == 2
+    assert config_from().slots == 4 and config_from(Settings.load(flags={"slots": "auto"})).slots is None
+    assert config_from(Settings.load(flags={"slots": "2"})).slots == 2

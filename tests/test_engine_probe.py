@@ -19,6 +19,7 @@ from dataclasses import replace
 import pytest
 
 from uniun_ray.models import Engine, GenerateRequest, generate, materialize, resolve
+from uniun_ray.settings import EngineSettings
 from uniun_ray.models.runner import profile as steps_module
 from uniun_ray.models.load import weights as weights_module
 from uniun_ray.models.tune.contention import BUSY_SHARE
@@ -58,7 +59,7 @@ def profiles(monkeypatch):
 
 
 def loaded() -> Engine:
-    engine = Engine(dtype="float32")
+    engine = Engine(settings=EngineSettings(dtype="float32"))
     engine.load("tiny")
     return engine
 

@@ -115,20 +115,33 @@ def submitted(head, tmp_path_factory):
         "UNIUN_EMBED_CONCURRENCY": str(EMBED_CONCURRENCY)}}
     (first, first_arguments), *others = \
         [(f"jobs/{script}", arguments) for script, arguments, _ in JOBS] + [PLACEMENT]
+    client = JobSubmissionClient(url)   # first: its submissions wait for the head's job agent
+    jobs = {path: Job(client, _submit(client, shlex.join(["python", path, *arguments]), runtime_env))
+            for path, arguments in others}
     cli = subprocess.Popen(
         [str(BIN / "ray"), "job", "submit", "--address", url, "--working-dir", str(ROOT),
          "--runtime-env-json", json.dumps({"env_vars": runtime_env["env_vars"]}), "--",
          "python", first, *first_arguments],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT)
-    client = JobSubmissionClient(url)
-    jobs = {path: Job(client, client.submit_job(entrypoint=shlex.join(["python", path, *arguments]),
-                                                runtime_env=runtime_env))
-            for path, arguments in others}
     yield {first: cli} | jobs
     if cli.poll() is None:
         cli.kill()
     for job in jobs.values():
         job.stop()
+
+
+def _submit(client, entrypoint: str, runtime_env: dict, patience_s: float = 120.0) -> str:
+    """Submit as a user whose head is still starting would: the dashboard refuses a job until
+    its job agent has registered ("No available agent to submit job, please try again later"),
+    which on a busy 2-core host comes after the dashboard answers."""
+    deadline = time.monotonic() + patience_s
+    while True:
+        try:
+            return client.submit_job(entrypoint=entrypoint, runtime_env=runtime_env)
+        except RuntimeError as error:
+            if "No available agent" not in str(error) or time.monotonic() > deadline:
+                raise
+            time.sleep(1.0)
 
 
 @dataclass

@@ -33,6 +33,7 @@ from uniun_ray.models import (
     materialize,
     resolve,
 )
+from uniun_ray.settings import EngineSettings
 from hub_kernels import HubKernelRequest, hub_kernel_requests
 from uniun_ray.models import registry
 from uniun_ray.models.registry import CACHE_ENV
@@ -84,7 +85,7 @@ def tiny_cache(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def loaded_engine(tiny_cache):
-    engine = Engine(device=DEVICE, dtype="float32")
+    engine = Engine(DEVICE, EngineSettings(dtype="float32"))
     engine.load("tiny")
     return engine
 
@@ -173,7 +174,7 @@ def test_local_folder_id_loads_and_generates_like_its_source(engine, tiny_cache)
     assert spec.origin is Origin.LOCAL and materialize(spec) == tiny_cache["tiny"]
     request = GenerateRequest(prompt=PROMPT, max_new_tokens=12)
     _, expected = run(engine, request)
-    local = Engine(device=DEVICE, dtype="float32")
+    local = Engine(DEVICE, EngineSettings(dtype="float32"))
     local.load(spec.id)
     assert local.loaded == spec.id
     assert run(local, request)[1].token_ids == expected.token_ids
@@ -194,7 +195,7 @@ def test_hugging_face_id_resolves_only_from_the_local_cache(engine, tiny_cache, 
     assert spec.origin is Origin.HUB and materialize(spec) == snapshot
     with pytest.raises(UnknownModel, match="Hugging Face cache"):
         resolve("uniun-test/absent")
-    hub = Engine(device=DEVICE, dtype="float32")
+    hub = Engine(DEVICE, EngineSettings(dtype="float32"))
     hub.load("uniun-test/tiny")
     request = GenerateRequest(prompt=PROMPT, max_new_tokens=12)
     assert run(hub, request)[1].token_ids == run(engine, request)[1].token_ids
@@ -215,7 +216,7 @@ def test_conversion_is_cached_as_safetensors(tiny_cache, monkeypatch):
 
     monkeypatch.setattr(registry, "_convert_gguf", must_not_convert)
     assert materialize(resolve("tiny")) == folder
-    fresh = Engine(device=DEVICE, dtype="float32")
+    fresh = Engine(DEVICE, EngineSettings(dtype="float32"))
     load_s = fresh.load("tiny").seconds
     # the cache pays for itself on any host: a load from it beats the conversion it replaces
     assert load_s < tiny_cache["conversion_s"], f"load from the cache {load_s:.2f} s, conversion {tiny_cache['conversion_s']:.2f} s"
@@ -308,7 +309,7 @@ def test_stale_conversion_is_rebuilt(fake_conversion):
 
 
 def test_load_unload_report_state(tiny_cache):
-    engine = Engine(device=DEVICE, dtype="float32")
+    engine = Engine(DEVICE, EngineSettings(dtype="float32"))
     assert engine.loaded is None and engine.context_length is None and engine.chat is None
     assert engine.load("tiny").seconds > 0
     assert engine.load("tiny").seconds == 0.0
@@ -330,11 +331,11 @@ def test_no_conversion_or_load_asks_for_hub_kernels_unless_the_user_opts_in(tiny
     monkeypatch.delenv("USE_HUB_KERNELS", raising=False)
     assert tiny_cache["hub_kernels_asked"] == []    # the GGUF conversion, above
     with hub_kernel_requests() as asked:
-        Engine(device=DEVICE, dtype="float32").load("tiny")
+        Engine(DEVICE, EngineSettings(dtype="float32")).load("tiny")
     assert asked == []
     pytest.importorskip("kernels")   # without it transformers never kernelizes: nothing to opt into
     with hub_kernel_requests() as asked, pytest.raises(HubKernelRequest):
-        Engine(device=DEVICE, dtype="float32", hub_kernels=True).load("tiny")
+        Engine(DEVICE, EngineSettings(dtype="float32", hub_kernels=True)).load("tiny")
     assert asked, "UNIUN_HUB_KERNELS=1 lets transformers kernelize the model"
 
 
@@ -738,16 +739,16 @@ def test_requests_the_model_cannot_serve_are_refused(engine, forwards):
 
 def test_engine_arguments_are_checked():
     with pytest.raises(ValueError, match="dtype"):
-        Engine(dtype="float99")
-    with pytest.raises(ValueError, match="num_threads"):
-        Engine(num_threads=0)
+        Engine(settings=EngineSettings(dtype="float99"))
+    with pytest.raises(ValueError, match=r"threads \(UNIUN_THREADS\) must be a thread count"):
+        Engine(settings=EngineSettings(threads=0))
     with pytest.raises(ValueError, match="thread_budget"):
         Engine(thread_budget=1.5)
     with pytest.raises(ValueError, match="prefill_chunk"):
         Engine(prefill_chunk=0)
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="CUDA"):
-            Engine(device="cuda")
+            Engine("cuda")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -813,7 +814,7 @@ def test_default_chat_model_applies_its_template(monkeypatch):
         monkeypatch.delenv(CACHE_ENV, raising=False)
     else:
         monkeypatch.setenv(CACHE_ENV, USER_CACHE)
-    engine = Engine(device=DEVICE)
+    engine = Engine(DEVICE)
     engine.load(DEFAULT_CHAT_MODEL)
     assert engine.chat and engine.dtype in (torch.bfloat16, torch.float32)
     described = engine.describe()   # the dtype kept is the faster of the two measured on this host
@@ -842,7 +843,7 @@ def test_default_chat_model_applies_its_template(monkeypatch):
 
 @pytest.fixture
 def uncached(tiny_cache):
-    engine = Engine(device=DEVICE, dtype="float32", kv_cache_mb=0)
+    engine = Engine(DEVICE, EngineSettings(dtype="float32", kv_cache_mb=0))
     engine.load("tiny")
     return engine
 
@@ -959,7 +960,7 @@ def test_one_greedy_question_gets_one_answer_whatever_prefixes_the_cache_holds(t
             monkeypatch.delenv(CACHE_ENV, raising=False)
         else:
             monkeypatch.setenv(CACHE_ENV, USER_CACHE)
-    engine = Engine(device=DEVICE, dtype=dtype, deterministic=True)
+    engine = Engine(DEVICE, EngineSettings(dtype=dtype, deterministic=True))
     engine.load(model)
     ids = engine.resident.vocabulary.tokenizer(LONG_PROMPT)["input_ids"][:300]
     assert len(ids) == 300
@@ -1133,10 +1134,10 @@ def test_a_swap_drops_the_cache_and_a_bad_budget_is_refused(engine):
     engine.load("tiny")
     # the device's default budget: 1 GiB of host memory on a CPU, 4 GiB on a GPU
     assert kv(engine)["entries"] == 0 and kv(engine)["budget_mb"] == {"cpu": 1024, "cuda": 4096}[engine.device.type]
-    with pytest.raises(ValueError, match="kv_cache_mb must be an int >= 0"):
-        Engine(kv_cache_mb=-1)
-    with pytest.raises(ValueError, match="kv_offload_mb must be an int >= 0"):
-        Engine(kv_offload_mb="8GB")
+    with pytest.raises(ValueError, match=r"kv_cache_mb \(UNIUN_KV_CACHE_MB\) must be megabytes: an integer >= 0"):
+        Engine(settings=EngineSettings(kv_cache_mb=-1))
+    with pytest.raises(ValueError, match=r"kv_offload_mb \(UNIUN_KV_OFFLOAD_MB\) must be megabytes"):
+        Engine(settings=EngineSettings(kv_offload_mb="8GB"))
 
 
 def equal_entries(engine, count: int) -> list:
@@ -1226,11 +1227,10 @@ def test_a_model_larger_than_its_memory_budget_is_offloaded_by_accelerate_with_t
     are offloaded to disk and streamed in per layer; the tokens do not change."""
     request = GenerateRequest(prompt=PROMPT, max_new_tokens=20)
     expected = run(engine, request)[1].token_ids
-    offloaded = Engine(dtype="float32", max_memory={"cpu": "2MB"})
+    offloaded = Engine(settings=EngineSettings(dtype="float32", max_memory={"cpu": "2MB"}))
     offloaded.load("tiny")
     assert set(offloaded.describe()["placement"].values()) == {"disk"}
     assert run(offloaded, request)[1].token_ids == expected
-    with pytest.raises(ValueError, match="is not a size like"):
-        Engine(max_memory={"cpu": "lots"})
-    with pytest.raises(ValueError, match="neither 'cpu' nor a GPU index"):
-        Engine(max_memory={"gpu": "1GiB"})
+    for bad in ({"cpu": "lots"}, {"gpu": "1GiB"}):
+        with pytest.raises(ValueError, match=r"max_memory \(UNIUN_MAX_MEMORY\) must be DEVICE=SIZE pairs"):
+            Engine(settings=EngineSettings(max_memory=bad))

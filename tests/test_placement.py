@@ -12,6 +12,7 @@ import pytest
 from uniun_ray.runtime import placement
 from uniun_ray.runtime.placement import DEVICE_RESOURCE, EMBEDDER_RESOURCE, Seat
 from uniun_ray.runtime.protocol import UniunError
+from uniun_ray.settings import Settings
 
 from conftest import spawn_scenario
 
@@ -63,16 +64,17 @@ def test_a_taken_seat_is_refused_with_the_resource_and_the_command_that_adds_one
     placement.check_free("embedder", Seat({}, "cpu"), {})                # a CPU seat is always free
 
 
-def test_settings_are_checked():
-    assert placement.torch_device({}) is None and placement.torch_device({"UNIUN_TORCH_DEVICE": "cpu"}) == "cpu"
-    with pytest.raises(ValueError, match="UNIUN_TORCH_DEVICE='tpu': use 'cpu' or 'cuda'"):
-        placement.torch_device({"UNIUN_TORCH_DEVICE": "tpu"})
-    assert placement.embedder_on_cpu({}) is False and placement.embedder_on_cpu({"UNIUN_EMBEDDER_DEVICE": "cpu"})
-    with pytest.raises(ValueError, match="UNIUN_EMBEDDER_DEVICE='tpu': use 'cpu' or 'gpu'"):
-        placement.embedder_on_cpu({"UNIUN_EMBEDDER_DEVICE": "tpu"})
-    assert placement.embed_concurrency({}) == 2 and placement.embed_concurrency({"UNIUN_EMBED_CONCURRENCY": "3"}) == 3
-    with pytest.raises(ValueError, match="UNIUN_EMBED_CONCURRENCY='0' is not a concurrency"):
-        placement.embed_concurrency({"UNIUN_EMBED_CONCURRENCY": "0"})
+def test_placement_settings_are_checked_where_the_runtime_starts():
+    assert Settings.load({}).torch_device is None and Settings.load({"UNIUN_TORCH_DEVICE": "cpu"}).torch_device == "cpu"
+    with pytest.raises(ValueError, match=r"UNIUN_TORCH_DEVICE='tpu' is not allowed: use one of cpu, cuda"):
+        Settings.load({"UNIUN_TORCH_DEVICE": "tpu"})
+    assert Settings.load({}).embedder_device == "gpu" and Settings.load({"UNIUN_EMBEDDER_DEVICE": "cpu"}).embedder_device == "cpu"
+    with pytest.raises(ValueError, match=r"UNIUN_EMBEDDER_DEVICE='tpu' is not allowed: use one of cpu, gpu"):
+        Settings.load({"UNIUN_EMBEDDER_DEVICE": "tpu"})
+    assert Settings.load({}).embed_concurrency == 2
+    assert Settings.load({"UNIUN_EMBED_CONCURRENCY": "3"}).embed_concurrency == 3
+    with pytest.raises(ValueError, match=r"UNIUN_EMBED_CONCURRENCY='0' is not allowed: use a concurrency: an integer >= 1"):
+        Settings.load({"UNIUN_EMBED_CONCURRENCY": "0"})
 
 
 #: Each scenario needs a private cluster with other resources than the session's: a subprocess.

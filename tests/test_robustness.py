@@ -935,7 +935,7 @@ def test_corrupt_up_state_file_is_a_one_line_error(tmp_path, monkeypatch, capsys
 
     path = tmp_path / "up.json"
     path.write_text('{"address": "127.0.0.1:6379", "pgid": ')   # cut short
-    monkeypatch.setenv("UNIUN_UP_STATE", str(path))
+    monkeypatch.setenv("UNIUN_STATE_DIR", str(tmp_path))
     assert cli.main(["down"]) == 1
     err = capsys.readouterr().err
     assert f"unreadable state file {path}" in err and "remove it" in err and "Traceback" not in err
@@ -955,7 +955,7 @@ def test_up_sets_the_auth_mode_explicitly_and_binds_the_dashboard_to_localhost(t
     from uniun_ray import cli
     from uniun_ray.runtime import head
 
-    monkeypatch.setenv("UNIUN_UP_STATE", str(tmp_path / "up.json"))
+    monkeypatch.setenv("UNIUN_STATE_DIR", str(tmp_path))
     seen = []
 
     class FakeRayStart:

@@ -95,10 +95,11 @@ def test_served_ids_pass_and_hub_ids_only_with_the_operators_switch(app, monkeyp
 
 
 def test_configured_ids_resolve_to_their_folder_and_paths_still_resolve_for_trusted_callers(weights, monkeypatch):
-    from uniun_ray.runtime.launch import config_from_env
+    from uniun_ray.runtime.launch import config_from
+    from uniun_ray.settings import Settings
 
     monkeypatch.setattr(registry, "_CONFIGURED", {})
-    config = config_from_env(chat_model="tiny", slots="1", models={"mine": str(weights)})
+    config = config_from(Settings.load(flags={"chat_model": "tiny", "slots": "1"}), {"mine": str(weights)})
     assert dict(config.models) == {"mine": str(weights)} and not config.hub_models
     spec = registry.resolve("mine")
     assert spec.id == "mine" and spec.origin is registry.Origin.LOCAL and spec.source == str(weights.resolve())
@@ -106,18 +107,19 @@ def test_configured_ids_resolve_to_their_folder_and_paths_still_resolve_for_trus
     with pytest.raises(registry.UnknownModel, match="not an embedded model"):
         registry.resolve("~nosuchuser")                                         # not a RuntimeError
     with pytest.raises(ValueError, match="taken"):
-        config_from_env(chat_model="tiny", models={"tiny": str(weights)})
+        config_from(Settings.load(flags={"chat_model": "tiny"}), {"tiny": str(weights)})
     with pytest.raises(registry.UnknownModel, match="config.json"):
-        config_from_env(chat_model="tiny", models={"empty": str(weights.parent)})
+        config_from(Settings.load(flags={"chat_model": "tiny"}), {"empty": str(weights.parent)})
 
 
 def test_a_chat_model_given_as_a_folder_is_served_under_the_folders_name(weights, monkeypatch):
-    from uniun_ray.runtime.launch import config_from_env
+    from uniun_ray.runtime.launch import config_from
+    from uniun_ray.settings import Settings
 
     monkeypatch.setattr(registry, "_CONFIGURED", {})
-    config = config_from_env(chat_model=str(weights), slots="1")
+    config = config_from(Settings.load(flags={"chat_model": str(weights), "slots": "1"}))
     assert config.chat_model == "my-model" and dict(config.models) == {"my-model": str(weights.resolve())}
-    assert config_from_env(chat_model="mine", models={"mine": str(weights)}).chat_model == "mine"
+    assert config_from(Settings.load(flags={"chat_model": "mine"}), {"mine": str(weights)}).chat_model == "mine"
 
 
 def test_up_takes_repeated_models_and_the_hub_switch():

@@ -15,6 +15,7 @@ import pytest
 
 from tool_models import CLOCK, SCHEMAS, TOOLS, WEATHER, tool_model
 from uniun_ray.models import Engine, GenerateRequest, generate, inspect_request, materialize, resolve
+from uniun_ray.settings import EngineSettings
 from uniun_ray.models.requests.tools import FORMATS, read_calls, tool_names
 
 DEVICE = os.environ.get("UNIUN_TEST_DEVICE", "cpu")
@@ -30,7 +31,7 @@ def folders(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def engine():
-    return Engine(device=DEVICE, dtype="float32")
+    return Engine(DEVICE, EngineSettings(dtype="float32"))
 
 
 def run(engine, request, cancel=None):

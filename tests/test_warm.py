@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from uniun_ray.models import Engine, GenerateRequest, generate
+from uniun_ray.settings import EngineSettings
 from uniun_ray.models.decode import engine as engine_module
 from uniun_ray.models.load import weights as weights_module
 from uniun_ray.models.load.parked import Parked, ParkedStore
@@ -46,7 +47,7 @@ def tokens(engine: Engine) -> list[int]:
 @pytest.fixture(scope="module")
 def cold(other):
     """Each model's output after a cold load, and the engine that made them."""
-    engine = Engine(dtype="float32", coresident=False)
+    engine = Engine(settings=EngineSettings(dtype="float32", coresident=False))
     outputs = {}
     for model_id in ("tiny", other):
         assert engine.load(model_id).kind == COLD
@@ -79,7 +80,7 @@ def test_a_warm_swap_back_reads_no_file_and_answers_as_a_cold_load(cold, other, 
 
 def test_a_coresident_switch_keeps_both_models_outputs(cold, other):
     _, outputs = cold
-    engine = Engine(dtype="float32")   # co-resident by default
+    engine = Engine(settings=EngineSettings(dtype="float32"))   # co-resident by default
     for model_id in ("tiny", other):
         engine.load(model_id)
     for model_id in ("tiny", other, "tiny"):
@@ -119,7 +120,7 @@ def test_a_cold_load_short_of_memory_drops_the_warm_models_and_loads(cold, other
 
 
 def test_no_warm_budget_means_every_swap_is_cold(cold, other):
-    engine = Engine(dtype="float32", warm_mb=0)
+    engine = Engine(settings=EngineSettings(dtype="float32", warm_mb=0))
     kinds = [engine.load(model_id).kind for model_id in ("tiny", other, "tiny")]
     assert kinds == [COLD, COLD, COLD] and engine.warm["models"] == {}
 
@@ -140,7 +141,7 @@ def test_an_abandoned_load_leaves_nothing_active_and_the_old_model_warm(cold, ot
     """R13: a cold load whose abandon flag is set stops (SwapAbandoned); the model it replaced
     comes back as a switch."""
     _, outputs = cold
-    engine = Engine(dtype="float32")
+    engine = Engine(settings=EngineSettings(dtype="float32"))
     engine.load("tiny")
     abandon = threading.Event()
     abandon.set()
@@ -150,15 +151,15 @@ def test_an_abandoned_load_leaves_nothing_active_and_the_old_model_warm(cold, ot
     assert engine.load("tiny").kind == SWITCH and tokens(engine) == outputs["tiny"]
 
 
-def test_static_rows_go_with_a_model_set_aside_and_come_back_with_it(cold, other, monkeypatch):
+def test_static_rows_go_with_a_model_set_aside_and_come_back_with_it(cold, other):
     """Issue 36's static KV rows are freed when a model is set aside (on a GPU they take the
     free memory the next model needs) and made again, sized then, when it is back."""
-    monkeypatch.setenv("UNIUN_KV_ROWS", "static")
-    engine, outputs = cold
-    engine.load("tiny" if engine.loaded != "tiny" else other)
+    outputs = cold[1]
+    engine = Engine(settings=EngineSettings(dtype="float32", coresident=False, kv_rows="static"))
+    engine.load("tiny")
     rows = engine.resident.rows
     assert rows is not None
-    for model_id in (other, "tiny") if engine.loaded == "tiny" else ("tiny", other):
+    for model_id in (other, "tiny"):
         engine.load(model_id)
         assert rows.keys == [] and engine.resident.rows is not None and engine.resident.rows is not rows
         assert tokens(engine) == outputs[model_id]

@@ -4,6 +4,7 @@
                  [--engine transformers|vllm] [--chat-model ID] [--model ID=PATH]... [--hub-models]
                  [--no-http | --http-host H --http-port P] [-- more `ray start` args]
     uniun-ray down
+    uniun-ray config [--json] [--chat-model ID] [--slots N|auto] [--engine E]
     uniun-ray status [--json | --watch [--interval S]]
     uniun-ray explain JOB_ID [--log PATH]
     uniun-ray chat PROMPT [--model ID]
@@ -27,7 +28,7 @@ import sys
 
 from . import engines
 from .policy import Kind
-from .settings import ENGINE_ENV, ENGINES, SLOTS_ENV, EngineSettings, parse_models, warm_start
+from .settings import ENGINES, Settings, parse_models, read
 
 DEFAULT_PORT = 6379
 DEFAULT_DASHBOARD_PORT = 8265
@@ -160,7 +161,7 @@ def _up(args) -> int:
     import ray
 
     from .runtime.head import HeadError, HeadState, start_head, state_path
-    from .runtime.launch import config_from_env, start
+    from .runtime.launch import config_from, start
     from .client import error_text
     from .runtime.protocol import NAMESPACE
 
@@ -169,17 +170,12 @@ def _up(args) -> int:
         print(f"already up: {state.address} (dashboard {state.dashboard_url}); stop it with `uniun-ray down`")
         return 0
     HeadState.forget()  # a stale record of a head that is gone
-    if args.engine:   # the ModelActors get their settings from this process's environment (`start`)
-        os.environ[ENGINE_ENV] = args.engine
-    if args.slots:    # the scheduler's slots, and the batch an engine fixes at start (vLLM's max_num_seqs)
-        os.environ[SLOTS_ENV] = args.slots
-    models = dict(args.model or ())
     try:   # a bad setting is refused before the head starts, and so is an engine this host cannot run
-        config = config_from_env(args.chat_model, args.slots, models, args.hub_models)
-        settings = EngineSettings.from_env()
+        settings = _settings(args)
+        config = config_from(settings, dict(args.model or ()), args.hub_models)
     except ValueError as error:
         raise UsageError(str(error)) from error
-    engines.check(settings)
+    engines.check(settings.engine_settings)
     os.environ["RAY_AUTH_MODE"] = args.auth  # this process must speak the head's auth mode too
     state = start_head(port=args.port, dashboard_host=args.dashboard_host, dashboard_port=args.dashboard_port,
                        auth_mode=args.auth, temp_dir=args.temp_dir, devices=args.devices, extra=args.ray_args)
@@ -190,12 +186,12 @@ def _up(args) -> int:
         state.address = context.address_info.get("gcs_address") or state.address
         state.session_dir = context.address_info.get("session_dir")
         state.dashboard_url = f"http://{context.dashboard_url}" if context.dashboard_url else None
-        handles = start(config, wait_ready=False)
+        handles = start(config, wait_ready=False, settings=settings)
         event_log = ray.get(handles.scheduler.status.remote())["event_log"]
         print(f"active chat model: {handles.chat_model}")
         state.actors = _actor_names()
         http_url = None if args.no_http else _deploy_http(args.http_host, args.http_port)   # /health: 503 meanwhile
-        if warm_start():
+        if settings.warm_start:
             print(f"loading {handles.chat_model} (warm start) ...", flush=True)
             ray.get(handles.scheduler.ready.remote())
     except Exception as error:
@@ -209,7 +205,7 @@ def _up(args) -> int:
     print(f"actors: {', '.join(state.actors)}")
     print(f"event log: {event_log} (`uniun-ray status --watch`, `uniun-ray explain JOB_ID`)")
     if http_url:
-        key = "bearer UNIUN_API_KEY required" if os.environ.get("UNIUN_API_KEY") else "no API key"
+        key = "bearer UNIUN_API_KEY required" if settings.api_key else "no API key"
         print(f"http: {http_url}/v1 (OpenAI-compatible; {key})")
         print(f"live page: {http_url}/   health: {http_url}/health")
     if state.dashboard_url:
@@ -218,11 +214,45 @@ def _up(args) -> int:
     return 0
 
 
+def _settings(args) -> Settings:
+    """The environment's settings with the flags of `up` (or `config`) over them."""
+    return Settings.load(flags={"chat_model": args.chat_model, "slots": args.slots, "engine": args.engine})
+
+
+def _config(args) -> int:
+    """Every setting as `up` here would read it, with where it came from (`status` shows a
+    running cluster's), and the memory plan of a CPU device of this host (before any load)."""
+    import psutil
+
+    from . import memory
+    from .observe import statusview
+
+    try:
+        settings = _settings(args)
+        available = psutil.virtual_memory().available
+        plan = memory.plan(memory.Device("cpu", available, available), settings.engine_settings)
+    except ValueError as error:   # a bad value, or budgets beyond this host's memory (MemoryShort)
+        raise UsageError(str(error)) from error
+    if args.json:
+        print(json.dumps({"settings": settings.describe(), "cpu_memory_plan": plan.describe()}, indent=2))
+        return 0
+    print(settings_table(settings.describe()))
+    print(f"memory plan of a CPU device here: {statusview.memory_line(plan.describe())}")
+    return 0
+
+
+def settings_table(rows: list[dict]) -> str:
+    """Settings rows (`Settings.describe`) as aligned text: variable, value, source."""
+    width = max(len(row["setting"]) for row in rows)
+    return "\n".join(f"{row['setting']:<{width}}  {row['value']:<24} {row['source']}"
+                     + ("  (debug)" if row["debug"] else "") for row in rows)
+
+
 def _deploy_http(host: str, port: int) -> str:
     """The OpenAI-compatible endpoint (SPEC §4) on Ray Serve, keyed by $UNIUN_API_KEY."""
     from .http import deploy
 
-    if host not in ("127.0.0.1", "localhost", "::1") and not os.environ.get("UNIUN_API_KEY"):
+    if host not in ("127.0.0.1", "localhost", "::1") and not read("api_key"):
         print(f"warning: HTTP bound to {host} without UNIUN_API_KEY: anyone who reaches it can submit "
               f"work and read the scheduler's state", file=sys.stderr)
     return deploy(host, port)
@@ -327,6 +357,13 @@ def _parser() -> argparse.ArgumentParser:
 
     down = commands.add_parser("down", help="stop what `uniun-ray up` started, and only that")
     down.set_defaults(run=_down)
+
+    config = commands.add_parser("config", help="every setting `up` would use here, and where it comes from")
+    config.add_argument("--json", action="store_true", help="the settings as JSON")
+    for flag in ("--chat-model", "--slots"):
+        config.add_argument(flag, help=f"as `up {flag}`")
+    config.add_argument("--engine", choices=ENGINES, help="as `up --engine`")
+    config.set_defaults(run=_config)
 
     status = commands.add_parser("status", parents=[client], help="the scheduler's state, once or live")
     view = status.add_mutually_exclusive_group()

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import platform
 import statistics
 import threading
@@ -20,7 +19,7 @@ import ray
 
 from .client import agenerate, await_generating
 from .models import DEFAULT_CHAT_MODEL
-from .settings import ENGINE_ENV, ENGINES
+from .settings import ENGINES, Settings
 from .producers import spawn_producer
 from .runtime.launch import local_cluster, start
 from .runtime.protocol import model_actor_name
@@ -63,17 +62,14 @@ async def measure(turns: int, deck: int, card_tokens: int, chat_tokens: int, htt
             "card": card, "http": http}
 
 
-def bare_engine(turns: int, chat_tokens: int) -> dict:
-    """The engine alone, as the ModelActor configures it (UNIUN_DTYPE / UNIUN_THREADS, else the
-    host's measured choice): its TTFTs for the demo's chat prompt, and its host choices."""
+def bare_engine(turns: int, chat_tokens: int, settings: Settings) -> dict:
+    """The engine alone, as the ModelActor configures it (``settings``: UNIUN_DTYPE, UNIUN_THREADS...,
+    else the host's measured choice): its TTFTs for the demo's chat prompt, and its host choices."""
     import gc
 
     from .models import Engine, GenerateRequest, generate
-    from .settings import EngineSettings
 
-    settings = EngineSettings.from_env()
-    engine = Engine(dtype=settings.dtype, num_threads=settings.threads, kv_cache_mb=settings.kv_cache_mb,
-                    kv_offload_mb=settings.kv_offload_mb)
+    engine = Engine(settings=settings.engine_settings)
     engine.load(DEFAULT_CHAT_MODEL)
     ttfts, prefills = [], []
     for prompt in ["warm up"] + prompts(turns):
@@ -106,15 +102,15 @@ def simulated_two_lane() -> dict[str, float]:
 def main(argv: list[str] | None = None) -> dict:
     """Prints the figures, and returns them (benchmarks/demo_bench.py records them)."""
     args = _arguments(argv)
-    os.environ[ENGINE_ENV] = args.engine   # `start` hands the settings to the ModelActors
+    settings = Settings.load(flags={"engine": args.engine})   # a bad setting fails here, before anything runs
     print("Measuring the bare engine on this host (the first run converts the chat model once, "
           "~20 s, and measures its dtypes)...", flush=True)
-    bare = bare_engine(args.turns, args.chat_tokens)
+    bare = bare_engine(args.turns, args.chat_tokens, settings)
     host = bare["engine"]
     print(f"host: {platform.machine()}, torch CPU capability {host['cpu_capability']}, "
           f"{host['threads']} threads; {DEFAULT_CHAT_MODEL} runs in {host['dtype']} "
           f"(decode {host['decode_ms']:.0f} ms/token, prefill chunk {host['prefill_chunk']} tokens)")
-    runtime, pool, steps = _on_ray(args)
+    runtime, pool, steps = _on_ray(args, settings)
     _report(bare, runtime, pool, steps, simulated_two_lane())
     return {"bare": bare, "runtime": runtime}
 
@@ -128,18 +124,18 @@ def _arguments(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--devices", type=int, default=1,
                     help="stand-in devices on a CPU machine (every GPU is a device anyway); with 2 or more, "
                          "Nataraj fills on one while chat takes another")
-    ap.add_argument("--engine", choices=ENGINES, default=os.environ.get(ENGINE_ENV) or ENGINES[0],
+    ap.add_argument("--engine", choices=ENGINES,
                     help="what runs the device's forward passes (UNIUN_ENGINE; vllm needs `make install-vllm` "
                          "and starts a server at the first load: minutes on a CPU). The bare figures stay "
-                         "the transformers engine's")
+                         "the transformers engine's (default: UNIUN_ENGINE, else transformers)")
     return ap.parse_args(argv)
 
 
-def _on_ray(args: argparse.Namespace) -> tuple[dict, list[dict], dict]:
+def _on_ray(args: argparse.Namespace, settings: Settings) -> tuple[dict, list[dict], dict]:
     """The runtime's figures on a local Ray (`measure`), then each device's status and the
-    step profile the first one served."""
+    step profile the first one served (`settings`: `start` hands them to the ModelActors)."""
     with local_cluster(dashboard=True, devices=args.devices) as context:
-        status = ray.get(start().scheduler.status.remote())
+        status = ray.get(start(settings=settings).scheduler.status.remote())
         devices = [d["device"] for d in status["devices"]]
         models = ", ".join(model_actor_name(d) for d in devices)
         print(f"Ray dashboard: http://{context.dashboard_url}  (actors: scheduler, {models}, "

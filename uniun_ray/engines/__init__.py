@@ -108,14 +108,16 @@ def check(settings: "EngineSettings") -> None:
         vllm_python()
 
 
-def create(settings: "EngineSettings", device: str, wake: Wake, thread_budget: int | None = None) -> Engine:
+def create(settings: "EngineSettings", device: str, wake: Wake, thread_budget: int | None = None,
+           shares: int = 1) -> Engine:
     """The engine `settings.engine` names, for `device` ("cpu", "cuda"...). `thread_budget`:
-    the most cores it may use (stand-in devices share a host's cores). Imported here, lazily:
-    each engine pulls in its own stack (torch, or an HTTP client)."""
+    the most cores it may use, `shares` the devices of the host (stand-in devices share a
+    host's cores and memory). Imported here, lazily: each engine pulls in its own stack (torch,
+    or an HTTP client)."""
     if settings.engine == "vllm":
         from .vllm import VllmEngine
 
         return VllmEngine(wake, slots=settings.slots, dtype=None if settings.dtype == "auto" else settings.dtype)
     from .transformers import TransformersEngine
 
-    return TransformersEngine(wake, device, settings, thread_budget)
+    return TransformersEngine(wake, device, settings, thread_budget, shares)

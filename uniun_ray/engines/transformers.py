@@ -49,13 +49,8 @@ class TransformersEngine:
     name = "transformers"
 
     def __init__(self, wake: Wake, device: str = "cpu", settings: EngineSettings | None = None,
-                 thread_budget: int | None = None) -> None:
-        settings = settings or EngineSettings()
-        self.model = Engine(device=device, dtype=settings.dtype, num_threads=settings.threads,
-                            thread_budget=thread_budget, kv_cache_mb=settings.kv_cache_mb,
-                            kv_offload_mb=settings.kv_offload_mb, max_memory=settings.max_memory,
-                            warm_mb=settings.warm_mb, coresident=settings.coresident,
-                            hub_kernels=settings.hub_kernels, deterministic=settings.deterministic)
+                 thread_budget: int | None = None, shares: int = 1) -> None:
+        self.model = Engine(device, settings, thread_budget=thread_budget, shares=shares)
         self._loop = DecodeLoop(self.model, MAX_SLOTS, wake)
         self._flags: dict[Hashable, tuple[threading.Event, Job]] = {}
         self._lock = threading.Lock()

@@ -19,9 +19,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from ..models.registry import cache_dir
+from ..settings import ENV, read
 
 #: A Python that already has vLLM (a workstation's own install) instead of the managed venv.
-VLLM_PYTHON_ENV = "UNIUN_VLLM_PYTHON"
+VLLM_PYTHON_ENV = ENV["vllm_python"]
 
 _STAMP = ".uniun-installed"
 
@@ -110,7 +111,7 @@ def vllm_python() -> Path:
     by `make install-vllm`). EngineUnavailable when neither is there."""
     from . import EngineUnavailable
 
-    configured = os.environ.get(VLLM_PYTHON_ENV)
+    configured = read("vllm_python")
     python = Path(configured) if configured else python_of(vllm_recipe())
     if not python.exists() or not (configured or installed(vllm_recipe())):
         raise EngineUnavailable(f"no vLLM environment at {python}: run `make install-vllm` "

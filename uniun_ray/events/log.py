@@ -16,6 +16,7 @@ import os
 from pathlib import Path
 from typing import Iterable
 
+from ..settings import state_dir
 from .schema import Event
 
 DEFAULT_MAX_BYTES = 20 * 1024 * 1024
@@ -23,8 +24,7 @@ DEFAULT_BACKUPS = 3
 
 
 def default_path() -> Path:
-    base = Path(os.environ.get("UNIUN_STATE_DIR", Path.home() / ".cache" / "uniun-ray"))
-    return base / "events.jsonl"
+    return state_dir() / "events.jsonl"
 
 
 class EventLog:

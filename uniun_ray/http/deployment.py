@@ -12,11 +12,11 @@ which decides the order (Serve's default of 5 would queue the rest in front of t
 """
 from __future__ import annotations
 
-import os
 
 from ray import serve
 from ray.serve import Application
 
+from ..settings import read
 from .app import create_app
 
 APP_NAME = "uniun-http"
@@ -24,7 +24,6 @@ DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8000
 #: Requests one replica holds at once; beyond it Serve queues them at the proxy.
 MAX_ONGOING = 4096
-API_KEY_ENV = "UNIUN_API_KEY"
 
 
 @serve.deployment(name="openai", num_replicas=1, max_ongoing_requests=MAX_ONGOING,
@@ -44,7 +43,7 @@ def build(api_key: str | None = None) -> Application:
     """The application; `api_key` defaults to $UNIUN_API_KEY of the process that builds it
     (the key travels inside the deployment's arguments, never on a command line)."""
     if api_key is None:
-        api_key = os.environ.get(API_KEY_ENV) or None
+        api_key = read("api_key")
     return OpenAIServer.bind(api_key)
 
 

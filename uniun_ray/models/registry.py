@@ -40,9 +40,10 @@ from enum import Enum
 from pathlib import Path
 from typing import Collection, Iterator, Mapping
 
-DEFAULT_CHAT_MODEL = "smollm2-135m-instruct"
+from .. import settings
+from ..settings import DEFAULT_CHAT_MODEL  # noqa: F401  (the registry's clients name it here)
 
-CACHE_ENV = "UNIUN_CACHE_DIR"
+CACHE_ENV = settings.ENV["cache_dir"]
 
 # Bump when the conversion itself changes, so existing cache folders are rebuilt.
 _CONVERSION_VERSION = 1
@@ -168,14 +169,8 @@ def check_served(model_id: str, served: Collection[str], hub: bool = False) -> N
 
 
 def cache_dir() -> Path:
-    """Root of the conversion cache: ``$UNIUN_CACHE_DIR`` or ``~/.cache/uniun-ray/models``.
-
-    Read on every call, so a test or a deployment can redirect it through the environment.
-    """
-    configured = os.environ.get(CACHE_ENV)
-    if configured:
-        return Path(configured).expanduser()
-    return Path.home() / ".cache" / "uniun-ray" / "models"
+    """Root of the conversion cache (``settings.cache_dir``: ``UNIUN_CACHE_DIR``, read on every call)."""
+    return settings.cache_dir()
 
 
 def resolve(model_id: str) -> ModelSpec:

@@ -67,6 +67,12 @@ def _summary(snap: dict, now: float) -> Table:
     grid.add_row("swaps", _swaps(snap, devices), "next wake-up", f"in {wake - now:.1f}s" if wake else "-")
     if snap.get("event_log"):
         grid.add_row("event log", snap["event_log"], "", "")
+    if snap.get("settings"):
+        grid.add_row("settings", _settings(snap["settings"]), "", "")
+    for device in devices:
+        plan = (device.get("engine") or {}).get("memory")
+        if plan:
+            grid.add_row(f"memory {device['device']}", memory_line(plan), "", "")
     niceness = max([(d.get("engine") or {}).get("niceness", 0) for d in devices] or [0])
     if niceness > 0:
         grid.add_row("CPU priority", Text(f"model actors at niceness {niceness}: the host's other busy programs come "
@@ -85,6 +91,19 @@ def _swaps(snap: dict, devices: list[dict]) -> str:
             name = f"{device['device']}: " if len(devices) > 1 else ""
             lines.append(f"{name}{last['model']} {last['kind']} {last['seconds']:.3f}s" + (f" (kept: {kept})" if kept else ""))
     return "; ".join(lines) or ", ".join(f"{m} {s:.1f}s" for m, s in sorted(snap.get("swap_s", {}).items())) or "-"
+def _settings(rows: list[dict]) -> str:
+    """The settings not at their default, and where each came from (`--json` lists them all)."""
+    changed = [f"{row['setting']}={row['value']} ({row['source']})" for row in rows if row["source"] != "default"]
+    return ", ".join(changed) or "all defaults"
+
+
+def memory_line(plan: dict) -> str:
+    """A device's memory plan: each part used of planned, in MB (parts planned at 0 left out)."""
+    parts = [f"{name} {'-' if part['used_mb'] is None else format(part['used_mb'], 'g')}/{part['planned_mb']:g}"
+             for name, part in plan["parts"].items() if part["planned_mb"] or part["used_mb"]]
+    return f"budget {plan['budget_mb']:g} MB: " + ", ".join(parts)
+
+
 def _calls(device: dict) -> str:
     """The loaded model's tool-call format, where its template takes tools."""
     calls = (device.get("engine") or {}).get("tool_call_format")

@@ -20,9 +20,9 @@ from pathlib import Path
 
 import psutil
 
+from ..settings import state_dir
 from .placement import DEVICE_RESOURCE, EMBEDDER_RESOURCE
 
-STATE_ENV = "UNIUN_UP_STATE"
 STOP_GRACE_S = 5.0  # gcs_server and raylet often outlast a SIGTERM; the whole head goes anyway
 #: How far a recorded process's start time may be from what another process reads for it. On
 #: Linux psutil derives it from /proc/stat's `btime`, which the kernel recomputes at every read
@@ -66,12 +66,8 @@ class HeadError(RuntimeError):
 
 
 def state_path() -> Path:
-    """`$UNIUN_UP_STATE`, else ~/.cache/uniun-ray/up.json (beside the model cache)."""
-    configured = os.environ.get(STATE_ENV)
-    if configured:
-        return Path(configured).expanduser()
-    cache = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(cache) / "uniun-ray" / "up.json"
+    """up.json in the state folder (`UNIUN_STATE_DIR`, beside the event log)."""
+    return state_dir() / "up.json"
 
 
 @dataclass

@@ -24,8 +24,8 @@ from .head import stand_in_resources, worker_niceness
 from .protocol import EMBEDDER_NAME, NAMESPACE, SCHEDULER_NAME, UniunError, model_actor_name
 from .releases import RELEASES
 from .service import RuntimeConfig
-from ..models.registry import DEFAULT_CHAT_MODEL, configure, known_ids, resolve
-from ..settings import MODELS_ENV, SLOTS_ENV, EngineSettings, parse_models, parse_slots, warm_start
+from ..models.registry import configure, known_ids, resolve
+from ..settings import Settings
 
 #: Resources a local cluster declares for one stand-in device of a CPU-only machine.
 LOCAL_RESOURCES = stand_in_resources(0)
@@ -149,17 +149,15 @@ class Handles:
         return handle
 
 
-def config_from_env(chat_model: str | None = None, slots: str | None = None, models: Mapping[str, str] | None = None,
-                    hub_models: bool = False) -> RuntimeConfig:
-    """The configuration a new scheduler gets unless told otherwise: the chat model
-    (`chat_model`, else UNIUN_CHAT_MODEL, else the default), the slot count per device
-    (`slots`, else UNIUN_SLOTS, else "auto"), and the models it serves beside the embedded ones
-    (UNIUN_MODELS, then `models`, id -> folder; `hub_models`: cached Hugging Face repo ids too),
-    each checked here, before any actor exists."""
-    chat = chat_model or os.environ.get("UNIUN_CHAT_MODEL", "").strip() or DEFAULT_CHAT_MODEL
-    served = parse_models(os.environ.get(MODELS_ENV, "")) | dict(models or {})
-    config = RuntimeConfig(chat_model=chat, slots=parse_slots(os.environ.get(SLOTS_ENV, "") if slots is None else slots),
-                           models=served, hub_models=hub_models)
+def config_from(settings: Settings | None = None, models: Mapping[str, str] | None = None,
+                hub_models: bool = False) -> RuntimeConfig:
+    """The configuration a new scheduler gets unless told otherwise: the chat model and the
+    slot count per device of `settings` (None: the environment's), the models it serves beside
+    the embedded ones (the settings', then `models`, id -> folder; `hub_models`: cached Hugging
+    Face repo ids too), each checked here, before any actor exists."""
+    settings = settings or Settings.load()
+    config = RuntimeConfig(chat_model=settings.chat_model, slots=settings.slots,
+                           models={**settings.models, **(models or {})}, hub_models=hub_models)
     return served_by_id(config)
 
 
@@ -203,7 +201,7 @@ def checking_model():
 
 
 def start(config: RuntimeConfig | None = None, *, models: Mapping[str, str] | None = None,
-          hub_models: bool | None = None, wait_ready: bool = True) -> Handles:
+          hub_models: bool | None = None, wait_ready: bool = True, settings: Settings | None = None) -> Handles:
     """Get or create the scheduler, a model actor per device the cluster declares, and the
     embedder. `config` only applies when the scheduler is created here (a running one keeps
     its own, and its pool), but for its models: `models` (id -> folder of weights) and
@@ -214,26 +212,29 @@ def start(config: RuntimeConfig | None = None, *, models: Mapping[str, str] | No
     resource, rather than left waiting for ever. The scheduler then loads the active chat
     model on its device (the warm start, `warmstart`; `UNIUN_WARM_START=0` skips it), and
     `start` returns once it has, unless not `wait_ready` (`uniun-ray up` serves /health
-    meanwhile: 503 "loading")."""
-    settings = EngineSettings.from_env()   # bad UNIUN_* settings fail here, clearly, before any actor
-    engines.check(settings)                # and an engine this host cannot run (EngineUnavailable)
-    config = config or config_from_env()
+    meanwhile: 503 "loading"). `settings`: what `uniun-ray up` read with its flags; None: the
+    environment's, read here, so that a bad one fails clearly before any actor exists."""
+    settings = settings or Settings.load()
+    engines.check(settings.engine_settings)   # an engine this host cannot run (EngineUnavailable)
+    config = config or config_from(settings)
     config = served_by_id(replace(config, models={**config.models, **(models or {})},
                                   hub_models=config.hub_models if hub_models is None else hub_models))
-    forced, concurrency, embedder_on_cpu = placement.torch_device(), placement.embed_concurrency(), \
-        placement.embedder_on_cpu()
+    settings = settings.given(chat_model=config.chat_model, slots=config.slots, models=dict(config.models))
+    config = replace(config, settings=tuple(settings.describe()))
+    forced = settings.torch_device
     connect()
     resources = ray.cluster_resources()
-    embedder_seat = placement.embedder_seat(resources, forced, embedder_on_cpu)
-    fleet = ModelFleet(settings, forced, int(embedder_seat.needs.get("GPU", 0)), tuple(config.models.items()))
+    embedder_seat = placement.embedder_seat(resources, forced, settings.embedder_device == "cpu")
+    fleet = ModelFleet(settings.engine_settings, forced, int(embedder_seat.needs.get("GPU", 0)),
+                       tuple(config.models.items()))
     devices = placement.device_names(resources, fleet.embedder_gpus)
     _check_seats([(model_actor_name(d), fleet.seat(resources)) for d in devices] + [(EMBEDDER_NAME, embedder_seat)])
     models = {d: fleet.create(d, resources) for d in devices}
-    embedder = RemoteEmbedder.options(**embedder_options(EMBEDDER_NAME, embedder_seat, concurrency)).remote(
+    embedder = RemoteEmbedder.options(**embedder_options(EMBEDDER_NAME, embedder_seat, settings.embed_concurrency)).remote(
         device=embedder_seat.torch_device, hub_kernels=settings.hub_kernels)
     scheduler = RemoteScheduler.options(**scheduler_options(SCHEDULER_NAME)).remote(devices, fleet, config)
     _served(ray.get(scheduler.serve.remote(dict(config.models))), config)
-    if warm_start():
+    if settings.warm_start:
         started = scheduler.ready.remote(wait_ready)
         if wait_ready:
             ray.get(started)

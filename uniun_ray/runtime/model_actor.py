@@ -21,12 +21,12 @@ import os
 import threading
 import time
 from collections import deque
-from dataclasses import asdict, replace
+from dataclasses import asdict
 
 from .. import engines
 from ..models.registry import UnknownModel, configure, configured, prepared, resolve
 from ..models.requests.request import GenerateRequest
-from ..settings import MAX_SLOTS, EngineSettings, default_warm_mb
+from ..settings import MAX_SLOTS, EngineSettings
 from ..models.swap import HOST, NONE, RESIDENT, Swap
 from ..models.requests.vocabulary import tool_call_format
 from .metrics import ModelMetrics
@@ -63,9 +63,8 @@ class ModelActor:
         budget = None
         if device == "cpu" and DEVICE_RESOURCE in assigned_resources():
             budget = max(1, settings.resolved_threads() // stand_ins_here())
-        if settings.warm_mb is None:   # the host's warm budget, shared by the node's devices
-            settings = replace(settings, warm_mb=default_warm_mb(devices_here()))
-        self._engine = engines.create(settings, device, self._wake_threadsafe, budget)
+        # the node's devices share its memory: each plans with its share (``uniun_ray.memory``)
+        self._engine = engines.create(settings, device, self._wake_threadsafe, budget, devices_here())
         self._device = device
         self._epoch = 0                     # the newest epoch granted
         self._live: set[int] = {0}          # the epochs whose leases hold a slot

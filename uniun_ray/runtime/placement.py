@@ -23,7 +23,6 @@ Ray-side (`ray start --num-gpus=1` on a CPU machine) exercise every GPU placemen
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from itertools import count
 from typing import Iterable, Mapping
@@ -32,11 +31,6 @@ from .protocol import UniunError
 
 DEVICE_RESOURCE = "uniun_device"
 EMBEDDER_RESOURCE = "uniun_embedder"
-TORCH_DEVICE_ENV = "UNIUN_TORCH_DEVICE"
-EMBED_CONCURRENCY_ENV = "UNIUN_EMBED_CONCURRENCY"
-EMBEDDER_DEVICE_ENV = "UNIUN_EMBEDDER_DEVICE"
-#: The notes' Semaphore(2): two embeds at once keep the pipeline busy without flooding the device.
-DEFAULT_EMBED_CONCURRENCY = 2
 
 
 @dataclass(frozen=True)
@@ -52,32 +46,6 @@ class Seat:
         if self.options.get("num_gpus"):
             needs["GPU"] = self.options["num_gpus"]
         return needs
-
-
-def torch_device(environ: Mapping[str, str] = os.environ) -> str | None:
-    """The forced torch device ("cpu" or "cuda"), or None to follow the placement."""
-    forced = environ.get(TORCH_DEVICE_ENV, "").strip()
-    if forced and forced not in ("cpu", "cuda"):
-        raise ValueError(f"{TORCH_DEVICE_ENV}={forced!r}: use 'cpu' or 'cuda' (or leave it unset)")
-    return forced or None
-
-
-def embedder_on_cpu(environ: Mapping[str, str] = os.environ) -> bool:
-    """Whether the embedder is kept off the GPUs ("cpu"), rather than taking one of its own
-    where there are two or more ("gpu", the default)."""
-    chosen = environ.get(EMBEDDER_DEVICE_ENV, "").strip() or "gpu"
-    if chosen not in ("cpu", "gpu"):
-        raise ValueError(f"{EMBEDDER_DEVICE_ENV}={chosen!r}: use 'cpu' or 'gpu' (or leave it unset)")
-    return chosen == "cpu"
-
-
-def embed_concurrency(environ: Mapping[str, str] = os.environ) -> int:
-    raw = environ.get(EMBED_CONCURRENCY_ENV, "").strip()
-    if not raw:
-        return DEFAULT_EMBED_CONCURRENCY
-    if not raw.isdigit() or int(raw) < 1:
-        raise ValueError(f"{EMBED_CONCURRENCY_ENV}={raw!r} is not a concurrency; use an integer >= 1")
-    return int(raw)
 
 
 def model_seat(resources: Mapping[str, float], forced: str | None = None) -> Seat:

@@ -78,6 +78,7 @@ class RuntimeConfig:
     hub_models: bool = False          # HTTP requests may name any Hugging Face repo id cached on the device's host
     slots: int | None = None          # jobs a device decodes together (SPEC §6); None: auto, measured at each load
     grant_notice_s: float = 0.05      # the least time between two unconfirmed grant notices to a device (driver)
+    settings: tuple = field(default=(), compare=False)   # every setting, as `start` read it (`Settings.describe`)
 
     def __post_init__(self) -> None:
         for name in ("lease_timeout_s", "waiter_timeout_s", "reap_period_s"):
@@ -289,7 +290,8 @@ class SchedulerService:
     async def status(self) -> dict:
         """The policy's snapshot (`devices`: each device's model and running job, and its swaps:
         the last one's kind and what it kept warm, the seconds per model and kind), the
-        measured swap times (the latest of any device) and the leases."""
+        measured swap times (the latest of any device), the leases, and `settings`: every
+        setting's value and source as `start` read them (`settings.Settings.describe`)."""
         self._tick()  # so held and waited times are current
         snap = self.policy.snapshot()
         snap["swap_s"] = {model: s for driver in self.drivers.values() for model, s in driver.swap_s.items()}
@@ -301,6 +303,7 @@ class SchedulerService:
         snap["chat_model"] = self.config.chat_model
         snap["leases"] = self.leases.snapshot()
         snap["faults"] = list(self.faults)
+        snap["settings"] = [dict(row) for row in self.config.settings]
         return snap
 
     # -- executing the policy's actions ---------------------------------------------------

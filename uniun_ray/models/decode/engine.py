@@ -35,76 +35,66 @@ import torch
 from .sequence import Sequence
 from ..kv import heap
 from ..runner.gate import CancelFlag
-from ..load.parked import ParkedStore, park, unpark
-from ..load.weights import DEFAULT_KV_OFFLOAD_MB, Loaded, Weights, default_kv_cache_mb
-from ..runner import rows as kv_rows
+from ..load.parked import ParkedStore, park, unpark, weight_bytes
+from ..load.weights import Loaded, Weights
 from ..kv.prefix import PrefixCache
 from ..registry import materialize, resolve
 from ..requests.request import GenerateRequest, _is_int
-from ...settings import check_megabytes, default_warm_mb
-from ..swap import COLD, NONE, Swap
+from ... import memory
+from ...settings import EngineSettings
+from ..swap import COLD, NONE, RESIDENT, Swap
 from ..requests.vocabulary import PromptTooLong, context_of
+
+
+def device_memory(device: torch.device, shares: int = 1) -> memory.Device:
+    """What the memory plan divides: a GPU's total memory, or a CPU device's share of the host's
+    available memory (``shares``: the devices of the host); and its share of host memory."""
+    import psutil   # Ray's own dependency
+
+    host = psutil.virtual_memory().available // max(1, shares)
+    if device.type == "cuda":
+        return memory.Device("cuda", torch.cuda.mem_get_info(device)[1], host)
+    return memory.Device("cpu", host, host)
 
 
 class Engine:
     """Holds at most one causal LM on ``device`` and generates with it, one run at a time.
 
-    ``dtype``: one of ``settings.DTYPES`` or a torch dtype; "auto" (the default) measures bf16
-    against float32 on CPU, once per host and model (cached), and keeps the faster.
-    ``num_threads`` fixes torch's intra-op threads for the whole process. None (the default):
-    the probe measures every core of ``thread_budget`` (None: every core this process may run
-    on) against half of them on CPU and keeps the faster; on a GPU the budget is used. Never
-    Ray's OMP_NUM_THREADS=1, which actors inherit.
+    ``settings`` (``settings.EngineSettings``; ``settings.SETTINGS`` says what each does): the
+    dtype ("auto" measures bf16 against float32 on CPU, once per host and model, cached) and
+    threads (None: the probe measures every core of ``thread_budget``, None: every core this
+    process may run on, against half of them on CPU; never Ray's OMP_NUM_THREADS=1, which
+    actors inherit), the prefix cache's budgets (``kv.prefix``; None: the device's default),
+    ``max_memory`` (accelerate places the weights and offloads what does not fit: a model
+    larger than the device runs, slower), the warm budget for idle models (``load.parked``)
+    and whether they may stay ``coresident``, whether transformers may fetch ``hub_kernels``
+    at load, ``deterministic`` decoding (on CPU a greedy
+    answer depends neither on the rows beside nor on what the prefix cache held; it costs
+    decode throughput and prefill time: docs/tuning.md), and the KV rows (``runner.rows``).
+    The device's memory is divided by one plan (``uniun_ray.memory``; ``shares``: the devices of
+    this host, which share its memory): settings that ask for more than it has are refused here
+    (``memory.MemoryShort``), and each load plans again with its weights measured.
     ``prefill_chunk`` fixes the prompt tokens per prefill forward pass; None (the default) sizes
     each chunk by the time it takes on this host (``tuning.StepClock``); the layer gate bounds
     how long a cancel waits within one.
-    ``kv_cache_mb`` bounds the prefix cache of the loaded model (``kvcache``; 0: off; None: the
-    device's default); ``kv_offload_mb`` the CPU memory its entries move to when a GPU's budget is
-    full (None: the default; a CPU device has one tier and ignores it). ``max_memory``
-    ({"cpu": "2GiB"} or {"0": "6GiB", "cpu": "20GiB"}) lets accelerate place the weights
-    (``device_map="auto"``) and offload what does not fit, to CPU memory or to disk under the
-    cache folder: a model larger than the device runs, slower. ``warm_mb`` bounds the idle
-    models kept warm after a swap (``load.parked``; 0: none; None: ``settings.default_warm_mb``);
-    ``coresident`` lets them stay on the device beside the active one where it has room.
-    ``hub_kernels`` lets transformers fetch and run kernels from the Hugging Face Hub at load
-    (``UNIUN_HUB_KERNELS=1``); off by default, a load reads nothing but the model's folder.
-    ``deterministic`` (``UNIUN_DETERMINISTIC=1``): on CPU a decode step computes each row as it
-    would alone, and a prompt's KV is the same however the prefix cache left it to read, so a
-    greedy answer depends on neither, in bfloat16 either; it costs decode throughput and prefill
-    time (docs/tuning.md).
 
     Thread safety: a ``generation.generate`` run may be iterated in a worker thread. ``load`` and ``unload`` refuse
     (RuntimeError) while a run is in progress: revoke it and let its iterator finish first.
     """
 
-    def __init__(
-        self,
-        device: str | torch.device = "cpu",
-        dtype: str | torch.dtype | None = "auto",
-        num_threads: int | None = None,
-        thread_budget: int | None = None,
-        prefill_chunk: int | None = None,
-        kv_cache_mb: int | None = None,
-        kv_offload_mb: int | None = None,
-        max_memory: dict[str, str] | None = None,
-        warm_mb: int | None = None,
-        coresident: bool = True,
-        hub_kernels: bool = False,
-        deterministic: bool = False,
-    ) -> None:
-        self._weights = Weights(device, dtype, num_threads, thread_budget, max_memory, hub_kernels, deterministic)
+    def __init__(self, device: str | torch.device = "cpu", settings: EngineSettings | None = None, *,
+                 thread_budget: int | None = None, prefill_chunk: int | None = None, shares: int = 1) -> None:
+        settings = settings or EngineSettings()
+        self._weights = Weights(device, settings, thread_budget)
         self.device = self._weights.device
         if prefill_chunk is not None and (not _is_int(prefill_chunk) or prefill_chunk < 1):
             raise ValueError(f"prefill_chunk must be an int >= 1 or None, got {prefill_chunk!r}")
         self.prefill_chunk = prefill_chunk
-        check_megabytes("kv_cache_mb", kv_cache_mb)
-        check_megabytes("kv_offload_mb", kv_offload_mb)
-        self.kv_cache_mb = default_kv_cache_mb(self.device) if kv_cache_mb is None else kv_cache_mb
-        self.kv_offload_mb = (0 if self.device.type == "cpu" else
-                              DEFAULT_KV_OFFLOAD_MB if kv_offload_mb is None else kv_offload_mb)
-        check_megabytes("warm_mb", warm_mb)
-        self._parked = ParkedStore((default_warm_mb() if warm_mb is None else warm_mb) * 2**20)
-        self.coresident = coresident
+        self._settings, self._memory = settings, device_memory(self.device, shares)
+        self._plan = memory.plan(self._memory, settings, static_rows=self._weights.rows.kind == "static")
+        self.kv_cache_mb, self.kv_offload_mb = self._plan.prefix_cache // memory.MB, self._plan.offload // memory.MB
+        self._parked = ParkedStore(self._plan.warm)
+        self.coresident = settings.coresident
         self._lock = threading.Lock()
         self._loaded: Loaded | None = None
         self._running = 0
@@ -148,9 +138,9 @@ class Engine:
             self._weights.revise(loaded)
         described = self._weights.describe(loaded)
         if loaded is None:
-            return described
+            return described | {"memory": self.memory_plan()}
         return described | loaded.clock.describe() | ({"prefill_chunk": self.prefill_chunk} if self.prefill_chunk else {}) \
-            | {"kv_cache": loaded.prefix.describe() | {"tiers": self._kv_tiers()}}
+            | {"kv_cache": loaded.prefix.describe() | {"tiers": self._kv_tiers()}, "memory": self.memory_plan()}
 
     def step_profile(self) -> dict[int, float]:
         """Seconds per batched decode step of the loaded model on this host, per batch size
@@ -307,7 +297,7 @@ class Engine:
         if parked is not None:
             try:
                 self._loaded = unpark(parked, self.device)
-                self._weights.make_rows(self._loaded)
+                self._plan_rows(self._loaded)
                 return parked.kind_back, ""
             except (RuntimeError, MemoryError) as error:   # torch.OutOfMemoryError is a RuntimeError
                 note = f"the warm copy did not come back ({error}); loaded cold"
@@ -324,7 +314,31 @@ class Engine:
             self._free()
             note = f"memory short ({error}); the warm models were dropped and it loaded cold"
             self._loaded = self._weights.load(model_id, folder, prefix, abandon)
+        self._plan_rows(self._loaded)
         return COLD, note
+
+    def _plan_rows(self, loaded: Loaded) -> None:
+        """Plan the device's memory again with the active model's weights and the idle models
+        beside it, then give the model its static rows and the idle models their budget."""
+        beside = self._beside() if self.device.type != "cpu" else 0   # a CPU's idle models are all warm copies
+        self._plan = memory.plan(self._memory, self._settings, weight_bytes(loaded), beside,
+                                 self._weights.rows.static(loaded.runner), check=False)
+        self._parked.budget_bytes = self._plan.warm
+        self._weights.make_rows(loaded, self._plan.kv_rows)
+
+    def _beside(self) -> int:
+        """Bytes of the idle models kept on the device beside the active one."""
+        kept = self._parked.kept()
+        return sum(size for model_id, size in self._parked.sizes().items() if kept[model_id] == RESIDENT)
+
+    def memory_plan(self) -> dict:
+        """The device's memory plan (``uniun_ray.memory``), each part planned and used, for ``status``."""
+        loaded = self._loaded
+        used = {"warm": self._parked.held_bytes, "coresident": self._beside()}
+        if loaded is not None:
+            used |= {"weights": weight_bytes(loaded), "prefix_cache": loaded.prefix.held_bytes,
+                     "offload": loaded.prefix.offloaded_bytes, "kv_rows": loaded.rows.bytes if loaded.rows else None}
+        return self._plan.describe(used)
 
     def _prepare(self, request: GenerateRequest) -> tuple[Loaded, list[int]]:
         """The loaded model and the token ids to prefill for ``request``; raises if it cannot run."""
@@ -335,5 +349,5 @@ class Engine:
         if len(context) + request.max_new_tokens > loaded.context_length:
             raise PromptTooLong(
                 f"prompt is {len(context)} tokens + max_new_tokens {request.max_new_tokens}, more than the "
-                f"{loaded.context_length} tokens of a KV row ({kv_rows.BUDGET_ENV} sizes the rows)")
+                f"{loaded.context_length} tokens of a KV row (UNIUN_KV_ROWS_MB sizes the rows)")
         return loaded, context

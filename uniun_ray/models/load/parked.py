@@ -18,8 +18,8 @@ Where it is kept (``Swap.kept``):
   written, not yet run on a GPU (no GPU was lent when it was written); a re-capture of CUDA
   graphs, where an engine has them, would count in the swap's time.
 
-Every idle model of an engine counts against one budget (``UNIUN_WARM_MB``: the host's budget
-shared by the ModelActors of the node, ``settings.default_warm_mb``), least recently used
+Every idle model of an engine counts against one budget (``UNIUN_WARM_MB``, else the warm part
+of the device's memory plan, ``uniun_ray.memory``), least recently used
 first out. The active model does not count. A model larger than the budget is not kept.
 """
 from __future__ import annotations

@@ -27,22 +27,13 @@ from ..tune.tuning import (CHUNK_DECODE_STEPS, GATED_CHUNK_DECODE_STEPS, Probe, 
                      host_signature, measure, revised, thread_options)
 from ..runner import rows as kv_rows
 from ..runner.forward import Runner
+from ..runner.static import gpu_spare
 from ..kv.prefix import PrefixCache
 from ..registry import cache_dir
 from ..requests.request import _is_int
-from ...settings import DTYPES, EngineSettings, check_max_memory
+from ...settings import EngineSettings
 from ..swap import SwapAbandoned
 from ..requests.vocabulary import Vocabulary, read_vocabulary
-
-#: CPU memory for the KV a GPU's cache pushes out, per GPU: a node with eight takes 32 GiB.
-DEFAULT_KV_OFFLOAD_MB = 4096
-
-
-def default_kv_cache_mb(device: torch.device) -> int:
-    """The prefix cache's budget when none is set: 1 GiB of host memory on CPU (about 22k tokens
-    of SmolLM2 in float32), 4 GiB on a GPU."""
-    return 4096 if device.type == "cuda" else 1024
-
 
 def default_dtype(device: torch.device) -> torch.dtype:
     """The dtype a model is loaded in before any measurement: bfloat16 (the converted weights'
@@ -50,16 +41,6 @@ def default_dtype(device: torch.device) -> torch.dtype:
     if device.type == "cuda" and not torch.cuda.is_bf16_supported():
         return torch.float16
     return torch.bfloat16
-
-
-def dtype_choice(dtype: str | torch.dtype | None) -> str:
-    """"auto", or the name of a dtype the engine runs in."""
-    if dtype is None:
-        return "auto"
-    name = str(dtype).removeprefix("torch.") if isinstance(dtype, torch.dtype) else dtype
-    if name not in DTYPES:
-        raise ValueError(f"unknown dtype {dtype!r}; use one of {', '.join(DTYPES)}")
-    return name
 
 
 @dataclass
@@ -94,44 +75,34 @@ class Loaded:
 
 
 class Weights:
-    """How an engine reads a model's weights and runs them on this host.
+    """How an engine reads a model's weights and runs them on this host, as ``settings`` say.
 
-    ``dtype``: one of ``settings.DTYPES`` or a torch dtype; "auto" measures bf16 against
-    float32 on CPU. ``num_threads`` fixes torch's intra-op threads for the whole process; None:
-    the probe measures every core of ``thread_budget`` (None: every core this process may run
-    on) against half of them on CPU and keeps the faster; on a GPU the budget is used. Never
-    Ray's OMP_NUM_THREADS=1, which actors inherit. ``max_memory`` lets accelerate place the
-    weights (``device_map="auto"``) and offload what does not fit. ``hub_kernels``: whether
-    transformers may kernelize the model at load, fetching kernel code from the Hub
-    (``settings.EngineSettings.hub_kernels``); off, a load reads only the model's folder.
+    ``dtype``: "auto" measures bf16 against float32 on CPU. ``threads`` fixes torch's intra-op
+    threads for the whole process; None: the probe measures every core of ``thread_budget``
+    (None: every core this process may run on) against half of them on CPU and keeps the
+    faster; on a GPU the budget is used. Never Ray's OMP_NUM_THREADS=1, which actors inherit.
+    ``max_memory`` lets accelerate place the weights (``device_map="auto"``) and offload what
+    does not fit. ``hub_kernels``: whether transformers may kernelize the model at load,
+    fetching kernel code from the Hub; off, a load reads only the model's folder.
     ``deterministic``: on CPU a decode step computes each row as alone (``attention``'s row-invariant
     SDPA, ``packing``'s one row as two), so greedy tokens do not depend on the rows beside.
+    ``kv_rows``, ``kv_steps`` and ``kv_rows_mb``: how its batches keep their KV rows (``runner.rows``).
     """
 
-    def __init__(
-        self,
-        device: str | torch.device,
-        dtype: str | torch.dtype | None,
-        num_threads: int | None,
-        thread_budget: int | None,
-        max_memory: dict[str, str] | None,
-        hub_kernels: bool = False,
-        deterministic: bool = False,
-    ) -> None:
+    def __init__(self, device: str | torch.device, settings: EngineSettings, thread_budget: int | None = None) -> None:
         self.device = torch.device(device)
-        self.hub_kernels, self.deterministic = hub_kernels, deterministic
+        self.hub_kernels, self.deterministic = settings.hub_kernels, settings.deterministic
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError(f"device {device!r} requested, but CUDA is not available")
-        self.dtype = dtype_choice(dtype)
-        for name, value in (("num_threads", num_threads), ("thread_budget", thread_budget)):
-            if value is not None and (not _is_int(value) or value < 1):
-                raise ValueError(f"{name} must be an int >= 1 or None, got {value!r}")
-        self.threads_fixed = num_threads is not None
-        self.thread_budget = num_threads or EngineSettings(threads=thread_budget).resolved_threads()
+        self.dtype = settings.dtype
+        if thread_budget is not None and (not _is_int(thread_budget) or thread_budget < 1):
+            raise ValueError(f"thread_budget must be an int >= 1 or None, got {thread_budget!r}")
+        self.threads_fixed = settings.threads is not None
+        self.thread_budget = settings.threads or EngineSettings(threads=thread_budget).resolved_threads()
         torch.set_num_threads(self.thread_budget)
-        if max_memory is not None:
-            check_max_memory(max_memory)
-        self.max_memory = max_memory
+        self.max_memory = settings.max_memory
+        self.rows = kv_rows.RowChoice.of(self.device, settings.kv_rows, settings.kv_steps)
+        self.rows_mb = settings.kv_rows_mb
         self._probes = ProbeCache(cache_dir() / "tuning.json")
 
     def describe(self, loaded: Loaded | None) -> dict:
@@ -183,14 +154,17 @@ class Weights:
             gate=layer_gate(model),
         )
         self._tune(loaded, folder, abandon)
-        self.make_rows(loaded)
         return loaded
 
-    def make_rows(self, loaded: Loaded) -> None:
-        """The static KV rows of a model now active (its dtype final), sized from the memory
-        free now (``runner.rows.store_for``; None: its batches use padded rows)."""
-        loaded.rows = kv_rows.store_for(loaded.runner, self.device, loaded.vocabulary.context_length,
-                                        loaded.prefix.budget_bytes)
+    def make_rows(self, loaded: Loaded, planned_bytes: int) -> None:
+        """The static KV rows of a model now active (its dtype final), sized to the memory plan's
+        ``planned_bytes``, on a GPU at most what is free now (``runner.rows.store_for``; None:
+        its batches use padded rows)."""
+        if self.rows.static(loaded.runner):
+            if self.device.type == "cuda" and self.rows_mb is None:   # what other programs left of the plan's
+                planned_bytes = min(planned_bytes, gpu_spare(self.device, loaded.prefix.budget_bytes))
+            loaded.rows = kv_rows.store_for(loaded.runner, self.device, loaded.vocabulary.context_length, self.rows,
+                                            planned_bytes)
 
     def _placement(self, model_id: str) -> dict:
         """Where the weights go: all on the device, or where accelerate fits them in ``max_memory``."""
@@ -250,7 +224,7 @@ class Weights:
         self._pack(loaded)
         _check(abandon, loaded.vocabulary.model_id)
         sizes = batch_sizes(self.device) if kv_rows.batchable(loaded.model) else (1,)
-        steps, spread = measure_profile(loaded.runner, vocab_size, self.device, sizes)
+        steps, spread = measure_profile(loaded.runner, vocab_size, self.device, sizes, self.rows)
         return Probe(speeds, steps, watch.stop(), spread)
 
     @contextmanager

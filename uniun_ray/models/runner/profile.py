@@ -27,7 +27,7 @@ import torch
 
 from ..kv.prefix import crop_layers
 from .forward import Runner
-from .rows import Rows, rows_for
+from .rows import RowChoice, Rows, rows_for
 
 #: Batch sizes measured at load: a CPU's tokens per second stop growing well before 16 rows of a
 #: small model; a GPU's grow to dozens.
@@ -150,12 +150,13 @@ def decode_times(rows: Rows, lengths: list[int], steps: int, warmup: int, clock:
     return times
 
 
-def measure_profile(runner: Runner, vocab_size: int, device: torch.device,
-                    batches: tuple[int, ...]) -> tuple[dict[int, float], dict[int, float]]:
+def measure_profile(runner: Runner, vocab_size: int, device: torch.device, batches: tuple[int, ...],
+                    choice: RowChoice = RowChoice()) -> tuple[dict[int, float], dict[int, float]]:
     """Seconds per decode step at each of ``batches`` for the model as loaded, and their spread
     (interquartile range over median, 0 for fewer than 4 samples): one row of
     ``PROFILE_CONTEXT`` tokens is prefilled once, and each round joins B copies of it, cut to
-    ``row_lengths``, to the rows a batch keeps (``rows_for``) and times ``PROFILE_STEPS`` steps.
+    ``row_lengths``, to the rows a batch keeps (``rows_for``, as ``choice`` says) and times
+    ``PROFILE_STEPS`` steps.
     Rounds go over every size in turn, so a load that comes and goes stretches every size alike."""
     ids = torch.tensor([[(7919 * i) % vocab_size for i in range(1, PROFILE_CONTEXT + 1)]], device=device)
     with torch.inference_mode():
@@ -166,7 +167,7 @@ def measure_profile(runner: Runner, vocab_size: int, device: torch.device,
     while rounds < PROFILE_ROUNDS and (rounds == 0 or time.perf_counter() - started < PROFILE_MIN_S):
         for batch in batches:
             rows, lengths = joined_rows(runner, prefilled, batch, PROFILE_CONTEXT, device,
-                                        PROFILE_WARMUP + PROFILE_STEPS)
+                                        PROFILE_WARMUP + PROFILE_STEPS, choice)
             times[batch] += decode_times(rows, lengths, PROFILE_STEPS, PROFILE_WARMUP, clock)
         rounds += 1
     return ({batch: statistics.median(seconds) for batch, seconds in times.items()},
@@ -174,11 +175,11 @@ def measure_profile(runner: Runner, vocab_size: int, device: torch.device,
 
 
 def joined_rows(runner: Runner, prefilled: Any, batch: int, context: int, device: torch.device,
-                steps: int) -> tuple[Rows, list[int]]:
+                steps: int, choice: RowChoice = RowChoice()) -> tuple[Rows, list[int]]:
     """``batch`` copies of a one-row cache of ``context`` tokens, cut to ``row_lengths``, joined to
     the rows a batch on ``device`` keeps (with room for ``steps`` more tokens), as its jobs join
     them; and their lengths."""
-    rows, lengths = rows_for(runner, device, batch, context=context + steps), row_lengths(batch, context)
+    rows, lengths = rows_for(runner, device, batch, context=context + steps, choice=choice), row_lengths(batch, context)
     for length in lengths:
         cache = copy.deepcopy(prefilled)
         crop_layers(cache, length)

@@ -5,13 +5,13 @@ the jobs decoding together, one row each in the order they step (join order, unt
 reorders them), and runs one decode step of them. Implementations differ by device: ``PaddedRows`` holds one ``DynamicCache`` whose rows are
 left-padded to the longest, an attention mask hiding the padding and per-row position ids;
 ``StaticRows`` keeps a row per job in KV tensors allocated once at load, so a step has
-fixed shapes and a GPU can replay it as a CUDA graph. ``rows_for`` is the one place that chooses
-(``UNIUN_KV_ROWS``; by default static on a GPU, padded on a CPU).
+fixed shapes and a GPU can replay it as a CUDA graph. ``RowChoice.of`` is the one place that
+chooses (the settings' ``kv_rows`` and ``kv_steps``; by default static on a GPU, padded on a CPU).
 """
 from __future__ import annotations
 
-import os
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
@@ -20,10 +20,7 @@ from transformers.cache_utils import DynamicLayer
 
 from ..kv.prefix import fork
 from .forward import Runner
-from .static import BUDGET_ENV, STEP_MODES, STORE_ROWS, RowStore, static_budget, store_shape  # noqa: F401
-
-ROWS_ENV, STEPS_ENV = "UNIUN_KV_ROWS", "UNIUN_KV_STEPS"
-ROW_KINDS = ("padded", "static")
+from .static import STORE_ROWS, RowStore, store_shape
 
 
 def batchable(model: Any) -> bool:
@@ -32,53 +29,51 @@ def batchable(model: Any) -> bool:
     return all(type(layer) is DynamicLayer for layer in DynamicCache(config=model.config).layers)
 
 
-def rows_kind(device: torch.device) -> str:
-    """"padded" or "static": ``UNIUN_KV_ROWS`` if set, else static on a GPU (fixed shapes, CUDA
-    graphs), padded on a CPU (``benchmarks/kv_rows_bench.py`` measures the two there)."""
-    return _choice(ROWS_ENV, ROW_KINDS, "static" if device.type == "cuda" else "padded")
+@dataclass(frozen=True)
+class RowChoice:
+    """How a device's batches keep their KV rows: ``kind`` "padded" or "static", and how
+    static rows step (``steps``, one of ``settings.STEP_MODES``)."""
+
+    kind: str = "padded"
+    steps: str = "exact"
+
+    @classmethod
+    def of(cls, device: torch.device, kind: str | None = None, steps: str | None = None) -> "RowChoice":
+        """The settings' choice (None: the device's): static rows stepped by CUDA graphs on a GPU
+        (fixed shapes), padded rows on a CPU (``benchmarks/kv_rows_bench.py`` measures the two
+        there), whose static rows step at exact shapes (no graphs to replay)."""
+        gpu = device.type == "cuda"
+        return cls(kind or ("static" if gpu else "padded"), steps or ("graphs" if gpu else "exact"))
+
+    def static(self, runner: Runner) -> bool:
+        """The one choice of padded against static rows: static where chosen and the model's
+        cache can be batched at all."""
+        return self.kind == "static" and batchable(runner.model)
 
 
-def steps_mode(device: torch.device) -> str:
-    """How static rows step (``static.STEP_MODES``): ``UNIUN_KV_STEPS`` if set, else CUDA graphs
-    on a GPU and exact shapes on a CPU (no graphs to replay there)."""
-    return _choice(STEPS_ENV, STEP_MODES, "graphs" if device.type == "cuda" else "exact")
-
-
-def _choice(setting: str, choices: tuple[str, ...], default: str) -> str:
-    configured = os.environ.get(setting, "").strip().lower()
-    if configured and configured not in choices:
-        raise ValueError(f"{setting}={configured!r}: use one of {', '.join(choices)}")
-    return configured or default
-
-
-def static_rows(runner: Runner, device: torch.device) -> bool:
-    """The one choice of padded against static rows: static where ``rows_kind`` says so and
-    the model's cache can be batched at all."""
-    return rows_kind(device) == "static" and batchable(runner.model)
-
-
-def store_for(runner: Runner, device: torch.device, context_length: int, reserved_bytes: int) -> RowStore | None:
-    """The static rows of a model just loaded (its dtype final), sized from their own budget
-    (``static.static_budget``; ``reserved_bytes``: the prefix cache's); None where its batches
-    use padded rows (``static_rows``, a budget too small)."""
-    if not static_rows(runner, device):
+def store_for(runner: Runner, device: torch.device, context_length: int, choice: RowChoice,
+              budget_bytes: int) -> RowStore | None:
+    """The static rows of a model just loaded (its dtype final), sized to ``budget_bytes``
+    (the device's memory plan); None where its batches use padded rows (``choice``, a budget
+    too small)."""
+    if not choice.static(runner):
         return None
     dtype = next(runner.model.parameters()).dtype
-    rows, context = store_shape(runner.model, dtype, static_budget(device, reserved_bytes),
-                                STORE_ROWS.get(device.type, STORE_ROWS["cpu"]), context_length)
+    rows, context = store_shape(runner.model, dtype, budget_bytes, STORE_ROWS.get(device.type, STORE_ROWS["cpu"]),
+                                context_length)
     if not rows:
         return None
-    return RowStore(runner, device, rows, context, steps_mode(device))
+    return RowStore(runner, device, rows, context, choice.steps)
 
 
 def rows_for(runner: Runner, device: torch.device, slots: int, store: RowStore | None = None,
-             context: int | None = None) -> Rows:
+             context: int | None = None, choice: RowChoice = RowChoice()) -> Rows:
     """The rows a batch of up to ``slots`` rows keeps its KV in: static rows in ``store`` (the
     loaded model's, ``store_for``), or, static rows being chosen and no store given, a store of
     their own of ``slots`` rows of ``context`` tokens (a probe's); else padded rows."""
-    if not static_rows(runner, device) or (store is None and context is None):
+    if store is None and (context is None or not choice.static(runner)):
         return PaddedRows(device, runner)
-    mode = steps_mode(device)
+    mode = store.mode if store is not None else choice.steps
     mode = "exact" if mode == "graphs" else mode      # a store of its own captures no graphs
     if store is None:
         store = RowStore(runner, device, slots, context, mode)

@@ -5,7 +5,7 @@ leave, and its shapes change every step: on a GPU the host then spends a step's 
 kernels and replanning attention for a GPU that waits. Here:
 
 * ``RowStore``: per layer, keys and values of [rows, K/V heads, context, head dim], allocated
-  once at load from a budget of their own (``static_budget``). A row's context is the longest
+  once at load from the rows' part of the device's memory plan (``uniun_ray.memory``). A row's context is the longest
   run it can hold (prompt + new tokens; the engine refuses longer ones).
 * ``rows.StaticRows`` (a ``Rows``): a joining job's prefill KV is copied into a free row; a step writes
   each row's new token at that row's own position and attends over the first ``span`` columns of
@@ -26,7 +26,6 @@ row's KV in every layer, every step); free rows past n serve instead.
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from typing import Any
@@ -35,6 +34,8 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from ...memory import HEADROOM_MB, HEADROOM_SHARE, MB
+
 #: Rows a store holds unless its budget is too small for CONTEXT_FLOOR tokens a row: a GPU's
 #: tokens per second grow to dozens of rows, a CPU's stop growing before 16 (``runner.profile``).
 STORE_ROWS = {"cuda": 64, "cpu": 16}
@@ -42,12 +43,6 @@ STORE_ROWS = {"cuda": 64, "cpu": 16}
 CONTEXT_FLOOR = 2048
 #: A row's context is a multiple of this (and so is every span bucket).
 CONTEXT_STEP = 256
-#: The store's budget on a CPU (``UNIUN_KV_ROWS_MB`` sets it on any device).
-CPU_BUDGET_MB = 1024
-BUDGET_ENV = "UNIUN_KV_ROWS_MB"
-#: A GPU keeps this share of its free memory (after the weights and the prefix cache's budget)
-#: out of the store, and at least HEADROOM_MB: prefill activations, the graphs' pool, the allocator.
-HEADROOM_SHARE, HEADROOM_MB = 0.15, 2048
 
 log = logging.getLogger(__name__)
 
@@ -74,21 +69,14 @@ def layer_count(model: Any) -> int:
     return len(DynamicCache(config=model.config).layers)
 
 
-def static_budget(device: torch.device, reserved_bytes: int) -> int:
-    """Bytes for the store: ``UNIUN_KV_ROWS_MB`` if set; on a CPU, CPU_BUDGET_MB; on a GPU, its
-    free memory now (the weights loaded) less ``reserved_bytes`` (the prefix cache's budget) and
-    the headroom."""
-    configured = os.environ.get(BUDGET_ENV, "").strip()
-    if configured:
-        if not configured.isdigit():
-            raise ValueError(f"{BUDGET_ENV}={configured!r}: megabytes, a whole number")
-        return int(configured) * 2**20
-    if device.type != "cuda":
-        return CPU_BUDGET_MB * 2**20
+def gpu_spare(device: torch.device, reserved_bytes: int) -> int:
+    """What a GPU can give the store now (the weights loaded): its free memory less
+    ``reserved_bytes`` (the prefix cache's budget) and the plan's headroom (``memory``). The
+    plan's rows are capped by it: other programs may hold some of the device."""
     torch.cuda.empty_cache()       # what the load's probe left in torch's cache is free memory too
     free, _ = torch.cuda.mem_get_info(device)
     spare = free - reserved_bytes
-    return max(0, int(min(spare * (1 - HEADROOM_SHARE), spare - HEADROOM_MB * 2**20)))
+    return max(0, int(min(spare * (1 - HEADROOM_SHARE), spare - HEADROOM_MB * MB)))
 
 
 def store_shape(model: Any, dtype: torch.dtype, budget: int, rows: int, longest: int) -> tuple[int, int]:
