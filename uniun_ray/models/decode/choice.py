@@ -124,13 +124,19 @@ class _Group:
     def choose(self, logits: torch.Tensor, ids: torch.Tensor | None, uniforms: torch.Tensor | None) -> torch.Tensor:
         decoding = self.decoding
         if not decoding.processors and not decoding.do_sample:
-            return logits.argmax(-1)
+            return _argmax(logits)
         scores = decoding.processors(ids, logits.float()) if decoding.processors else logits.float()
         if not decoding.do_sample:
-            return scores.argmax(-1)
+            return _argmax(scores)
         cdf = torch.softmax(scores, -1).cumsum_(-1)
         tokens = torch.searchsorted(cdf, (uniforms * cdf[:, -1])[:, None], right=True)[:, 0]
         return tokens.clamp_(max=scores.shape[-1] - 1)
+
+
+def _argmax(scores: torch.Tensor) -> torch.Tensor:
+    """``argmax(-1)``, the first of equal maxima as ``generate``'s: ``max``'s indices are the same
+    (documented so), and a CPU finds them in about two thirds of ``argmax``'s time over a vocabulary."""
+    return scores.max(-1).indices
 
 
 def _fold(seed: int) -> int:
