@@ -37,6 +37,7 @@ from record import Record  # noqa: E402
 from uniun_ray.models import GenerateRequest  # noqa: E402
 from uniun_ray.models.decode.batch import Batch  # noqa: E402
 from uniun_ray.models.decode.engine import Engine  # noqa: E402
+from uniun_ray.settings import EngineSettings  # noqa: E402
 
 SAMPLED = {"top_p": 0.9, "temperature": 0.7, "repetition_penalty": 1.1}
 KINDS = {"greedy": {}, "sampled": SAMPLED}
@@ -184,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
         args.steps = 6
     rows = [int(n) for n in args.rows.split(",")]
     record = Record("host-overhead", quick=args.quick, note=f"16-token prompts, median of {args.steps} steps")
-    engine = Engine(device="cpu", dtype="float32", num_threads=args.threads)
+    engine = Engine("cpu", EngineSettings(dtype="float32", threads=args.threads))
     record.runs_on(threads=torch.get_num_threads(), dtype="float32", engine="transformers")
     for model in args.models.split(","):
         engine.load(model)
