@@ -19,13 +19,12 @@ from uniun_ray.models import GenerateRequest
 from uniun_ray.models.decode.batch import Batch
 from uniun_ray.models.runner import rows as kv_rows
 from uniun_ray.models.runner.rows import batchable
+from uniun_ray.models.decode.choice import Choice
 from uniun_ray.memory import plan
 from uniun_ray.models.decode.engine import device_memory
 from uniun_ray.models.load.parked import weight_bytes
 from uniun_ray.models.runner.static import gpu_spare
 from uniun_ray.settings import EngineSettings, Settings
-from uniun_ray.models.decode.decoding import Decoding
-from uniun_ray.models.decode.sequence import Sequence
 
 #: Prompts of different lengths (so rows are padded differently), different lengths of output.
 REQUESTS = [
@@ -44,17 +43,21 @@ REQUESTS = [
 def logits_seen(monkeypatch):
     """The logits each token was chosen from, by the tokens before it. Token identity alone is a
     weak check on `tiny` (untrained, its attention barely moves its choices: wrong position ids
-    still gave the same tokens); its logits moved by 4e-4 then, against 1e-7 done right. Every
-    row's token then goes through ``next_token`` (a batch chooses greedy rows' on the device)."""
+    still gave the same tokens); its logits moved by 4e-4 then, against 1e-7 done right."""
     seen: dict[tuple[int, ...], list[torch.Tensor]] = {}
-    choose = Decoding.next_token
-    monkeypatch.setattr(Sequence, "greedy", property(lambda self: False))
+    make, step = Choice.__init__, Choice.step
 
-    def recording(self, sequence, logits):
-        seen.setdefault(tuple(sequence[0].tolist()), []).append(logits.detach().float().cpu().clone())
-        return choose(self, sequence, logits)
+    def remembering(self, sequences, device):
+        self.sequences = sequences
+        make(self, sequences, device)
 
-    monkeypatch.setattr(Decoding, "next_token", recording)
+    def recording(self, logits):
+        for sequence, row in zip(self.sequences, logits):
+            seen.setdefault(tuple(sequence.ids), []).append(row.detach().float().cpu().clone())
+        return step(self, logits)
+
+    monkeypatch.setattr(Choice, "__init__", remembering)
+    monkeypatch.setattr(Choice, "step", recording)
     return seen
 
 
@@ -243,23 +246,19 @@ def test_a_long_prompt_joins_one_chunk_per_step_while_the_others_decode(engine, 
     batch.close()
 
 
-def test_a_seeded_sampled_job_draws_in_a_batch_what_it_draws_alone(engine, rows, monkeypatch):
-    """Beside greedy rows, whose tokens the batch chooses in one argmax (their logits never go
-    through a row's own ``next_token``: only the first, from their prefill, does)."""
+def test_a_seeded_sampled_job_draws_in_a_batch_what_it_draws_alone(engine, rows):
+    """Beside greedy rows: the batch chooses theirs in one argmax, the sampled row's in a group of its own."""
     sampled = GenerateRequest(prompt=PROMPT, max_new_tokens=30, temperature=0.8, top_k=40, seed=7)
     expected = alone(engine, [sampled, REQUESTS[2], REQUESTS[0]])
-    chosen, choose = [], Decoding.next_token
-    monkeypatch.setattr(Decoding, "next_token", lambda self, *args: chosen.append(self.do_sample) or choose(self, *args))
     batch = Batch(engine)
     jobs = [batch.add(request, threading.Event()) for request in (REQUESTS[2], sampled, REQUESTS[0])]
     batch.run()
     assert [job.result.token_ids for job in jobs] == [expected[1], expected[0], expected[2]]
-    assert chosen.count(False) == 2 and chosen.count(True) == 30
 
 
 def test_a_seeded_job_draws_the_same_whatever_samples_beside_it(engine):
-    """Issue 35: a row's draws depend on its own seed and position only: its own generator, one
-    draw per token, never the rows beside it (sampled too, seeded otherwise or not at all)."""
+    """Issue 35: a row's draws depend on its own seed and position only (a draw keyed by both,
+    ``choice``), never on the rows beside it (sampled too, seeded otherwise or not at all)."""
     seeded = GenerateRequest(prompt=PROMPT, max_new_tokens=20, temperature=1.2, seed=5)
     expected = alone(engine, [seeded])[0]
     beside = [GenerateRequest(prompt=LONG_PROMPT[:200], max_new_tokens=30, temperature=1.5, seed=6),
@@ -437,7 +436,7 @@ def test_a_chat_joining_full_static_rows_takes_a_revoked_rows_place(engine, monk
     chat = batch.add(chat_request, threading.Event(), revocable=False)
     batch.step()
     assert batch.rows == 4 and jobs[1].result.finish_reason == "cancel"
-    assert sorted(batch._kv._store_rows) == [0, 1, 2, 3] and batch._kv._store_rows != [0, 1, 2, 3]   # the last moved up
+    assert batch._decoding[1] is jobs[3]          # the last moved up: it steps in store row 1, no gather
     batch.run()
     assert chat.result.token_ids == expected[4]
     assert [jobs[i].result.token_ids for i in (0, 2, 3)] == [expected[i] for i in (0, 2, 3)]

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from transformers import GenerationConfig
 
 from uniun_ray.models import (
     DEFAULT_CHAT_MODEL,
@@ -482,26 +483,26 @@ def test_resume_text_prefills_prompt_plus_text_and_returns_only_new_text(engine)
 SAMPLING = dict(temperature=0.8, top_k=40, top_p=0.9, repetition_penalty=1.3)
 
 
-def test_seeded_sampling_draws_what_transformers_generate_draws(engine):
-    """The processors are transformers' own, built from generation_config + the request. The
-    engine samples on the CPU with a generator of the run's own, on every device (so a row's
-    draws never depend on the rows beside it, nor on a device's global RNG that other work
-    advances); `generate` on a GPU draws from the GPU's RNG, another stream for the same seed:
-    on a GPU the reference is `generate` on a CPU copy of the model."""
-    import copy
-
+def test_a_seeded_run_draws_each_token_from_what_transformers_processors_leave(engine):
+    """The processors are transformers' own, built from generation_config + the request, as
+    ``generate`` builds them; the draw is the engine's (keyed by seed and position, so a row's
+    draws never depend on the rows beside it: ``choice``), not ``generate``'s global generator.
+    Every token drawn has a positive probability under ``generate``'s processors on the same
+    logits (its distribution: tests/test_step_ops.py); the same seed draws the same tokens."""
     model, tokenizer = engine.resident.model, engine.resident.vocabulary.tokenizer
-    if model.device.type != "cpu":
-        model = copy.deepcopy(model).to("cpu")
-    inputs = tokenizer(PROMPT, return_tensors="pt").to(model.device)
-    torch.manual_seed(11)
+    request = GenerateRequest(prompt=PROMPT, max_new_tokens=24, seed=11, **SAMPLING)
+    tokens = list(run(engine, request)[1].token_ids)
+    assert run(engine, request)[1].token_ids == tuple(tokens)
+    assert tokens != list(run(engine, GenerateRequest(prompt=PROMPT, max_new_tokens=24))[1].token_ids)
+    config = model.generation_config
+    chain = model._get_logits_processor(GenerationConfig(**(config.to_dict() | SAMPLING | {"do_sample": True})),
+                                        device=model.device)
+    ids = tokenizer(PROMPT, return_tensors="pt").input_ids.to(model.device)
     with torch.inference_mode():
-        output = model.generate(**inputs, max_new_tokens=24, do_sample=True, **SAMPLING)
-    expected = output[0, inputs.input_ids.shape[1]:].tolist()
-    _, result = run(engine, GenerateRequest(prompt=PROMPT, max_new_tokens=24, seed=11, **SAMPLING))
-    assert list(result.token_ids) == expected
-    greedy = run(engine, GenerateRequest(prompt=PROMPT, max_new_tokens=24))[1].token_ids
-    assert list(greedy) != expected                     # it did sample
+        for token in tokens:
+            scores = chain(ids, model(ids).logits[:, -1].float())
+            assert torch.softmax(scores, -1)[0, token] > 0
+            ids = torch.cat([ids, torch.tensor([[token]], device=ids.device)], 1)
 
 
 def test_greedy_with_a_repetition_penalty_matches_transformers_generate(engine):

@@ -173,3 +173,18 @@ def test_static_rows_go_with_a_model_set_aside_and_come_back_with_it(cold, other
         assert rows.keys == [] and engine.resident.rows is not None and engine.resident.rows is not rows
         assert tokens(engine) == outputs[model_id]
         rows = engine.resident.rows
+
+
+def test_a_gpus_room_for_a_parked_model_is_measured_after_the_allocator_gives_its_cache_back(monkeypatch):
+    """The static rows freed at a swap stay in torch's allocator cache, which the device counts as
+    used: measured before it is handed back, co-residency was almost never chosen."""
+    from types import SimpleNamespace
+
+    from uniun_ray.models.load import parked
+
+    calls = []
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: calls.append("empty_cache"))
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: calls.append("mem_get_info") or (10**12, 10**12))
+    monkeypatch.setattr(parked, "weight_bytes", lambda loaded: 1)
+    assert parked._room_beside(SimpleNamespace(prefix=SimpleNamespace(budget_bytes=0)), torch.device("cuda", 0))
+    assert calls == ["empty_cache", "mem_get_info"]

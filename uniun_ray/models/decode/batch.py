@@ -3,8 +3,9 @@
 A CPU or GPU reads a model's weights once per forward pass whatever the batch size, so decoding
 B sequences together costs far less than B passes of one. ``Batch`` keeps the engine's rules
 per job: its own cancel flag (a revoked job leaves before the next step, the others go on), its
-own logits processors and stopping criteria (``decoding``), detokenizer, stop text, stream of
-pieces and result (``token_ids`` for an exact resume), and its own prefix-cache entry.
+own logits processors and stopping criteria (``decoding``; applied to every row at once on the
+device, ``choice``), detokenizer, stop text, stream of pieces and result (``token_ids`` for an
+exact resume), and its own prefix-cache entry.
 
 * A joining job's prefill runs on its own (batch 1, its own cache, starting from its prefix-cache
   hit), one chunk per step between the others' decode steps, so nobody waits for a long prompt
@@ -33,6 +34,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
+from .choice import Choice
 from .sequence import Sequence
 from ..runner.gate import CancelFlag, Interrupted
 from ..tune.tuning import CHUNK_DECODE_STEPS, MAX_CHUNK, MIN_CHUNK
@@ -62,11 +64,11 @@ class Job:
 
     @property
     def pieces(self) -> list[str]:
-        return self.sequence.pieces
+        return self.sequence.text()
 
     def drain(self) -> list[str]:
-        """The pieces handed out since the last call."""
-        pieces = self.sequence.pieces[self._taken :]
+        """The pieces handed out since the last call (their text made now, in the caller's thread)."""
+        pieces = self.sequence.text()[self._taken :]
         self._taken += len(pieces)
         return pieces
 
@@ -94,13 +96,14 @@ class Batch:
         # Below float32 a token's logits depend on how many tokens its pass read (``_chunk``).
         self._last_alone = loaded.dtype != "float32"
         slots = (slots or DEFAULT_SLOTS) if self.batched else 1
-        # the rows' KV, in the order of _rows: a static store holds at most its rows
+        # the rows' KV, in the order of _decoding: a static store holds at most its rows
         self._kv = kv_rows.rows_for(loaded.runner, engine.device, slots, loaded.rows)
         self.slots = min(slots, self._kv.capacity or slots)
         self._lock = threading.Lock()
         self._waiting: deque[Job] = deque()
         self._joining: Job | None = None
         self._decoding: list[Job] = []
+        self._choice: Choice | None = None         # how the rows choose their tokens (made again as they change)
         self.last_step_rows = 0                  # rows the last step decoded (0: it only prefilled)
 
     @property
@@ -225,8 +228,9 @@ class Batch:
             return
         self._joining = None
         sequence.prefilled_at = time.perf_counter()
-        sequence.accept(logits)
-        if self._first_token is not None and sequence.pieces:
+        tokens, ends = Choice([sequence], self.engine.device).step(logits[None])
+        sequence.append(tokens[0], ends[0])
+        if self._first_token is not None and sequence.text():
             self._first_token()
         if sequence.ended:
             self._end(job, None, job.cache)
@@ -266,31 +270,28 @@ class Batch:
         self._kv.join(job.cache, job.sequence.fed)
         job.cache = None
         self._decoding.append(job)
+        self._choice = None
 
     # -- decoding ----------------------------------------------------------------------------
 
     def _decode(self) -> None:
-        """One forward pass over every row's last token; then the greedy rows' tokens are chosen
-        in one argmax on the device, and only the other rows' logits come to the host, where
-        each chooses its own (its processors, its sampler)."""
+        """One forward pass over every row's last token; then every row's token is chosen, and
+        what ends it decided, on the device for the whole batch (``choice``): only the chosen
+        ids and the rows' ends come to the host, in one copy."""
         rows = self._decoding
         started = time.perf_counter()
         logits = self._kv.decode([job.sequence.last_token for job in rows], [job.sequence.fed for job in rows])
-        greedy = [job.sequence.greedy for job in rows]
-        choices = logits.argmax(-1).tolist() if any(greedy) else []
-        others = [row for row, plain in enumerate(greedy) if not plain]
-        host = iter(logits[others].to(dtype=torch.float32, device="cpu") if others else ())   # one copy, not one per row
+        if self._choice is None:
+            self._choice = Choice([job.sequence for job in rows], self.engine.device)
+        tokens, ends = self._choice.step(logits)
         seconds = time.perf_counter() - started
         self.loaded.clock.observe(1, seconds)
         self.loaded.served.observe(len(rows), seconds)
         self.last_step_rows = len(rows)
-        for row, job in enumerate(rows):
+        for job, token, end in zip(rows, tokens, ends):
             job.sequence.fed += 1
             job.sequence.stepped(len(rows))
-            if greedy[row]:
-                job.sequence.append(choices[row])
-            else:
-                job.sequence.accept(next(host))     # the sampled rows' logits, in row order
+            job.sequence.append(token, end)
         self._leave([job for job in rows if job.sequence.ended], None)
 
     # -- leaving -----------------------------------------------------------------------------
@@ -302,8 +303,10 @@ class Batch:
         """Drop the jobs' rows in one cut of the rows' KV, each job's own KV kept."""
         if not jobs:
             return
-        caches = self._kv.leave([self._decoding.index(job) for job in jobs])
-        self._decoding = [job for job in self._decoding if job not in jobs]
+        caches, order = self._kv.leave([self._decoding.index(job) for job in jobs])
+        kept = [job for job in self._decoding if job not in jobs]
+        self._decoding = [kept[index] for index in order]      # as the rows step from now on
+        self._choice = None
         for job, cache in zip(jobs, caches):
             self._end(job, reason, cache)
 
@@ -318,6 +321,7 @@ class Batch:
         """The model raised: every job ends with "error" (no KV kept: it may be half written)."""
         jobs = self._decoding + ([self._joining] if self._joining is not None else []) + list(self._waiting)
         self._decoding, self._joining, self._waiting = [], None, deque()
+        self._choice = None
         self._kv.clear()
         for job in jobs:
             if job.result is None:

@@ -3,29 +3,38 @@
 The engine keeps its own decode loop (it buys chunked prefill, a cancel check before every
 forward pass, and exact resume), but not its own sampling or stop rules: the next token comes
 from a ``LogitsProcessorList`` built as ``model.generate`` builds it, from the model's
-``generation_config`` updated by the request, and the run ends when a ``StoppingCriteriaList``
-says so (EOS, max length and stop strings are transformers' criteria; the scheduler's revoke is
-one more). So a greedy run is token-identical to ``model.generate``, and a seeded sampled run
-draws exactly what ``generate`` draws after ``torch.manual_seed`` with the same seed.
+``generation_config`` updated by the request, and the run ends when transformers' criteria say
+so (the scheduler's revoke is one more). A batch applies them to all its rows at once
+(``choice``): rows of equal settings in one call of their processors, the stopping criteria in
+one call each over the batch. So a greedy run is token-identical to ``model.generate``; a
+sampled run draws from the distribution ``generate`` draws from, and a seeded one draws the
+same tokens whatever runs beside it (its draws are keyed by its seed and position).
 """
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Hashable
 
 import torch
-from transformers import (EosTokenCriteria, LogitsProcessorList, MaxLengthCriteria,
-                          RepetitionPenaltyLogitsProcessor, StoppingCriteria, StoppingCriteriaList,
-                          StopStringCriteria, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper)
+from transformers import (EosTokenCriteria, LogitsProcessorList, MinPLogitsWarper, RepetitionPenaltyLogitsProcessor,
+                          StoppingCriteria, StoppingCriteriaList, StopStringCriteria, TemperatureLogitsWarper,
+                          TopKLogitsWarper, TopPLogitsWarper)
 
 from .logits import shaping
 from ..requests.request import GenerateRequest
 
+#: Processors that keep no state of their own and treat each row of a batch alike: rows whose
+#: chains hold only these, with equal settings, are one call of the chain (``Decoding.key``).
+SHARED = (RepetitionPenaltyLogitsProcessor, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper,
+          MinPLogitsWarper)
+#: Why a row ends, by the criterion of ``batch_stopping`` that fired (the first, in this order).
+ROW_ENDS = ("cancel", "eos", "length")
+
 
 class CancelCriteria(StoppingCriteria):
     """The scheduler's revoke as a stopping criterion. Another thread sets the flag; the engine
-    asks before every forward pass (prefill chunks too) and after every token."""
+    asks before every forward pass (prefill chunks too) and after every step."""
 
     def __init__(self, flag: Any) -> None:
         self.flag = flag
@@ -37,56 +46,76 @@ class CancelCriteria(StoppingCriteria):
         return torch.full((input_ids.shape[0],), self.is_set(), dtype=torch.bool, device=input_ids.device)
 
 
-#: What each criterion's firing means, as ``GenerationResult.finish_reason``.
-_REASONS = {CancelCriteria: "cancel", EosTokenCriteria: "eos", StopStringCriteria: "stop",
-            MaxLengthCriteria: "length"}
+class BatchCancel(StoppingCriteria):
+    """The revokes of a batch's rows as one criterion: row i is done when its flag is set."""
+
+    def __init__(self, cancels: list[CancelCriteria]) -> None:
+        self.cancels = cancels
+
+    def __call__(self, input_ids: torch.LongTensor, scores: Any, **kwargs) -> torch.BoolTensor:
+        return torch.tensor([cancel.is_set() for cancel in self.cancels], device=input_ids.device)
+
+
+class RowLimits(StoppingCriteria):
+    """``MaxLengthCriteria`` for rows of their own lengths: row i is done with the token that
+    makes it ``limits[i]`` long (``lengths``: the rows' lengths before it, kept by the caller)."""
+
+    def __init__(self, lengths: torch.Tensor, limits: torch.Tensor) -> None:
+        self.lengths, self.last = lengths, limits - 1
+
+    def __call__(self, input_ids: torch.LongTensor, scores: Any, **kwargs) -> torch.BoolTensor:
+        return self.lengths >= self.last
 
 
 @dataclass
 class Decoding:
-    """The processors, the sampler and the stopping criteria of one run."""
+    """The processors, the sampler and the stopping criteria of one run. ``key``: equal for runs
+    whose tokens a batch may choose in one call of ``processors`` (None: a run of its own)."""
 
     processors: LogitsProcessorList
     do_sample: bool
-    generator: torch.Generator | None
-    stopping: StoppingCriteriaList
+    seed: int | None
     cancel: CancelCriteria
+    eos_ids: frozenset[int]
+    max_length: int
+    stop: StopStringCriteria | None = None
+    key: Hashable | None = field(init=False)
 
-    def next_token(self, sequence: torch.LongTensor, logits: torch.Tensor) -> int:
-        """Choose the token after ``sequence`` ([1, length], on the CPU) from the model's last
-        ``logits``, brought to the CPU in float32 as ``generate`` does before its processors."""
-        scores = self.processors(sequence, logits.to(dtype=torch.float32, device=sequence.device)[None])
-        if not self.do_sample:
-            return int(torch.argmax(scores, dim=-1).item())
-        probabilities = torch.softmax(scores, dim=-1)
-        return int(torch.multinomial(probabilities, 1, generator=self.generator).item())
+    def __post_init__(self) -> None:
+        self.key = _key(self.processors, self.do_sample)
 
-    def finish_reason(self, sequence: torch.LongTensor) -> str | None:
-        """Why the run ends after the last token of ``sequence``, or None if it goes on."""
-        if not bool(self.stopping(sequence, None).any()):
-            return None
-        for criterion in self.stopping:  # the first that fires names it; cancel comes first
-            if bool(criterion(sequence, None).any()):
-                return _REASONS[type(criterion)]
-        return "stop"
+    def stopped(self, ids: list[int]) -> bool:
+        """Whether a stop string ends the run after the last of ``ids`` (the criterion reads
+        only the last few)."""
+        if self.stop is None:
+            return False
+        return bool(self.stop(torch.tensor([ids[-self.stop.maximum_token_len:]]), None).any())
+
+
+def _key(chain: LogitsProcessorList, do_sample: bool) -> Hashable | None:
+    if not all(type(processor) in SHARED for processor in chain):
+        return None
+    return do_sample, tuple((type(processor), tuple(sorted(vars(processor).items()))) for processor in chain)
+
+
+def batch_stopping(decodings: list[Decoding], lengths: torch.Tensor, device: torch.device) -> StoppingCriteriaList:
+    """The criteria of ``ROW_ENDS`` over a batch's rows at once, each called with the chosen ids
+    ([rows, 1]): the rows' revokes, transformers' end-of-sequence criterion, and the rows' limits."""
+    limits = torch.tensor([decoding.max_length for decoding in decodings], device=device)
+    return StoppingCriteriaList([BatchCancel([decoding.cancel for decoding in decodings]),
+                                 EosTokenCriteria(sorted(decodings[0].eos_ids)), RowLimits(lengths, limits)])
 
 
 def decoding(model: Any, tokenizer: Any, request: GenerateRequest, prompt_tokens: int,
-             eos_ids: frozenset[int], cancel_flag: Any, device: torch.device) -> Decoding:
+             eos_ids: frozenset[int], cancel_flag: Any) -> Decoding:
     """Everything that decides one run's tokens and its end, for a context of ``prompt_tokens``
     (a resumed run's ``resume_tokens`` included: they are output to OpenAI's processors)."""
     config = generation_config(model, request)
     output_start = prompt_tokens - len(request.resume_tokens)
     chain = processors(config, shaping(request, tokenizer, eos_ids, output_start))
-    cancel = CancelCriteria(cancel_flag)
-    stopping = StoppingCriteriaList([cancel, EosTokenCriteria(sorted(eos_ids)),
-                                     MaxLengthCriteria(prompt_tokens + request.max_new_tokens)])
-    if request.stop:
-        stopping.append(StopStringCriteria(tokenizer, list(request.stop)))
-    generator = None
-    if config.do_sample and request.seed is not None:   # sampling runs on the CPU (see next_token)
-        generator = torch.Generator().manual_seed(request.seed)
-    return Decoding(chain, bool(config.do_sample), generator, stopping, cancel)
+    stop = StopStringCriteria(tokenizer, list(request.stop)) if request.stop else None
+    return Decoding(chain, bool(config.do_sample), request.seed if config.do_sample else None,
+                    CancelCriteria(cancel_flag), eos_ids, prompt_tokens + request.max_new_tokens, stop)
 
 
 def generation_config(model: Any, request: GenerateRequest) -> Any:
@@ -107,7 +136,7 @@ def generation_config(model: Any, request: GenerateRequest) -> Any:
 def processors(config: Any, shaping: list = ()) -> LogitsProcessorList:
     """As ``GenerationMixin._get_logits_processor`` builds them for these fields, in its order:
     penalties first, then the request's OpenAI ``shaping`` (``logits.shaping``), then (sampling
-    only) temperature, top-k, top-p."""
+    only) temperature, top-k, top-p, min-p."""
     chain = LogitsProcessorList()
     if config.repetition_penalty is not None and config.repetition_penalty != 1.0:
         chain.append(RepetitionPenaltyLogitsProcessor(penalty=config.repetition_penalty))
@@ -119,6 +148,8 @@ def processors(config: Any, shaping: list = ()) -> LogitsProcessorList:
             chain.append(TopKLogitsWarper(top_k=config.top_k))
         if config.top_p is not None and config.top_p < 1.0:
             chain.append(TopPLogitsWarper(top_p=config.top_p))
+        if config.min_p is not None:
+            chain.append(MinPLogitsWarper(min_p=config.min_p))
     return chain
 
 
@@ -127,20 +158,20 @@ class StopText:
     the text before the first one (OpenAI's ``stop``: the returned text does not contain it)."""
 
     def __init__(self, stops: tuple[str, ...]) -> None:
-        self._stops = stops
+        self.stops = stops
         self._held = ""
         self.stopped = False
 
     def push(self, piece: str) -> str:
         """The part of ``piece`` (with what was held) that is safe to emit now."""
-        if not self._stops or self.stopped:
+        if not self.stops or self.stopped:
             return "" if self.stopped else piece
         text = self._held + piece
-        found = [index for index in (text.find(stop) for stop in self._stops) if index >= 0]
+        found = [index for index in (text.find(stop) for stop in self.stops) if index >= 0]
         if found:
             self._held, self.stopped = "", True
             return text[: min(found)]
-        keep = max((n for stop in self._stops for n in range(1, min(len(stop), len(text)) + 1)
+        keep = max((n for stop in self.stops for n in range(1, min(len(stop), len(text)) + 1)
                     if text.endswith(stop[:n])), default=0)
         self._held = text[len(text) - keep:]
         return text[: len(text) - keep]

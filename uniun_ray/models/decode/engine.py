@@ -236,7 +236,7 @@ class Engine:
         if not callable(getattr(cancel, "is_set", None)):
             raise ValueError(f"cancel must have an is_set() method (a threading.Event), got {cancel!r}")
         loaded, context = self._prepare(request)
-        return Sequence(loaded, context, request, cancel, self.device)
+        return Sequence(loaded, context, request, cancel)
 
     def begin(self, sequence: Sequence) -> None:
         """Count the admitted run as running: ``load`` and ``unload`` refuse until it is retired."""

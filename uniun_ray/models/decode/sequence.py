@@ -3,13 +3,17 @@
 Apart from the loop that drives it (``batch.Batch``, several in one forward pass per step; a
 lone run is a one-row batch), so that the tokens it chooses, the stop strings it cuts, the KV it
 keeps of a finished or revoked run and its report are one run's, whatever ran beside it.
+
+Its text is made when it is read (``text``: by whoever streams it, or at the end), not in the
+step that chose the tokens: detokenizing is a step's largest host work per row, and the step
+need not wait for it. A run with stop strings is the exception: its text decides its end, so
+each token's text is made in its step.
 """
 from __future__ import annotations
 
+import threading
 import time
 from typing import Any
-
-import torch
 
 from .decoding import StopText, decoding
 from .detokenizer import Detokenizer
@@ -23,20 +27,19 @@ class Sequence:
     how many of the first of them it holds as any prefill reads them (``kv.prefix``); ``reason``:
     why it ended ("error" until a loop says otherwise); ``pieces``: the text handed out."""
 
-    def __init__(self, loaded: Loaded, context: list[int], request: GenerateRequest, cancel: Any,
-                 device: torch.device) -> None:
+    def __init__(self, loaded: Loaded, context: list[int], request: GenerateRequest, cancel: Any) -> None:
         self.started = time.perf_counter()
         self.loaded = loaded
         self.context = context
         self.eos_ids = loaded.eos_ids
         self.decoding = decoding(loaded.model, loaded.vocabulary.tokenizer, request, len(context),
-                                 loaded.eos_ids, cancel, device)
+                                 loaded.eos_ids, cancel)
         self.detokenizer = Detokenizer(loaded.vocabulary.tokenizer, context)
         self.stop_text = StopText(request.stop)
-        self.tokens = torch.empty((1, len(context) + request.max_new_tokens), dtype=torch.long)
-        self.tokens[0, : len(context)] = torch.tensor(context)
-        self.length = len(context)
+        self.ids = list(context)      # the context, then the tokens chosen
         self.pieces: list[str] = []
+        self._detokenized = len(context)      # ids made into text so far
+        self._text_lock = threading.Lock()    # the stepping thread and a reader both make text
         self.hit, self.fed, self.read = Hit(None, 0), 0, 0
         self.first_token_at = self.prefilled_at = None
         self.reason = "error"       # what an exception from the model leaves
@@ -48,8 +51,12 @@ class Sequence:
         return self.decoding.cancel.is_set()
 
     @property
+    def length(self) -> int:
+        return len(self.ids)
+
+    @property
     def last_token(self) -> int:
-        return int(self.tokens[0, self.length - 1])
+        return self.ids[-1]
 
     @property
     def emitted_tokens(self) -> int:
@@ -71,32 +78,29 @@ class Sequence:
         self.steps += 1
         self.step_rows += rows
 
-    @property
-    def greedy(self) -> bool:
-        """Whether its next token is the argmax of the model's logits as they are (no processor
-        changes them, nothing is drawn): a batch then chooses it with the others' in one op."""
-        return not self.decoding.do_sample and not self.decoding.processors
-
-    def accept(self, logits: torch.Tensor) -> str:
-        """Choose the next token from the model's last ``logits`` ([vocabulary]); return the text
-        it makes safe to hand out ("" if none). Sets ``ended`` (and ``reason``) when the run ends."""
-        return self.append(self.decoding.next_token(self.tokens[:, : self.length], logits))
-
-    def append(self, token: int) -> str:
-        """Continue with ``token`` (chosen by ``accept``, or by a batch for a ``greedy`` run), as ``accept``."""
+    def append(self, token: int, ended: str | None) -> None:
+        """Continue with ``token`` (a batch chose it: ``choice``), which ends the run if ``ended``
+        says why. Sets ``ended`` (and ``reason``) when the run ends, a stop string included."""
         if self.first_token_at is None:
             self.first_token_at = time.perf_counter()
-        self.tokens[0, self.length] = token
-        self.length += 1
-        ended = self.decoding.finish_reason(self.tokens[:, : self.length])
-        piece = ""
-        if token not in self.eos_ids:
-            piece = self.stop_text.push(self.detokenizer.push(token))
-        if self.stop_text.stopped:
-            ended = "stop"  # seen in the text at a token boundary the criterion had not
+        self.ids.append(token)
+        if ended is None and self.decoding.stopped(self.ids):
+            ended = "stop"
+        if self.stop_text.stops:
+            self.text()
+            if self.stop_text.stopped:
+                ended = "stop"  # seen in the text at a token boundary the criterion had not
         if ended is not None:
             self.reason, self.ended = ended, True
-        return self._hand_out(piece)
+
+    def text(self) -> list[str]:
+        """Make the text of the tokens chosen since the last call; return every piece so far."""
+        with self._text_lock:
+            for token in self.ids[self._detokenized :]:
+                self._detokenized += 1
+                if token not in self.eos_ids:
+                    self._hand_out(self.stop_text.push(self.detokenizer.push(token)))
+            return self.pieces
 
     def finish(self, reason: str | None = None) -> str:
         """End the run (``reason``: why, if ``accept`` did not end it); return the text still held.
@@ -107,16 +111,18 @@ class Sequence:
         if reason is not None:
             self.reason = reason
         self.ended = True
-        stop_text = self.stop_text
-        tail = stop_text.flush() if self.reason == "cancel" else stop_text.push(self.detokenizer.flush())
-        if not stop_text.stopped:
-            tail += stop_text.flush()
-        return self._hand_out(tail)
+        self.text()
+        with self._text_lock:
+            stop_text = self.stop_text
+            tail = stop_text.flush() if self.reason == "cancel" else stop_text.push(self.detokenizer.flush())
+            if not stop_text.stopped:
+                tail += stop_text.flush()
+            return self._hand_out(tail)
 
     def keep(self, prefix: PrefixCache, cache: Any) -> None:
         """Store the KV of the tokens fed, for the next turn or for the resume of a revoked run."""
         if self.reason != "error" and self.fed:
-            prefix.put(self.tokens[0, : self.fed].tolist(), cache, preempted=self.reason == "cancel",
+            prefix.put(self.ids[: self.fed], cache, preempted=self.reason == "cancel",
                        prompt=len(self.context), read=self.read)
 
     def result(self) -> GenerationResult:

@@ -136,9 +136,12 @@ def _room_beside(loaded: Loaded, device: torch.device) -> bool:
     """Whether the device may keep this model beside the next one. A CPU: yes (its memory is the
     host's, which the budget bounds). A GPU: while its free memory would still hold another
     model this size and its prefix cache's budget (a guess: the next model's size is not known
-    yet; a load that then runs short of memory drops the warm models and loads cold)."""
+    yet; a load that then runs short of memory drops the warm models and loads cold). What torch's
+    allocator keeps cached (the static rows just freed, the step's activations) is handed back
+    first: the device counts it as used, and it is free to the next model."""
     if device.type == "cpu":
         return True
+    torch.cuda.empty_cache()
     free, _ = torch.cuda.mem_get_info(device)
     return free >= 2 * weight_bytes(loaded) + loaded.prefix.budget_bytes
 

@@ -1,8 +1,8 @@
 """The KV rows of a batch: where the decoding jobs' keys and values live between steps.
 
 ``Batch`` decides the order of things (who joins, who leaves, when); a ``Rows`` keeps the KV of
-the jobs decoding together, one row each in the order they joined, and runs one decode step of
-them. Implementations differ by device: ``PaddedRows`` holds one ``DynamicCache`` whose rows are
+the jobs decoding together, one row each in the order they step (join order, until a leave
+reorders them), and runs one decode step of them. Implementations differ by device: ``PaddedRows`` holds one ``DynamicCache`` whose rows are
 left-padded to the longest, an attention mask hiding the padding and per-row position ids;
 ``StaticRows`` keeps a row per job in KV tensors allocated once at load, so a step has
 fixed shapes and a GPU can replay it as a CUDA graph. ``RowChoice.of`` is the one place that
@@ -81,7 +81,8 @@ def rows_for(runner: Runner, device: torch.device, slots: int, store: RowStore |
 
 
 class Rows(ABC):
-    """The KV of a batch's decoding rows, in the order they joined."""
+    """The KV of a batch's decoding rows, in the order they step: join order, until a leave
+    reorders them (``leave``)."""
 
     #: The most rows it can hold (None: no bound of its own).
     capacity: int | None = None
@@ -97,12 +98,13 @@ class Rows(ABC):
     @abstractmethod
     def decode(self, tokens: list[int], positions: list[int]) -> torch.Tensor:
         """One decode step of every row, row i feeding ``tokens[i]`` at ``positions[i]`` (its
-        tokens so far): the logits [rows, vocabulary] on the device, in join order."""
+        tokens so far): the logits [rows, vocabulary] on the device, in the order the rows step."""
 
     @abstractmethod
-    def leave(self, rows: list[int]) -> list[Any]:
-        """Drop ``rows`` (indices in join order) at once; return each one's KV as a batch-1
-        cache of its own, for the prefix cache (a revoked job's resume)."""
+    def leave(self, rows: list[int]) -> tuple[list[Any], list[int]]:
+        """Drop ``rows`` (indices in the order the rows step) at once; return each one's KV as a
+        batch-1 cache of its own, for the prefix cache (a revoked job's resume), and the order the
+        rows left step in from now on (indices among them, in the order they stepped before)."""
 
     @abstractmethod
     def clear(self) -> None:
@@ -142,29 +144,30 @@ class PaddedRows(Rows):
     def decode(self, tokens: list[int], positions: list[int]) -> torch.Tensor:
         rows, runner = len(self), self._runner
         self._mask = torch.cat([self._mask, torch.ones((rows, 1), dtype=torch.long, device=self._device)], dim=1)
+        position_ids = torch.tensor(positions, device=self._device)[:, None]   # built alike at any rows
         shaping = {} if rows == 1 else {   # one row is never padded: it runs exactly as a lone run does
-            "attention_mask": self._mask,
-            "position_ids": torch.tensor([[position] for position in positions], device=self._device)}
+            "attention_mask": self._mask, "position_ids": position_ids}
         with torch.inference_mode():
             output = runner.model(input_ids=torch.tensor([[token] for token in tokens], device=self._device),
                                   use_cache=True, **{runner.cache_arg: self._cache}, **shaping, **runner.kwargs)
         self._cache = getattr(output, runner.cache_arg)
         return output.logits[:, -1]
 
-    def leave(self, rows: list[int]) -> list[Any]:
+    def leave(self, rows: list[int]) -> tuple[list[Any], list[int]]:
         """Each leaving row's KV is cut out before the batch is cut, in one cut for all of them:
-        a chat that revokes ten companions (R23) costs one copy of the batch, not ten."""
+        a chat that revokes ten companions (R23) costs one copy of the batch, not ten. The
+        others keep their order."""
         caches = [self._row_cache(row) for row in rows]
         keep = [index for index in range(len(self)) if index not in rows]
         if not keep:
             self.clear()
-            return caches
+            return caches, []
         self._mask = self._mask[keep]
         start = int(self._mask.any(dim=0).int().argmax())     # the first column a row uses
         self._mask = self._mask[:, start:]
         for layer in self._cache.layers:
             layer.keys, layer.values = layer.keys[keep, :, start:], layer.values[keep, :, start:]
-        return caches
+        return caches, list(range(len(keep)))
 
     def clear(self) -> None:
         self._cache = self._mask = None
@@ -185,61 +188,58 @@ class PaddedRows(Rows):
 class StaticRows(Rows):
     """The rows of one batch in a ``RowStore``: the store handed in while no other batch holds
     it, else one of its own for ``rows`` rows (a second batch on the same model at once, as a
-    lone run beside the device's loop: correct, without graphs). Row i in join order lives in
-    store row ``_store_rows[i]``; the live rows are always the store's first ones."""
+    lone run beside the device's loop: correct, without graphs). Row i lives in store row i:
+    the live rows are the store's first ones, in the order they step, so a step's logits are in
+    the batch's order as they come (no gather)."""
 
     def __init__(self, store: RowStore, rows: int, private: Callable[[int], RowStore]) -> None:
         self._shared, self._private = store, private
         self.capacity = min(rows, store.rows)
         self._store: RowStore | None = None
-        self._store_rows: list[int] = []
-        self._lengths: list[int] = []        # per slot: tokens its row holds
+        self._rows = 0
+        self._lengths: list[int] = []        # per store row: tokens it holds
 
     def __len__(self) -> int:
-        return len(self._store_rows)
+        return self._rows
 
     def join(self, cache: Any, tokens: int) -> None:
         if self._store is None:
             self._store = self._shared if self._shared.claim() else self._private(self.capacity)
             self._lengths = [0] * self._store.rows
-        slot = len(self._store_rows)
+        row = self._rows
         for keys, values, layer in zip(self._store.keys, self._store.values, cache.layers):
-            keys[slot, :, :tokens] = layer.keys[0, :, :tokens]
-            values[slot, :, :tokens] = layer.values[0, :, :tokens]
-        self._store_rows.append(slot)
-        self._lengths[slot] = tokens
+            keys[row, :, :tokens] = layer.keys[0, :, :tokens]
+            values[row, :, :tokens] = layer.values[0, :, :tokens]
+        self._rows += 1
+        self._lengths[row] = tokens
 
     def decode(self, tokens: list[int], positions: list[int]) -> torch.Tensor:
-        """Logits [rows, vocabulary] in join order of one step, row i feeding ``tokens[i]``."""
-        rows = len(self._store_rows)
-        by_slot, at = [0] * rows, [0] * rows
-        for row, slot in enumerate(self._store_rows):
-            by_slot[slot], at[slot] = tokens[row], positions[row]
-            self._lengths[slot] = positions[row] + 1
-        logits = self._store.graphs.run(by_slot, at)
-        if self._store_rows != sorted(self._store_rows):
-            logits = logits[torch.tensor(self._store_rows, device=logits.device)]
-        return logits
+        """Logits [rows, vocabulary] of one step, row i feeding ``tokens[i]``."""
+        self._lengths[: self._rows] = [position + 1 for position in positions]
+        return self._store.graphs.run(tokens, positions)
 
-    def leave(self, rows: list[int]) -> list[Any]:
-        """Each leaving row copied out; then the last live rows move into the holes they left."""
-        caches = [self._row_cache(self._store_rows[row]) for row in rows]
-        freed = sorted(self._store_rows[row] for row in rows)
-        self._store_rows = [slot for row, slot in enumerate(self._store_rows) if row not in rows]
-        live = len(self._store_rows)
-        holes = [slot for slot in freed if slot < live]
-        movers = sorted((slot for slot in self._store_rows if slot >= live), reverse=True)
-        for hole, mover in zip(holes, movers):
-            self._move(mover, hole)
-            self._store_rows[self._store_rows.index(mover)] = hole
-        if not self._store_rows:
+    def leave(self, rows: list[int]) -> tuple[list[Any], list[int]]:
+        """Each leaving row copied out; then the last live rows move into the holes they left,
+        and step there from now on (the order returned): a copy of those rows, never a gather
+        of the batch in every step after."""
+        caches = [self._row_cache(row) for row in rows]
+        at = [row for row in range(self._rows) if row not in rows]     # store row of each row kept
+        live = len(at)
+        holes = iter(row for row in sorted(rows) if row < live)
+        for index in range(live - 1, -1, -1):
+            if at[index] >= live:
+                hole = next(holes)
+                self._move(at[index], hole)
+                at[index] = hole
+        self._rows = live
+        if not live:
             self.clear()
-        return caches
+        return caches, sorted(range(live), key=at.__getitem__)
 
     def clear(self) -> None:
         if self._store is self._shared:
             self._shared.release()
-        self._store, self._store_rows = None, []
+        self._store, self._rows = None, 0
 
     def _row_cache(self, slot: int) -> Any:
         """A batch-1 ``DynamicCache`` of the row's tokens, in storage of its own."""

@@ -1,0 +1,121 @@
+"""A decode step is one tensor program: its host work does not grow with the rows.
+
+Counts, with a ``TorchDispatchMode``, the torch ops one ``Batch`` step dispatches outside the
+model's forward pass, and the reads of a tensor's values into Python (``_local_scalar_dense``:
+``.item()``, ``int()``, ``bool()``; ``.tolist()``; a copy to the CPU from another device), at
+1, 8 and 64 rows of the embedded `tiny` model in float32: the same op count at every row count
+for a given set of distinct settings, and one read per step (the chosen token ids, with what
+ends each row). Sampled rows' draws are checked against transformers' own processors.
+"""
+from __future__ import annotations
+
+import sys
+import threading
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from transformers import (GenerationConfig, LogitsProcessorList, RepetitionPenaltyLogitsProcessor,
+                          TemperatureLogitsWarper, TopPLogitsWarper)
+
+from test_models import PROMPT, engine, loaded_engine, tiny_cache  # noqa: F401 (fixtures)
+from uniun_ray.models import GenerateRequest
+from uniun_ray.models.decode.batch import Batch
+from uniun_ray.models.decode.choice import Choice
+from uniun_ray.models.decode.decoding import CancelCriteria, Decoding, processors
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+from host_overhead import ops_of_step  # noqa: E402 (benchmarks/ is not a package)
+
+GREEDY = GenerateRequest(prompt=PROMPT, max_new_tokens=200)
+SAMPLED = GenerateRequest(prompt=PROMPT, max_new_tokens=200, top_p=0.9, temperature=0.7, repetition_penalty=1.1)
+SEEDED = GenerateRequest(prompt=PROMPT, max_new_tokens=200, top_p=0.9, temperature=0.7, repetition_penalty=1.1,
+                         seed=3)
+#: Each kind of row, and the requests its rows cycle through.
+KINDS = {"greedy": [GREEDY], "sampled": [SAMPLED], "seeded": [SEEDED], "mix": [GREEDY, SAMPLED, SEEDED]}
+ROWS = (1, 8, 64)
+
+
+def full_batch(engine, kind: str, rows: int) -> Batch:
+    """A batch of ``rows`` rows of ``kind``, every one joined and decoding."""
+    batch = Batch(engine, slots=rows)
+    requests = KINDS[kind]
+    for row in range(rows):
+        batch.add(requests[row % len(requests)], threading.Event())
+    while batch.rows < rows:
+        batch.step()
+    batch.step()            # a step of them all before the one counted
+    return batch
+
+
+@pytest.fixture
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_a_steps_ops_do_not_grow_with_its_rows_and_it_reads_the_host_once(engine, kind, one_thread):
+    """The ops and reads counted in one step (``host_overhead.StepCount``) of rows all decoding."""
+    counts = {}
+    for rows in ROWS if kind != "mix" else (3,) + ROWS[1:]:
+        batch = full_batch(engine, kind, rows)
+        counts[rows], reads = ops_of_step(engine, batch)
+        assert batch.rows == rows, "a row ended in the counted step"
+        batch.close()
+        assert reads == 1, f"{kind}, {rows} rows: {reads} reads into Python"
+    assert len(set(counts.values())) == 1, f"{kind}: ops per step by rows {counts}"
+
+
+def _rows(count: int, seed_of, ids: list[int], config) -> list[SimpleNamespace]:
+    """``count`` rows of ``ids`` decoding as ``config`` says, row i seeded ``seed_of(i)``."""
+    chain = processors(config)
+    return [SimpleNamespace(ids=ids, length=len(ids), decoding=Decoding(
+        chain, bool(config.do_sample), seed_of(row), CancelCriteria(threading.Event()), frozenset({0}), len(ids) + 20))
+        for row in range(count)]
+
+
+def test_sampled_rows_draw_from_the_distribution_of_transformers_processors():
+    """The same logits in every one of DRAWS rows (seeds 0..DRAWS-1, one step): the tokens drawn
+    against the probabilities of transformers' own processors, as ``generate`` builds them for
+    top_p 0.9, temperature 0.7, repetition_penalty 1.1. Tolerance: Pearson's chi-square over the
+    tokens expected at least 5 times below df + 6 * sqrt(2 df) (about 6 standard deviations:
+    the draws are fixed by their seeds, so the test is deterministic; a wrong distribution,
+    e.g. the temperature left out, scores hundreds of df); no token outside top-p drawn."""
+    draws, vocabulary = 20000, 512
+    logits = torch.randn(vocabulary, generator=torch.Generator().manual_seed(0))
+    ids = [5, 17, 17, 300]
+    config = GenerationConfig(do_sample=True, top_p=0.9, temperature=0.7, repetition_penalty=1.1)
+    reference = LogitsProcessorList([RepetitionPenaltyLogitsProcessor(1.1), TemperatureLogitsWarper(0.7),
+                                     TopPLogitsWarper(0.9)])
+    expected = torch.softmax(reference(torch.tensor([ids]), logits[None].clone()), -1)[0].double()
+    tokens, ends = Choice(_rows(draws, lambda row: row, ids, config), torch.device("cpu")).step(
+        logits.expand(draws, vocabulary))
+    counts = torch.bincount(torch.tensor(tokens), minlength=vocabulary).double()
+    assert counts[expected == 0].sum() == 0 and ends == [None] * draws
+    kept = expected * draws >= 5
+    chi2 = float((((counts - expected * draws) ** 2) / (expected * draws))[kept].sum())
+    df = int(kept.sum()) - 1
+    assert df >= 10 and chi2 < df + 6 * (2 * df) ** 0.5, (chi2, df)
+
+
+def test_a_seeded_rows_draw_depends_on_its_seed_and_position_only():
+    """Alone or among 63 others (seeded otherwise, or not at all), seed 9 at one position draws
+    the same token; at the next position, or with another seed, not always the same."""
+    logits = torch.randn(64, 512, generator=torch.Generator().manual_seed(1))
+    config = GenerationConfig(do_sample=True, temperature=1.5)
+    alone = Choice(_rows(1, lambda row: 9, [1, 2, 3], config), torch.device("cpu"))
+    among = Choice(_rows(64, lambda row: 9 if row == 40 else (row if row % 2 else None), [1, 2, 3], config),
+                   torch.device("cpu"))
+    firsts = [alone.step(logits[40:41])[0][0] for alone in (alone,)] + [among.step(logits)[0][40]]
+    assert firsts[0] == firsts[1]
+    seconds = [alone.step(logits[40:41])[0][0], among.step(logits)[0][40]]
+    assert seconds[0] == seconds[1]
+    ten = [Choice(_rows(1, lambda row: 9, [1, 2, 3] + [4] * step, config), torch.device("cpu")).step(
+        logits[40:41])[0][0] for step in range(10)]
+    others = [Choice(_rows(1, lambda row: seed, [1, 2, 3], config), torch.device("cpu")).step(
+        logits[40:41])[0][0] for seed in range(10)]
+    assert len(set(ten)) > 1 and len(set(others)) > 1
