@@ -12,7 +12,7 @@ which decides the order (Serve's default of 5 would queue the rest in front of t
 """
 from __future__ import annotations
 
-
+import ray
 from ray import serve
 from ray.serve import Application
 
@@ -25,6 +25,9 @@ DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8000
 #: Requests one replica holds at once; beyond it Serve queues them at the proxy.
 MAX_ONGOING = 4096
+#: How long Serve's controller waits for its proxy to say it is ready, and how many times a
+#: start that met a killed proxy is made (`_start_serve`).
+PROXY_READY_S, PROXY_STARTS = 30, 3
 
 
 @serve.deployment(name="openai", num_replicas=1, max_ongoing_requests=MAX_ONGOING,
@@ -54,10 +57,27 @@ def deploy(host: str = DEFAULT_HOST, port: int = DEFAULT_PORT, api_key: str | No
     base URL. Ray must be connected. Serve keeps running after this process exits.
     OSError when the port is taken (Serve's proxy would retry binding it for ever)."""
     _check_free(host, port)
-    serve.start(proxy_location="HeadOnly", http_options={"host": host, "port": port})
+    _start_serve(host, port)
     serve.run(build(api_key), name=APP_NAME, route_prefix="/", blocking=False)
     shown = f"[{host}]" if ":" in host else host
     return f"http://{shown}:{port}"
+
+
+def _start_serve(host: str, port: int) -> None:
+    """Serve's controller and its proxy. The controller gives a starting proxy 5 s to say it is
+    ready, then kills it and starts another: on a 2-core host where several jobs start at once
+    the proxy took longer, and `serve.start` raised the kill. The controller is given
+    PROXY_READY_S instead, and a start that still meets a killed proxy is tried again (the
+    controller, running by then, starts the proxy anew)."""
+    options = {"runtime_env": {"env_vars": {"RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": str(PROXY_READY_S)}}}
+    for attempt in range(1, PROXY_STARTS + 1):
+        try:
+            serve.start(proxy_location="HeadOnly", http_options={"host": host, "port": port},
+                        controller_options=options)
+            return
+        except ray.exceptions.RayActorError:
+            if attempt == PROXY_STARTS:
+                raise
 
 
 def _check_free(host: str, port: int) -> None:
