@@ -13,7 +13,8 @@ import ray
 from rich.console import Console
 
 import uniun_ray
-from waits import started
+from long_run import MAX_LONG_TOKENS
+from waits import started, until, withdraw
 from uniun_ray.client import agenerate, arun, astatus
 from uniun_ray.observe.explain import explain
 from uniun_ray.observe.statusview import render
@@ -82,9 +83,10 @@ def test_metrics_reach_the_node_metrics_endpoint_after_a_job(runtime, long_token
     assert sample(text, "ray_uniun_t2_share_limit") == pytest.approx(0.6)  # the same in every series
 
 
-def test_status_shows_queued_jobs_in_their_tiers(runtime, long_tokens):
+def test_status_shows_queued_jobs_in_their_tiers(runtime):
     async def go():
-        holder = asyncio.ensure_future(agenerate("chat", "hold", model_id="tiny", max_new_tokens=long_tokens))
+        # a holder that outlasts the poll whatever the host's speed, withdrawn once it is seen
+        holder = asyncio.ensure_future(agenerate("chat", "hold", model_id="tiny", max_new_tokens=MAX_LONG_TOKENS))
         await started("chat")
         await uniun_ray.aset_foreground("extract")
         queued = [agenerate("extract", "opened", model_id="tiny", foreground_hint=True, max_new_tokens=4),
@@ -92,10 +94,14 @@ def test_status_shows_queued_jobs_in_their_tiers(runtime, long_tokens):
                   agenerate("gana", "due", model_id="tiny", deadline=time.time() - 1, max_new_tokens=4),
                   agenerate("nataraj", "card", model_id="tiny", max_new_tokens=4)]
         tasks = [asyncio.ensure_future(q) for q in queued]
-        while (snap := await astatus())["queued"] < 4:
-            await asyncio.sleep(0.05)
+
+        async def all_queued():
+            snap = await astatus()
+            return snap if snap["queued"] == 4 else None
+        snap = await until(all_queued, "the four jobs queued behind the chat")
         await uniun_ray.aset_foreground(None)
-        await asyncio.gather(holder, *tasks)
+        await withdraw(holder)
+        await asyncio.gather(*tasks)
         return snap
     snap = asyncio.run(go())
     tiers = {tier: [(j["kind"], j["foreground_hint"]) for j in jobs] for tier, jobs in snap["tiers"].items()}
