@@ -43,11 +43,15 @@ def _exists(path: Path) -> bool:
     return path.is_dir() or path.with_suffix(".py").is_file()
 
 
-def imports(path: Path) -> set[str]:
+def imports(path: Path, annotations: bool = False) -> set[str]:
+    """Every dotted name a module imports anywhere in it (``from a import b`` gives a and a.b);
+    with ``annotations``, those imported for annotations only too (tests/test_layers.py reads
+    the imports with this function as well)."""
     module = ".".join(path.relative_to(ROOT).with_suffix("").parts)
     package = module.removesuffix(".__init__") if path.name == "__init__.py" else module.rpartition(".")[0]
     names = set()
-    for node in _runtime_nodes(ast.parse(path.read_text())):
+    tree = ast.parse(path.read_text())
+    for node in (ast.walk(tree) if annotations else _runtime_nodes(tree)):
         if isinstance(node, ast.Import):
             names |= {alias.name for alias in node.names}
         elif isinstance(node, ast.ImportFrom):
@@ -58,8 +62,10 @@ def imports(path: Path) -> set[str]:
 
 
 def _runtime_nodes(tree: ast.AST):
+    """Every node of ``tree`` but those under ``if TYPE_CHECKING:`` (imports for annotations only)."""
     for node in ast.iter_child_nodes(tree):
         if isinstance(node, ast.If) and getattr(node.test, "id", None) == "TYPE_CHECKING":
+            yield from (child for orelse in node.orelse for child in [orelse, *_runtime_nodes(orelse)])
             continue
         yield node
         yield from _runtime_nodes(node)

@@ -4,7 +4,6 @@ CLI/HTTP above. The bottom imports neither Ray nor torch, which a fresh interpre
 what a package may not import is read from its source, lazy imports inside functions included."""
 from __future__ import annotations
 
-import ast
 import importlib.util
 import subprocess
 import sys
@@ -14,6 +13,17 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "uniun_ray"
+
+
+def _load_architecture():
+    spec = importlib.util.spec_from_file_location("architecture", ROOT / "docs" / "architecture.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+#: docs/architecture.py: the one reader of a module's imports, for these tests and the picture.
+ARCHITECTURE = _load_architecture()
 
 PROBE = """
 import importlib, pkgutil, sys
@@ -120,37 +130,12 @@ def _imported_packages(path: Path) -> set[str]:
     return {name.split(".")[1] for name in _imported_names(path) if name.startswith("uniun_ray.")}
 
 
-def _runtime_nodes(tree: ast.AST):
-    """Every node of ``tree`` but those under ``if TYPE_CHECKING:`` (imports for annotations only)."""
-    for node in ast.iter_child_nodes(tree):
-        if isinstance(node, ast.If) and getattr(node.test, "id", None) == "TYPE_CHECKING":
-            yield from (child for orelse in node.orelse for child in [orelse, *_runtime_nodes(orelse)])
-            continue
-        yield node
-        yield from _runtime_nodes(node)
-
-
 def _imported_names(path: Path, annotations: bool = False) -> set[str]:
-    """Every dotted name a module imports anywhere in it (``from a import b`` gives a and a.b);
-    with ``annotations``, those imported for annotations only too."""
-    module = ".".join(path.relative_to(ROOT).with_suffix("").parts)
-    package = module.removesuffix(".__init__") if path.name == "__init__.py" else module.rpartition(".")[0]
-    names = set()
-    tree = ast.parse(path.read_text())
-    for node in (ast.walk(tree) if annotations else _runtime_nodes(tree)):
-        if isinstance(node, ast.Import):
-            names |= {alias.name for alias in node.names}
-        elif isinstance(node, ast.ImportFrom):
-            base = importlib.util.resolve_name("." * node.level + (node.module or ""), package) \
-                if node.level else node.module
-            names |= {base} | {f"{base}.{alias.name}" for alias in node.names}
-    return names
+    """Every dotted name a module imports anywhere in it (docs/architecture.py reads them so)."""
+    return ARCHITECTURE.imports(path, annotations)
 
 
 def test_the_architecture_picture_is_drawn_from_the_code_as_it_is():
     """docs/architecture.dot is what docs/architecture.py writes from today's imports: after a
     change of rooms or arrows, `docs/render_architecture.sh` draws it again."""
-    spec = importlib.util.spec_from_file_location("architecture", ROOT / "docs" / "architecture.py")
-    architecture = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(architecture)
-    assert (ROOT / "docs" / "architecture.dot").read_text() == architecture.dot()
+    assert (ROOT / "docs" / "architecture.dot").read_text() == ARCHITECTURE.dot()
