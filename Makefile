@@ -94,9 +94,10 @@ gpu-check-full: $(STAMP)
 bench: $(STAMP)
 	$(PY) benchmarks/regenerate.py $(if $(QUICK),--quick)
 
-# `make test` from a fresh clone of HEAD, three times, a CPU burner beside: BENCHMARKS.md's test suite row.
+# `make test-shuffled` from a fresh clone of HEAD, three times with three seeds, a CPU burner beside:
+# BENCHMARKS.md's test suite rows (issue 44's "done when").
 bench-suite: $(STAMP)
-	$(PY) benchmarks/suite_time.py --runs 3
+	$(PY) benchmarks/suite_time.py --runs 3 --shuffled
 
 clean:
 	rm -rf $(VENV)

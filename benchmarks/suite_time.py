@@ -1,17 +1,20 @@
 """`make test` from a fresh clone, timed as a new contributor meets it (issue 28's goal: <= 10
 minutes, the install included, with an empty model cache and a busy program beside it).
 
-    .venv/bin/python benchmarks/suite_time.py --runs 3     # section "test suite" of BENCHMARKS.md
+    .venv/bin/python benchmarks/suite_time.py --runs 3 [--shuffled]   # "test suite" in BENCHMARKS.md
 
 Each run clones this repository's HEAD (what is committed; the working tree's changes are not
 in it) into a new folder, points UNIUN_CACHE_DIR at an empty one, starts `--burners` CPU-bound
-programs at niceness 0, and times `make install` then `make test` there. Not part of `make
+programs at niceness 0, and times `make install` then `make test` there; with `--shuffled`,
+`make test-shuffled` with a new seed each run (the seed is in the record: `make test-shuffled
+SEED=N` runs that order again). Each run's output is kept in its folder (`test.log`). Not part of `make
 bench`: three runs take about half an hour and want the machine to themselves.
 """
 from __future__ import annotations
 
 import argparse
 import os
+import random
 import subprocess
 import sys
 import tempfile
@@ -29,7 +32,7 @@ def timed(command: list[str], cwd: Path, env: dict) -> tuple[float, subprocess.C
     return time.perf_counter() - started, done
 
 
-def one_run(burners: int) -> dict:
+def one_run(burners: int, seed: int | None) -> dict:
     folder = Path(tempfile.mkdtemp(prefix="uniun-suite-"))
     clone = folder / "clone"
     subprocess.run(["git", "clone", "--quiet", str(ROOT), str(clone)], check=True)
@@ -38,13 +41,14 @@ def one_run(burners: int) -> dict:
     running = [subprocess.Popen([sys.executable, "-c", BURN]) for _ in range(burners)]
     try:
         install_s, install = timed(["make", "install"], clone, env)
-        test_s, test = timed(["make", "test"], clone, env) if install.returncode == 0 else (0.0, install)
+        test = ["make", "test"] if seed is None else ["make", "test-shuffled", f"SEED={seed}"]
+        test_s, test = timed(test, clone, env) if install.returncode == 0 else (0.0, install)
     finally:
         for burner in running:
             burner.kill()
     (folder / "test.log").write_text(test.stdout + test.stderr)   # which test failed, and how
     summary = (test.stdout.strip().splitlines() or ["no output"])[-1]
-    return {"install_s": install_s, "test_s": test_s, "ok": install.returncode == 0 and test.returncode == 0,
+    return {"folder": str(folder), "install_s": install_s, "test_s": test_s, "ok": install.returncode == 0 and test.returncode == 0,
             "summary": summary, "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=clone,
                                                          capture_output=True, text=True).stdout.strip()}
 
@@ -53,12 +57,16 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--burners", type=int, default=1, help="CPU-bound programs at niceness 0 beside the suite")
+    ap.add_argument("--shuffled", action="store_true", help="make test-shuffled, a new seed each run")
     args = ap.parse_args()
     record = Record("suite")
     for run in range(1, args.runs + 1):
-        r = one_run(args.burners)
+        seed = random.randrange(1 << 31) if args.shuffled else None
+        r = one_run(args.burners, seed)
         total = r["install_s"] + r["test_s"]
-        record.row(f"`make install` + `make test` from a fresh clone at {r['commit']}, empty model cache, "
+        print(f"run {run}: {'ok' if r['ok'] else 'FAILED'} in {total:.0f} s ({r['folder']}/test.log)", flush=True)
+        command = "`make test`" if seed is None else f"`make test-shuffled SEED={seed}`"
+        record.row(f"`make install` + {command} from a fresh clone at {r['commit']}, empty model cache, "
                    f"{args.burners} CPU burner(s) beside: run {run} of {args.runs}",
                    f"{total / 60:.1f} min ({r['install_s']:.0f} s install + {r['test_s']:.0f} s tests): {r['summary']}",
                    goal="≤ 10 min, green (issue 28)", met=r["ok"] and total <= 600)

@@ -563,6 +563,8 @@ def test_graphs_are_captured_at_load_for_every_shape_a_row_may_reach_and_never_w
 
 
 
+#: How often the question is asked: the fault it guards against gave three answers in 20.
+ASKED = 12
 #: Traffic around the one greedy question: prompts that share its first tokens (partial cache
 #: hits), others that do not (misses), each a short answer.
 OTHERS = ["Write a haiku about the sea.", "In one sentence, why is grass green?", "List three prime numbers.",
@@ -573,7 +575,7 @@ OTHERS = ["Write a haiku about the sea.", "In one sentence, why is grass green?"
 @pytest.mark.slow
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_one_greedy_question_gets_one_answer_whatever_the_cache_holds_and_the_rows_beside(dtype, monkeypatch):
-    """Issue 35: asked 20 times amid random other traffic (1-8 rows beside it, the prefix cache
+    """Issue 35: asked 12 times amid random other traffic (1-8 rows beside it, the prefix cache
     hit, missed and cleared), the same temperature-0 request gets the same tokens with
     UNIUN_DETERMINISTIC. Without it SmolLM2 in bf16 gave three answers here ("...Rayleigh
     scattering, where light encounters", "...Rayleigh Scavenger,", "...Scavenger Hunt,"): a padded
@@ -603,11 +605,11 @@ def test_one_greedy_question_gets_one_answer_whatever_the_cache_holds_and_the_ro
 
     def ask(prompt: str, tokens: int):
         return batch.add(GenerateRequest(prompt=prompt, max_new_tokens=tokens, temperature=0), threading.Event())
-    while asked < 20 or batch.busy:
-        if asked < 20 and rng.random() < 0.3:
+    while asked < ASKED or batch.busy:
+        if asked < ASKED and rng.random() < 0.3:
             questions.append(ask("In one sentence, why is the sky blue?", 14))
             asked += 1
-        while asked < 20 and batch.rows + len(batch._waiting) < rng.randint(1, 8):
+        while asked < ASKED and batch.rows + len(batch._waiting) < rng.randint(1, 8):
             ask(rng.choice(OTHERS), rng.randint(2, 20))
         if rng.random() < 0.05:
             engine.resident.prefix.clear()

@@ -55,14 +55,21 @@ def test_the_processes_here_cannot_import_ray(without_ray):
     assert sneaked.returncode == 97
 
 
-def test_gpu_bench_runs_its_plan_on_a_tiny_cpu_shape(without_ray, tmp_path):
-    """Every kind of point of the plan measured once: the project at 1 and 2 rows (a chat beside
-    the one left busy), the anchor at 1 row, the roofline; the record holds their rows."""
+def test_gpu_check_installs_nothing_imports_no_ray_and_runs_its_plan_on_a_tiny_cpu_shape(without_ray, tmp_path):
+    """The script as the lent machine runs it, on a CPU: its engine tests collected (every module
+    they import imported), then the benchmark's plan measured, every kind of point once: the
+    project at 1 and 2 rows (a chat beside the one left busy), the anchor at 1 row, the roofline;
+    the record holds their rows. One run of the script: the benchmark alone took as long again."""
+    environ = without_ray | {"GPU_CHECK_DEVICE": "cpu", "GPU_CHECK_PYTEST_ARGS": "--collect-only",
+                             "GPU_BENCH_ARGS": " ".join([*TINY, "--rows", "1,2", "--anchor-rows", "1"]),
+                             "GPU_CHECK_WHEELS": str(tmp_path / "none")}
     (tmp_path / "out").mkdir()
-    done = subprocess.run([sys.executable, "benchmarks/gpu_bench.py", *TINY, "--rows", "1,2", "--anchor-rows", "1"],
-                          cwd=ROOT, env=without_ray, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    record = json.loads((tmp_path / "out" / "gpu_bench.json").read_text())
+    done = subprocess.run(["bash", "benchmarks/gpu_check.sh"], cwd=ROOT, env=environ, capture_output=True, text=True,
+                          timeout=300)
+    summary = (tmp_path / "out" / "gpu-check.md").read_text()
+    assert done.returncode == 0, summary + done.stderr[-3000:]
+    assert "tests collected" in summary
+    record = json.loads(next((tmp_path / "out" / "results").glob("gpu_bench*.json")).read_text())
     shape = record["detail"]["shapes"]["tiny"]
     assert [point["rows"] for point in shape["project"]] == [1, 2]
     assert all(point["step_ms"] > 0 and point["timed_steps"] >= 8 for point in shape["project"])
@@ -75,19 +82,6 @@ def test_gpu_bench_runs_its_plan_on_a_tiny_cpu_shape(without_ray, tmp_path):
     assert "tiny shape, 1 row: decode step, `Batch` / static compiled `generate`" in figures
     assert any(row["measured"].endswith("×") and "/" in row["measured"] for row in record["rows"])
     assert record["section"] == "GPU"
-
-
-def test_gpu_check_installs_nothing_and_imports_no_ray(without_ray, tmp_path):
-    """The script as the lent machine runs it, on a CPU: its engine tests collected and the
-    benchmark's plan made (every module they import imported) in processes without Ray."""
-    environ = without_ray | {"GPU_CHECK_DEVICE": "cpu", "GPU_CHECK_PYTEST_ARGS": "--collect-only",
-                             "GPU_BENCH_ARGS": " ".join(["--plan", *TINY]), "GPU_CHECK_WHEELS": str(tmp_path / "none")}
-    (tmp_path / "out").mkdir()
-    done = subprocess.run(["bash", "benchmarks/gpu_check.sh"], cwd=ROOT, env=environ, capture_output=True, text=True,
-                          timeout=300)
-    summary = (tmp_path / "out" / "gpu-check.md").read_text()
-    assert done.returncode == 0, summary + done.stderr[-3000:]
-    assert "tests collected" in summary and "run  Point(shape='tiny', kind='anchor'" in summary
 
 
 def test_the_budget_plans_the_goals_and_trims_the_rest_to_fit():

@@ -974,7 +974,10 @@ def test_one_greedy_question_gets_one_answer_whatever_prefixes_the_cache_holds(t
 
     fresh, fresh_kv = ask()
     answers, kv_differs = {fresh}, []
-    for shared in (None, 1, 2, 17, 95, 191, 212, 297, 298, 0):   # None: again over its own entry; 0: after a clear
+    # None: again over its own entry; 0: after a clear. SmolLM2 (a prompt read costs 10x tiny's)
+    # at one hit of each kind: its KV differed over most hits, so any of them finds the fault
+    points = (None, 1, 2, 17, 95, 191, 212, 297, 298, 0) if model == "tiny" else (None, 2, 95, 298, 0)
+    for shared in points:
         if shared is not None:
             engine.resident.prefix.clear()                         # the question's own entry out of the way
         if shared:
@@ -983,7 +986,7 @@ def test_one_greedy_question_gets_one_answer_whatever_prefixes_the_cache_holds(t
         answers.add(answer)
         kv_differs += [shared] if not all(map(torch.equal, kept, fresh_kv)) else []
     assert answers == {fresh} and kv_differs == []
-    assert engine.describe()["kv_cache"]["hits"] >= 9          # the suffixes were read over cache hits
+    assert engine.describe()["kv_cache"]["hits"] >= len(points) - 1   # the suffixes were read over cache hits
 
 
 def test_the_cache_is_bounded_evicts_the_least_recent_first_and_revoked_runs_last(engine):
