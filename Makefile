@@ -28,7 +28,7 @@ install: $(STAMP)
 # cluster (marker `cluster`, minutes) runs in test-stress and test-cluster instead.
 # In the files' order (pyproject's addopts: pytest-randomly, installed for test-shuffled, is off).
 TEST_WORKERS ?= 2
-TEST_ARGS := -q -n $(TEST_WORKERS) --dist loadscope -m "not vllm and not cluster"
+TEST_ARGS := -q -n $(TEST_WORKERS) --dist loadscope -m "not vllm and not cluster" --durations=20
 test: $(STAMP)
 	$(PY) -m pytest $(TEST_ARGS)
 

@@ -7,14 +7,18 @@ Each run clones this repository's HEAD (what is committed; the working tree's ch
 in it) into a new folder, points UNIUN_CACHE_DIR at an empty one, starts `--burners` CPU-bound
 programs at niceness 0, and times `make install` then `make test` there; with `--shuffled`,
 `make test-shuffled` with a new seed each run (the seed is in the record: `make test-shuffled
-SEED=N` runs that order again). Each run's output is kept in its folder (`test.log`). Not part of `make
+SEED=N` runs that order again). Each run's output is kept in its folder (`test.log`). A second
+record, `suite_slowest`, lists the slowest tests (`make test` prints them: `--durations`), each
+with the longest time any run gave it and what it buys (its docstring's first sentence). Not part of `make
 bench`: three runs take about half an hour and want the machine to themselves.
 """
 from __future__ import annotations
 
 import argparse
+import ast
 import os
 import random
+import re
 import subprocess
 import sys
 import tempfile
@@ -24,6 +28,10 @@ from pathlib import Path
 from record import ROOT, Record
 
 BURN = "while True: pass"
+#: How many of the slowest tests the record lists (issue 44).
+SLOWEST = 20
+#: A line of pytest's `--durations` report: seconds, phase, test id.
+DURATION = re.compile(r"^\s*([\d.]+)s (call|setup|teardown)\s+(\S+::\S+)", re.MULTILINE)
 
 
 def timed(command: list[str], cwd: Path, env: dict) -> tuple[float, subprocess.CompletedProcess]:
@@ -53,17 +61,55 @@ def one_run(burners: int, seed: int | None) -> dict:
                                                          capture_output=True, text=True).stdout.strip()}
 
 
+def durations(log: str) -> dict[str, float]:
+    """Seconds per test id (its setup, call and teardown together) in a run's `--durations` report."""
+    found: dict[str, float] = {}
+    for seconds, _, test in DURATION.findall(log):
+        found[test] = found.get(test, 0.0) + float(seconds)
+    return found
+
+
+def what_it_buys(test: str) -> str:
+    """The first sentence of the test's docstring (parametrized: its function's), else its name."""
+    path, _, name = test.partition("::")
+    name = name.split("[")[0].split("::")[-1]
+    try:
+        tree = ast.parse((ROOT / path).read_text())
+    except (OSError, SyntaxError):
+        return name.replace("_", " ")
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name == name:
+            doc = " ".join((ast.get_docstring(node) or "").split())
+            said = re.split(r"(?<=\.)\s", doc)[0] if doc else name.replace("_", " ")
+            return said if len(said) <= 160 else said[:159] + "…"
+    return name.replace("_", " ")
+
+
+def slowest(logs: list[str]) -> Record:
+    """The SLOWEST tests by the longest time any run gave them."""
+    longest: dict[str, float] = {}
+    for log in logs:
+        for test, seconds in durations(log).items():
+            longest[test] = max(seconds, longest.get(test, 0.0))
+    record = Record("suite", name="suite_slowest", note=f"the {SLOWEST} slowest tests of the runs above "
+                                                        "(setup, call and teardown; the longest of the runs)")
+    for test, seconds in sorted(longest.items(), key=lambda item: -item[1])[:SLOWEST]:
+        record.row(f"`{test}`: {what_it_buys(test)}", f"{seconds:.1f} s")
+    return record
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--burners", type=int, default=1, help="CPU-bound programs at niceness 0 beside the suite")
     ap.add_argument("--shuffled", action="store_true", help="make test-shuffled, a new seed each run")
     args = ap.parse_args()
-    record = Record("suite")
+    record, logs = Record("suite"), []
     for run in range(1, args.runs + 1):
         seed = random.randrange(1 << 31) if args.shuffled else None
         r = one_run(args.burners, seed)
         total = r["install_s"] + r["test_s"]
+        logs.append(Path(r["folder"], "test.log").read_text())
         print(f"run {run}: {'ok' if r['ok'] else 'FAILED'} in {total:.0f} s ({r['folder']}/test.log)", flush=True)
         command = "`make test`" if seed is None else f"`make test-shuffled SEED={seed}`"
         record.row(f"`make install` + {command} from a fresh clone at {r['commit']}, empty model cache, "
@@ -71,6 +117,7 @@ def main() -> None:
                    f"{total / 60:.1f} min ({r['install_s']:.0f} s install + {r['test_s']:.0f} s tests): {r['summary']}",
                    goal="≤ 10 min, green (issue 28)", met=r["ok"] and total <= 600)
     record.save()
+    slowest(logs).save()
 
 
 if __name__ == "__main__":
