@@ -105,6 +105,21 @@ def test_replay_closes_a_run_its_dead_scheduler_left_open():
     assert "behind" not in story(events, "c")
 
 
+def test_replay_ends_a_dead_schedulers_run_before_its_id_is_submitted_again():
+    """A later scheduler (a test's, a restarted one) submits a job of the id a dead one left
+    running: the old run ends at that submit, so the finish never lands on the new job, which
+    has not run yet (the replay raised IndexError, and `/v1/explain` answered 500)."""
+    events = [submit(1.0, "n", "nataraj"), job(1.0, "dispatch", "n", "nataraj", swap=False, tier=4),
+              submit(3.0, "n", "nataraj"), submit(4.0, "c", "chat"),
+              job(4.0, "dispatch", "c", "chat", swap=False, tier=0), job(5.0, "finish", "c", "chat", outcome="done"),
+              job(5.0, "dispatch", "n", "nataraj", swap=False, tier=4), job(6.0, "finish", "n", "nataraj", outcome="done")]
+    repaired = replayable(events)
+    assert [(e["ev"], e["job"], e["t"]) for e in repaired if e["ev"] in ("finish", "submit") and e["job"] == "n"] == \
+        [("submit", "n", 1.0), ("finish", "n", 3.0), ("submit", "n", 3.0), ("finish", "n", 6.0)]
+    text = story(events, "n")
+    assert "finished: done" in text and "behind c" in text
+
+
 def test_status_view_shows_each_queued_job_in_its_tier(tmp_path):
     async def go():
         s = SchedulerService(FakeDevice(), RuntimeConfig(event_log=str(tmp_path / "ev.jsonl")))

@@ -39,18 +39,21 @@ def replayable(events: Iterable[dict]) -> list[dict]:
     out (a replay needs each job's fields). A run left open by a scheduler that died (the
     log is appended to across restarts) is closed with a failed finish at the next
     dispatch on its device's slot: at most one job holds a slot at a time (SPEC §6), so that
-    dispatch proves it."""
+    dispatch proves it, or at a submit of the same id (a job id used again by a later
+    scheduler: the story and the replay take the newest job of an id, and the old run must
+    end before it is submitted, or its finish lands on a job that never ran)."""
     seen, kept, holders = set(), [], {}
     for ev in events:
         if ev["ev"] == "submit":
             seen.add(ev["job"])
+            for device in [d for d, held in holders.items() if held["job"] == ev["job"]]:
+                kept.append(_unfinished(holders.pop(device), ev["t"]))
         if "job" in ev and ev["job"] not in seen:
             continue
         device = (ev.get("device", "dev0"), ev.get("slot", 0))
         if ev["ev"] == "dispatch":
             if device in holders:
-                kept.append(holders[device] | {"t": ev["t"], "ev": "finish", "outcome": "failed",
-                                               "reason": "no finish recorded: its scheduler was replaced"})
+                kept.append(_unfinished(holders[device], ev["t"]))
             holders[device] = {k: ev[k] for k in ("job", "kind", "producer", "model")} | (
                 {"device": ev["device"]} if "device" in ev else {})
         elif ev["ev"] == "finish":
@@ -59,6 +62,11 @@ def replayable(events: Iterable[dict]) -> list[dict]:
                 del holders[device]
         kept.append(ev)
     return kept
+
+
+def _unfinished(held: dict, t: float) -> dict:
+    """The finish a run left open by a scheduler that died gets, at ``t``."""
+    return held | {"t": t, "ev": "finish", "outcome": "failed", "reason": "no finish recorded: its scheduler was replaced"}
 
 
 def _span(trace: Trace) -> str:
