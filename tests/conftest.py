@@ -39,6 +39,11 @@ def ray_cluster():
 
     from uniun_ray.runtime.launch import local_cluster
 
+    # A test that made a ModelActor in-process (its Ray metrics) started a Ray of its own, never
+    # shut down: where it ran first on a worker, every test of the session's cluster failed to set
+    # up ("ray.init twice"; a shuffled order, seed 1000032926). That Ray is not the session's.
+    if ray.is_initialized():
+        ray.shutdown()
     # metrics exported every 2 s, not Ray's 10 s: a test that reads them waits less
     with local_cluster(object_store_memory=100 * 1024 * 1024,
                        _system_config={"metrics_report_interval_ms": 2000}):
