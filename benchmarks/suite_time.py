@@ -54,10 +54,11 @@ def one_run(burners: int, seed: int | None) -> dict:
     finally:
         for burner in running:
             burner.kill()
-    (folder / "test.log").write_text(test.stdout + test.stderr)   # which test failed, and how
+    log = test.stdout + test.stderr
+    (folder / "test.log").write_text(log)   # which test failed, and how
     summary = (test.stdout.strip().splitlines() or ["no output"])[-1]
-    return {"folder": str(folder), "install_s": install_s, "test_s": test_s, "ok": install.returncode == 0 and test.returncode == 0,
-            "summary": summary, "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=clone,
+    return {"folder": str(folder), "log": log, "install_s": install_s, "test_s": test_s,
+            "ok": install.returncode == 0 and test.returncode == 0, "summary": summary, "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=clone,
                                                          capture_output=True, text=True).stdout.strip()}
 
 
@@ -109,7 +110,7 @@ def main() -> None:
         seed = random.randrange(1 << 31) if args.shuffled else None
         r = one_run(args.burners, seed)
         total = r["install_s"] + r["test_s"]
-        logs.append(Path(r["folder"], "test.log").read_text())
+        logs.append(r["log"])
         print(f"run {run}: {'ok' if r['ok'] else 'FAILED'} in {total:.0f} s ({r['folder']}/test.log)", flush=True)
         command = "`make test`" if seed is None else f"`make test-shuffled SEED={seed}`"
         record.row(f"`make install` + {command} from a fresh clone at {r['commit']}, empty model cache, "
