@@ -24,6 +24,7 @@ import sys
 import threading
 import time
 from collections import Counter
+from typing import Callable
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -112,16 +113,29 @@ def prompt_of(engine: Engine, tokens: int, seed: int) -> tuple[int, ...]:
     return tuple((seed * 7919 + i * 104729) % (vocab - 1) + 1 for i in range(tokens))
 
 
-def full_batch(engine: Engine, kind: str, rows: int, steps: int) -> Batch:
-    """A batch whose ``rows`` rows of ``kind`` have all joined and decoded one step together."""
-    engine.resident.prefix.clear()
+def full_batch(engine: Engine, request_of: Callable[[int], GenerateRequest], rows: int) -> Batch:
+    """A batch of ``rows`` rows, row i asking ``request_of(i)``, every one joined and decoding
+    (one step of them all taken). A row that ends while the others join (a sampled row that
+    draws its end-of-sequence token) is replaced by a new one: the batch would never be full.
+    Raises RuntimeError when it is not full after a bounded number of steps."""
     batch = Batch(engine, slots=rows)
-    for row in range(rows):
-        batch.add(GenerateRequest(prompt=prompt_of(engine, 16, row), max_new_tokens=rows + steps + 8,
-                                  seed=row if kind == "sampled" else None, **KINDS[kind]), threading.Event())
-    while batch.rows < rows or batch.last_step_rows < rows:
+    jobs = [batch.add(request_of(row), threading.Event()) for row in range(rows)]
+    for _ in range(8 * rows):
+        if batch.rows == rows and not any(job.done.is_set() for job in jobs):
+            batch.step()
+            return batch
         batch.step()
-    return batch
+        jobs = [batch.add(request_of(row), threading.Event()) if job.done.is_set() else job
+                for row, job in enumerate(jobs)]
+    batch.close()
+    raise RuntimeError(f"{rows} rows never all decoding ({batch.rows} after {8 * rows} steps)")
+
+
+def own_rows(engine: Engine, kind: str, rows: int, steps: int) -> Callable[[int], GenerateRequest]:
+    """Row i's request of ``kind`` in a batch of ``rows``: a prompt of its own (no prefix
+    shared), room for ``steps`` steps after the batch fills, seeded ``i`` when sampled."""
+    return lambda row: GenerateRequest(prompt=prompt_of(engine, 16, row), max_new_tokens=rows + steps + 8,
+                                       seed=row if kind == "sampled" else None, **KINDS[kind])
 
 
 def host_seconds(engine: Engine, batch: Batch, steps: int) -> list[float]:
@@ -195,7 +209,8 @@ def main(argv: list[str] | None = None) -> int:
                    f"{reference * 1000:.2f} ms")
         for kind in KINDS:
             for n in rows:
-                batch = full_batch(engine, kind, n, args.steps + 1)
+                engine.resident.prefix.clear()
+                batch = full_batch(engine, own_rows(engine, kind, n, args.steps + 1), n)
                 host = statistics.median(host_seconds(engine, batch, args.steps))
                 ops, reads = ops_of_step(engine, batch)
                 batch.close()

@@ -26,7 +26,7 @@ from uniun_ray.models.decode.choice import Choice
 from uniun_ray.models.decode.decoding import CancelCriteria, Decoding, processors
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
-from host_overhead import ops_of_step  # noqa: E402 (benchmarks/ is not a package)
+from host_overhead import full_batch, ops_of_step  # noqa: E402 (benchmarks/ is not a package)
 
 GREEDY = GenerateRequest(prompt=PROMPT, max_new_tokens=200)
 SAMPLED = GenerateRequest(prompt=PROMPT, max_new_tokens=200, top_p=0.9, temperature=0.7, repetition_penalty=1.1)
@@ -37,29 +37,15 @@ KINDS = {"greedy": [GREEDY], "sampled": [SAMPLED], "seeded": [SEEDED], "mix": [G
 ROWS = (1, 8, 64)
 
 
-def full_batch(engine, kind: str, rows: int) -> Batch:
-    """A batch of ``rows`` rows of ``kind``, every one joined and decoding. A sampled row may
-    draw its EOS while the others join: it is replaced by a new one (the batch would never be
-    full, and the loop waited for ever); a batch that does not fill in a bounded number of steps
-    fails the test."""
-    batch = Batch(engine, slots=rows)
-    requests = KINDS[kind]
-    jobs = [batch.add(requests[row % len(requests)], threading.Event()) for row in range(rows)]
-    for _ in range(8 * rows):
-        if batch.rows == rows and not any(job.done.is_set() for job in jobs):
-            batch.step()            # a step of them all before the one counted
-            return batch
-        batch.step()
-        jobs = [batch.add(requests[row % len(requests)], threading.Event()) if job.done.is_set() else job
-                for row, job in enumerate(jobs)]
-    pytest.fail(f"{kind}: {rows} rows never all decoding ({batch.rows} after {8 * rows} steps)")
-
-
 def counted_step(engine, kind: str, rows: int) -> tuple[int, int]:
     """(ops, reads) of a step in which all ``rows`` rows decode on: a step in which a sampled
     row drew its EOS is a step of fewer rows after it, so it is taken again (3 tries)."""
     for _ in range(3):
-        batch = full_batch(engine, kind, rows)
+        requests = KINDS[kind]
+        try:
+            batch = full_batch(engine, lambda row: requests[row % len(requests)], rows)
+        except RuntimeError as error:
+            pytest.fail(f"{kind}: {error}")
         counted = ops_of_step(engine, batch)
         full = batch.rows == rows
         batch.close()
@@ -135,3 +121,16 @@ def test_a_seeded_rows_draw_depends_on_its_seed_and_position_only():
     others = [Choice(_rows(1, lambda row: seed, [1, 2, 3], config), torch.device("cpu")).step(
         logits[40:41])[0][0] for seed in range(10)]
     assert len(set(ten)) > 1 and len(set(others)) > 1
+
+
+@pytest.mark.parametrize("vocabulary", [49152, 151936, 32001, 7])
+def test_greedy_choice_is_the_first_of_equal_maxima_as_argmax(vocabulary):
+    """The blocked argmax (``choice._argmax``) against ``argmax(-1)``: maxima tied within a
+    block, across blocks, at the ends of the vocabulary, and a vocabulary no block divides."""
+    from uniun_ray.models.decode.choice import _argmax
+    scores = torch.randn(6, vocabulary, generator=torch.Generator().manual_seed(vocabulary))
+    ties = [(0, [1, 2]), (1, [3, vocabulary - 1]), (2, [vocabulary - 1]), (3, [0, vocabulary // 2]),
+            (4, [vocabulary // 3, vocabulary // 3 + 1, vocabulary - 2])]
+    for row, columns in ties:
+        scores[row, columns] = 50.0
+    assert torch.equal(_argmax(scores), scores.argmax(-1))

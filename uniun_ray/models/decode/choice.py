@@ -39,6 +39,8 @@ _MASK = 0xFFFFFFFF
 _PAD = 2**31 - 1        # an id past any vocabulary
 #: Columns the rows' tokens grow by when the longest reaches the end of them.
 _ROOM = 64
+#: Sizes of the vocabulary's blocks ``_argmax`` tries, largest first.
+_BLOCKS = (256, 128, 64, 32)
 _MIX = 0x45D9F3B        # below 2**31: a 32-bit value times it stays within int64
 
 
@@ -134,9 +136,18 @@ class _Group:
 
 
 def _argmax(scores: torch.Tensor) -> torch.Tensor:
-    """``argmax(-1)``, the first of equal maxima as ``generate``'s: ``max``'s indices are the same
-    (documented so), and a CPU finds them in about two thirds of ``argmax``'s time over a vocabulary."""
-    return scores.max(-1).indices
+    """``argmax(-1)``, the first of equal maxima as ``generate``'s, in two passes a CPU vectorizes:
+    the maximum of each block of the vocabulary (``amax``), the first block holding the row's
+    maximum, then the first maximum inside that block. A CPU's ``max``/``argmax`` with indices
+    walks the vocabulary without its vector units, several times slower over 64 rows; a
+    vocabulary no block size divides takes ``max``'s indices (the first of equal maxima too)."""
+    rows, vocabulary = scores.shape
+    block = next((size for size in _BLOCKS if vocabulary % size == 0), None)
+    if block is None:
+        return scores.max(-1).indices
+    blocks = scores.view(rows, vocabulary // block, block)
+    first = blocks.amax(-1).argmax(-1)
+    return first * block + blocks[torch.arange(rows, device=scores.device), first].argmax(-1)
 
 
 def _fold(seed: int) -> int:
