@@ -82,13 +82,15 @@ def revokes(events: list[dict], start: float, end: float) -> dict:
     """The revokes within the window by cause; re-joins (a revoked job dispatched again); and
     their cost: background seconds out of a slot (revoke to next dispatch, or the window's end)
     and the stops (revoke to finish)."""
-    causes, out, stops, rejoined = Counter(), 0.0, [], 0
+    causes, out, stops, rejoined, bounded = Counter(), 0.0, [], 0, []
     revoked: dict[str, float] = {}    # background job -> its revoke's time, until it re-joins
     stopping: dict[str, float] = {}   # job -> its revoke's time, until it finishes
     for ev in events:
         if ev["ev"] == "revoke" and start <= ev["t"] <= end:
             causes[ev.get("cause", "?")] += 1
             stopping[ev["job"]] = ev["t"]
+            if "bound_s" in ev:
+                bounded.append(ev)
             if ev["kind"] != "chat":
                 revoked[ev["job"]] = ev["t"]
         elif ev["ev"] == "finish" and ev["job"] in stopping:
@@ -97,13 +99,23 @@ def revokes(events: list[dict], start: float, end: float) -> dict:
             out += min(ev["t"], end) - revoked.pop(ev["job"])
             rejoined += 1
     out += sum(end - t for t in revoked.values())
-    return {"by_cause": dict(causes), "rejoined": rejoined, "background_out_s": out,
+    return {"by_cause": dict(causes), "rejoined": rejoined, "background_out_s": out, "step_bound": _bound(bounded),
             "stop_s_mean": sum(stops) / len(stops) if stops else None}
 
 
-def engine_steps(before: dict | None, after: dict | None) -> dict[int, tuple[int, float]]:
-    """Per batch size (0: prompt reading only), the decode loop's steps and their seconds
-    between two `status()` of the engine (JSON's string keys read as ints)."""
+def _bound(revokes: list[dict]) -> dict | None:
+    """R23 as the policy read it at its revokes "step": the bounds it kept (least, most) and the
+    step profile at the last of them."""
+    if not revokes:
+        return None
+    bounds = [ev["bound_s"] for ev in revokes]
+    return {"least_s": min(bounds), "most_s": max(bounds), "step_profile": revokes[-1].get("step_profile")}
+
+
+def engine_steps(before: dict | None, after: dict | None) -> dict[int, tuple[int, float, float | None]]:
+    """Per batch size (0: prompt reading only), the decode loop's steps, their seconds and the
+    stepping thread's CPU seconds in them (None: an engine that does not count them) between
+    two `status()` of the engine (JSON's string keys read as ints)."""
     if not before or not after:
         return {}
 
@@ -112,7 +124,9 @@ def engine_steps(before: dict | None, after: dict | None) -> dict[int, tuple[int
         new = {int(rows): value for rows, value in (after.get(key) or {}).items()}
         return {rows: value - old.get(rows, 0) for rows, value in new.items() if value != old.get(rows, 0)}
     counts, spent = change("steps_by_batch"), change("step_s_by_batch")
-    return {rows: (int(counts.get(rows, 0)), spent.get(rows, 0.0)) for rows in sorted(set(counts) | set(spent))}
+    cpu = change("step_cpu_s_by_batch") if "step_cpu_s_by_batch" in after else None
+    return {rows: (int(counts.get(rows, 0)), spent.get(rows, 0.0), None if cpu is None else cpu.get(rows, 0.0))
+            for rows in sorted(set(counts) | set(spent))}
 
 
 def account(events: list[dict], start: float, end: float, engine_before: dict | None = None,
@@ -123,7 +137,7 @@ def account(events: list[dict], start: float, end: float, engine_before: dict | 
     states = timeline(sorted(events, key=lambda ev: ev["t"]), start, end)
     steps = engine_steps(engine_before, engine_after)
     held = sum(s for by_state in states.values() for name, s in by_state.items() if name not in (IDLE, WAITING, SWAP))
-    stepping = sum(s for _, s in steps.values())
+    stepping = sum(s for _, s, _ in steps.values())
     cpu = (engine_after["process_cpu_s"] - engine_before["process_cpu_s"]
            if engine_before and engine_after and "process_cpu_s" in engine_before and "process_cpu_s" in engine_after
            else None)
@@ -131,6 +145,13 @@ def account(events: list[dict], start: float, end: float, engine_before: dict | 
             "held_s": held, "stepping_s": stepping if steps else None,
             "loop_idle_while_held_s": held - stepping if steps else None,
             "cpu_s": cpu, "threads": (engine_after or {}).get("threads")}
+
+
+def _steps(rows: int, n: int, seconds: float, cpu: float | None, share) -> str:
+    if not n:
+        return f"{rows}: {share(seconds)}"
+    off = "" if cpu is None else f" ({(seconds - cpu) / n * 1e3:.0f} off a core)"
+    return f"{rows}: {share(seconds)}, {n}, {seconds / n * 1e3:.0f}{off}"
 
 
 def rows(accounted: dict) -> list[tuple[str, str]]:
@@ -144,9 +165,9 @@ def rows(accounted: dict) -> list[tuple[str, str]]:
         out.append((f"{device}: time by state", "; ".join(f"{name} {share(s)}" for name, s in
                                                          sorted(by_state.items(), key=lambda item: -item[1]))))
     if accounted["steps"]:
-        out.append(("decode loop: steps by batch size (0: prompt only): seconds, steps, ms a step",
-                    "; ".join(f"{rows}: {share(s)}, {n}, {s / n * 1e3:.0f}" if n else f"{rows}: {share(s)}"
-                              for rows, (n, s) in accounted["steps"].items())))
+        out.append(("decode loop: steps by batch size (0: prompt only): seconds, steps, ms a step"
+                    " (of which off a core: the stepping thread waiting for the GIL or a core)",
+                    "; ".join(_steps(rows, n, s, cpu, share) for rows, (n, s, cpu) in accounted["steps"].items())))
         out.append(("decode loop: held by jobs / stepping / idle while held",
                     f"{share(accounted['held_s'])} / {share(accounted['stepping_s'])} / "
                     f"{share(accounted['loop_idle_while_held_s'])}"))
@@ -158,4 +179,9 @@ def rows(accounted: dict) -> list[tuple[str, str]]:
     causes = dict(sorted(r["by_cause"].items())) or "none"
     out.append(("revokes by cause; re-joins; background seconds out of a slot; mean stop",
                 f"{causes}; {r['rejoined']}; {r['background_out_s']:.1f} s; {stop}"))
+    if r.get("step_bound"):
+        bound = r["step_bound"]
+        profile = ", ".join(f"{rows}: {s * 1e3:.0f}" for rows, s in (bound["step_profile"] or {}).items())
+        out.append(("R23 at the revokes it caused: a chat's step bound, least / most; the step profile read "
+                    "at the last (rows: ms)", f"{bound['least_s'] * 1e3:.0f} / {bound['most_s'] * 1e3:.0f} ms; {profile}"))
     return out

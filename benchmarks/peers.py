@@ -71,16 +71,17 @@ class Peer:
         self.name, self.serve, self.chat, self.background, self.settings = name, serve, chat, background, settings
 
 
-def uniun(slots: str, engine: str = "transformers") -> Callable[[Path], ContextManager[str]]:
-    return lambda logs: uniun_up(logs, slots, engine)
+def uniun(slots: str, engine: str = "transformers", **settings: str) -> Callable[[Path], ContextManager[str]]:
+    """uniun-ray served with `slots` on `engine`, `settings` its environment's (UNIUN_...)."""
+    return lambda logs: uniun_up(logs, slots, engine, settings)
 
 
 @contextmanager
-def uniun_up(logs: Path, slots: str, engine: str) -> Iterator[str]:
+def uniun_up(logs: Path, slots: str, engine: str, settings: dict[str, str]) -> Iterator[str]:
     """`uniun-ray up --slots --engine` on free ports with its own state file, event log and Ray
     temp dir; `down` after."""
     temp = Path(tempfile.mkdtemp(prefix="uniun-peers-", dir="/tmp"))   # short: Ray's socket paths
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"} | {
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"} | settings | {
         "UNIUN_STATE_DIR": str(temp), "RAY_AUTH_MODE": "disabled"}   # up.json and the event log
     http = free_port()
     cli = [sys.executable, "-m", "uniun_ray.cli"]
@@ -131,6 +132,9 @@ def llama_cpp(logs: Path) -> ContextManager[str]:
 PEERS = {
     "uniun": Peer("uniun-ray, slots auto", uniun("auto"), {"kind": "chat"}, {"kind": "nataraj"},
                   "transformers engine, its own dtype, threads and slot count"),
+    "uniun-int8": Peer("uniun-ray, int8", uniun("auto", UNIUN_DTYPE="int8"), {"kind": "chat"}, {"kind": "nataraj"},
+                       "transformers engine, UNIUN_DTYPE=int8 (linear layers in int8: faster, a little less "
+                       "accurate, benchmarks/int8_quality.py), its own threads and slot count"),
     "uniun-1": Peer("uniun-ray, slots 1", uniun("1"), {"kind": "chat"}, {"kind": "nataraj"},
                     "transformers engine, its own dtype and threads, one job at a time"),
     "uniun-vllm": Peer("uniun-ray, vLLM engine", uniun("auto", "vllm"), {"kind": "chat"}, {"kind": "nataraj"},
@@ -173,6 +177,24 @@ def account(url: str, before: dict | None, start: float, end: float) -> dict:
                                            after.get("engine"))}
 
 
+def chat_turn(url: str, body: dict, count: Callable[[str], int]) -> tuple[float, float | None]:
+    """One streamed chat: (seconds to its first text, seconds a token after it: the rest of the
+    stream over its tokens less one; None for a reply of one token)."""
+    started, first, text = time.perf_counter(), None, ""
+    with requests.post(url + "/v1/chat/completions", json=body | {"stream": True}, stream=True,
+                       timeout=600) as response:
+        response.raise_for_status()
+        for line in response.iter_lines():
+            if line.startswith(b"data: {"):
+                delta = (json.loads(line[6:]).get("choices") or [{}])[0].get("delta") or {}
+                if delta.get("content"):
+                    first = first or time.perf_counter()
+                    text += delta["content"]
+    ended, tokens = time.perf_counter(), count(text)
+    ttft = (first or ended) - started
+    return ttft, (ended - first) / (tokens - 1) if first is not None and tokens > 1 else None
+
+
 def measure(url: str, peer: Peer, args, count: Callable[[str], int]) -> dict:
     chat = {"model": CHAT, "messages": CHAT_MESSAGES, "max_tokens": args.chat_tokens} | peer.chat
     stream_ttft(url, chat | {"max_tokens": 2})   # load and warm the model: not what this measures
@@ -183,10 +205,13 @@ def measure(url: str, peer: Peer, args, count: Callable[[str], int]) -> dict:
     started = time.perf_counter()
     for worker in workers:
         worker.start()
-    ttfts = []
+    ttfts, token_times = [], []
     for turn in range(int(args.duration // args.chat_every)):
         time.sleep(max(0.0, started + (turn + 0.5) * args.chat_every - time.perf_counter()))
-        ttfts.append(stream_ttft(url, chat)[0])
+        ttft, token_s = chat_turn(url, chat, count)
+        ttfts.append(ttft)
+        if token_s is not None:
+            token_times.append(token_s)
     time.sleep(max(0.0, started + args.duration - time.perf_counter()))
     stop.set()
     window = time.perf_counter() - started
@@ -195,7 +220,7 @@ def measure(url: str, peer: Peer, args, count: Callable[[str], int]) -> dict:
     for worker in workers:
         worker.join(30)
     return {"engine": peer.name, "chat_ttft_p50_s": statistics.median(ttfts), "chat_ttft_p99_s": pct(ttfts, .99),
-            "chats": len(ttfts), "background_tok_s": tokens / window, "background_tokens": tokens,
+            "chats": len(ttfts), "chat_token_s": token_times, "background_tok_s": tokens / window, "background_tokens": tokens,
             "window_s": window, "settings": peer.settings} | accounted
 
 
@@ -213,6 +238,14 @@ def record_rows(rows: list[dict], args) -> Record:
         record.row(f"{row['engine']}: chat TTFT p50 / p99", f"{row['chat_ttft_p50_s']:.2f} / "
                    f"{row['chat_ttft_p99_s']:.2f} s (n={row['chats']})")
         record.row(f"{row['engine']}: background tokens/s", f"{row['background_tok_s']:.1f}")
+        if row.get("chat_token_s"):
+            bound = ((row.get("account") or {}).get("revokes") or {}).get("step_bound")
+            slowest = max(row["chat_token_s"])
+            record.row(f"{row['engine']}: a chat's time a token after its first, median / slowest chat"
+                       + ("; R23's bound, the most it was at a revoke" if bound else ""),
+                       f"{statistics.median(row['chat_token_s']) * 1e3:.0f} / {slowest * 1e3:.0f} ms"
+                       + (f"; {bound['most_s'] * 1e3:.0f} ms" if bound else ""),
+                       goal="≤ R23's bound (issue 42)" if bound else "", met=slowest <= bound["most_s"] if bound else None)
         if "account" in row:
             for figure, measured in device_time.rows(row["account"]):
                 record.row(f"{row['engine']}: {figure}", measured)
@@ -224,13 +257,15 @@ def record_rows(rows: list[dict], args) -> Record:
         gain = ours["background_tok_s"] / one["background_tok_s"]
         record.row("uniun-ray background tokens/s, slots auto / slots 1", f"{gain:.2f}×", goal="≥ 1.8× (issue 25)",
                    met=gain >= 1.8)
-    if _ok(ours) and _ok(vllm_row):
-        ratio = ours["background_tok_s"] / vllm_row["background_tok_s"]
-        record.row("uniun-ray / vLLM-CPU priority: background tokens/s", f"{ratio:.2f}×", goal="≥ 1.1× (issue 42)",
-                   met=ratio >= 1.1)
-        p99 = ours["chat_ttft_p99_s"] / vllm_row["chat_ttft_p99_s"]
-        record.row("uniun-ray / vLLM-CPU priority: chat TTFT p99", f"{ours['chat_ttft_p99_s']:.2f} / "
-                   f"{vllm_row['chat_ttft_p99_s']:.2f} s ({p99:.2f}×)", goal="≤ 0.8× (issue 42)", met=p99 <= 0.8)
+    for mine in (PEERS["uniun"], PEERS["uniun-int8"]):
+        row = by_engine.get(mine.name)
+        if _ok(row) and _ok(vllm_row):
+            ratio = row["background_tok_s"] / vllm_row["background_tok_s"]
+            record.row(f"{mine.name} / vLLM-CPU priority: background tokens/s", f"{ratio:.2f}×",
+                       goal="≥ 1.1× (issue 42)", met=ratio >= 1.1)
+            p99 = row["chat_ttft_p99_s"] / vllm_row["chat_ttft_p99_s"]
+            record.row(f"{mine.name} / vLLM-CPU priority: chat TTFT p99", f"{row['chat_ttft_p99_s']:.2f} / "
+                       f"{vllm_row['chat_ttft_p99_s']:.2f} s ({p99:.2f}×)", goal="≤ 0.8× (issue 42)", met=p99 <= 0.8)
     under = by_engine.get(PEERS["uniun-vllm"].name)
     if _ok(under) and _ok(vllm_row):
         ratio = under["background_tok_s"] / vllm_row["background_tok_s"]

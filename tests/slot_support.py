@@ -11,12 +11,15 @@ from uniun_ray.policy import Dispatch, PolicyConfig, Requeued, Revoke, RevokeCau
 TIER = {"T0": 0, "T1": 1, "T2": 2, "T3": 3, "T4": 4}
 
 
-def companions(profile: dict[int, float] | None, chats: int, slots: int, config: PolicyConfig) -> int:
-    """R23 read off a profile measured at every batch size 1..slots."""
+def within(profile: dict[int, float] | None, chats: int, others: int, config: PolicyConfig) -> bool:
+    """R23 read off a profile measured at every batch size 1..slots: may `others` other jobs
+    decode beside `chats` chats? (None beside them always may.)"""
+    if others == 0:
+        return True
     if profile is None:
-        return 0
+        return False
     bound = max(config.chat_step_slack * profile[chats], config.chat_step_floor_s)
-    return max(k for k in range(slots - chats + 1) if profile[chats + k] <= bound * (1 + 1e-12))
+    return profile[chats + others] <= bound * (1 + 1e-12)
 
 
 class SlotDriver(PoolDriver):
@@ -77,7 +80,7 @@ class SlotDriver(PoolDriver):
             chats = sum(j["kind"] == "chat" for j in live)
             assert len({j["model"] for j in dev["jobs"]}) <= 1, f"t={self.now}: two models on {dev['device']}"
             if chats:  # R23, with the revokes of this call counted as done
-                assert len(live) - chats <= companions(self.profile, chats, self.slots, config), \
+                assert within(self.profile, chats, len(live) - chats, config), \
                     f"t={self.now}: {dev['device']} runs {live} beside its chats"
             if len(holding) >= self.slots:
                 continue
@@ -87,8 +90,8 @@ class SlotDriver(PoolDriver):
             drain = next((j for j in queued if j["id"] == dev["draining_for"]), None)
             open_to = [j for j in queued if j["model"] == dev["loaded_model"]
                        and (drain is None or TIER[j["tier"]] < min(TIER[drain["tier"]], 2 + (not self._over())))
-                       and (not chats or j["kind"] == "chat" or len(holding) - chats <
-                            companions(self.profile, chats, self.slots, config))]
+                       and (not chats or j["kind"] == "chat" or within(self.profile, chats, len(holding) - chats + 1,
+                                                                        config))]
             assert not open_to, f"t={self.now}: a free slot on {dev['device']} while {open_to[0]['id']} waits"
         self.samples.append((self.now, snap))
 

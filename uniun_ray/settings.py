@@ -24,7 +24,7 @@ MAX_SLOTS = 256
 ENGINES = ("transformers", "vllm")
 #: "auto" measures, per host and model, which precision runs fastest on a CPU (see ``tuning``);
 #: on a GPU it means bfloat16, or float16 where bf16 is not supported.
-DTYPES = ("auto", "bfloat16", "float16", "float32")
+DTYPES = ("auto", "bfloat16", "float16", "float32", "int8")
 #: How a batch keeps its KV rows (``models.runner.rows``) and how static rows step (``.static``).
 ROW_KINDS = ("padded", "static")
 STEP_MODES = ("exact", "buckets", "graphs")
@@ -184,7 +184,8 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("warm_start", "UNIUN_WARM_START", True, _switch("load the chat model before start returns", "not to"),
             "`start()` and `uniun-ray up` load the active chat model before they say they are ready"),
     Setting("dtype", "UNIUN_DTYPE", "auto", _choice(*DTYPES),
-            "the models' precision; auto: measured per host and model on a CPU, bf16 (else fp16) on a GPU "
+            "the models' precision; auto: measured per host and model on a CPU, bf16 (else fp16) on a GPU; "
+            "int8 (a CPU, never auto's choice): linear layers in int8, faster, a little less accurate "
             "([tuning](tuning.md#dtype-and-threads))"),
     Setting("threads", "UNIUN_THREADS", None, _count(1, "a thread count"),
             "torch's threads", default_doc="every core the actor's process may run on, or half, as measured"),

@@ -117,6 +117,9 @@ def create(settings: "EngineSettings", device: str, wake: Wake, thread_budget: i
     if settings.engine == "vllm":
         from .vllm import VllmEngine
 
+        if settings.dtype == "int8":
+            raise ValueError("UNIUN_DTYPE=int8 is the transformers engine's (int8 linear layers on a CPU); "
+                             "vLLM takes auto, bfloat16, float16 or float32")
         return VllmEngine(wake, slots=settings.slots, dtype=None if settings.dtype == "auto" else settings.dtype)
     from .transformers import TransformersEngine
 

@@ -94,5 +94,6 @@ class TransformersEngine:
             "engine": self.name, "model": self.model.loaded, "running": self._loop.rows,
             "context_length": self.model.context_length, "warm": self.model.warm,
             "steps_by_batch": dict(sorted(self._loop.batch_sizes.items())),
-            "step_s_by_batch": {rows: round(s, 6) for rows, s in sorted(self._loop.step_seconds.items())}} \
+            "step_s_by_batch": {rows: round(s, 6) for rows, s in sorted(self._loop.step_seconds.items())},
+            "step_cpu_s_by_batch": {rows: round(s, 6) for rows, s in sorted(self._loop.step_cpu_seconds.items())}} \
             | self._loop.describe()

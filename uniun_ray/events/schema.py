@@ -33,7 +33,9 @@ first_token    job, kind, producer, model: the job's first generated token (once
 revoke         job, kind, producer, model: the scheduler revoked the running job; optional:
                cause (the policy's RevokeCause: "arrival"|"foreground"|"deadline"|
                "affinity"|"step"|"cancel"|"reclaim"), batch (int, the jobs on the device
-               when it was revoked, this one included; 1 when absent)
+               when it was revoked, this one included; 1 when absent); with cause "step"
+               (R23): chats (int), bound_s (float: the step beside them may take), step_profile
+               ({batch: seconds per step} the policy read)
 finish         job, kind, producer, model, outcome ("done"|"failed"|"revoked"),
                tokens (int, tokens produced so far, optional), requeued (bool, optional:
                the policy put the job back in its queue, R6; it is dispatched later).

@@ -454,18 +454,27 @@ class SchedulerPolicy:
         closed = []
         if device.drain_for is not None and device.jobs and (waiting := self._queues.get(device.drain_for)):
             closed.append(ctx.tier(waiting))
-        others, keep = self._beside_chats(device)
-        if keep is not None and len(others) >= keep:
+        chats, others = self._chats_and_others(device)
+        if chats and not self._steps.room_beside(device.loaded, device.name, chats, device.slots, len(others)):
             closed.append(Tier.FOREGROUND)
         return min(closed, default=None)
 
-    def _beside_chats(self, device: Device) -> tuple[list[Entry], int | None]:
-        """R23 on `device`: its live jobs that are not chats, and how many of them may decode
-        beside its live chats (None while no chat runs there: no bound)."""
+    def chat_step(self, device_name: str) -> dict | None:
+        """R23 on a device now, for the record of a revoke it caused: its running chats, the
+        step profile the policy reads and the bound a step beside them must keep (None while
+        no chat runs there)."""
+        device = self._pool.get(device_name)
+        chats = sum(e.job.kind is Kind.CHAT for e in device.live())
+        bound = self._steps.bound(device.loaded, device.name, chats) if chats else None
+        if bound is None:
+            return None
+        return {"chats": chats, "bound_s": bound, "step_profile": self._steps.get(device.loaded, device.name)}
+
+    def _chats_and_others(self, device: Device) -> tuple[int, list[Entry]]:
+        """R23 on `device`: how many live chats it runs, and its live jobs that are not chats."""
         live = device.live()
         others = [e for e in live if e.job.kind is not Kind.CHAT]
-        chats = len(live) - len(others)
-        return others, self._steps.companions(device.loaded, device.name, chats, device.slots) if chats else None
+        return len(live) - len(others), others
 
     def _plan_drain(self, ctx: PickContext, free: list[Device]) -> None:
         """R21: the job first in pick order that no free slot may take, when no device holds its
@@ -505,9 +514,10 @@ class SchedulerPolicy:
         (they are re-queued, keep their KV and take slots again when the chats end)."""
         actions: list[Action] = []
         for device in self._pool.busy():
-            others, keep = self._beside_chats(device)
-            if keep is None:
+            chats, others = self._chats_and_others(device)
+            if not chats:
                 continue
+            keep = self._steps.companions(device.loaded, device.name, chats, device.slots, len(others))
             others.sort(key=lambda e: (self.tier(e.job), e.dispatch_no))
             for entry in reversed(others[keep:]):
                 actions += self._revoke(entry, RevokeCause.STEP)

@@ -4,7 +4,9 @@ The runtime measures, per model and device, the time of one decode step at sever
 sizes (as it measures swap cost) and gives it to the policy. A chat's tokens must come no
 slower than the larger of `slack` x its step alone and `floor` seconds (a step faster than the
 floor is faster than anyone reads, so it need not be kept fast at the background's cost), so
-beside c chats the policy keeps the largest k with step(c + k) <= max(slack x step(c), floor).
+beside c chats running with n other jobs the policy keeps the largest k <= n with
+step(c + k) <= max(slack x step(c), floor), and lets one more join only while step(c + n + 1)
+keeps it too.
 Between measured sizes the step time is interpolated linearly; past the largest it is
 extrapolated from the last two (a step grows at least as fast as it did). Without a profile
 nothing runs beside a chat (k = 0): chat's latency is the product, and an unmeasured device
@@ -58,13 +60,28 @@ class StepProfiles:
     def get(self, model_id: str | None, device: str) -> dict[int, float] | None:
         return self._profiles.get((model_id, device)) if model_id is not None else None
 
-    def companions(self, model_id: str | None, device: str, chats: int, slots: int) -> int:
-        """The most other jobs that may decode beside `chats` chats within the bound."""
+    def bound(self, model_id: str | None, device: str, chats: int) -> float | None:
+        """Seconds a step beside `chats` chats may take: max(slack x step(chats), floor); None
+        without a profile."""
         profile = self.get(model_id, device)
-        if profile is None:
+        return None if profile is None else max(self._slack * step_time(profile, chats), self._floor)
+
+    def companions(self, model_id: str | None, device: str, chats: int, slots: int, others: int) -> int:
+        """How many of `others` other jobs may decode beside `chats` chats: the most, m, whose
+        step(chats + m) keeps the bound. Not the first m past which the next would break it:
+        a measured profile need not grow with the rows (oneDNN runs 3 rows slower than 4 on
+        some CPUs; a size served rarely has a noisy median), and a chat that found four jobs
+        running keeps three of them where step(4) keeps the bound, whatever step(2) says."""
+        bound = self.bound(model_id, device, chats)
+        profile = self.get(model_id, device)
+        if bound is None or profile is None:
             return 0
-        bound = max(self._slack * step_time(profile, chats), self._floor)
-        k = 0
-        while chats + k < slots and step_time(profile, chats + k + 1) <= bound * (1 + 1e-12):
-            k += 1
-        return k
+        return max(m for m in range(min(others, slots - chats) + 1)
+                   if m == 0 or step_time(profile, chats + m) <= bound * (1 + 1e-12))
+
+    def room_beside(self, model_id: str | None, device: str, chats: int, slots: int, others: int) -> bool:
+        """Whether one more job may join `others` beside `chats` chats within the bound."""
+        bound = self.bound(model_id, device, chats)
+        profile = self.get(model_id, device)
+        return bound is not None and profile is not None and chats + others < slots \
+            and step_time(profile, chats + others + 1) <= bound * (1 + 1e-12)

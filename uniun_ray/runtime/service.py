@@ -322,8 +322,9 @@ class SchedulerService:
             elif isinstance(action, Revoke):
                 tracked.revoke_requested = True
                 worded = context[1] if context is not None and context[0] is action.cause else None
+                bounded = self.policy.chat_step(tracked.device) if action.cause is RevokeCause.STEP else None
                 self._emit_run("revoke", tracked, cause=action.cause.value,
-                               reason=tracked.drop_reason or worded or _REASONS[action.cause])
+                               reason=tracked.drop_reason or worded or _REASONS[action.cause], **(bounded or {}))
                 if tracked.lease is not None:
                     self._spawn(self.drivers[tracked.device].revoke(tracked.lease.epoch))
                 elif (drain := self.policy.drains.get(tracked.device)) is not None \

@@ -38,6 +38,9 @@ class DecodeLoop:
         #: rows decoded together -> the seconds those steps took (0: steps that only prefilled): with
         #: the time jobs held the device, what says where its time went (benchmarks/device_time.py)
         self.step_seconds: Counter = Counter()
+        #: rows decoded together -> the stepping thread's own CPU seconds in those steps: at one
+        #: thread, a step's seconds less these are its time off a core (the GIL, another program)
+        self.step_cpu_seconds: Counter = Counter()
 
     @property
     def rows(self) -> int:
@@ -81,9 +84,10 @@ class DecodeLoop:
                     if not batch.busy:
                         self._stepping = False
                         return
-                started = time.perf_counter()
+                started, cpu = time.perf_counter(), time.thread_time()
                 batch.step()
                 self.step_seconds[batch.last_step_rows] += time.perf_counter() - started
+                self.step_cpu_seconds[batch.last_step_rows] += time.thread_time() - cpu
                 self._cores.after_step()
                 if batch.last_step_rows:
                     self.batch_sizes[batch.last_step_rows] += 1

@@ -19,7 +19,7 @@ from typing import Any, Iterator
 
 import torch
 
-from . import packing
+from . import int8, packing
 from ..tune.contention import Watch, quiet
 from ..runner.gate import LayerGate, layer_gate
 from ..runner.profile import ServedSteps, auto_slots, batch_sizes, measure_profile
@@ -60,6 +60,7 @@ class Loaded:
     prefix: PrefixCache = field(default_factory=lambda: PrefixCache(0))
     gate: LayerGate | None = None
     packed: int = 0                     # linear layers packed for oneDNN (``packing``)
+    int8: int = 0                       # linear layers in int8 (``int8``, UNIUN_DTYPE=int8)
     rows: kv_rows.RowStore | None = None   # the static KV rows its batches decode in (None: padded rows)
 
     @property
@@ -95,6 +96,8 @@ class Weights:
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError(f"device {device!r} requested, but CUDA is not available")
         self.dtype = settings.dtype
+        if self.dtype == "int8" and not int8.available(self.device):
+            raise ValueError(f"UNIUN_DTYPE=int8 runs on a CPU (torch._int_mm): not on {self.device}")
         if thread_budget is not None and (not _is_int(thread_budget) or thread_budget < 1):
             raise ValueError(f"thread_budget must be an int >= 1 or None, got {thread_budget!r}")
         self.threads_fixed = settings.threads is not None
@@ -117,8 +120,9 @@ class Weights:
             return described
         placement = getattr(loaded.model, "hf_device_map", None)
         probe = loaded.probe
-        return described | {"model": loaded.vocabulary.model_id, "dtype": loaded.dtype, "placement": placement,
-                            "packed_linears": loaded.packed,
+        return described | {"model": loaded.vocabulary.model_id, "dtype": "int8" if loaded.int8 else loaded.dtype,
+                            "placement": placement,
+                            "packed_linears": loaded.packed, "int8_linears": loaded.int8,
                             "kv_rows": loaded.rows.describe() if loaded.rows is not None else {"kind": "padded"},
                             "measured": [dataclasses.asdict(speed) for speed in probe.speeds],
                             "probe": probe.taken.describe() | {"step_profile": probe.steps,
@@ -133,7 +137,7 @@ class Weights:
 
         _check(abandon, model_id)
         tokenizer = AutoTokenizer.from_pretrained(folder)
-        dtype = default_dtype(self.device) if self.dtype == "auto" else getattr(torch, self.dtype)
+        dtype = default_dtype(self.device) if self.dtype == "auto" else getattr(torch, self._activations())
         from ..runner.attention import prefer_grouped
 
         model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, use_kernels=self.hub_kernels,
@@ -187,7 +191,9 @@ class Weights:
                    else thread_options(self.thread_budget))
         candidates = [(dtype, n) for dtype in dtypes for n in threads]
         key = f"{host_signature()}|{folder}|{'+'.join(dtypes)}|threads {'+'.join(map(str, threads))}"
-        if self._packs():   # the step profile was measured on packed weights: not a plain model's
+        if self.dtype == "int8":   # measured on int8 linears
+            key += "|int8"
+        elif self._packs():   # the step profile was measured on packed weights: not a plain model's
             key += "|packed"
         if self.deterministic:   # and with each row decoded as alone
             key += "|row-invariant"
@@ -230,7 +236,12 @@ class Weights:
     @contextmanager
     def _packed_for_now(self, loaded: Loaded) -> Iterator[None]:
         """A dtype is timed as it would run, packed (``packing``: it changes which dtype is faster:
-        float32 was on one row here plain, bf16 packed), with the plain layers kept to try the next."""
+        float32 was on one row here plain, bf16 packed), with the plain layers kept to try the next.
+        int8 linears are made once, for good: float32 is the one dtype they run with."""
+        if self.dtype == "int8":
+            self._pack(loaded)
+            yield
+            return
         if not self._packs():
             yield
             return
@@ -241,9 +252,16 @@ class Weights:
             packing.unpack(loaded.model)
 
     def _pack(self, loaded: Loaded) -> None:
-        """Pack the linear layers in the dtype kept, for good (the plain weights are freed)."""
-        if not loaded.packed and self._packs():
+        """Pack the linear layers in the dtype kept, for good (the plain weights are freed); with
+        UNIUN_DTYPE=int8, make them int8 linears."""
+        if self.dtype == "int8":
+            loaded.int8 = loaded.int8 or int8.quantize(loaded.model)
+        elif not loaded.packed and self._packs():
             loaded.packed = packing.pack(loaded.model, one_row_as_two=self.deterministic)
+
+    def _activations(self) -> str:
+        """The torch dtype a model is read in, as the setting names it (int8 linears take float32)."""
+        return "float32" if self.dtype == "int8" else self.dtype
 
     def _packs(self) -> bool:
         return self.max_memory is None and packing.available(self.device)
