@@ -306,7 +306,8 @@ def test_a_chat_reads_its_prompt_in_one_pass_and_a_background_prompt_in_short_ch
     passes = forwards.count
     batch.step()
     assert batch.rows == 2 and forwards.count - passes == 2    # its whole prompt, then a step with it
-    batch.step()
+    while not chat.done.is_set():
+        batch.step()
     background = batch.add(GenerateRequest(prompt=prompts[1], max_new_tokens=2), threading.Event())
     batch.step()
     assert 0 < background.sequence.fed <= 320 / 4          # cut to a few decode steps: the others wait
@@ -399,6 +400,30 @@ def test_a_chat_has_its_first_token_before_the_rows_it_revoked_leave(engine, row
     assert [job.done.is_set() for job in companions] == [False, True, True]   # then they left, that step
     assert batch.rows == 2 and all(job.result.finish_reason == "cancel" for job in companions[1:])
     batch.close()       # the others end here: no job stays running into the next test
+
+
+def test_no_other_prompt_is_read_while_a_chat_decodes_and_one_being_read_steps_aside(engine, monkeypatch):
+    """A prompt is read in a forward pass of its own, which a chat decoding beside it would wait
+    for (R23): a background job that arrives while a chat decodes reads its prompt after the
+    chat ends; one part-way through its prompt when a chat arrives steps aside for it and
+    goes on from where it stopped. Each gets the tokens it gets alone."""
+    monkeypatch.setattr(engine, "prefill_chunk", 8)       # LONG_PROMPT: several chunks
+    background = [GenerateRequest(prompt=LONG_PROMPT, max_new_tokens=6), REQUESTS[0]]
+    expected = alone(engine, background)
+    batch = Batch(engine, slots=4)
+    reading = batch.add(background[0], threading.Event())
+    batch.step()
+    assert 0 < reading.sequence.fed < len(reading.sequence.context)          # part-way through its prompt
+    chat = batch.add(GenerateRequest(prompt=PROMPT, max_new_tokens=8), threading.Event(), revocable=False)
+    batch.step()
+    assert chat.sequence.first_token_at is not None and batch._joining is None      # the chat went first
+    late = batch.add(background[1], threading.Event())
+    fed = reading.sequence.fed
+    while not chat.done.is_set():
+        batch.step()
+        assert reading.sequence.fed == fed and late.sequence.fed == 0, "a prompt was read beside the chat"
+    batch.run()
+    assert [reading.result.token_ids, late.result.token_ids] == expected
 
 
 # -- static rows (issue 36) ----------------------------------------------------------------------

@@ -170,25 +170,43 @@ class Batch:
         with self._lock:
             waiting, self._waiting = list(self._waiting), deque()
         for job in waiting:
-            self._end(job, "cancel", None)
+            self._end(job, "cancel", job.cache)
 
     # -- joining -----------------------------------------------------------------------------
 
     def _next_joining(self) -> None:
         """Start the prefill of the next waiting job, if none is running and a row is free: a
         chat first (nothing but its own cancel stops it: its time to first token is the goal),
-        else the oldest."""
+        else the oldest. A chat's tokens come no slower for the others' prompts (R23): a prompt
+        is read in a forward pass of its own, about one more decode step's time, so while a chat
+        decodes no other job starts its prompt, and one that was reading its prompt when a chat
+        came steps aside (back to the front of the queue, its KV so far kept)."""
+        joining = self._joining
+        if joining is not None and joining.revocable and self._chat_waiting():
+            with self._lock:
+                self._waiting.appendleft(joining)
+            self._joining = None
         if not self._row_free():
             return
         with self._lock:
-            job = self._waiting_chat() or (self._waiting[0] if self._waiting else None)
+            job = self._waiting_chat()
+            if job is None and self._waiting and not self._chat_decoding():
+                job = self._waiting[0]
             if job is None:
                 return
             self._waiting.remove(job)
         sequence = job.sequence
-        sequence.start_from(self.loaded.prefix.lookup(sequence.context))
-        job.cache = sequence.hit.cache
+        if job.cache is None and not sequence.fed:     # not begun: from what the prefix cache holds
+            sequence.start_from(self.loaded.prefix.lookup(sequence.context))
+            job.cache = sequence.hit.cache
         self._joining = job
+
+    def _chat_decoding(self) -> bool:
+        return any(not job.revocable for job in self._decoding)
+
+    def _chat_waiting(self) -> bool:
+        with self._lock:
+            return self._waiting_chat() is not None
 
     def _row_free(self) -> bool:
         """Whether a waiting job may start its prefill now: none is prefilling and a row is free."""
@@ -211,7 +229,7 @@ class Batch:
             for job in cancelled:
                 self._waiting.remove(job)
         for job in cancelled:
-            self._end(job, "cancel", None)
+            self._end(job, "cancel", job.cache)   # a job that stepped aside keeps the prompt it read
 
     def _prefill(self, job: Job) -> None:
         """One chunk of the joining job's prompt; at its end, its first token, then its row."""
