@@ -135,6 +135,9 @@ PEERS = {
     "uniun-int8": Peer("uniun-ray, int8", uniun("auto", UNIUN_DTYPE="int8"), {"kind": "chat"}, {"kind": "nataraj"},
                        "transformers engine, UNIUN_DTYPE=int8 (linear layers in int8: faster, a little less "
                        "accurate, benchmarks/int8_quality.py), its own threads and slot count"),
+    "uniun-bf16": Peer("uniun-ray, bf16", uniun("auto", UNIUN_DTYPE="bfloat16"), {"kind": "chat"}, {"kind": "nataraj"},
+                       "transformers engine, UNIUN_DTYPE=bfloat16 (what auto would choose where bf16 wins), "
+                       "its own threads and slot count"),
     "uniun-1": Peer("uniun-ray, slots 1", uniun("1"), {"kind": "chat"}, {"kind": "nataraj"},
                     "transformers engine, its own dtype and threads, one job at a time"),
     "uniun-vllm": Peer("uniun-ray, vLLM engine", uniun("auto", "vllm"), {"kind": "chat"}, {"kind": "nataraj"},
@@ -257,7 +260,7 @@ def record_rows(rows: list[dict], args) -> Record:
         gain = ours["background_tok_s"] / one["background_tok_s"]
         record.row("uniun-ray background tokens/s, slots auto / slots 1", f"{gain:.2f}×", goal="≥ 1.8× (issue 25)",
                    met=gain >= 1.8)
-    for mine in (PEERS["uniun"], PEERS["uniun-int8"]):
+    for mine in (PEERS["uniun"], PEERS["uniun-bf16"], PEERS["uniun-int8"]):
         row = by_engine.get(mine.name)
         if _ok(row) and _ok(vllm_row):
             ratio = row["background_tok_s"] / vllm_row["background_tok_s"]

@@ -87,17 +87,18 @@ def measure(step: Step, vocab_size: int, dtype: str, threads: int) -> Speed:
 
 
 def fastest(speeds: list[Speed]) -> Speed:
-    """The dtype whose typical chat turns are the fastest over every thread count measured, then
-    the thread count fastest in it. The loop may serve with fewer threads than the probe chose
-    (``cores.CoreShare`` gives a core back where other programs keep one busy), and one dtype
-    can win at one count and lose badly at another: bf16 without native bf16 arithmetic scored
-    3.32 s against float32's 3.41 at 2 threads and 5.98 against 3.95 at one, its prefill 3x
-    slower and its step at 4 rows 1.4x, and a ModelActor chosen bf16 at 2 served at 1."""
-    by_dtype: dict[str, list[Speed]] = {}
-    for speed in speeds:
-        by_dtype.setdefault(speed.dtype, []).append(speed)
-    dtype = min(by_dtype, key=lambda name: statistics.fmean(speed.score for speed in by_dtype[name]))
-    return min(by_dtype[dtype], key=lambda speed: speed.score)
+    """The dtype and thread count whose slowest typical chat turn at that count or fewer is the
+    fastest (between equals, the faster at its own count). The loop may serve with fewer threads
+    than the probe chose (``cores.CoreShare`` gives a core back where other programs keep one
+    busy, as an HTTP front end on a 2-core host does), and one dtype can win at one count and
+    lose badly at another: bf16 without native bf16 arithmetic scored 3.32 s against float32's
+    3.41 at 2 threads and 5.98 against 3.95 at one, and a ModelActor chosen bf16 at 2 served at 1
+    (float32 it is); with native bf16, 3.10 against 1.84 at 2 threads and 1.61 against 2.37 at
+    one (bf16 at one thread, which no count below can undo)."""
+    def slowest(speed: Speed) -> float:
+        return max(other.score for other in speeds
+                   if other.dtype == speed.dtype and other.threads <= speed.threads)
+    return min(speeds, key=lambda speed: (slowest(speed), speed.score))
 
 
 def thread_options(budget: int) -> list[int]:
