@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import random
 import threading
+from dataclasses import replace
 
 import pytest
 
@@ -87,6 +88,15 @@ def test_a_dtype_fastest_at_the_fewest_threads_is_chosen_there():
     assert fastest([bf16_2, bf16_1, fp32_2, fp32_1]) is bf16_1
 
 
+def test_a_step_profile_taken_at_a_pair_no_longer_kept_is_not_current():
+    """A probe cached before ``fastest`` changed its choice holds the profile of another dtype or
+    thread count (R23's companions read it): the load measures it anew."""
+    speeds = [Speed("bfloat16", 1.66e-3, 37.0e-3, 1), Speed("float32", 2.03e-3, 41.3e-3, 2)]
+    assert replace(probe(speeds), at=("bfloat16", 1)).current
+    assert not replace(probe(speeds), at=("float32", 2)).current
+    assert not probe(speeds).current                                  # cached before the pair was kept
+
+
 def test_threads_measured_are_the_whole_budget_and_half_of_it():
     assert thread_options(2) == [2, 1] and thread_options(16) == [16, 8] and thread_options(1) == [1]
     fewer = Speed("float32", 1.5e-4, 2.3e-3, 1)      # a small model inside Ray on 2 cores
@@ -132,7 +142,8 @@ def test_decode_steps_move_the_target_and_a_short_tail_is_ignored():
 
 def test_probe_cache_survives_restarts_and_ignores_a_corrupt_file_or_an_older_shape(tmp_path):
     path = tmp_path / "tuning.json"
-    kept = probe([Speed("bfloat16", 1e-3, 2e-2, 2), Speed("float32", 5e-4, 3e-2, 1)], {1: 0.05, 16: 0.07, 2: 0.06})
+    kept = replace(probe([Speed("bfloat16", 1e-3, 2e-2, 2), Speed("float32", 5e-4, 3e-2, 1)],
+                         {1: 0.05, 16: 0.07, 2: 0.06}), at=("float32", 1))
     ProbeCache(path).put("host|model", kept)
     assert ProbeCache(path).get("host|model") == kept and ProbeCache(path).get("other") is None
     assert list(ProbeCache(path).get("host|model").steps) == [1, 2, 16]      # in batch order, as ints

@@ -199,7 +199,7 @@ class Weights:
             key += "|row-invariant"
         probe = self._probes.get(key)
         if (probe is None or sorted((s.dtype, s.threads) for s in probe.speeds) != sorted(candidates)
-                or probe.provisional and quiet(max(threads))):
+                or probe.provisional and quiet(max(threads)) or not probe.current):
             probe = self._probe(loaded, candidates, abandon)
             self._probes.put(key, probe)
         best = fastest(probe.speeds)
@@ -231,7 +231,7 @@ class Weights:
         _check(abandon, loaded.vocabulary.model_id)
         sizes = batch_sizes(self.device) if kv_rows.batchable(loaded.model) else (1,)
         steps, spread = measure_profile(loaded.runner, vocab_size, self.device, sizes, self.rows)
-        return Probe(speeds, steps, watch.stop(), spread)
+        return Probe(speeds, steps, watch.stop(), spread, (best.dtype, best.threads))
 
     @contextmanager
     def _packed_for_now(self, loaded: Loaded) -> Iterator[None]:

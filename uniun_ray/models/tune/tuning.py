@@ -134,13 +134,21 @@ def cpu_model() -> str:
 class Probe:
     """What a load measured of one model on this host: the speed of every dtype and thread count
     tried, the step profile ({batch: seconds per decode step}, ``steps``, the median of its
-    samples) at the fastest, how far its samples spread (``spread``: interquartile range over
-    median, per batch), and when and under what load (``Taken``)."""
+    samples) at the fastest (``at``: its dtype and thread count; a profile taken at another pair,
+    as ``fastest`` chose before, is measured anew), how far its samples spread (``spread``:
+    interquartile range over median, per batch), and when and under what load (``Taken``)."""
 
     speeds: list[Speed]
     steps: dict[int, float]
     taken: Taken
     spread: dict[int, float] = field(default_factory=dict)
+    at: tuple[str, int] | None = None
+
+    @property
+    def current(self) -> bool:
+        """Its step profile was taken at the pair ``fastest`` keeps."""
+        best = fastest(self.speeds)
+        return self.at == (best.dtype, best.threads)
 
     @property
     def provisional(self) -> bool:
@@ -152,7 +160,7 @@ class Probe:
         return {"speeds": [asdict(speed) for speed in self.speeds],
                 "steps": {str(batch): seconds for batch, seconds in self.steps.items()},
                 "spread": {str(batch): share for batch, share in self.spread.items()},
-                "taken": asdict(self.taken)}
+                "taken": asdict(self.taken), "at": self.at}
 
     @classmethod
     def from_json(cls, entry: dict) -> Probe:
@@ -161,7 +169,8 @@ class Probe:
         return cls([Speed(**speed) for speed in entry["speeds"]],
                    dict(sorted((int(batch), float(seconds)) for batch, seconds in entry["steps"].items())),
                    Taken(**taken),
-                   dict(sorted((int(batch), float(share)) for batch, share in entry["spread"].items())))
+                   dict(sorted((int(batch), float(share)) for batch, share in entry["spread"].items())),
+                   tuple(entry["at"]) if entry.get("at") else None)
 
 
 #: Decode steps this much faster than the probe's, seen over at least BEATEN_AFTER steps since the
