@@ -27,6 +27,8 @@ from pathlib import Path
 
 from record import ROOT, Record
 
+SUMMARY = re.compile(r"\b\d+ (passed|failed|errors?)\b.* in [\d.]+s")
+
 BURN = "while True: pass"
 #: How many of the slowest tests the record lists (issue 44).
 SLOWEST = 20
@@ -56,10 +58,17 @@ def one_run(burners: int, seed: int | None) -> dict:
             burner.kill()
     log = test.stdout + test.stderr
     (folder / "test.log").write_text(log)   # which test failed, and how
-    summary = (test.stdout.strip().splitlines() or ["no output"])[-1]
+    summary = pytest_summary(test.stdout)
     return {"folder": str(folder), "log": log, "install_s": install_s, "test_s": test_s,
             "ok": install.returncode == 0 and test.returncode == 0, "summary": summary, "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=clone,
                                                          capture_output=True, text=True).stdout.strip()}
+
+
+def pytest_summary(out: str) -> str:
+    """pytest's last line ("908 passed, 2 skipped ... in 490.11s"), which make's own lines follow
+    when a target calls make again; else the output's last line."""
+    lines = out.strip().splitlines() or ["no output"]
+    return next((line for line in reversed(lines) if SUMMARY.search(line)), lines[-1])
 
 
 def durations(log: str) -> dict[str, float]:
