@@ -48,3 +48,14 @@ def test_benchmarks_md_is_what_render_writes_from_the_records():
     """Nobody hand-edits a generated block: rendering the file again changes nothing."""
     text = (ROOT / "BENCHMARKS.md").read_text()
     assert render.render(text, render.load()) == text
+
+
+def test_a_suite_row_takes_pytests_summary_though_make_prints_after_it():
+    import suite_time
+
+    out = ("....\n908 passed, 2 skipped, 1 warning in 490.11s (0:08:10)\n"
+           "make[1]: Leaving directory '/tmp/uniun-suite-x/clone'\n")
+    assert suite_time.pytest_summary(out) == "908 passed, 2 skipped, 1 warning in 490.11s (0:08:10)"
+    assert suite_time.pytest_summary("3 failed, 5 passed, 20 errors in 9.5s\n") == "3 failed, 5 passed, 20 errors in 9.5s"
+    assert suite_time.pytest_summary("make: *** [test] Error 2\n") == "make: *** [test] Error 2"
+    assert suite_time.pytest_summary("") == "no output"
