@@ -22,6 +22,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from .packing import swap_linears
+
 
 def available(device: torch.device) -> bool:
     return device.type == "cpu" and hasattr(torch, "_int_mm")
@@ -57,12 +59,4 @@ def quantize(model: Any) -> int:
     """Swap every ``nn.Linear`` of ``model`` for an ``Int8Linear``; how many were swapped (0 when
     accelerate's hooks place its modules). A head tied to the embeddings gets int8 weights of its
     own; the embeddings keep theirs."""
-    if any(hasattr(module, "_hf_hook") for module in model.modules()):
-        return 0
-    swapped = 0
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            if type(child) is nn.Linear:
-                setattr(parent, name, Int8Linear(child))
-                swapped += 1
-    return swapped
+    return swap_linears(model, Int8Linear)

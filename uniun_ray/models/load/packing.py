@@ -13,7 +13,7 @@ embeddings keeps the shared weight for them). GPUs and weights placed by acceler
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -61,13 +61,20 @@ def pack(model: Any, keep_plain: bool = False, one_row_as_two: bool = False) -> 
     """Swap every ``nn.Linear`` of ``model`` for a ``PackedLinear``; how many were swapped (0 when
     accelerate's hooks place its modules: they would move weights the packed layer no longer has).
     ``keep_plain`` keeps the plain layers beside the packed ones, for ``unpack``."""
+    return swap_linears(model, lambda linear: PackedLinear(linear, keep_plain, one_row_as_two))
+
+
+def swap_linears(model: Any, make: Callable[[nn.Linear], nn.Module]) -> int:
+    """Replace every plain ``nn.Linear`` of ``model`` by ``make(linear)``; how many were replaced
+    (none when accelerate's hooks place its modules: they would move weights the new layer no
+    longer has)."""
     if any(hasattr(module, "_hf_hook") for module in model.modules()):
         return 0
     swapped = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if type(child) is nn.Linear:
-                setattr(parent, name, PackedLinear(child, keep_plain, one_row_as_two))
+                setattr(parent, name, make(child))
                 swapped += 1
     return swapped
 
