@@ -19,11 +19,10 @@ import time
 
 import torch
 
+import packing_bench
 from record import Record
-from uniun_ray.models.load import int8, packing
+from uniun_ray.models.load import int8
 from uniun_ray.models.registry import DEFAULT_CHAT_MODEL, materialize, resolve
-from uniun_ray.models.runner.forward import Runner
-from uniun_ray.models.runner.profile import measure_profile
 
 PROMPTS = ["Write a short story about a robot who learns to paint.", "What is the capital of France and why?",
            "Explain how a bicycle works.", "List three tips for learning a new language.",
@@ -31,10 +30,9 @@ PROMPTS = ["Write a short story about a robot who learns to paint.", "What is th
 
 
 def load(folder, quantized: bool):
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, use_kernels=False).eval()
-    (int8.quantize if quantized else packing.pack)(model)
+    model = packing_bench.load(folder, torch.float32, packed=not quantized)
+    if quantized:
+        int8.quantize(model)
     return model
 
 
@@ -82,9 +80,7 @@ def main() -> None:
     prefills: dict[str, list[float]] = {name: [] for name in models}
     for _ in range(rounds):
         for name, model in models.items():
-            vocab = model.config.vocab_size
-            for batch, seconds in measure_profile(Runner(model, "cache", {"logits_to_keep": 1}), vocab,
-                                                  torch.device("cpu"), batches)[0].items():
+            for batch, seconds in packing_bench.decode_steps(model, batches).items():
                 steps[name][batch].append(seconds)
             prefills[name].append(prefill_s(model, prompt))
     if args.quick:

@@ -33,6 +33,12 @@ def load(folder, dtype: torch.dtype, packed: bool):
     return model
 
 
+def decode_steps(model, batches: tuple[int, ...]) -> dict[int, float]:
+    """Seconds of one decode step of ``model`` at each batch size, as the engine's probe times it."""
+    return measure_profile(Runner(model, "cache", {"logits_to_keep": 1}), model.config.vocab_size,
+                           torch.device("cpu"), batches)[0]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batches", default="1,4,8,16")
@@ -53,9 +59,7 @@ def main() -> None:
     steps = {copy: {batch: [] for batch in batches} for copy in copies}
     for _ in range(rounds):
         for copy, model in copies.items():
-            vocab = model.config.vocab_size
-            for batch, seconds in measure_profile(Runner(model, "cache", {"logits_to_keep": 1}), vocab,
-                                                  torch.device("cpu"), batches)[0].items():
+            for batch, seconds in decode_steps(model, batches).items():
                 steps[copy][batch].append(seconds)
     record = Record("slots", quick=args.quick, note=f"{DEFAULT_CHAT_MODEL}, median of {rounds} rounds")
     for dtype in ("bfloat16", "float32"):
