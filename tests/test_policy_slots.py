@@ -28,6 +28,15 @@ def slotted(slots=4, devices=("d0",), **cfg) -> SchedulerPolicy:
     return SchedulerPolicy(PolicyConfig(**cfg), devices=devices, slots=slots)
 
 
+def background(profile, rows=4, **cfg) -> SchedulerPolicy:
+    """A 4-slot device with the step ``profile``, ``rows`` Nataraj jobs decoding on it."""
+    p = slotted(4, **cfg)
+    p.set_step_profile("m", "d0", profile)
+    for i in range(rows):
+        p.submit(job(f"n{i}", "nataraj", producer=f"n:{i}"), 0)
+    return p
+
+
 def D(job_id, tier, device="d0", model="m", swap=False, slot=0):
     return Dispatch(job_id, model, swap, tier, device, slot)
 
@@ -148,10 +157,7 @@ def test_r22_chat_is_never_revoked_and_a_chat_joins_a_free_slot():
 
 # R23 ------------------------------------------------------------------------------------
 def test_r23_beside_a_chat_only_jobs_within_the_step_bound_keep_their_slots():
-    p = slotted(4)
-    p.set_step_profile("m", "d0", {1: 0.10, 2: 0.11, 3: 0.12, 4: 0.20})  # k = 2 beside one chat
-    for i in range(3):
-        p.submit(job(f"n{i}", "nataraj", producer=f"n:{i}"), 0)
+    p = background({1: 0.10, 2: 0.11, 3: 0.12, 4: 0.20}, rows=3)  # k = 2 beside one chat
     p.submit(job("e", "extract"), 0.5)                                  # T2, the best-ranked other
     # full: one revoke (R22), whose slot the chat takes at once; beside it stay the two
     # highest-ranked others (e, then n0): n1 goes (R23)
@@ -183,10 +189,7 @@ CPU = {1: 0.053, 2: 0.074, 4: 0.070, 8: 0.087, 16: 0.112}
 def test_r23_beside_a_chat_whose_step_alone_is_fast_the_floor_bounds_the_step_not_the_slack():
     """1.25 x 53 ms is 66 ms, which no two rows meet; the floor (75 ms, faster than one reads)
     keeps the three best background rows beside the chat: step(4) = 70 ms."""
-    p = slotted(4)
-    p.set_step_profile("m", "d0", CPU)
-    for i in range(4):
-        p.submit(job(f"n{i}", "nataraj", producer=f"n:{i}"), 0)
+    p = background(CPU)
     assert p.submit(job("c", "chat"), 1) == [Revoke("n3", RevokeCause.ARRIVAL), D("c", Tier.CHAT, slot=3)]
     assert p.finish("n3", 1.1, "revoked") == [Requeued("n3")]
     assert [j["id"] for j in p.snapshot()["devices"][0]["jobs"]] == ["n0", "n1", "n2", "c"]
@@ -203,10 +206,7 @@ def test_r23_the_floor_keeps_the_highest_ranked_within_it_and_revokes_the_lowest
 
 
 def test_r23_without_the_floor_the_slack_alone_bounds_the_step():
-    p = slotted(4, chat_step_floor_s=0.0)
-    p.set_step_profile("m", "d0", CPU)
-    for i in range(4):
-        p.submit(job(f"n{i}", "nataraj", producer=f"n:{i}"), 0)
+    p = background(CPU, chat_step_floor_s=0.0)
     acts = p.submit(job("c", "chat"), 1)
     assert acts[:2] == [Revoke("n3", RevokeCause.ARRIVAL), D("c", Tier.CHAT, slot=3)]
     assert set(acts[2:]) == {Revoke(f"n{i}", RevokeCause.STEP) for i in range(3)}
@@ -222,10 +222,7 @@ def test_r23_a_chat_keeps_the_most_companions_within_its_bound_though_fewer_woul
     stay, though one alone (step(2) = 102.5 ms) would not; the one its arrival revoked joins
     again when one of them ends. When one is left beside the chat it goes (R23), and none
     joins the chat alone."""
-    p = slotted(4)
-    p.set_step_profile("m", "d0", SERVED)
-    for i in range(4):
-        p.submit(job(f"n{i}", "nataraj", producer=f"n:{i}"), 0)
+    p = background(SERVED)
     assert p.submit(job("c", "chat"), 1) == [Revoke("n3", RevokeCause.ARRIVAL), D("c", Tier.CHAT, slot=3)]
     assert p.finish("n3", 1.1, "revoked") == [Requeued("n3")]
     assert p.finish("n0", 2, "done") == [D("n3", Tier.FAIR, slot=0)]
