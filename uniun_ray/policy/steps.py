@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import bisect
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 
 def check_profile(profile: object) -> dict[int, float]:
@@ -72,16 +72,19 @@ class StepProfiles:
         a measured profile need not grow with the rows (oneDNN runs 3 rows slower than 4 on
         some CPUs; a size served rarely has a noisy median), and a chat that found four jobs
         running keeps three of them where step(4) keeps the bound, whatever step(2) says."""
-        bound = self.bound(model_id, device, chats)
-        profile = self.get(model_id, device)
-        if bound is None or profile is None:
+        keeps = self._keeps(model_id, device, chats)
+        if keeps is None:
             return 0
-        return max(m for m in range(min(others, slots - chats) + 1)
-                   if m == 0 or step_time(profile, chats + m) <= bound * (1 + 1e-12))
+        return max(m for m in range(min(others, slots - chats) + 1) if m == 0 or keeps(chats + m))
 
     def room_beside(self, model_id: str | None, device: str, chats: int, slots: int, others: int) -> bool:
         """Whether one more job may join `others` beside `chats` chats within the bound."""
-        bound = self.bound(model_id, device, chats)
-        profile = self.get(model_id, device)
-        return bound is not None and profile is not None and chats + others < slots \
-            and step_time(profile, chats + others + 1) <= bound * (1 + 1e-12)
+        keeps = self._keeps(model_id, device, chats)
+        return keeps is not None and chats + others < slots and keeps(chats + others + 1)
+
+    def _keeps(self, model_id: str | None, device: str, chats: int) -> Callable[[int], bool] | None:
+        """Whether a step of so many rows keeps the bound beside `chats` chats; None without a profile."""
+        profile, bound = self.get(model_id, device), self.bound(model_id, device, chats)
+        if profile is None or bound is None:
+            return None
+        return lambda rows: step_time(profile, rows) <= bound * (1 + 1e-12)
