@@ -18,16 +18,18 @@ import statistics
 import torch
 
 from record import Record
-from uniun_ray.models.load import packing
+from uniun_ray.models.load import fusing, packing
 from uniun_ray.models.registry import DEFAULT_CHAT_MODEL, materialize, resolve
 from uniun_ray.models.runner.profile import measure_profile
 from uniun_ray.models.runner.forward import Runner
 
 
-def load(folder, dtype: torch.dtype, packed: bool):
+def load(folder, dtype: torch.dtype, packed: bool, fused: bool = False):
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, use_kernels=False).eval()
+    if fused:
+        fusing.fuse(model)
     if packed:
         packing.pack(model)
     return model

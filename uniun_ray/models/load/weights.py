@@ -3,7 +3,8 @@
 * The dtype: bfloat16 as converted (float16 on GPUs without bf16); on CPU, "auto" measures it
   against float32, once per host and model (cached), and keeps the faster.
 * torch's threads: on CPU, every core of the budget against half of them, unless fixed.
-* On CPU, linear weights packed once for oneDNN's kernels (``packing``).
+* On CPU, a Llama layer's sibling projections fused (``fusing``) and linear weights packed once
+  for oneDNN's kernels (``packing``).
 * Placement: all on the device, or where accelerate fits the weights in ``max_memory``.
 * The step clock that sizes prefill chunks by the time they take here (``tuning.StepClock``).
 * The step profile per batch size (``steps``), measured with the dtype and threads kept.
@@ -19,7 +20,7 @@ from typing import Any, Iterator
 
 import torch
 
-from . import int8, packing
+from . import fusing, int8, packing
 from ..tune.contention import Watch, quiet
 from ..runner.gate import LayerGate, layer_gate
 from ..runner.profile import ServedSteps, auto_slots, batch_sizes, measure_profile
@@ -145,6 +146,8 @@ class Weights:
         _check(abandon, model_id)
         model.eval()
         prefer_grouped(model, row_invariant=self.deterministic)
+        if self._fuses():
+            fusing.fuse(model)
         loaded = Loaded(
             vocabulary=read_vocabulary(model_id, tokenizer, model.config),
             model=model,
@@ -195,6 +198,8 @@ class Weights:
             key += "|int8"
         elif self._packs():   # the step profile was measured on packed weights: not a plain model's
             key += "|packed"
+        if fusing.fused(loaded.model):   # and on fused layers
+            key += "|fused"
         if self.deterministic:   # and with each row decoded as alone
             key += "|row-invariant"
         probe = self._probes.get(key)
@@ -265,6 +270,10 @@ class Weights:
 
     def _packs(self) -> bool:
         return self.max_memory is None and packing.available(self.device)
+
+    def _fuses(self) -> bool:
+        """A CPU's Llama layers are fused (``fusing``) unless hub kernels replace their modules."""
+        return self.max_memory is None and self.device.type == "cpu" and not self.hub_kernels
 
     def revise(self, loaded: Loaded) -> None:
         """Where the decode steps seen since the load clearly beat the probe's (it was taken while
