@@ -17,25 +17,32 @@ CUDA graph and the dispatcher's cost is not paid per op.
 """
 from __future__ import annotations
 
-from typing import Any
+import sys
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
-from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-from transformers.models.llama.modeling_llama import (LlamaAttention, LlamaMLP, LlamaRMSNorm,
-                                                      eager_attention_forward)
+
+if TYPE_CHECKING:
+    from transformers.models.llama.modeling_llama import LlamaAttention, LlamaMLP, LlamaRMSNorm
+
+
+def _llama() -> Any:
+    """transformers' Llama module where a Llama model was loaded, else None: importing it takes
+    seconds that a process loading no Llama model need not pay, and no layer can be Llama's then."""
+    return sys.modules.get("transformers.models.llama.modeling_llama")
 
 
 def fuse(model: Any) -> int:
     """Fuse every Llama decoder layer of ``model`` in place; how many layers were fused (0 where
     accelerate's hooks place its modules: they move the weights the fused layers replace)."""
-    layers = getattr(getattr(model, "model", None), "layers", None)
-    if layers is None or any(hasattr(module, "_hf_hook") for module in model.modules()):
+    layers, llama = getattr(getattr(model, "model", None), "layers", None), _llama()
+    if layers is None or llama is None or any(hasattr(module, "_hf_hook") for module in model.modules()):
         return 0
     rotation = _Rotation()
     fused = 0
     for layer in layers:
-        if not _fusable(layer):
+        if not _fusable(layer, llama):
             continue
         layer.self_attn = FusedAttention(layer.self_attn, rotation)
         layer.mlp = FusedMLP(layer.mlp)
@@ -43,7 +50,7 @@ def fuse(model: Any) -> int:
         layer.post_attention_layernorm = FusedRMSNorm(layer.post_attention_layernorm)
         fused += 1
     norm = getattr(model.model, "norm", None)
-    if fused and type(norm) is LlamaRMSNorm:
+    if fused and type(norm) is llama.LlamaRMSNorm:
         model.model.norm = FusedRMSNorm(norm)
     return fused
 
@@ -52,11 +59,11 @@ def fused(model: Any) -> bool:
     return any(isinstance(module, FusedAttention) for module in model.modules())
 
 
-def _fusable(layer: Any) -> bool:
+def _fusable(layer: Any, llama: Any) -> bool:
     attention, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
-    return (type(attention) is LlamaAttention and type(mlp) is LlamaMLP
+    return (type(attention) is llama.LlamaAttention and type(mlp) is llama.LlamaMLP
             and mlp.config.hidden_act == "silu"
-            and all(type(getattr(layer, name, None)) is LlamaRMSNorm
+            and all(type(getattr(layer, name, None)) is llama.LlamaRMSNorm
                     for name in ("input_layernorm", "post_attention_layernorm"))
             and all(type(getattr(module, name)) is nn.Linear
                     for module, names in ((attention, ("q_proj", "k_proj", "v_proj", "o_proj")),
@@ -106,6 +113,9 @@ class FusedAttention(nn.Module):
         self.qkv = _stacked([attention.q_proj, attention.k_proj, attention.v_proj])
         self.o_proj = attention.o_proj
         self._rotation = rotation
+        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+        self._functions, self._eager = ALL_ATTENTION_FUNCTIONS, _llama().eager_attention_forward
 
     def forward(self, hidden_states: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor],
                 attention_mask: torch.Tensor | None = None, cache: Any = None, **kwargs: Any) -> tuple[torch.Tensor, Any]:
@@ -120,7 +130,7 @@ class FusedAttention(nn.Module):
         query, keys = qk[:, : self.heads], qk[:, self.heads :]
         if cache is not None:
             keys, values = cache.update(keys, values, self.layer_idx, kwargs=kwargs)
-        attend = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, eager_attention_forward)
+        attend = self._functions.get_interface(self.config._attn_implementation, self._eager)
         output, weights = attend(self, query, keys, values, attention_mask,
                                  dropout=0.0 if not self.training else self.attention_dropout,
                                  scaling=self.scaling, **kwargs)
