@@ -6,9 +6,10 @@ v of a few hundred outputs), two for gate and up, rotates q and k apart (a dozen
 ops) and normalizes in seven. Here q|k|v and gate|up are each one matrix (one kernel call, its
 weights read in one stream), q and k are rotated together as one tensor, with the sign of
 ``rotate_half`` folded into the sine once per forward pass, and RMSNorm is ``torch.rms_norm``.
-Every output is the same sum of the same products in the same order as transformers' layers
-compute it, so the logits are the same bits in float32 and bf16 (``tests/test_fusing.py``);
-what it saves per step is in BENCHMARKS.md ("Fused layers").
+Every output is the same sum of the same products as transformers' layers compute it: the
+logits came out the same bits in float32 and bf16 where measured, and ``tests/test_fusing.py``
+holds them within rounding (a CPU's kernels may sum a wider matrix in another order). What it
+saves per step is in BENCHMARKS.md ("Slots", ``fusing_bench``).
 
 Only layers whose classes are transformers' Llama ones are fused (SmolLM2, Llama, the test
 fixture): another family's attention may pass more to its attention function (a sliding window,
