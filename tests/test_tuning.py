@@ -268,6 +268,7 @@ def test_the_loop_changes_its_threads_only_when_two_windows_agree(monkeypatch):
         clock["own"] += own * cores.WINDOW_S
         clock["busy"] += (own + others) * cores.WINDOW_S
         share.after_step()
+        share.before_step(streaming=True)
         return threads["n"]
 
     share = cores.CoreShare(most=2, fixed=False)
@@ -276,9 +277,38 @@ def test_the_loop_changes_its_threads_only_when_two_windows_agree(monkeypatch):
     assert [window(0.05), window(0.4), window(0.05), window(0.4), window(0.4)] == [2, 2, 2, 2, 1]
     assert share.describe() == {"threads": 1, "threads_most": 2, "others_cores": 0.4}
     assert [window(0.0), window(0.0)] == [1, 2]                # quiet again: every thread back
+    window(0.4), window(0.4)
+    share.before_step(streaming=False)                         # a prompt read at an idle device
+    assert threads["n"] == 2
+    share.before_step(streaming=True)
+    assert threads["n"] == 1
     share = cores.CoreShare(most=2, fixed=True)                # UNIUN_THREADS: left alone
     share.enter()
     assert [window(0.9), window(0.9)] == [2, 2]
+
+
+def test_torch_work_outside_the_loop_runs_in_a_thread_that_ends():
+    """A load's OpenMP workers end with its thread (``cores.in_own_thread``); the caller gets its
+    result or its exception, and the thread count the work chose."""
+    import threading
+
+    import torch
+    from uniun_ray.models.tune.cores import in_own_thread
+
+    before = torch.get_num_threads()
+
+    def work(n):
+        torch.set_num_threads(n)
+        return threading.current_thread()
+
+    try:
+        ran_in = in_own_thread(work, 1)
+        assert ran_in is not threading.current_thread() and not ran_in.is_alive()
+        assert torch.get_num_threads() == 1
+        with pytest.raises(KeyError, match="nope"):
+            in_own_thread(lambda: {}["nope"])
+    finally:
+        torch.set_num_threads(before)
 
 
 def test_the_loops_own_thread_runs_openmp_kernels_with_the_loops_threads():

@@ -35,6 +35,7 @@ import torch
 from .sequence import Sequence
 from ..kv import heap
 from ..runner.gate import CancelFlag
+from ..tune.cores import in_own_thread
 from ..load.parked import ParkedStore, park, unpark, weight_bytes
 from ..load.weights import Loaded, Weights
 from ..kv.prefix import PrefixCache
@@ -204,7 +205,10 @@ class Engine:
             started = time.perf_counter()
             folder = None if model_id in self._parked else materialize(resolve(model_id))
             self._release(keep=True)
-            kind, note = self._bring(model_id, folder, abandon)
+            if self.device.type == "cpu":   # its OpenMP workers end with it (``cores.in_own_thread``)
+                kind, note = in_own_thread(self._bring, model_id, folder, abandon)
+            else:
+                kind, note = self._bring(model_id, folder, abandon)
             return Swap(model_id, kind, time.perf_counter() - started, previous, self._parked.kept(), note,
                         self._parked.sizes())
 

@@ -84,6 +84,7 @@ class DecodeLoop:
                     if not batch.busy:
                         self._stepping = False
                         return
+                self._cores.before_step(streaming=batch.rows > 0)
                 started, cpu = time.perf_counter(), time.thread_time()
                 batch.step()
                 self.step_seconds[batch.last_step_rows] += time.perf_counter() - started

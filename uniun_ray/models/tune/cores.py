@@ -13,7 +13,9 @@ but before the per-thread fix below, after which the two were within this VM's n
 CPU build keeps a core for its front end for the same reason. So the loop measures, every
 ``WINDOW_S`` of stepping, the CPU time other programs spent on its cores (``contention``) and
 runs ``threads_for`` threads: two windows must agree before it changes, so that a burst does
-not flip it. A thread count the user fixed (``UNIUN_THREADS``) is kept as is.
+not flip it. A step in which no job streams (a prompt read at an idle device) runs every thread
+the probe chose: the programs that stream wait for its first token then. A thread count the
+user fixed (``UNIUN_THREADS``) is kept as is.
 
 Each thread that runs the loop sets the count for itself (``enter``): oneDNN and MKL, which run
 the linear layers, read OpenMP's per-thread setting, and a new thread starts from the process's
@@ -24,7 +26,9 @@ and the rest of the forward pass on two.
 from __future__ import annotations
 
 import math
+import threading
 import time
+from typing import Any, Callable
 
 import torch
 
@@ -47,6 +51,7 @@ class CoreShare:
 
     def __init__(self, most: int, fixed: bool) -> None:
         self.most, self.fixed, self.threads = most, fixed, most
+        self._running: int | None = None     # what the loop's thread runs with now
         self.others_cores = 0.0
         self._cpus = cpus()
         self._pending: int | None = None
@@ -57,7 +62,18 @@ class CoreShare:
 
     def enter(self) -> None:
         """Called first by each thread that runs the loop (see the module)."""
-        torch.set_num_threads(self.threads)
+        self._run_with(self.threads)
+
+    def before_step(self, streaming: bool) -> None:
+        """Called by the loop's thread before each step: the share's threads while jobs stream
+        tokens, every thread the probe chose for a step in which none does (a prompt read at an
+        idle device: the programs that stream wait for its first token)."""
+        self._run_with(self.threads if streaming else self.most)
+
+    def _run_with(self, threads: int) -> None:
+        if threads != self._running:
+            torch.set_num_threads(threads)
+            self._running = threads
 
     def after_step(self) -> None:
         """Called by the loop's thread between steps: cheap until a window has passed."""
@@ -72,9 +88,36 @@ class CoreShare:
             self._pending = None
         elif self._pending == wanted:
             self.threads, self._pending = wanted, None
-            torch.set_num_threads(wanted)
         else:
             self._pending = wanted
 
     def describe(self) -> dict:
         return {"threads": self.threads, "threads_most": self.most, "others_cores": round(self.others_cores, 2)}
+
+
+def in_own_thread(work: Callable[..., Any], *args: Any) -> Any:
+    """``work(*args)`` in a thread that ends with it; the caller is left with the torch thread
+    count the work ended with (a load tunes it), and gets its result or its exception.
+
+    A thread that ran OpenMP kernels keeps a team of worker threads while it lives. With two
+    such teams on the cores (the one of the thread that loaded the model, the decode loop's),
+    GNU OpenMP stops spinning between kernels, and every kernel of a forward pass then waits to
+    wake its workers: a 2-thread prefill pass of SmolLM2 in the loop's thread took 57-66 ms
+    beside a live loading thread's team, 40 ms once that thread had ended."""
+    outcome: dict = {}
+
+    def run() -> None:
+        try:
+            outcome["value"] = work(*args)
+        except BaseException as error:   # re-raised in the caller
+            outcome["error"] = error
+        outcome["threads"] = torch.get_num_threads()
+
+    thread = threading.Thread(target=run, name="torch-work", daemon=True)
+    thread.start()
+    thread.join()
+    torch.set_num_threads(outcome["threads"])
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["value"]
+
