@@ -334,7 +334,8 @@ def loop(share):
     if share is not None:
         share.enter()
     seen.append(gomp.omp_get_max_threads())
-for share in (None, CoreShare(2, fixed=False)):
+share = CoreShare(2, fixed=False)
+for share in (None, share, share):   # a loop's thread per busy period, one share for the model
     thread = threading.Thread(target=loop, args=(share,))
     thread.start()
     thread.join()
@@ -342,4 +343,4 @@ print(seen)
 """
     out = subprocess.run([sys.executable, "-c", code], env=os.environ | {"OMP_NUM_THREADS": "1"},
                          capture_output=True, text=True, check=True).stdout
-    assert out.strip() == "[1, 2]"
+    assert out.strip() == "[1, 2, 2]"

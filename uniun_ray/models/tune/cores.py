@@ -51,7 +51,7 @@ class CoreShare:
 
     def __init__(self, most: int, fixed: bool) -> None:
         self.most, self.fixed, self.threads = most, fixed, most
-        self._running: int | None = None     # what the loop's thread runs with now
+        self._running: int | None = None     # what the loop's current thread runs with
         self.others_cores = 0.0
         self._cpus = cpus()
         self._pending: int | None = None
@@ -61,7 +61,9 @@ class CoreShare:
         self._wall, self._own, self._busy = time.perf_counter(), time.process_time(), busy_seconds(self._cpus)
 
     def enter(self) -> None:
-        """Called first by each thread that runs the loop (see the module)."""
+        """Called first by each thread that runs the loop (see the module): a new thread starts
+        from the process's default, whatever the thread before it ran with."""
+        self._running = None
         self._run_with(self.threads)
 
     def before_step(self, streaming: bool) -> None:
