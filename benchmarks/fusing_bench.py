@@ -7,7 +7,7 @@ bf16 and float32, each with transformers' layers and fused. Each round takes the
 step profile (`measure_profile`, as `packing_bench.py` does) of every copy in turn, so a load
 that comes and goes stretches them all alike; a figure is the median over rounds. One thread by
 default: the engine's loop serves at one thread beside the HTTP front end on two cores
-(docs/tuning.md). Also checks that the fused copy's logits are the other's (the same bits).
+(docs/tuning.md). Also prints the largest difference between the two copies' logits.
 Writes its rows through `record.py` (section "slots", `benchmarks/results/fusing_bench.json`).
 Measure alone: two programs on two cores measure nothing.
 """
@@ -40,6 +40,7 @@ def main() -> None:
         record.row(f"fused / transformers' step at batch 4 ({dtype}); logits' largest difference",
                    f"{fused[4] / own[4]:.2f}×; {drift[dtype]:.1e}")
     record.save()
+
 
 if __name__ == "__main__":
     main()

@@ -92,5 +92,6 @@ def main() -> None:
                    f"{packed[big] / plain[big]:.2f}×; {drift[dtype]:.1e}")
     record.save()
 
+
 if __name__ == "__main__":
     main()

@@ -299,6 +299,7 @@ def r23_limit(row: dict) -> tuple[float | None, str]:
         return bound["most_s"], "R23's bound, the most it was at a revoke"
     return PolicyConfig().chat_step_floor_s, "R23's floor (no revoke; its bound is no less)"
 
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--engines", default="uniun,uniun-1,vllm,llama-cpp", help="comma-separated, of " + ",".join(PEERS))

@@ -47,6 +47,7 @@ PLAN = (
     Step("step_profile.py"),
     Step("int8_quality.py"),
     Step("fusing_bench.py"),
+    Step("loader_thread.py"),
     Step("engine_bench.py", ("--trials", "5")),
     Step("runtime_bench.py", ("--repeat", "5")),
     Step("runtime_bench.py", ("--control-only",), ("--control-only", "--quick")),

@@ -104,8 +104,7 @@ def in_own_thread(work: Callable[..., Any], *args: Any) -> Any:
     A thread that ran OpenMP kernels keeps a team of worker threads while it lives. With two
     such teams on the cores (the one of the thread that loaded the model, the decode loop's),
     GNU OpenMP stops spinning between kernels, and every kernel of a forward pass then waits to
-    wake its workers: a 2-thread prefill pass of SmolLM2 in the loop's thread took 57-66 ms
-    beside a live loading thread's team, 40 ms once that thread had ended."""
+    wake its workers (``benchmarks/loader_thread.py``: the loop's second thread half idle)."""
     outcome: dict = {}
 
     def run() -> None:
