@@ -41,7 +41,7 @@ from uniun_ray.models.kv.prefix import crop_layers  # noqa: E402
 from uniun_ray.models.load import packing  # noqa: E402
 from uniun_ray.models.registry import DEFAULT_CHAT_MODEL, materialize, resolve  # noqa: E402
 from uniun_ray.models.runner.attention import prefer_grouped  # noqa: E402
-from uniun_ray.models.runner.forward import Runner  # noqa: E402
+from uniun_ray.models.runner.forward import Inputs, Runner  # noqa: E402
 from uniun_ray.models.runner.profile import row_lengths  # noqa: E402
 from uniun_ray.models.runner.rows import PaddedRows  # noqa: E402
 
@@ -100,7 +100,7 @@ def steps_of(runner: Runner, cache, batch: int, prompt: int, steps: int) -> dict
         for path, (kept, lengths) in rows.items():
             wall, cpu, chosen = timed[path]
             started, started_cpu = time.perf_counter(), time.process_time()
-            tokens[path] = kept.decode(tokens[path], [length + i for length in lengths]).argmax(-1).tolist()
+            tokens[path] = kept.decode(Inputs.of(tokens[path], [length + i for length in lengths], kept.device)).argmax(-1).tolist()
             if i >= WARMUP:
                 wall.append(time.perf_counter() - started)
                 cpu.append(time.process_time() - started_cpu)

@@ -18,6 +18,7 @@ from test_models import DEVICE, LONG_PROMPT, PROMPT, engine, forwards, loaded_en
 from uniun_ray.models import GenerateRequest
 from uniun_ray.models.decode.batch import Batch
 from uniun_ray.models.runner import rows as kv_rows
+from uniun_ray.models.runner.forward import Inputs
 from uniun_ray.models.runner.rows import batchable
 from uniun_ray.models.decode.choice import Choice
 from uniun_ray.memory import plan
@@ -224,7 +225,7 @@ def test_a_padded_step_writes_each_rows_token_in_place_without_copying_the_batch
         rows.join(runner.prefill(ids, None, device)[1], len(ids))
     tokens, positions, storages = [1, 2], [5, 3], []
     for _ in range(6):
-        tokens = rows.decode(tokens, positions).argmax(-1).tolist()
+        tokens = rows.decode(Inputs.of(tokens, positions, device)).argmax(-1).tolist()
         positions = [position + 1 for position in positions]
         storages.append({layer.keys.untyped_storage().data_ptr() for layer in rows._cache.layers})
     assert storages[1:] == storages[:1] * 5       # after the first step's room, no step copies

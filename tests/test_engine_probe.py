@@ -114,9 +114,9 @@ def test_the_probe_steps_the_rows_a_batch_keeps_with_what_they_give_a_step(probe
             joined.append(tokens)
             super().join(cache, tokens)
 
-        def decode(self, tokens, positions):
-            decoded.append(len(tokens))
-            return super().decode(tokens, positions)
+        def decode(self, inputs):
+            decoded.append(len(inputs.tokens))
+            return super().decode(inputs)
     monkeypatch.setattr(steps_module, "rows_for", lambda runner, device, slots, **kw: Recording(device, runner))
     loaded()
     assert len(joined) >= sum(CPU_BATCHES)

@@ -19,7 +19,7 @@ from uniun_ray.models.kv.prefix import crop_layers
 from uniun_ray.models.load import fusing, packing
 from uniun_ray.models.registry import DEFAULT_CHAT_MODEL, materialize, resolve
 from uniun_ray.models.runner.attention import prefer_grouped
-from uniun_ray.models.runner.forward import Runner
+from uniun_ray.models.runner.forward import Inputs, Runner
 from uniun_ray.models.runner.rows import PaddedRows
 
 CPU = torch.device("cpu")
@@ -56,7 +56,7 @@ def logits_of(runner: Runner, fed: list[list[int]] | None = None, steps: int = 4
     for step in range(steps):
         tokens = fed[step] if fed is not None else tokens
         feeding.append(tokens)
-        logits = rows.decode(tokens, [length + step for length in LENGTHS])
+        logits = rows.decode(Inputs.of(tokens, [length + step for length in LENGTHS], CPU))
         seen.append(logits)
         tokens = logits.argmax(-1).tolist()
     return seen, feeding

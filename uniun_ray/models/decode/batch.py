@@ -30,6 +30,8 @@ import threading
 import time
 from collections import deque
 from contextlib import nullcontext
+from itertools import compress
+from operator import methodcaller
 from typing import TYPE_CHECKING, Any, Callable
 
 import torch
@@ -48,6 +50,7 @@ if TYPE_CHECKING:   # the engine makes batches (a lone run is one); a batch only
 
 #: Rows a batch decodes together unless told otherwise.
 DEFAULT_SLOTS = 8
+_IS_SET = methodcaller("is_set")
 
 
 class Job:
@@ -58,6 +61,7 @@ class Job:
         self.sequence = sequence
         self.revocable = revocable
         self.cache: Any = None          # its own KV while it prefills, before it joins the batch
+        self.joined: tuple[int, int] | None = None   # the batch's (steps, rows stepped) when it joined
         self.result: GenerationResult | None = None
         self.done = threading.Event()
         self._taken = 0
@@ -104,6 +108,8 @@ class Batch:
         self._joining: Job | None = None
         self._decoding: list[Job] = []
         self._choice: Choice | None = None         # how the rows choose their tokens (made again as they change)
+        self._lists: _RowLists | None = None       # what a step reads of its rows (likewise)
+        self._steps = self._rows_stepped = 0       # decode steps taken, and their rows in all
         self.last_step_rows = 0                  # rows the last step decoded (0: it only prefilled)
 
     @property
@@ -146,14 +152,17 @@ class Batch:
         revokes the others beside it (R23) has a dozen of them, leaving at the very step it joins."""
         self.last_step_rows = 0
         try:
-            if not self._chat_may_join():
+            chat = self._chat_may_join()
+            if not chat:
                 self._leave_cancelled()
             self._drop_cancelled_waiting()
             self._next_joining()
             alone = not self._decoding
-            if self._joining is not None:
+            prefilled = self._joining is not None
+            if prefilled:
                 self._prefill(self._joining)
-            self._leave_cancelled()
+            if chat or prefilled:   # flags set while a prompt was read
+                self._leave_cancelled()
             if self._decoding and not (alone and len(self._decoding) == 1):   # a lone joiner's first token ends its step
                 self._decode()
         except BaseException:
@@ -287,8 +296,9 @@ class Batch:
         """Add the job's KV to the batch as a new row."""
         self._kv.join(job.cache, job.sequence.fed)
         job.cache = None
+        job.joined = (self._steps, self._rows_stepped)
         self._decoding.append(job)
-        self._choice = None
+        self._choice = self._lists = None
 
     # -- decoding ----------------------------------------------------------------------------
 
@@ -296,26 +306,36 @@ class Batch:
         """One forward pass over every row's last token; then every row's token is chosen, and
         what ends it decided, on the device for the whole batch (``choice``): only the chosen
         ids and the rows' ends come to the host, in one copy."""
-        rows = self._decoding
+        rows, count = self._decoding, len(self._decoding)
         started = time.perf_counter()
-        logits = self._kv.decode([job.sequence.last_token for job in rows], [job.sequence.fed for job in rows])
         if self._choice is None:
             self._choice = Choice([job.sequence for job in rows], self.engine.device)
-        tokens, ends = self._choice.step(logits)
+        tokens, ends = self._choice.step(self._kv.decode(self._choice.inputs()))
         seconds = time.perf_counter() - started
         self.loaded.clock.observe(1, seconds)
-        self.loaded.served.observe(len(rows), seconds)
-        self.last_step_rows = len(rows)
-        for job, token, end in zip(rows, tokens, ends):
-            job.sequence.fed += 1
-            job.sequence.stepped(len(rows))
-            job.sequence.append(token, end)
-        self._leave([job for job in rows if job.sequence.ended], None)
+        self.loaded.served.observe(count, seconds)
+        self.last_step_rows = count
+        self._steps += 1
+        self._rows_stepped += count
+        lists = self._row_lists()
+        for ids, token in zip(lists.ids, tokens):
+            ids.append(token)
+        asked = list(compress(range(count), ends))
+        if lists.watched:
+            asked = sorted(set(asked).union(lists.watched))
+        self._leave([rows[row] for row in asked if rows[row].sequence.settle(ends[row])], None)
 
     # -- leaving -----------------------------------------------------------------------------
 
     def _leave_cancelled(self) -> None:
-        self._leave([job for job in self._decoding if job.sequence.cancelled], "cancel")
+        """The rows whose cancel flag is set leave: the flags read once, over the batch."""
+        if self._decoding and any(map(_IS_SET, self._row_lists().flags)):
+            self._leave([job for job in self._decoding if job.sequence.cancelled], "cancel")
+
+    def _row_lists(self) -> _RowLists:
+        if self._lists is None:
+            self._lists = _RowLists(self._decoding)
+        return self._lists
 
     def _leave(self, jobs: list[Job], reason: str | None) -> None:
         """Drop the jobs' rows in one cut of the rows' KV, each job's own KV kept."""
@@ -324,12 +344,16 @@ class Batch:
         caches, order = self._kv.leave([self._decoding.index(job) for job in jobs])
         kept = [job for job in self._decoding if job not in jobs]
         self._decoding = [kept[index] for index in order]      # as the rows step from now on
-        self._choice = None
+        self._choice = self._lists = None
         for job, cache in zip(jobs, caches):
             self._end(job, reason, cache)
 
     def _end(self, job: Job, reason: str | None, cache: Any) -> None:
         sequence = job.sequence
+        if job.joined is not None:
+            steps, rows = job.joined
+            sequence.decoded(self._steps - steps, self._rows_stepped - rows)
+            job.joined = None
         sequence.finish(reason)
         self.engine.retire(sequence, cache)
         job.result = sequence.result()
@@ -339,12 +363,23 @@ class Batch:
         """The model raised: every job ends with "error" (no KV kept: it may be half written)."""
         jobs = self._decoding + ([self._joining] if self._joining is not None else []) + list(self._waiting)
         self._decoding, self._joining, self._waiting = [], None, deque()
-        self._choice = None
+        self._choice = self._lists = None
         self._kv.clear()
         for job in jobs:
             if job.result is None:
                 job.sequence.reason = "error"
                 self._end(job, None, None)
+
+
+class _RowLists:
+    """What a step reads of its rows, in row order; made again when a row joins or leaves: their
+    cancel flags, their token lists (the step appends each row's token to its list, no call a
+    row) and the rows whose text may end them (stop strings: asked after every token)."""
+
+    def __init__(self, jobs: list[Job]) -> None:
+        self.flags = [job.sequence.decoding.cancel.flag for job in jobs]
+        self.ids = [job.sequence.ids for job in jobs]
+        self.watched = [row for row, job in enumerate(jobs) if job.sequence.stop_text.stops]
 
 
 def prefill_chunk(

@@ -15,9 +15,12 @@ time launching one row's small kernels after another while the device waits. So:
   draws depend on its seed and its own tokens only, never on the rows beside it, and need no
   generator of its own (a loop over rows). A row without a seed takes its uniform from torch's
   generator of the device, one ``rand`` for the batch.
-* What ends a row (its cancel flag, an end-of-sequence token, its last token) is decided for the
-  batch at once from the chosen ids (``decoding.batch_stopping``), and only the chosen ids and
-  those flags come to the host, in one copy.
+* What ends a row (an end-of-sequence token, its last token) is decided for the batch at once
+  from the chosen ids, as one code a row, and only the chosen ids and those codes come to the
+  host, in one copy. (Its cancel flag is host state: the batch reads the rows' flags once a
+  step, before the forward pass.)
+* The next step's inputs stay on the device: the chosen ids are the tokens it feeds and the
+  rows' lengths its positions (``inputs``), so a step builds no tensor from Python lists.
 
 The processors read the rows' tokens ([rows, longest], on the device, kept here from step to
 step); a row shorter than the longest is filled with an id past the vocabulary, which
@@ -26,11 +29,13 @@ own tokens.
 """
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING
 
 import torch
 
-from .decoding import ROW_ENDS, Decoding, batch_stopping
+from .decoding import Decoding
+from ..runner.forward import Inputs
 
 if TYPE_CHECKING:
     from .sequence import Sequence
@@ -42,6 +47,8 @@ _ROOM = 64
 #: Sizes of the vocabulary's blocks ``_argmax`` tries, largest first.
 _BLOCKS = (256, 128, 64, 32)
 _MIX = 0x45D9F3B        # below 2**31: a 32-bit value times it stays within int64
+#: Why a row ends, by the code ``Choice.step`` reads back (0: it goes on; the larger wins).
+_ENDS = (None, "length", "eos")
 
 
 class Choice:
@@ -59,7 +66,8 @@ class Choice:
         whole = len(keyed) == 1
         self._groups = [_Group(rows, decodings[rows[0]], None if whole else torch.tensor(rows, device=device),
                                lengths[rows[0]] - max(lengths)) for rows in keyed.values()]
-        self._lengths = torch.tensor(lengths, device=device)
+        # each row's last token's position (its length less one): the next step feeds it there
+        self._positions = torch.tensor([length - 1 for length in lengths], device=device)
         self._sampled = any(decoding.do_sample for decoding in decodings)
         if self._sampled:
             seeds = [decoding.seed for decoding in decodings]
@@ -70,22 +78,31 @@ class Choice:
         if any(group.decoding.processors for group in self._groups):
             self._ids = torch.tensor([sequence.ids + [_PAD] * (self._width + _ROOM - length)
                                       for sequence, length in zip(sequences, lengths)], device=device)
-        self._stopping = batch_stopping(decodings, self._lengths, device)
+        # a row ends with the token that makes it as long as its decoding allows
+        self._last = torch.tensor([decoding.max_length - 2 for decoding in decodings], device=device)
+        self._eos = decodings[0].eos_ids
+        self._tokens = torch.tensor([sequence.ids[-1] for sequence in sequences], device=device)
+
+    def inputs(self) -> Inputs:
+        """What the rows feed in the next step: each one's last token, at its position (tensors
+        the step after it changes in place: read them within the step)."""
+        return Inputs(self._tokens, self._positions, self._width)
 
     def step(self, logits: torch.Tensor) -> tuple[list[int], list[str | None]]:
         """Each row's token from its ``logits`` ([rows, vocabulary], on the device) and why the
         row ends with it (None: it goes on), in one copy to the host."""
         chosen = self._choose(logits)
-        ends = [criterion(chosen[:, None], None) for criterion in self._stopping]
-        host = torch.stack([chosen, *ends]).tolist()
+        ends = torch.maximum(_eos_table(self._eos, logits.shape[-1], self._device).index_select(0, chosen),
+                             self._positions >= self._last)
+        tokens, codes = torch.stack([chosen, ends]).tolist()
         if self._ids is not None:
             if self._width == self._ids.shape[1]:
                 self._ids = torch.cat([self._ids, torch.full((len(self._ids), _ROOM), _PAD, device=self._device)], 1)
-            self._ids.scatter_(1, self._lengths[:, None], chosen[:, None])
-        self._lengths += 1
+            self._ids.scatter_(1, self._positions[:, None] + 1, chosen[:, None])
+        self._tokens = chosen
+        self._positions += 1
         self._width += 1
-        return host[0], [next((ROW_ENDS[index] for index, end in enumerate(column) if end), None)
-                         for column in zip(*host[1:])]
+        return tokens, list(map(_ENDS.__getitem__, codes))
 
     def _choose(self, logits: torch.Tensor) -> torch.Tensor:
         uniforms = self._uniforms() if self._sampled else None
@@ -110,7 +127,7 @@ class Choice:
 
     def _uniforms(self) -> torch.Tensor:
         """One number in [0, 1) a row: a seeded row's from its seed and position, the others' drawn."""
-        keyed = _mix(self._seeds ^ self._lengths) >> 8
+        keyed = _mix(self._seeds ^ (self._positions + 1)) >> 8     # keyed by the row's length
         drawn = torch.rand(keyed.shape, device=self._device)
         return torch.where(self._seeded, keyed.float() * 2.0**-24, drawn)
 
@@ -148,6 +165,14 @@ def _argmax(scores: torch.Tensor) -> torch.Tensor:
     blocks = scores.view(rows, vocabulary // block, block)
     first = blocks.amax(-1).argmax(-1)
     return first * block + blocks[torch.arange(rows, device=scores.device), first].argmax(-1)
+
+
+@functools.lru_cache(maxsize=8)
+def _eos_table(eos_ids: frozenset[int], vocabulary: int, device: torch.device) -> torch.Tensor:
+    """Per token id, the code of the end it makes (``_ENDS``): an end-of-sequence token's, else 0."""
+    table = torch.zeros(vocabulary, dtype=torch.long)
+    table[[token for token in eos_ids if 0 <= token < vocabulary]] = _ENDS.index("eos")
+    return table.to(device)
 
 
 def _fold(seed: int) -> int:

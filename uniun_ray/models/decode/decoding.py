@@ -5,8 +5,8 @@ forward pass, and exact resume), but not its own sampling or stop rules: the nex
 from a ``LogitsProcessorList`` built as ``model.generate`` builds it, from the model's
 ``generation_config`` updated by the request, and the run ends when transformers' criteria say
 so (the scheduler's revoke is one more). A batch applies them to all its rows at once
-(``choice``): rows of equal settings in one call of their processors, the stopping criteria in
-one call each over the batch. So a greedy run is token-identical to ``model.generate``; a
+(``choice``): rows of equal settings in one call of their processors, the end-of-sequence and
+length checks in one over the batch. So a greedy run is token-identical to ``model.generate``; a
 sampled run draws from the distribution ``generate`` draws from, and a seeded one draws the
 same tokens whatever runs beside it (its draws are keyed by its seed and position).
 """
@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 from typing import Any, Hashable
 
 import torch
-from transformers import (EosTokenCriteria, LogitsProcessorList, MinPLogitsWarper, RepetitionPenaltyLogitsProcessor,
-                          StoppingCriteria, StoppingCriteriaList, StopStringCriteria, TemperatureLogitsWarper,
+from transformers import (LogitsProcessorList, MinPLogitsWarper, RepetitionPenaltyLogitsProcessor,
+                          StoppingCriteria, StopStringCriteria, TemperatureLogitsWarper,
                           TopKLogitsWarper, TopPLogitsWarper)
 
 from .logits import shaping
@@ -28,13 +28,12 @@ from ..requests.request import GenerateRequest
 #: chains hold only these, with equal settings, are one call of the chain (``Decoding.key``).
 SHARED = (RepetitionPenaltyLogitsProcessor, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper,
           MinPLogitsWarper)
-#: Why a row ends, by the criterion of ``batch_stopping`` that fired (the first, in this order).
-ROW_ENDS = ("cancel", "eos", "length")
 
 
 class CancelCriteria(StoppingCriteria):
     """The scheduler's revoke as a stopping criterion. Another thread sets the flag; the engine
-    asks before every forward pass (prefill chunks too) and after every step."""
+    asks before every forward pass (prefill chunks too; a batch reads its rows' flags once a
+    step, ``batch.Batch``)."""
 
     def __init__(self, flag: Any) -> None:
         self.flag = flag
@@ -44,27 +43,6 @@ class CancelCriteria(StoppingCriteria):
 
     def __call__(self, input_ids: torch.LongTensor, scores: Any, **kwargs) -> torch.BoolTensor:
         return torch.full((input_ids.shape[0],), self.is_set(), dtype=torch.bool, device=input_ids.device)
-
-
-class BatchCancel(StoppingCriteria):
-    """The revokes of a batch's rows as one criterion: row i is done when its flag is set."""
-
-    def __init__(self, cancels: list[CancelCriteria]) -> None:
-        self.cancels = cancels
-
-    def __call__(self, input_ids: torch.LongTensor, scores: Any, **kwargs) -> torch.BoolTensor:
-        return torch.tensor([cancel.is_set() for cancel in self.cancels], device=input_ids.device)
-
-
-class RowLimits(StoppingCriteria):
-    """``MaxLengthCriteria`` for rows of their own lengths: row i is done with the token that
-    makes it ``limits[i]`` long (``lengths``: the rows' lengths before it, kept by the caller)."""
-
-    def __init__(self, lengths: torch.Tensor, limits: torch.Tensor) -> None:
-        self.lengths, self.last = lengths, limits - 1
-
-    def __call__(self, input_ids: torch.LongTensor, scores: Any, **kwargs) -> torch.BoolTensor:
-        return self.lengths >= self.last
 
 
 @dataclass
@@ -96,14 +74,6 @@ def _key(chain: LogitsProcessorList, do_sample: bool) -> Hashable | None:
     if not all(type(processor) in SHARED for processor in chain):
         return None
     return do_sample, tuple((type(processor), tuple(sorted(vars(processor).items()))) for processor in chain)
-
-
-def batch_stopping(decodings: list[Decoding], lengths: torch.Tensor, device: torch.device) -> StoppingCriteriaList:
-    """The criteria of ``ROW_ENDS`` over a batch's rows at once, each called with the chosen ids
-    ([rows, 1]): the rows' revokes, transformers' end-of-sequence criterion, and the rows' limits."""
-    limits = torch.tensor([decoding.max_length for decoding in decodings], device=device)
-    return StoppingCriteriaList([BatchCancel([decoding.cancel for decoding in decodings]),
-                                 EosTokenCriteria(sorted(decodings[0].eos_ids)), RowLimits(lengths, limits)])
 
 
 def decoding(model: Any, tokenizer: Any, request: GenerateRequest, prompt_tokens: int,

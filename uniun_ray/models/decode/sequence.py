@@ -23,7 +23,8 @@ from ..requests.request import GenerateRequest, GenerationResult
 
 
 class Sequence:
-    """The state of one run on ``loaded``. ``fed``: how many of its tokens the KV cache holds; ``read``:
+    """The state of one run on ``loaded``. ``fed``: how many of its tokens the KV cache holds (while
+    a batch decodes it, the batch keeps the count: ``decoded``); ``read``:
     how many of the first of them it holds as any prefill reads them (``kv.prefix``); ``reason``:
     why it ended ("error" until a loop says otherwise); ``pieces``: the text handed out."""
 
@@ -73,9 +74,11 @@ class Sequence:
         if self.fed - start >= 2 and self.read == start:
             self.read = self.fed
 
-    def stepped(self, rows: int) -> None:
-        """One decode step taken among ``rows`` jobs."""
-        self.steps += 1
+    def decoded(self, steps: int, rows: int) -> None:
+        """A batch took ``steps`` decode steps of it since it joined, ``rows`` rows in all (each
+        fed its last token): counted when it leaves, not a row at a time in each step."""
+        self.fed += steps
+        self.steps += steps
         self.step_rows += rows
 
     def append(self, token: int, ended: str | None) -> None:
@@ -84,6 +87,12 @@ class Sequence:
         if self.first_token_at is None:
             self.first_token_at = time.perf_counter()
         self.ids.append(token)
+        self.settle(ended)
+
+    def settle(self, ended: str | None) -> bool:
+        """Whether the run ends with its last token: ``ended`` says why when the batch decided it
+        (None: it did not), else a stop string may. A batch appends its rows' tokens itself and
+        asks only the rows with an end or stop strings."""
         if ended is None and self.decoding.stopped(self.ids):
             ended = "stop"
         if self.stop_text.stops:
@@ -92,6 +101,7 @@ class Sequence:
                 ended = "stop"  # seen in the text at a token boundary the criterion had not
         if ended is not None:
             self.reason, self.ended = ended, True
+        return self.ended
 
     def text(self) -> list[str]:
         """Make the text of the tokens chosen since the last call; return every piece so far."""

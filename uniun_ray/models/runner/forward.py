@@ -6,9 +6,23 @@ graphs); a prompt's chunk is read alone, into the run's own cache, here.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
+
+
+class Inputs(NamedTuple):
+    """What a decode step feeds, on the device: row i's ``tokens[i]`` at ``positions[i]`` (its
+    tokens so far), and ``longest``, the most tokens a row holds after the step (its positions'
+    largest plus one, known without reading them back). A tuple: made every step."""
+
+    tokens: torch.Tensor
+    positions: torch.Tensor
+    longest: int
+
+    @classmethod
+    def of(cls, tokens: list[int], positions: list[int], device: torch.device) -> "Inputs":
+        return cls(torch.tensor(tokens, device=device), torch.tensor(positions, device=device), max(positions) + 1)
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,7 @@ from typing import Any, Callable
 import torch
 
 from ..kv.prefix import crop_layers
-from .forward import Runner
+from .forward import Inputs, Runner
 from .rows import RowChoice, Rows, rows_for
 
 #: Batch sizes measured at load: a CPU's tokens per second stop growing well before 16 rows of a
@@ -138,12 +138,15 @@ def row_lengths(batch: int, longest: int) -> list[int]:
 
 def decode_times(rows: Rows, lengths: list[int], steps: int, warmup: int, clock: Clock) -> list[float]:
     """Time ``steps`` decode steps (after ``warmup`` untimed ones) of one token per row of
-    ``rows`` (holding ``lengths`` tokens each), each the step a batch's rows take."""
-    tokens = [1] * len(lengths)
+    ``rows`` (holding ``lengths`` tokens each), each the step a batch's rows take: the tokens
+    chosen on the device and fed back there, one read of them to the host."""
+    device = rows.device
+    tokens, positions = torch.ones(len(lengths), dtype=torch.long, device=device), torch.tensor(lengths, device=device)
     times = []
     for i in range(warmup + steps):
         started = clock()
-        tokens = rows.decode(tokens, [length + i for length in lengths]).argmax(-1).tolist()
+        tokens = rows.decode(Inputs(tokens, positions + i, max(lengths) + i + 1)).argmax(-1)
+        tokens.tolist()
         if i >= warmup:
             times.append(clock() - started)
     rows.clear()

@@ -19,7 +19,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 from ..kv.prefix import fork
-from .forward import Runner
+from .forward import Inputs, Runner
 from .static import STORE_ROWS, RowStore, store_shape
 
 
@@ -86,6 +86,8 @@ class Rows(ABC):
 
     #: The most rows it can hold (None: no bound of its own).
     capacity: int | None = None
+    #: Where its KV and a step's inputs live.
+    device: torch.device
 
     @abstractmethod
     def __len__(self) -> int: ...
@@ -96,9 +98,10 @@ class Rows(ABC):
         row's from now on)."""
 
     @abstractmethod
-    def decode(self, tokens: list[int], positions: list[int]) -> torch.Tensor:
-        """One decode step of every row, row i feeding ``tokens[i]`` at ``positions[i]`` (its
-        tokens so far): the logits [rows, vocabulary] on the device, in the order the rows step."""
+    def decode(self, inputs: Inputs) -> torch.Tensor:
+        """One decode step of every row, row i feeding ``inputs.tokens[i]`` at
+        ``inputs.positions[i]``: the logits [rows, vocabulary] on the device, in the order the
+        rows step."""
 
     @abstractmethod
     def leave(self, rows: list[int]) -> tuple[list[Any], list[int]]:
@@ -120,36 +123,48 @@ class PaddedRows(Rows):
     so a step writes each row's new token into room after the batch's keys and values instead of
     copying all of them, in every layer, as transformers' ``DynamicLayer`` does (a cache a
     prefill started from nothing has plain layers). The copy grew with rows and context and was
-    the step's largest cost after the weights (``benchmarks/step_cost.py``)."""
+    the step's largest cost after the weights (``benchmarks/step_cost.py``). The mask grows in
+    room after it too (``_columns``, ones: a step widens its view instead of copying it)."""
 
     def __init__(self, device: torch.device, runner: Runner) -> None:
-        self._device, self._runner = device, runner
+        self.device, self._runner = device, runner
         self._cache: Any = None
-        self._mask: torch.Tensor | None = None
+        self._columns: torch.Tensor | None = None     # the mask, then room for the next steps' columns
+        self._width = 0                               # the mask's columns
+
+    @property
+    def _mask(self) -> torch.Tensor:
+        return self._columns[:, : self._width]
+
+    @_mask.setter
+    def _mask(self, mask: torch.Tensor) -> None:
+        self._columns, self._width = mask, mask.shape[1]
 
     def __len__(self) -> int:
-        return 0 if self._mask is None else self._mask.shape[0]
+        return 0 if self._columns is None else self._columns.shape[0]
 
     def join(self, cache: Any, tokens: int) -> None:
-        if self._mask is None:
-            self._cache, self._mask = fork(cache), torch.ones((1, tokens), dtype=torch.long, device=self._device)
+        if self._columns is None:
+            self._cache, self._mask = fork(cache), torch.ones((1, tokens), dtype=torch.long, device=self.device)
             return
-        length = max(self._mask.shape[1], tokens)
+        length = max(self._width, tokens)
         for layer, joining in zip(self._cache.layers, cache.layers):
             layer.keys = torch.cat([_left_padded(layer.keys, length), _left_padded(joining.keys, length)])
             layer.values = torch.cat([_left_padded(layer.values, length), _left_padded(joining.values, length)])
-        row = torch.ones((1, tokens), dtype=torch.long, device=self._mask.device)
+        row = torch.ones((1, tokens), dtype=torch.long, device=self.device)
         self._mask = torch.cat([_left_padded(self._mask, length), _left_padded(row, length)])
 
-    def decode(self, tokens: list[int], positions: list[int]) -> torch.Tensor:
+    def decode(self, inputs: Inputs) -> torch.Tensor:
         rows, runner = len(self), self._runner
-        self._mask = torch.cat([self._mask, torch.ones((rows, 1), dtype=torch.long, device=self._device)], dim=1)
-        position_ids = torch.tensor(positions, device=self._device)[:, None]   # built alike at any rows
+        if self._width == self._columns.shape[1]:    # room for the next steps' tokens: all real
+            self._columns = torch.cat([self._columns, self._columns.new_ones((rows, _ROOM))], dim=1)
+        self._width += 1
+        mask, position_ids = self._mask, inputs.positions[:, None]   # built alike at any rows
         shaping = {} if rows == 1 else {   # one row is never padded: it runs exactly as a lone run does
-            "attention_mask": self._mask, "position_ids": position_ids}
+            "attention_mask": mask, "position_ids": position_ids}
         with torch.inference_mode():
-            output = runner.model(input_ids=torch.tensor([[token] for token in tokens], device=self._device),
-                                  use_cache=True, **{runner.cache_arg: self._cache}, **shaping, **runner.kwargs)
+            output = runner.model(input_ids=inputs.tokens[:, None], use_cache=True,
+                                  **{runner.cache_arg: self._cache}, **shaping, **runner.kwargs)
         self._cache = getattr(output, runner.cache_arg)
         return output.logits[:, -1]
 
@@ -170,7 +185,8 @@ class PaddedRows(Rows):
         return caches, list(range(len(keep)))
 
     def clear(self) -> None:
-        self._cache = self._mask = None
+        self._cache = self._columns = None
+        self._width = 0
 
     def _row_cache(self, row: int) -> Any:
         """A batch-1 cache of one row's tokens, without its padding, in storage of its own (a
@@ -194,10 +210,12 @@ class StaticRows(Rows):
 
     def __init__(self, store: RowStore, rows: int, private: Callable[[int], RowStore]) -> None:
         self._shared, self._private = store, private
+        self.device = store.device
         self.capacity = min(rows, store.rows)
         self._store: RowStore | None = None
         self._rows = 0
-        self._lengths: list[int] = []        # per store row: tokens it holds
+        self._steps = 0                      # decode steps taken: every live row grows by one a step
+        self._joined: list[int] = []         # per store row: tokens it holds less ``_steps``
 
     def __len__(self) -> int:
         return self._rows
@@ -205,18 +223,18 @@ class StaticRows(Rows):
     def join(self, cache: Any, tokens: int) -> None:
         if self._store is None:
             self._store = self._shared if self._shared.claim() else self._private(self.capacity)
-            self._lengths = [0] * self._store.rows
+            self._joined = [0] * self._store.rows
         row = self._rows
         for keys, values, layer in zip(self._store.keys, self._store.values, cache.layers):
             keys[row, :, :tokens] = layer.keys[0, :, :tokens]
             values[row, :, :tokens] = layer.values[0, :, :tokens]
         self._rows += 1
-        self._lengths[row] = tokens
+        self._joined[row] = tokens - self._steps
 
-    def decode(self, tokens: list[int], positions: list[int]) -> torch.Tensor:
-        """Logits [rows, vocabulary] of one step, row i feeding ``tokens[i]``."""
-        self._lengths[: self._rows] = [position + 1 for position in positions]
-        return self._store.graphs.run(tokens, positions)
+    def decode(self, inputs: Inputs) -> torch.Tensor:
+        """Logits [rows, vocabulary] of one step, row i feeding ``inputs.tokens[i]``."""
+        self._steps += 1
+        return self._store.graphs.run(inputs)
 
     def leave(self, rows: list[int]) -> tuple[list[Any], list[int]]:
         """Each leaving row copied out; then the last live rows move into the holes they left,
@@ -243,17 +261,24 @@ class StaticRows(Rows):
 
     def _row_cache(self, slot: int) -> Any:
         """A batch-1 ``DynamicCache`` of the row's tokens, in storage of its own."""
-        cache, length = DynamicCache(), self._lengths[slot]
+        cache, length = DynamicCache(), self._length(slot)
         for index, (keys, values) in enumerate(zip(self._store.keys, self._store.values)):
             cache.update(keys[slot : slot + 1, :, :length], values[slot : slot + 1, :, :length], index)
         return cache
 
+    def _length(self, slot: int) -> int:
+        return self._joined[slot] + self._steps
+
     def _move(self, source: int, target: int) -> None:
-        length = self._lengths[source]
+        length = self._length(source)
         for keys, values in zip(self._store.keys, self._store.values):
             keys[target, :, :length] = keys[source, :, :length]
             values[target, :, :length] = values[source, :, :length]
-        self._lengths[target] = length
+        self._joined[target] = self._joined[source]
+
+
+#: Columns the mask grows by when a step finds no room after it.
+_ROOM = 64
 
 
 def _left_padded(tensor: torch.Tensor, length: int) -> torch.Tensor:

@@ -35,6 +35,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from ...memory import HEADROOM_MB, HEADROOM_SHARE, MB
+from .forward import Inputs
 
 #: Rows a store holds unless its budget is too small for CONTEXT_FLOOR tokens a row: a GPU's
 #: tokens per second grow to dozens of rows, a CPU's stop growing before 16 (``runner.profile``).
@@ -225,19 +226,18 @@ class Graphs:
             for buffers in self._buffers.values():
                 buffers.graph = None
 
-    def run(self, tokens: list[int], positions: list[int]) -> torch.Tensor:
-        """Logits [len(tokens), vocabulary] of one step of the store's first len(tokens) rows,
-        row i feeding ``tokens[i]`` at column ``positions[i]``."""
-        rows, longest = len(tokens), max(positions) + 1
+    def run(self, inputs: Inputs) -> torch.Tensor:
+        """Logits [rows, vocabulary] of one step of the store's first rows (as many as
+        ``inputs`` feeds), row i feeding ``inputs.tokens[i]`` at column ``inputs.positions[i]``."""
+        rows = len(inputs.tokens)
         if self._store.mode == "exact":
-            device = self._store.device
-            return self._forward(torch.tensor(tokens, device=device)[:, None], torch.tensor(positions, device=device),
-                                 torch.arange(longest, device=device))
-        key = (at_least(buckets(self._store.rows), rows), at_least(spans(self._store.context), longest))
+            return self._forward(inputs.tokens[:, None], inputs.positions,
+                                 torch.arange(inputs.longest, device=self._store.device))
+        key = (at_least(buckets(self._store.rows), rows), at_least(spans(self._store.context), inputs.longest))
         buffers = self._buffers.get(key)
         if buffers is None:   # "buckets": made at first use; "graphs": every one captured at load
             buffers = self._buffers[key] = _Buffers(*key, self._store.device)
-        buffers.fill(tokens, positions)
+        buffers.fill(inputs)
         if buffers.graph is not None:
             buffers.graph.replay()
         else:
@@ -296,9 +296,11 @@ class _Buffers:
         self.graph: Any = None
         self.logits: torch.Tensor | None = None
 
-    def fill(self, tokens: list[int], positions: list[int]) -> None:
-        rows, padding = len(tokens), self.ids.shape[0] - len(tokens)
-        values = torch.tensor([tokens + [0] * padding, positions + [0] * padding])
-        self.ids[:, 0].copy_(values[0], non_blocking=True)
-        self.positions.copy_(values[1], non_blocking=True)
+    def fill(self, inputs: Inputs) -> None:
+        """The step's inputs copied in on the device (they are there already)."""
+        rows = len(inputs.tokens)
+        self.ids[:rows, 0].copy_(inputs.tokens)
+        self.positions[:rows].copy_(inputs.positions)
+        self.ids[rows:].zero_()
+        self.positions[rows:].zero_()
 
