@@ -30,7 +30,6 @@ import threading
 import time
 from collections import deque
 from contextlib import nullcontext
-from itertools import compress
 from operator import methodcaller
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -256,7 +255,7 @@ class Batch:
         self._joining = None
         sequence.prefilled_at = time.perf_counter()
         tokens, ends = Choice([sequence], self.engine.device).step(logits[None])
-        sequence.append(tokens[0], ends[0])
+        sequence.append(tokens[0], ends.get(0))
         if self._first_token is not None and sequence.text():
             self._first_token()
         if sequence.ended:
@@ -320,10 +319,8 @@ class Batch:
         lists = self._row_lists()
         for ids, token in zip(lists.ids, tokens):
             ids.append(token)
-        asked = list(compress(range(count), ends))
-        if lists.watched:
-            asked = sorted(set(asked).union(lists.watched))
-        self._leave([rows[row] for row in asked if rows[row].sequence.settle(ends[row])], None)
+        asked = sorted(ends.keys() | lists.watched) if lists.watched else sorted(ends)
+        self._leave([rows[row] for row in asked if rows[row].sequence.settle(ends.get(row))], None)
 
     # -- leaving -----------------------------------------------------------------------------
 

@@ -15,10 +15,11 @@ time launching one row's small kernels after another while the device waits. So:
   draws depend on its seed and its own tokens only, never on the rows beside it, and need no
   generator of its own (a loop over rows). A row without a seed takes its uniform from torch's
   generator of the device, one ``rand`` for the batch.
-* What ends a row (an end-of-sequence token, its last token) is decided for the batch at once
-  from the chosen ids, as one code a row, and only the chosen ids and those codes come to the
-  host, in one copy. (Its cancel flag is host state: the batch reads the rows' flags once a
-  step, before the forward pass.)
+* Only the chosen ids come to the host, in one copy, and what ends a row is decided from them
+  for the batch at once: an end-of-sequence token by one set check over the step's ids (in C,
+  not a row at a time), its last token by the step each row reaches its length limit, known
+  when the rows were set (a lookup a step). (Its cancel flag is host state: the batch reads the
+  rows' flags once a step, before the forward pass.)
 * The next step's inputs stay on the device: the chosen ids are the tokens it feeds and the
   rows' lengths its positions (``inputs``), so a step builds no tensor from Python lists.
 
@@ -29,7 +30,6 @@ own tokens.
 """
 from __future__ import annotations
 
-import functools
 from typing import TYPE_CHECKING
 
 import torch
@@ -47,8 +47,6 @@ _ROOM = 64
 #: Sizes of the vocabulary's blocks ``_argmax`` tries, largest first.
 _BLOCKS = (256, 128, 64, 32)
 _MIX = 0x45D9F3B        # below 2**31: a 32-bit value times it stays within int64
-#: Why a row ends, by the code ``Choice.step`` reads back (0: it goes on; the larger wins).
-_ENDS = (None, "length", "eos")
 
 
 class Choice:
@@ -78,9 +76,12 @@ class Choice:
         if any(group.decoding.processors for group in self._groups):
             self._ids = torch.tensor([sequence.ids + [_PAD] * (self._width + _ROOM - length)
                                       for sequence, length in zip(sequences, lengths)], device=device)
-        # a row ends with the token that makes it as long as its decoding allows
-        self._last = torch.tensor([decoding.max_length - 2 for decoding in decodings], device=device)
         self._eos = decodings[0].eos_ids
+        # a row ends with the token that makes it as long as its decoding allows: by the step
+        self._limits: dict[int, list[int]] = {}
+        for row, (decoding, length) in enumerate(zip(decodings, lengths)):
+            self._limits.setdefault(max(1, decoding.max_length - length), []).append(row)
+        self._steps = 0
         self._tokens = torch.tensor([sequence.ids[-1] for sequence in sequences], device=device)
 
     def inputs(self) -> Inputs:
@@ -88,13 +89,10 @@ class Choice:
         the step after it changes in place: read them within the step)."""
         return Inputs(self._tokens, self._positions, self._width)
 
-    def step(self, logits: torch.Tensor) -> tuple[list[int], list[str | None]]:
-        """Each row's token from its ``logits`` ([rows, vocabulary], on the device) and why the
-        row ends with it (None: it goes on), in one copy to the host."""
+    def step(self, logits: torch.Tensor) -> tuple[list[int], dict[int, str]]:
+        """Each row's token from its ``logits`` ([rows, vocabulary], on the device), in one copy
+        to the host, and the rows that end with it, by why ("eos", "length")."""
         chosen = self._choose(logits)
-        ends = torch.maximum(_eos_table(self._eos, logits.shape[-1], self._device).index_select(0, chosen),
-                             self._positions >= self._last)
-        tokens, codes = torch.stack([chosen, ends]).tolist()
         if self._ids is not None:
             if self._width == self._ids.shape[1]:
                 self._ids = torch.cat([self._ids, torch.full((len(self._ids), _ROOM), _PAD, device=self._device)], 1)
@@ -102,7 +100,12 @@ class Choice:
         self._tokens = chosen
         self._positions += 1
         self._width += 1
-        return tokens, list(map(_ENDS.__getitem__, codes))
+        self._steps += 1
+        tokens = chosen.tolist()       # the step's one read, after the next step's inputs are queued
+        ends = dict.fromkeys(self._limits.get(self._steps, ()), "length")
+        if not self._eos.isdisjoint(tokens):
+            ends |= {row: "eos" for row, token in enumerate(tokens) if token in self._eos}
+        return tokens, ends
 
     def _choose(self, logits: torch.Tensor) -> torch.Tensor:
         uniforms = self._uniforms() if self._sampled else None
@@ -165,14 +168,6 @@ def _argmax(scores: torch.Tensor) -> torch.Tensor:
     blocks = scores.view(rows, vocabulary // block, block)
     first = blocks.amax(-1).argmax(-1)
     return first * block + blocks[torch.arange(rows, device=scores.device), first].argmax(-1)
-
-
-@functools.lru_cache(maxsize=8)
-def _eos_table(eos_ids: frozenset[int], vocabulary: int, device: torch.device) -> torch.Tensor:
-    """Per token id, the code of the end it makes (``_ENDS``): an end-of-sequence token's, else 0."""
-    table = torch.zeros(vocabulary, dtype=torch.long)
-    table[[token for token in eos_ids if 0 <= token < vocabulary]] = _ENDS.index("eos")
-    return table.to(device)
 
 
 def _fold(seed: int) -> int:
