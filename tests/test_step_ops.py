@@ -4,8 +4,8 @@ Counts, with a ``TorchDispatchMode``, the torch ops one ``Batch`` step dispatche
 model's forward pass, and the reads of a tensor's values into Python (``_local_scalar_dense``:
 ``.item()``, ``int()``, ``bool()``; ``.tolist()``; a copy to the CPU from another device), at
 1, 8 and 64 rows of the embedded `tiny` model in float32: the same op count at every row count
-for a given set of distinct settings, and one read per step (the chosen token ids, with what
-ends each row). Sampled rows' draws are checked against transformers' own processors.
+for a given set of distinct settings, and one read per step (the chosen token ids: what ends
+a row is decided from them on the host). Sampled rows' draws are checked against transformers' own processors.
 """
 from __future__ import annotations
 
@@ -134,3 +134,37 @@ def test_greedy_choice_is_the_first_of_equal_maxima_as_argmax(vocabulary):
     for row, columns in ties:
         scores[row, columns] = 50.0
     assert torch.equal(_argmax(scores), scores.argmax(-1))
+
+
+def test_rows_end_at_their_own_length_limits_and_at_an_end_of_sequence_token_first():
+    """Rows of different lengths and limits (``_rows``: the limit is the length plus 20) end,
+    each, with the token that makes it as long as its limit, "eos" winning when that token is
+    an end-of-sequence token (0 here); the positions fed grow by one a step from each row's last."""
+    config = GenerationConfig(do_sample=False)
+    rows = _rows(1, lambda row: None, [5, 6, 7], config) + _rows(1, lambda row: None, [5] * 12, config)
+    choice = Choice(rows, torch.device("cpu"))
+    logits = torch.zeros(2, 16)
+    logits[:, 3] = 1.0                                  # every step chooses token 3 ...
+    seen = {}
+    for step in range(1, 21):
+        assert choice.inputs().positions.tolist() == [2 + step - 1, 11 + step - 1]
+        if step == 20:
+            logits[1] = torch.zeros(16)
+            logits[1, 0] = 1.0                          # ... but row 1's 20th, an end of sequence
+        tokens, ends = choice.step(logits)
+        seen.update({row: (step, why) for row, why in ends.items()})
+        assert choice.inputs().tokens.tolist() == tokens
+    assert seen == {0: (20, "length"), 1: (20, "eos")}
+
+
+def test_a_batch_counts_each_rows_steps_and_tokens_fed_when_it_leaves(engine):
+    """A row's steps, the rows beside it in them, and the tokens its KV holds are counted by
+    the batch and settled when it leaves: a run of 12 new tokens, 3 shorter ones beside it at first."""
+    batch = Batch(engine)
+    jobs = [batch.add(GenerateRequest(prompt=PROMPT, max_new_tokens=new), threading.Event()) for new in (12, 4, 4, 4)]
+    batch.run()
+    first = jobs[0].result
+    assert first.finish_reason == "length" and len(first.token_ids) == 12
+    steps = 11                                           # its first token came from its prompt
+    assert first.mean_batch is not None and 1 < first.mean_batch <= 4
+    assert jobs[0].sequence.steps == steps and jobs[0].sequence.fed == len(jobs[0].sequence.ids) - 1

@@ -2,9 +2,9 @@
 
 A CPU or GPU reads a model's weights once per forward pass whatever the batch size, so decoding
 B sequences together costs far less than B passes of one. ``Batch`` keeps the engine's rules
-per job: its own cancel flag (a revoked job leaves before the next step, the others go on), its
-own logits processors and stopping criteria (``decoding``; applied to every row at once on the
-device, ``choice``), detokenizer, stop text, stream of pieces and result (``token_ids`` for an
+per job: its own cancel flag (a revoked job leaves before the next step, the others go on; the
+rows' flags are read once a step), its own logits processors and ends (``decoding``; applied to
+every row at once, ``choice``: only the chosen ids come to the host), detokenizer, stop text, stream of pieces and result (``token_ids`` for an
 exact resume), and its own prefix-cache entry.
 
 * A joining job's prefill runs on its own (batch 1, its own cache, starting from its prefix-cache
@@ -302,9 +302,10 @@ class Batch:
     # -- decoding ----------------------------------------------------------------------------
 
     def _decode(self) -> None:
-        """One forward pass over every row's last token; then every row's token is chosen, and
-        what ends it decided, on the device for the whole batch (``choice``): only the chosen
-        ids and the rows' ends come to the host, in one copy."""
+        """One forward pass over every row's last token (fed on the device); then every row's
+        token is chosen on the device for the whole batch, and only the chosen ids come to the
+        host, in one copy (``choice``, which also says which rows they end). Each row's token is
+        appended to its list; only the rows that end or have stop strings are asked more."""
         rows, count = self._decoding, len(self._decoding)
         started = time.perf_counter()
         if self._choice is None:
