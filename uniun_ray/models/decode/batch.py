@@ -4,8 +4,8 @@ A CPU or GPU reads a model's weights once per forward pass whatever the batch si
 B sequences together costs far less than B passes of one. ``Batch`` keeps the engine's rules
 per job: its own cancel flag (a revoked job leaves before the next step, the others go on; the
 rows' flags are read once a step), its own logits processors and ends (``decoding``; applied to
-every row at once, ``choice``: only the chosen ids come to the host), detokenizer, stop text, stream of pieces and result (``token_ids`` for an
-exact resume), and its own prefix-cache entry.
+every row at once, ``choice``: only the chosen ids come to the host), detokenizer, stop text,
+stream of pieces and result (``token_ids`` for an exact resume), and its own prefix-cache entry.
 
 * A joining job's prefill runs on its own (batch 1, its own cache, starting from its prefix-cache
   hit), one chunk per step between the others' decode steps, so nobody waits for a long prompt

@@ -56,10 +56,6 @@ class Sequence:
         return len(self.ids)
 
     @property
-    def last_token(self) -> int:
-        return self.ids[-1]
-
-    @property
     def emitted_tokens(self) -> int:
         """Generated tokens whose text has been handed out."""
         return len(self.detokenizer.committed)
