@@ -272,27 +272,25 @@ def test_a_seeded_job_draws_the_same_whatever_samples_beside_it(engine):
     assert alone(engine, [seeded])[0] == expected
 
 
-def test_below_float32_the_prompts_last_token_is_read_alone_so_the_question_asked_again_gets_its_answer(
-        engine, monkeypatch):
+def test_the_question_asked_again_reads_nothing_and_gets_its_answer(engine):
     """Issue 35: in bfloat16 the same greedy question asked again, over its own cached prompt,
     got another answer: the first time its last prompt token was read in the prompt's pass, the
-    second alone (the cache leaves exactly that token), and the kernels round differently per
-    shape. Below float32 that token is always read alone, so both runs compute it alike."""
+    second alone (the cache left exactly that token), and the kernels round differently per
+    shape. The prompt's KV is now kept with the logits after it (a whole hit, ``kv.prefix``):
+    the question asked again reads nothing and chooses its first token from the same logits."""
     request = GenerateRequest(prompt=PROMPT, max_new_tokens=6)
-    expected = alone(engine, [request])[0]
-    monkeypatch.setattr(engine.resident, "dtype", "bfloat16")    # as a probe picks it (the weights stay)
+    expected = alone(engine, [request])[0]            # then an empty prefix cache
     reads = []
     hook = engine.resident.model.register_forward_pre_hook(
         lambda module, args, kwargs: reads.append(kwargs["input_ids"].shape[1]), with_kwargs=True)
     try:
-        first, again = (run(engine, request)[1].token_ids for _ in range(2))
+        first, again = (run(engine, request)[1] for _ in range(2))
     finally:
         hook.remove()
     context = engine.check(request)
-    assert first == again == expected
-    # the first run: all but the last prompt token, then the last alone; the second reads just
-    # that token over its cache; then each decodes a token a step
-    assert reads == [context - 1, 1] + [1] * (len(expected) - 1) + [1] + [1] * (len(expected) - 1)
+    assert first.token_ids == again.token_ids == expected and again.cached_tokens == context
+    # the first run reads its prompt in one pass, the second nothing; then each decodes a token a step
+    assert reads == [context] + [1] * (len(expected) - 1) + [1] * (len(expected) - 1)
 
 
 def test_a_chat_reads_its_prompt_in_one_pass_and_a_background_prompt_in_short_chunks(engine, monkeypatch, forwards):

@@ -998,17 +998,17 @@ def test_the_cache_is_bounded_evicts_the_least_recent_first_and_revoked_runs_las
     store = PrefixCache(budget_bytes=int(2.5 * entry_bytes))
     source = engine.resident.prefix._entries
     entries = list(source.values())[-4:]
-    store.put(list(entries[0].tokens), entries[0].cache, preempted=True)     # a revoked job's
-    store.put(list(entries[1].tokens), entries[1].cache, preempted=False)
-    store.put(list(entries[2].tokens), entries[2].cache, preempted=False)   # over budget: evict one
+    store.put(list(entries[0].tokens), entries[0].cache, preempted=True, logits=entries[0].logits)     # a revoked job's
+    store.put(list(entries[1].tokens), entries[1].cache, preempted=False, logits=entries[1].logits)
+    store.put(list(entries[2].tokens), entries[2].cache, preempted=False, logits=entries[2].logits)   # over budget: evict one
     kept = {e.tokens for e in store._entries.values()}
     assert entries[0].tokens in kept and entries[1].tokens not in kept and entries[2].tokens in kept
     assert store.evictions == 1 and store.held_bytes <= store.budget_bytes
-    store.put(list(entries[3].tokens), entries[3].cache, preempted=False)
+    store.put(list(entries[3].tokens), entries[3].cache, preempted=False, logits=entries[3].logits)
     kept = {e.tokens for e in store._entries.values()}
     assert kept == {entries[0].tokens, entries[3].tokens}                   # the revoked one stays longest
     tiny_store = PrefixCache(budget_bytes=entry_bytes // 2)
-    tiny_store.put(list(entries[3].tokens), entries[3].cache, preempted=False)
+    tiny_store.put(list(entries[3].tokens), entries[3].cache, preempted=False, logits=entries[3].logits)
     assert tiny_store.describe()["entries"] == 0 and tiny_store.evictions == 1   # does not fit: not kept
 
 
@@ -1155,8 +1155,33 @@ def equal_entries(engine, count: int) -> list:
     return entries
 
 
+def test_a_whole_hit_is_a_finished_runs_own_prompt_with_its_logits(engine):
+    """A run's entry keeps the logits after its prompt: a context that is exactly that prompt
+    takes all of it and those logits (it reads nothing); a longer or shorter context, a revoked
+    run's entry (left to its resume) or an exact cache leave a token to read, as before."""
+    from uniun_ray.models.kv.prefix import PrefixCache
+
+    entry = equal_entries(engine, 1)[0]
+    prompt = list(entry.tokens[: entry.prompt])
+    assert entry.logits is not None and entry.prompt < len(entry.tokens)     # prompt, then output
+    store = PrefixCache(budget_bytes=10 * entry.nbytes)
+    store.put(list(entry.tokens), entry.cache, preempted=False, prompt=entry.prompt, logits=entry.logits)
+    whole = store.lookup(prompt)
+    assert whole.tokens == len(prompt) and whole.logits is entry.logits
+    assert whole.cache.get_seq_length() == len(prompt)
+    for context in (prompt + [7], prompt[:-1]):
+        hit = store.lookup(context)
+        assert hit.logits is None and hit.tokens == len(context) - 1
+    for other in (PrefixCache(budget_bytes=10 * entry.nbytes, exact=True), PrefixCache(budget_bytes=10 * entry.nbytes)):
+        other.put(list(entry.tokens), entry.cache, preempted=not other.exact, prompt=entry.prompt,
+                  logits=entry.logits)
+        hit = other.lookup(prompt)
+        assert hit.logits is None and hit.tokens < len(prompt)
+
+
 def on_cpu(entry) -> bool:
-    return all(layer.keys.device.type == "cpu" for layer in entry.cache.layers)
+    return (all(layer.keys.device.type == "cpu" for layer in entry.cache.layers)
+            and (entry.logits is None or entry.logits.device.type == "cpu"))
 
 
 def test_a_full_device_tier_moves_its_least_recent_entries_to_cpu_memory_and_a_hit_brings_one_back(engine):
@@ -1168,9 +1193,9 @@ def test_a_full_device_tier_moves_its_least_recent_entries_to_cpu_memory_and_a_h
     size = e[0].nbytes
     store = PrefixCache(budget_bytes=int(2.5 * size), offload_bytes=int(1.5 * size))
     tokens = [list(entry.tokens) for entry in e]
-    store.put(tokens[0], e[0].cache, preempted=True)
-    store.put(tokens[1], e[1].cache, preempted=False)
-    store.put(tokens[2], e[2].cache, preempted=False)          # device over budget: e1 moves out
+    store.put(tokens[0], e[0].cache, preempted=True, logits=e[0].logits)
+    store.put(tokens[1], e[1].cache, preempted=False, logits=e[1].logits)
+    store.put(tokens[2], e[2].cache, preempted=False, logits=e[2].logits)          # device over budget: e1 moves out
 
     def tiers():
         entries = store._entries.values()
@@ -1178,7 +1203,7 @@ def test_a_full_device_tier_moves_its_least_recent_entries_to_cpu_memory_and_a_h
 
     assert tiers() == ({e[0].tokens, e[2].tokens}, {e[1].tokens})
     assert (store.offloads, store.evictions, store.held_bytes, store.offloaded_bytes) == (1, 0, 2 * size, size)
-    store.put(tokens[3], e[3].cache, preempted=False)           # e2 moves out; the CPU tier drops e1
+    store.put(tokens[3], e[3].cache, preempted=False, logits=e[3].logits)           # e2 moves out; the CPU tier drops e1
     assert tiers() == ({e[0].tokens, e[3].tokens}, {e[2].tokens})
     assert (store.offloads, store.evictions, store.held_bytes, store.offloaded_bytes) == (2, 1, 2 * size, size)
     hit = store.lookup(tokens[2] + [7, 8])                        # e2 comes back, e3 goes out
@@ -1190,8 +1215,8 @@ def test_a_full_device_tier_moves_its_least_recent_entries_to_cpu_memory_and_a_h
     assert store.describe().items() >= {"entries": 3, "offloaded_entries": 1, "preempted_entries": 1,
                                         "offloads": 3, "restores": 1, "evictions": 1}.items()
     one_tier = PrefixCache(budget_bytes=int(1.5 * size))        # no CPU tier: a victim is dropped
-    one_tier.put(tokens[0], e[0].cache, preempted=False)
-    one_tier.put(tokens[1], e[1].cache, preempted=False)
+    one_tier.put(tokens[0], e[0].cache, preempted=False, logits=e[0].logits)
+    one_tier.put(tokens[1], e[1].cache, preempted=False, logits=e[1].logits)
     assert (one_tier.offloads, one_tier.evictions, one_tier.describe()["entries"]) == (0, 1, 1)
 
 

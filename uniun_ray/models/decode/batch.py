@@ -96,8 +96,6 @@ class Batch:
             raise ValueError(f"slots must be an int >= 1 or None, got {slots!r}")
         self.engine, self.loaded, self._first_token = engine, loaded, first_token
         self.batched = kv_rows.batchable(loaded.model)
-        # Below float32 a token's logits depend on how many tokens its pass read (``_chunk``).
-        self._last_alone = loaded.dtype != "float32"
         slots = (slots or DEFAULT_SLOTS) if self.batched else 1
         # the rows' KV, in the order of _decoding: a static store holds at most its rows
         self._kv = kv_rows.rows_for(loaded.runner, engine.device, slots, loaded.rows)
@@ -240,12 +238,16 @@ class Batch:
             self._end(job, "cancel", job.cache)   # a job that stepped aside keeps the prompt it read
 
     def _prefill(self, job: Job) -> None:
-        """One chunk of the joining job's prompt; at its end, its first token, then its row."""
+        """One chunk of the joining job's prompt; at its end, its first token, then its row. A
+        prompt the prefix cache held whole, with the logits after it, reads nothing."""
         sequence, start = job.sequence, job.sequence.fed
-        logits, job.cache, sequence.fed = prefill_chunk(
-            self.loaded, sequence.context, job.cache, sequence.fed, self._chunk(job), self.engine.device,
-            sequence.decoding.cancel)
-        sequence.prefilled(start)
+        if sequence.hit.logits is not None and start == len(sequence.context):
+            logits = None if sequence.cancelled else sequence.hit.logits
+        else:
+            logits, job.cache, sequence.fed = prefill_chunk(
+                self.loaded, sequence.context, job.cache, sequence.fed, self._chunk(job), self.engine.device,
+                sequence.decoding.cancel)
+            sequence.prefilled(start)
         if logits is None:
             self._joining = None
             self._end(job, "cancel", job.cache)
@@ -254,6 +256,7 @@ class Batch:
             return
         self._joining = None
         sequence.prefilled_at = time.perf_counter()
+        sequence.prompt_logits = logits.clone()     # not a view that holds the pass's output
         tokens, ends = Choice([sequence], self.engine.device).step(logits[None])
         sequence.append(tokens[0], ends.get(0))
         if self._first_token is not None and sequence.text():
@@ -269,17 +272,15 @@ class Batch:
         (its time to first token is the goal, R23); otherwise the engine's time-sized chunk, cut
         to about CHUNK_DECODE_STEPS decode steps while others decode (they wait for it).
 
-        Below float32 the prompt's last token is read alone (``_last_alone``): the same request
-        asked again over its own cached prompt leaves exactly that token to read, and so gets the
-        first token, and every greedy one, it got the first time. An ``exact`` prefix cache
-        (``UNIUN_DETERMINISTIC``, in every dtype) also has every other token read in passes of two
-        or more, as a fresh read reads them (``kv.prefix``: such passes compute each token to the
-        bit alike; a lone token rounds otherwise): the answer then does not depend on what the
-        prefix cache held. A prompt of two tokens is read in one pass then."""
+        The same request asked again gets the first token, and every greedy one, it got the first
+        time, in any dtype: its prompt's KV and the logits after it are kept (``kv.prefix``, a
+        whole hit), so it reads nothing. An ``exact`` prefix cache (``UNIUN_DETERMINISTIC``, in
+        every dtype) has the last token read alone and every other in passes of two or more, as a
+        fresh read reads them (``kv.prefix``: such passes compute each token to the bit alike; a
+        lone token rounds otherwise): the answer then does not depend on what the prefix cache
+        held. A prompt of two tokens is read in one pass then."""
         chunk, left = self._sized_chunk(job), len(job.sequence.context) - job.sequence.fed
-        if self.loaded.prefix.exact:
-            return _exact_chunk(chunk, left)
-        return min(chunk, left - 1) if self._last_alone and left > 1 else chunk
+        return _exact_chunk(chunk, left) if self.loaded.prefix.exact else chunk
 
     def _sized_chunk(self, job: Job) -> int:
         clock = self.loaded.clock

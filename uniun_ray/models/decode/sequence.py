@@ -42,6 +42,7 @@ class Sequence:
         self._detokenized = len(context)      # ids made into text so far
         self._text_lock = threading.Lock()    # the stepping thread and a reader both make text
         self.hit, self.fed, self.read = Hit(None, 0), 0, 0
+        self.prompt_logits: Any = None      # after the context, once read: kept with its KV (``keep``)
         self.first_token_at = self.prefilled_at = None
         self.reason = "error"       # what an exception from the model leaves
         self.ended = False
@@ -129,7 +130,7 @@ class Sequence:
         """Store the KV of the tokens fed, for the next turn or for the resume of a revoked run."""
         if self.reason != "error" and self.fed:
             prefix.put(self.ids[: self.fed], cache, preempted=self.reason == "cancel",
-                       prompt=len(self.context), read=self.read)
+                       prompt=len(self.context), read=self.read, logits=self.prompt_logits)
 
     def result(self) -> GenerationResult:
         return GenerationResult(

@@ -34,8 +34,10 @@ this per block; one engine here runs one sequence, so whole sequences are the un
   ones, computed one row at a time, which rounds otherwise. And it leaves what a fresh read leaves: the last token to read alone, never a lone
   token before it. A revoked run's resume alone takes all it shares: it goes on from its own KV.
   By default a hit takes all it shares but the last token (a whole conversation, its replies
-  included): the same request asked again still gets its answer (``Batch._chunk``), another
-  prompt over a shared prefix may round otherwise below float32 (docs/tuning.md).
+  included), or all of it where it is a finished run's own prompt, whose logits after it the
+  entry keeps (a whole hit): the same request asked again reads nothing and gets its answer
+  (``Batch._chunk``); another prompt over a shared prefix may round otherwise below float32
+  (docs/tuning.md).
 * The cache belongs to the loaded model: a swap drops it (``Engine`` makes a new one), rather
   than holding another model's KV in memory it needs for the new model's weights.
 """
@@ -195,17 +197,20 @@ class _Entry:
     preempted: bool
     prompt: int                 # of ``tokens``, the run's prompt: a hit that covers it is a resume
     read: int                   # of ``tokens``, the first read as any prefill reads them
+    logits: Any = None          # after ``tokens[:prompt]``, where its run kept them (``whole``)
     offloaded: bool = False
 
 
 @dataclass(frozen=True)
 class Hit:
     """What a run starts from: a cache holding the KV of ``context[:tokens]`` (None: nothing), the
-    first ``read`` of them as any prefill computes them (fewer only in a revoked run's resume)."""
+    first ``read`` of them as any prefill computes them (fewer only in a revoked run's resume),
+    and, where it holds the whole context, the ``logits`` after it (the run reads nothing)."""
 
     cache: Any
     tokens: int
     read: int = 0
+    logits: Any = None
 
 
 class PrefixCache:
@@ -227,10 +232,12 @@ class PrefixCache:
         with self._lock:
             best, length = None, 0
             for entry in self._entries.values():
-                usable = _usable(entry, _common_prefix(entry.tokens, context), len(context), self.exact)
+                common = _common_prefix(entry.tokens, context)
+                usable = len(context) if self._whole(entry, common, len(context)) else \
+                    _usable(entry, common, len(context), self.exact)
                 if usable > length:
                     best, length = entry, usable
-            hit = self._reuse(best, length) if best is not None and length > 0 else None
+            hit = self._reuse(best, length, len(context)) if best is not None and length > 0 else None
             if hit is None:
                 self.misses += 1
                 self.prefilled_tokens += len(context)
@@ -240,7 +247,16 @@ class PrefixCache:
             self.prefilled_tokens += len(context) - length
             return hit
 
-    def _reuse(self, entry: _Entry, length: int) -> Hit | None:
+    def _whole(self, entry: _Entry, common: int, total: int) -> bool:
+        """Whether ``entry`` holds a context of ``total`` tokens whole: it is its run's prompt and
+        the run kept the logits after it, so the same request asked again reads nothing and gets
+        the first token its first run got, to the bit, in any dtype (a prompt's last token read
+        in the prompt's pass rounds otherwise than read alone over its cache). A revoked run's
+        entry is left to its resume; an ``exact`` cache leaves the last token to read, as always."""
+        return (entry.logits is not None and common == total == entry.prompt and not entry.preempted
+                and not self.exact)
+
+    def _reuse(self, entry: _Entry, length: int, total: int) -> Hit | None:
         surplus = len(entry.tokens) - length
         if surplus and not croppable(entry.cache, length):
             return None
@@ -255,18 +271,19 @@ class PrefixCache:
             self._fit()
         if surplus:
             cache.crop(-surplus)
-        return Hit(cache, length, min(length, entry.read))
+        return Hit(cache, length, min(length, entry.read), entry.logits if length == total else None)
 
     def put(self, tokens: list[int], cache: Any, preempted: bool, prompt: int | None = None,
-            read: int | None = None) -> None:
+            read: int | None = None, logits: Any = None) -> None:
         """Keep ``cache``, which holds the KV of exactly ``tokens``; ``preempted``: its run was
         revoked and will resume from ``prompt`` tokens (None: all of ``tokens``) and what it
         produced; ``read``: how many of the first tokens it read in passes of several tokens
-        (None: all). An entry larger than the device budget is not kept."""
+        (None: all); ``logits``: those after the ``prompt`` tokens (None: not kept). An entry
+        larger than the device budget is not kept."""
         if not tokens or cache is None or self.budget_bytes <= 0:
             return
         key = tuple(tokens)
-        nbytes = cache_bytes(cache)
+        nbytes = _entry_bytes(cache, logits)
         with self._lock:
             if key in self._entries:
                 self._drop(self._entries[key])
@@ -274,7 +291,7 @@ class PrefixCache:
                 self.evictions += 1
                 return
             self._entries[key] = _Entry(key, cache, nbytes, preempted, min(len(key), prompt or len(key)),
-                                        len(key) if read is None else min(len(key), read))
+                                        len(key) if read is None else min(len(key), read), logits)
             self.held_bytes += nbytes
             self._fit()
 
@@ -305,14 +322,17 @@ class PrefixCache:
     def _offload(self, entry: _Entry) -> None:
         self.held_bytes -= entry.nbytes
         entry.cache, entry.offloaded = offloaded(entry.cache), True
-        entry.nbytes = cache_bytes(entry.cache)    # a cropped view's copy holds only the view
+        entry.logits = None if entry.logits is None else entry.logits.cpu()
+        entry.nbytes = _entry_bytes(entry.cache, entry.logits)    # a cropped view's copy holds only the view
         self.offloaded_bytes += entry.nbytes
         self.offloads += 1
 
     def _restore(self, entry: _Entry) -> None:
         self.offloaded_bytes -= entry.nbytes
         entry.cache, entry.offloaded = restored(entry.cache), False
-        entry.nbytes = cache_bytes(entry.cache)
+        if entry.logits is not None:     # where the layers went back to
+            entry.logits = entry.logits.to(entry.cache.layers[0].keys.device)
+        entry.nbytes = _entry_bytes(entry.cache, entry.logits)
         self.held_bytes += entry.nbytes
         self.restores += 1
 
@@ -335,6 +355,11 @@ class PrefixCache:
                     "hit_rate": round(self.hits / lookups, 3) if lookups else None,
                     "reused_tokens": self.reused_tokens, "prefilled_tokens": self.prefilled_tokens,
                     "offloads": self.offloads, "restores": self.restores, "evictions": self.evictions}
+
+
+def _entry_bytes(cache: Any, logits: Any) -> int:
+    """An entry's bytes: its cache's and its logits'."""
+    return cache_bytes(cache) + (0 if logits is None else logits.numel() * logits.element_size())
 
 
 def _mb(nbytes: int, digits: int = 1) -> float:
