@@ -321,15 +321,16 @@ class Batch:
         lists = self._row_lists()
         for ids, token in zip(lists.ids, tokens):
             ids.append(token)
-        asked = sorted(ends.keys() | lists.watched) if lists.watched else sorted(ends)
+        asked = sorted(ends.keys() | lists.watched)
         self._leave([rows[row] for row in asked if rows[row].sequence.settle(ends.get(row))], None)
 
     # -- leaving -----------------------------------------------------------------------------
 
     def _leave_cancelled(self) -> None:
         """The rows whose cancel flag is set leave: the flags read once, over the batch."""
-        if self._decoding and any(map(_IS_SET, self._row_lists().flags)):
-            self._leave([job for job in self._decoding if job.sequence.cancelled], "cancel")
+        flags = self._row_lists().flags
+        if any(map(_IS_SET, flags)):
+            self._leave([job for job, flag in zip(self._decoding, flags) if flag.is_set()], "cancel")
 
     def _row_lists(self) -> _RowLists:
         if self._lists is None:

@@ -93,12 +93,12 @@ class Choice:
         """Each row's token from its ``logits`` ([rows, vocabulary], on the device), in one copy
         to the host, and the rows that end with it, by why ("eos", "length")."""
         chosen = self._choose(logits)
+        self._positions += 1
         if self._ids is not None:
             if self._width == self._ids.shape[1]:
                 self._ids = torch.cat([self._ids, torch.full((len(self._ids), _ROOM), _PAD, device=self._device)], 1)
-            self._ids.scatter_(1, self._positions[:, None] + 1, chosen[:, None])
+            self._ids.scatter_(1, self._positions[:, None], chosen[:, None])
         self._tokens = chosen
-        self._positions += 1
         self._width += 1
         self._steps += 1
         tokens = chosen.tolist()       # the step's one read, after the next step's inputs are queued

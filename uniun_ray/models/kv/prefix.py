@@ -232,9 +232,7 @@ class PrefixCache:
         with self._lock:
             best, length = None, 0
             for entry in self._entries.values():
-                common = _common_prefix(entry.tokens, context)
-                usable = len(context) if self._whole(entry, common, len(context)) else \
-                    _usable(entry, common, len(context), self.exact)
+                usable = _usable(entry, _common_prefix(entry.tokens, context), len(context), self.exact)
                 if usable > length:
                     best, length = entry, usable
             hit = self._reuse(best, length, len(context)) if best is not None and length > 0 else None
@@ -246,15 +244,6 @@ class PrefixCache:
             self.reused_tokens += length
             self.prefilled_tokens += len(context) - length
             return hit
-
-    def _whole(self, entry: _Entry, common: int, total: int) -> bool:
-        """Whether ``entry`` holds a context of ``total`` tokens whole: it is its run's prompt and
-        the run kept the logits after it, so the same request asked again reads nothing and gets
-        the first token its first run got, to the bit, in any dtype (a prompt's last token read
-        in the prompt's pass rounds otherwise than read alone over its cache). A revoked run's
-        entry is left to its resume; an ``exact`` cache leaves the last token to read, as always."""
-        return (entry.logits is not None and common == total == entry.prompt and not entry.preempted
-                and not self.exact)
 
     def _reuse(self, entry: _Entry, length: int, total: int) -> Hit | None:
         surplus = len(entry.tokens) - length
@@ -368,10 +357,20 @@ def _mb(nbytes: int, digits: int = 1) -> float:
 
 def _usable(entry: _Entry, common: int, total: int, exact: bool) -> int:
     """Of the ``common`` first tokens a context of ``total`` shares with ``entry``, how many its run
-    may take: all but the last (the run needs the logits after it), which is all when not
-    ``exact`` and for the revoked run's resume; otherwise only tokens the entry read as a prefill
-    reads them, leaving what a fresh read of the context leaves (``Batch._chunk``): the last token
-    alone after passes of two or more (nothing taken from a context of two)."""
+    may take:
+
+    * all of it where the context is the entry's run's prompt and the run kept the logits after
+      it (a whole hit): the same request asked again reads nothing and gets the first token its
+      first run got, to the bit, in any dtype (a prompt's last token read in the prompt's pass
+      rounds otherwise than read alone over its cache). Not a revoked run's entry (left to its
+      resume), nor in an ``exact`` cache (it leaves the last token to read, below);
+    * else all but the last (the run needs the logits after it), when not ``exact`` and for the
+      revoked run's resume;
+    * else only tokens the entry read as a prefill reads them, leaving what a fresh read of the
+      context leaves (``Batch._chunk``): the last token alone after passes of two or more
+      (nothing taken from a context of two)."""
+    if entry.logits is not None and common == total == entry.prompt and not entry.preempted and not exact:
+        return total
     common = min(common, total - 1)
     if not exact or (entry.preempted and common >= entry.prompt):
         return common
